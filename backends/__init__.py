@@ -1,0 +1,64 @@
+"""Executors: turn an optimized graph into something that runs.
+
+- ``torch``: the reference executor (``torch_ref``), everywhere.
+- ``cuda``: for CUDA inputs; the reference graph with generated kernels for fused regions where
+  available, replayed as CUDA graphs (``cudagraphs``).
+- ``onnxruntime``: the exported graph in an ONNX Runtime session (``onnxrt``).
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from fxopt.backends import torch_ref
+from fxopt.backends.cudagraphs import CudaGraphRunner, unsafe_reason
+
+
+def resolve_executor(choice: str, device_type: str, kind: str) -> str:
+    if choice == "auto":
+        return "cuda" if device_type == "cuda" and kind == "inference" else "torch"
+    return choice
+
+
+def _placeholder_indices(gm: fx.GraphModule, names) -> list[int]:
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return [placeholders.index(n) for n in names if n in placeholders]
+
+
+def _constants_refresher(gm: fx.GraphModule):
+    """A function(args) that brings folded constants up to date, or None."""
+    from fxopt.passes.fold_constants import MODULE_NAME
+
+    call = next((n for n in gm.graph.nodes if n.op == "call_module" and n.target == MODULE_NAME), None)
+    if call is None:
+        return None
+    idx = _placeholder_indices(gm, [a.name for a in call.args])
+    module = getattr(gm, MODULE_NAME)
+    return lambda args: module(*[args[i] for i in idx])
+
+
+def lower(gm: fx.GraphModule, ctx, kind: str):
+    """Returns (callable, info) where info has executor, cudagraphs and kernels."""
+    executor = resolve_executor(ctx.options.executor, ctx.device_type, kind)
+    info = {"executor": executor, "cudagraphs": "off", "kernels": []}
+    if executor == "onnxruntime":
+        from fxopt.backends.onnxrt import lower_onnxruntime
+
+        return lower_onnxruntime(gm, ctx, kind, info)
+    runnable = torch_ref.lower(gm)
+    if executor == "cuda":
+        from fxopt.backends.cuda.executor import attach_kernels
+
+        runnable = attach_kernels(runnable, ctx, info)
+    want = ctx.options.cudagraphs
+    reason = unsafe_reason(gm, kind, ctx.device_type)
+    if want is False:
+        info["cudagraphs"] = "off (option cudagraphs=False)"
+        return runnable, info
+    if reason:
+        info["cudagraphs"] = f"off ({reason})"
+        return runnable, info
+    static = _placeholder_indices(gm, ctx.param_placeholders)
+    runner = CudaGraphRunner(runnable, static, refresh=_constants_refresher(runnable),
+                             max_graphs=ctx.options.cudagraph_max_signatures)
+    info["cudagraphs"] = f"on (up to {ctx.options.cudagraph_max_signatures} signatures)"
+    return runner, info

@@ -1,0 +1,420 @@
+"""The one place that compiles, caches and launches generated CUDA kernels.
+
+* ``compile_kernel(source, name)`` compiles with NVRTC (through ``cuda.core``)
+  to a cubin for the current device (or ``arch``), memoised in memory and on
+  disk (``$FXOPT_CACHE_DIR/kernels`` or ``user_cache_dir("fxopt")/kernels``).
+* ``CompiledKernel.launch`` loads the cubin lazily on first use and launches on
+  PyTorch's current stream, so launches order with other torch work and are
+  captured by ``torch.cuda.graph``.  Call ``.load()`` before a graph capture.
+
+Kernel argument convention: every kernel carries ``param_types``, the C type of
+each parameter, as emitted by the code generator.  ``T*`` parameters take a
+torch tensor (its ``data_ptr()``) or an int address; ``long long``/``int64_t``
+an int (passed as int64); ``int`` an int (int32); ``float`` a float (float32);
+``double`` a float.  Without ``param_types``: tensors -> pointers, ints -> int64,
+floats -> float32, numpy/ctypes scalars pass through unchanged.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import tempfile
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+__all__ = [
+    "CompileError", "CompiledKernel", "compile_kernel", "compile_many", "nvrtc_available",
+    "nvrtc_version", "cuda_include_dirs", "cache_dir", "cache_stats", "reset_cache_stats",
+    "clear_memory_cache", "default_arch",
+]
+
+_CACHE_FORMAT = b"FXOPT-CUBIN-1\n"
+_KEY_VERSION = "fxopt-nvrtc-1"
+STATS: Counter = Counter()  # nvrtc_compiles, memory_hits, disk_hits, disk_writes, corrupt_cache_files
+_MEM: dict[str, "CompiledKernel"] = {}
+_LOCK = threading.Lock()
+
+
+def _core():
+    """The cuda.core namespace (1.x: ``cuda.core``; <=0.x: ``cuda.core.experimental``)."""
+    try:
+        from cuda.core import Program, ProgramOptions  # noqa: F401
+        import cuda.core as core
+    except ImportError:
+        import cuda.core.experimental as core  # type: ignore[no-redef]
+    return core
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a generated kernel. ``.log``, ``.source`` and ``.name`` are kept."""
+
+    def __init__(self, name: str, source: str, log: str, arch: str = ""):
+        self.name, self.source, self.log, self.arch = name, source, log, arch
+        super().__init__(self._render())
+
+    def error_lines(self) -> list[int]:
+        """1-based source line numbers the log complains about."""
+        pat = re.compile(r"\((\d+)\): (?:catastrophic )?error")
+        return sorted({int(m.group(1)) for m in pat.finditer(self.log)})
+
+    def _render(self) -> str:
+        src = self.source.splitlines()
+        out = [f"NVRTC failed to compile kernel {self.name!r} for {self.arch or '?'}:"]
+        loc = re.compile(r"^(\S*)\((\d+)\): (.*)$")
+        for line in self.log.splitlines():
+            out.append("  " + line)
+            m = loc.match(line.strip())
+            # only quote lines of the generated source, not of an included header
+            if m and m.group(1) in (f"{self.name}.cu", "default_program") and "error" in m.group(3):
+                n = int(m.group(2))
+                for k in range(max(1, n - 1), min(len(src), n + 1) + 1):
+                    out.append(f"    {'>' if k == n else ' '}{k:5d} | {src[k - 1]}")
+        return "\n".join(out)
+
+
+@dataclass(eq=False)
+class CompiledKernel:
+    name: str
+    source: str
+    arch: str
+    cubin: bytes
+    param_types: tuple[str, ...] | None = None
+    key: str = ""
+    cache_source: str | None = None  # None: compiled now; "disk": read from the disk cache
+    log: str = ""
+    _kernels: dict = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def compiled(self) -> bool:
+        return bool(self.cubin)
+
+    # -- loading / launching (needs a GPU) ---------------------------------
+    def load(self, device: int | None = None):
+        """Load the module on ``device`` (default: torch's current device); returns the Kernel."""
+        import torch
+        dev = torch.cuda.current_device() if device is None else int(device)
+        k = self._kernels.get(dev)
+        if k is None:
+            with self._lock:
+                k = self._kernels.get(dev)
+                if k is None:
+                    core = _core()
+                    torch.cuda.init()
+                    core.Device(dev).set_current()  # torch also uses the primary context
+                    obj = core.ObjectCode.from_cubin(self.cubin)
+                    k = self._kernels[dev] = obj.get_kernel(self.name)
+        return k
+
+    def convert_args(self, args: Sequence[Any]) -> list:
+        types = self.param_types
+        if types is not None and len(types) != len(args):
+            raise TypeError(f"{self.name}: expected {len(types)} kernel args, got {len(args)}")
+        return [_convert(a, None if types is None else types[i]) for i, a in enumerate(args)]
+
+    def launch(self, grid, block, args: Sequence[Any], shared_mem: int = 0, stream=None) -> None:
+        """Launch on ``stream`` (default ``torch.cuda.current_stream()``). A grid or block
+        with a zero extent (empty tensors) is a no-op."""
+        grid, block = _dim3(grid), _dim3(block)
+        if 0 in grid or 0 in block:
+            return
+        import torch
+        kargs = self.convert_args(args)
+        kernel = self.load()
+        ts = torch.cuda.current_stream() if stream is None else stream
+        _launch(kernel, grid, block, int(shared_mem), ts, kargs)
+
+
+def _dim3(d) -> tuple[int, int, int]:
+    t = (int(d),) if isinstance(d, int) else tuple(int(x) for x in d)
+    if not 1 <= len(t) <= 3:
+        raise ValueError(f"bad launch dimension {d!r}")
+    return t + (1,) * (3 - len(t))
+
+
+def _convert(a, ctype: str | None):
+    import numpy as np
+    import torch
+    if isinstance(a, torch.Tensor):
+        if ctype is not None and not ctype.endswith("*"):
+            raise TypeError(f"tensor passed for a {ctype} parameter")
+        return a.data_ptr()
+    if ctype is None:
+        if isinstance(a, bool):
+            return np.bool_(a)
+        if isinstance(a, int):
+            return np.int64(a)
+        if isinstance(a, float):
+            return np.float32(a)
+        return a
+    c = ctype.replace("const", "").strip()
+    if c.endswith("*"):
+        return int(a)
+    conv = {"long long": np.int64, "int64_t": np.int64, "long": np.int64, "int": np.int32,
+            "int32_t": np.int32, "unsigned int": np.uint32, "unsigned long long": np.uint64,
+            "float": np.float32, "double": np.float64, "bool": np.bool_}.get(c)
+    if conv is None:
+        raise TypeError(f"unsupported kernel parameter type {ctype!r}")
+    return conv(a)
+
+
+_STREAMS: dict[int, Any] = {}
+
+
+def _launch(kernel, grid, block, shmem, torch_stream, kargs) -> None:
+    core = _core()
+    handle = int(torch_stream.cuda_stream)
+    stream = _STREAMS.get(handle)
+    if stream is None:
+        if hasattr(core.Stream, "from_handle"):        # cuda.core >= 0.3
+            stream = core.Stream.from_handle(handle)
+        else:                                           # older: __cuda_stream__ protocol
+            stream = torch_stream
+        if len(_STREAMS) < 256:
+            _STREAMS[handle] = stream
+    if _new_launch_api(core):
+        cfg = core.LaunchConfig(grid=grid, block=block, shmem_size=shmem)
+        core.launch(stream, cfg, kernel, *kargs)
+    else:  # cuda.core 0.1/0.2: launch(kernel, config) with the stream in the config
+        cfg = core.LaunchConfig(grid=grid, block=block, stream=stream, shmem_size=shmem)
+        core.launch(kernel, cfg, *kargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _new_launch_api(core) -> bool:
+    import inspect
+    try:
+        first = next(iter(inspect.signature(core.launch).parameters))
+    except (TypeError, ValueError, StopIteration):
+        return True  # cython builtin (cuda.core >= 0.3)
+    return first != "kernel"
+
+
+# -- environment ------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def nvrtc_version() -> tuple[int, int]:
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:  # cuda-python < 12.6
+        from cuda import nvrtc  # type: ignore[no-redef]
+    err, major, minor = nvrtc.nvrtcVersion()
+    return int(major), int(minor)
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_available() -> bool:
+    try:
+        core = _core()
+        core.Program('extern "C" __global__ void fxopt_probe() {}', "c++",
+                     core.ProgramOptions(arch="sm_90")).compile("cubin")
+        nvrtc_version()
+        return True
+    except Exception:
+        return False
+
+
+def _header_major(d: Path) -> int | None:
+    try:
+        m = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", (d / "cuda_runtime_api.h").read_text())
+        return int(m.group(1)) // 1000 if m else None
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_include_dirs() -> tuple[str, ...]:
+    """Directory holding cuda_fp16.h / cuda_bf16.h for NVRTC, or () if none is found.
+
+    Looked for in: $FXOPT_CUDA_INCLUDE, cuda.pathfinder (pip ``nvidia-*`` wheels or
+    CUDA_HOME), the ``nvidia`` pip namespace packages, $CUDA_HOME/$CUDA_PATH and
+    /usr/local/cuda. A directory whose CUDART_VERSION major matches NVRTC's is preferred.
+    """
+    cands: list[Path] = []
+    for d in os.environ.get("FXOPT_CUDA_INCLUDE", "").split(os.pathsep):
+        if d:
+            cands.append(Path(d))
+    try:
+        from cuda import pathfinder
+        d = pathfinder.find_nvidia_header_directory("cudart")
+        if d:
+            cands.append(Path(d))
+    except Exception:
+        pass
+    try:
+        import nvidia  # namespace package of the pip CUDA wheels
+        for root in getattr(nvidia, "__path__", []):
+            for sub in ("cu13/include", "cu12/include", "cuda_runtime/include", "cuda_nvrtc/include"):
+                cands.append(Path(root) / sub)
+    except ImportError:
+        pass
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            cands.append(Path(os.environ[var]) / "include")
+    cands.append(Path("/usr/local/cuda/include"))
+    found = [d for d in cands if (d / "cuda_fp16.h").is_file() and (d / "cuda_bf16.h").is_file()]
+    if not found:
+        return ()
+    try:
+        major = nvrtc_version()[0]
+        found.sort(key=lambda d: _header_major(d) != major)  # stable: keeps search order
+    except Exception:
+        pass
+    return (str(found[0]),)
+
+
+def default_arch(arch: str | None = None) -> str:
+    """``arch`` if given, else sm_XY of torch's current CUDA device, else sm_90."""
+    if arch:
+        return arch
+    try:
+        import torch
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return f"sm_{major}{minor}"
+    except Exception:
+        pass
+    return "sm_90"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("FXOPT_CACHE_DIR")
+    if not root:
+        try:
+            import platformdirs
+            root = platformdirs.user_cache_dir("fxopt")
+        except ImportError:  # a declared dependency, but keep the compiler usable without it
+            root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fxopt")
+    return Path(root) / "kernels"
+
+
+def cache_stats() -> dict[str, int]:
+    return dict(STATS)
+
+
+def reset_cache_stats() -> None:
+    STATS.clear()
+
+
+def clear_memory_cache() -> None:
+    with _LOCK:
+        _MEM.clear()
+
+
+# -- compile -------------------------------------------------------------------
+def _norm_options(options) -> tuple[tuple[str, Any], ...]:
+    """``options``: a mapping or (name, value) pairs of cuda.core ProgramOptions fields."""
+    items = options.items() if hasattr(options, "items") else options
+    return tuple(sorted((str(k), v) for k, v in items))
+
+
+def _read_cache(path: Path) -> bytes | None:
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        return None
+    head, _, rest = blob.partition(b"\n")
+    digest, _, payload = rest.partition(b"\n")
+    if (head + b"\n" != _CACHE_FORMAT or not payload
+            or hashlib.sha256(payload).hexdigest().encode() != digest):
+        STATS["corrupt_cache_files"] += 1
+        return None
+    return payload
+
+
+def _write_cache(path: Path, cubin: bytes) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".cubin")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(_CACHE_FORMAT + hashlib.sha256(cubin).hexdigest().encode() + b"\n" + cubin)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        STATS["disk_writes"] += 1
+    except OSError:
+        pass  # a read-only cache directory must not break compilation
+
+
+def _extract_log(exc: BaseException) -> str:
+    msg = str(exc).replace("\x00", "")
+    _, sep, log = msg.partition("compilation log:")
+    return (log if sep else msg).strip("\n ")
+
+
+def compile_kernel(source: str, name: str, arch: str | None = None, options=(),
+                   param_types: Sequence[str] | None = None, use_cache: bool = True) -> CompiledKernel:
+    """Compile ``source`` (which defines ``extern "C" __global__ void name(...)``) to a cubin."""
+    arch = default_arch(arch)
+    opts = _norm_options(options)
+    incs = cuda_include_dirs()
+    ver = nvrtc_version()
+    key = hashlib.sha256(json.dumps(
+        [_KEY_VERSION, source, name, arch, repr(opts), list(ver), list(incs)]).encode()).hexdigest()
+    ptypes = None if param_types is None else tuple(param_types)
+    if use_cache:
+        with _LOCK:
+            hit = _MEM.get(key)
+        if hit is not None:
+            STATS["memory_hits"] += 1
+            return hit
+        path = cache_dir() / key[:2] / f"{key}.cubin"
+        cubin = _read_cache(path)
+        if cubin is not None:
+            STATS["disk_hits"] += 1
+            ck = CompiledKernel(name, source, arch, cubin, ptypes, key, "disk")
+            with _LOCK:
+                return _MEM.setdefault(key, ck)
+    core = _core()
+    kw: dict[str, Any] = dict(opts)
+    kw.setdefault("name", f"{name}.cu")
+    if incs:
+        kw["include_path"] = list(incs) + list(kw.get("include_path") or [])
+    else:
+        kw["define_macro"] = ["FXOPT_NO_CUDA_HEADERS"] + list(kw.get("define_macro") or [])
+    popts = core.ProgramOptions(arch=arch, **kw)
+    STATS["nvrtc_compiles"] += 1
+    try:
+        obj = core.Program(source, "c++", popts).compile("cubin")
+    except Exception as e:  # NVRTCError (cuda.core) or older CUDAError/RuntimeError
+        raise CompileError(name, source, _extract_log(e), arch) from e
+    cubin = bytes(obj.code)
+    ck = CompiledKernel(name, source, arch, cubin, ptypes, key, None)
+    if use_cache:
+        _write_cache(cache_dir() / key[:2] / f"{key}.cubin", cubin)
+        with _LOCK:
+            ck = _MEM.setdefault(key, ck)
+    return ck
+
+
+def compile_many(items: Iterable, arch: str | None = None, options=(),
+                 max_workers: int | None = None) -> list[CompiledKernel]:
+    """Compile independent kernels in parallel; results in input order.
+
+    ``items``: ``(source, name)`` or ``(source, name, param_types)`` tuples, or objects with
+    ``.source``, ``.name`` and ``.param_types`` (codegen's KernelSource). The first failure
+    is raised (as CompileError) after all compilations finished.
+    """
+    jobs = []
+    for it in items:
+        if isinstance(it, tuple):
+            src, nm, *rest = it
+            jobs.append((src, nm, rest[0] if rest else None))
+        else:
+            jobs.append((it.source, it.name, getattr(it, "param_types", None)))
+    if not jobs:
+        return []
+    workers = max_workers or min(len(jobs), max(1, (os.cpu_count() or 2)))
+    if workers == 1 or len(jobs) == 1:
+        return [compile_kernel(s, n, arch, options, p) for s, n, p in jobs]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fxopt-nvrtc") as ex:
+        futs = [ex.submit(compile_kernel, s, n, arch, options, p) for s, n, p in jobs]
+        return [f.result() for f in futs]

@@ -1,0 +1,117 @@
+"""CUDA graphs for compiled inference graphs: capture once per input signature, replay after.
+
+Contract (what a caller can rely on):
+- Inputs are copied into static buffers before each replay; the caller's tensors are never written.
+- Returned outputs are fresh tensors on every call (copied out of the graph's static outputs), so a
+  later call never overwrites a tensor the caller already holds.
+- Parameters and buffers are read where they live: changing them in place is seen by the next
+  replay; folded weights are refreshed (in place) before each replay when a weight changed;
+  replacing a parameter object (new storage) is a new signature and is captured anew.
+- At most ``max_graphs`` signatures are captured; calls with further signatures run uncaptured.
+- Off where unsafe: training graphs, CPU inputs, ops that synchronize with the host or allocate
+  data-dependent shapes; the reason is recorded in the report.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+#: ops whose output shape depends on data, or which synchronize with the host
+UNSAFE_OPS = {
+    aten.nonzero.default, aten._local_scalar_dense.default, aten.masked_select.default,
+    aten.unique_consecutive.default, aten._unique2.default, aten.item.default,
+}
+
+
+def unsafe_reason(gm: fx.GraphModule, kind: str, device_type: str) -> Optional[str]:
+    """None when CUDA graphs are safe for this graph, else why not."""
+    if kind != "inference":
+        return "training graph"
+    if device_type != "cuda":
+        return "inputs are not on CUDA"
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in UNSAFE_OPS:
+            return f"{node.target} synchronizes or has a data-dependent shape"
+        v = node.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dim() > 0:
+            return f"{node.name} produces a CPU tensor"
+    return None
+
+
+class _Entry:
+    def __init__(self, graph, static_inputs, outputs):
+        self.graph, self.static_inputs, self.outputs = graph, static_inputs, outputs
+
+
+class CudaGraphRunner:
+    def __init__(self, fn: Callable, static_indices: Sequence[int], refresh: Optional[Callable] = None,
+                 max_graphs: int = 8, warmup: int = 2):
+        self.fn = fn
+        self.static = set(static_indices)
+        self.refresh = refresh
+        self.max_graphs = max_graphs
+        self.warmup = warmup
+        self.graphs: dict = {}
+        self.pool = None
+        self.uncaptured_calls = 0
+
+    def _key(self, args) -> tuple:
+        key = []
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                if i in self.static:
+                    key.append(("p", a.data_ptr()))
+                else:
+                    key.append((tuple(a.shape), a.stride(), a.dtype, a.device))
+            else:
+                key.append(a)
+        return tuple(key)
+
+    def _capture(self, args) -> _Entry:
+        static_inputs = {}
+        call_args = list(args)
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and i not in self.static:
+                buf = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                buf.copy_(a)
+                static_inputs[i] = buf
+                call_args[i] = buf
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup):  # allocator and library handles settle before capture
+                self.fn(*call_args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self.fn(*call_args)
+        return _Entry(graph, static_inputs, outputs)
+
+    def __call__(self, *args):
+        if self.refresh is not None:
+            self.refresh(args)
+        key = self._key(args)
+        entry = self.graphs.get(key)
+        if entry is None:
+            if len(self.graphs) >= self.max_graphs:
+                self.uncaptured_calls += 1
+                return self.fn(*args)
+            entry = self.graphs[key] = self._capture(args)
+        for i, buf in entry.static_inputs.items():
+            buf.copy_(args[i])
+        entry.graph.replay()
+        return _copy_out(entry.outputs)
+
+
+def _copy_out(outputs):
+    if isinstance(outputs, torch.Tensor):
+        return outputs.clone(memory_format=torch.preserve_format)
+    if isinstance(outputs, (list, tuple)):
+        return type(outputs)(_copy_out(o) for o in outputs)
+    return outputs

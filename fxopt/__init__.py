@@ -1,0 +1,39 @@
+"""fxopt: a graph-level optimizing compiler for convolutional networks.
+
+    model = torch.compile(model, backend="fxopt")      # no import needed after pip install
+    report = fxopt.explain(model, x)                    # what every pass did
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from fxopt import ops  # noqa: F401  (registers the fxopt:: custom ops)
+from fxopt.config import Options
+from fxopt.explain import explain
+from fxopt.pipeline import PASS_NAMES, FxoptFallbackWarning, PassFailure
+
+__version__ = "0.1.0"
+__all__ = ["explain", "export_onnx", "Options", "PASS_NAMES", "FxoptFallbackWarning", "PassFailure"]
+
+
+def export_onnx(model, example_inputs, path, options=None, dynamic_batch=True):
+    """Run the pipeline and write the rewritten graph as ONNX (see fxopt.onnx_export)."""
+    from fxopt.onnx_export import export_onnx as _export
+
+    return _export(model, example_inputs, path, options=options, dynamic_batch=dynamic_batch)
+
+
+def _configure_logging() -> None:
+    level = os.environ.get("FXOPT_LOG", "").strip().upper()
+    if not level:
+        return
+    logger = logging.getLogger("fxopt")
+    logger.setLevel(getattr(logging, level, logging.INFO))
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[fxopt %(levelname)s] %(message)s"))
+        logger.addHandler(handler)
+
+
+_configure_logging()

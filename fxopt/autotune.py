@@ -1,0 +1,167 @@
+"""Measured choice between convolution algorithms, and the cache that remembers it.
+
+Timing: real shape, dtype and layout on the target device; warm-up runs, then
+the median of several timed runs (CUDA events on GPU, perf_counter on CPU),
+rotating between input sets so caches don't flatter. A candidate whose output
+differs from ``direct`` beyond its documented tolerance is rejected.
+
+The cache is a readable JSON file (``autotune_cache`` option; default
+``<user cache dir>/fxopt/autotune.json``) keyed by a device fingerprint (GPU
+name, compute capability, torch / cuDNN / CUDA versions; or CPU model and
+thread count) and the convolution's full signature. It can be copied to another
+machine with the same GPU and software and gives the same choices there. A
+corrupt file is ignored with a warning and rewritten; writes are atomic
+(temporary file + ``os.replace``), so concurrent processes never corrupt it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from fxopt.tolerances import relative_error
+
+CACHE_VERSION = 1
+
+
+@dataclass
+class ConvChoice:
+    algorithm: str
+    candidates: dict  # name -> median ms (measured or estimated) or None (illegal / rejected)
+    max_rel_error: Optional[float] = None  # of the chosen algorithm vs direct, when measured
+    errors: dict = field(default_factory=dict)  # name -> relative error vs direct
+    rejected: dict = field(default_factory=dict)  # name -> reason
+    how: str = "heuristic"  # measured | cached | heuristic | forced | only-direct
+    shape_str: str = ""
+
+    def to_json(self) -> dict:
+        return {"algorithm": self.algorithm, "candidates": self.candidates, "errors": self.errors,
+                "rejected": self.rejected, "max_rel_error": self.max_rel_error}
+
+
+def device_fingerprint(device_type: str) -> str:
+    torch_v = torch.__version__.split("+")[0]
+    if device_type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return (f"{props.name}|sm{props.major}{props.minor}|torch{torch_v}|cuda{torch.version.cuda}"
+                f"|cudnn{torch.backends.cudnn.version()}")
+    return f"cpu|{platform.machine()}|{platform.processor() or 'unknown'}|torch{torch_v}|threads{torch.get_num_threads()}"
+
+
+def default_cache_path() -> str:
+    import platformdirs
+
+    return os.path.join(platformdirs.user_cache_dir("fxopt"), "autotune.json")
+
+
+class AutotuneCache:
+    def __init__(self, path: Optional[str]):
+        self.path = path
+        self._data: Optional[dict] = None
+
+    def _load(self) -> dict:
+        if self._data is not None:
+            return self._data
+        self._data = {"version": CACHE_VERSION, "entries": {}}
+        if self.path and os.path.exists(self.path):
+            try:
+                with open(self.path) as f:
+                    data = json.load(f)
+                if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+                    raise ValueError("unexpected format or version")
+                if not isinstance(data.get("entries"), dict):
+                    raise ValueError("no entries")
+                self._data = data
+            except (OSError, ValueError) as e:
+                warnings.warn(f"fxopt: ignoring unreadable autotune cache {self.path} ({e}); it will be rewritten")
+        return self._data
+
+    def get(self, device: str, key: str) -> Optional[dict]:
+        return self._load()["entries"].get(device, {}).get(key)
+
+    def put(self, device: str, key: str, entry: dict) -> None:
+        self._load()["entries"].setdefault(device, {})[key] = entry
+        if not self.path:
+            return
+        # Merge with what other processes wrote meanwhile, then replace atomically.
+        on_disk = AutotuneCache(self.path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            merged = on_disk._load()
+        for dev, entries in self._data["entries"].items():
+            merged["entries"].setdefault(dev, {}).update(entries)
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".autotune.", dir=os.path.dirname(os.path.abspath(self.path)))
+        with os.fdopen(fd, "w") as f:
+            json.dump(merged, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
+        self._data = merged
+
+
+def _time_ms(fn, inputs: list, device_type: str, warmup: int = 3, iters: int = 10) -> float:
+    for i in range(warmup):
+        fn(inputs[i % len(inputs)])
+    times = []
+    if device_type == "cuda":
+        for i in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(inputs[i % len(inputs)])
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for i in range(iters):
+            t0 = time.perf_counter()
+            fn(inputs[i % len(inputs)])
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure(sig, batch: int, candidates: list[str], device: torch.device) -> ConvChoice:
+    """Time every candidate on random data of the conv's shape; reject inaccurate ones."""
+    from fxopt.backends.conv_algorithms import get_algorithm
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x_shape = (batch, *sig.x_shape[1:])
+    fmt = torch.channels_last if sig.channels_last else torch.contiguous_format
+
+    def rand(shape):
+        return torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=sig.dtype)
+
+    inputs = [rand(x_shape).contiguous(memory_format=fmt) for _ in range(3)]
+    weight = rand(sig.w_shape) * (1.0 / max(1, sig.w_shape[1] * int(torch.tensor(sig.kernel).prod())) ** 0.5)
+    bias = rand((sig.w_shape[0],))
+    with torch.no_grad():
+        reference = get_algorithm("direct").run(inputs[0], weight, None, bias, sig)
+        choice = ConvChoice(algorithm="direct", candidates={}, how="measured")
+        for name in candidates:
+            algo = get_algorithm(name)
+            try:
+                packed = algo.prepare(weight, sig)
+                out = algo.run(inputs[0], weight, packed, bias, sig)
+                err = relative_error(out, reference)
+                choice.errors[name] = err
+                rtol, _ = algo.tolerance(sig.dtype)
+                if not err <= rtol:  # also rejects NaN
+                    choice.rejected[name] = f"relative error {err:.2e} > {rtol:.0e}"
+                    choice.candidates[name] = None
+                    continue
+                choice.candidates[name] = _time_ms(lambda x: algo.run(x, weight, packed, bias, sig), inputs,
+                                                   device.type)
+            except Exception as e:  # noqa: BLE001 - a failing candidate is simply not chosen
+                choice.rejected[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                choice.candidates[name] = None
+    timed = {k: v for k, v in choice.candidates.items() if v is not None}
+    if timed:
+        choice.algorithm = min(timed, key=timed.get)
+    choice.max_rel_error = choice.errors.get(choice.algorithm, 0.0)
+    return choice

@@ -1,0 +1,150 @@
+"""The ``torch.compile`` backend: Dynamo graph -> AOTAutograd (ATen) -> pass pipeline -> executor.
+
+Registered through the ``torch_dynamo_backends`` entry point, so
+``torch.compile(model, backend="fxopt", options={...})`` works after
+``pip install`` without importing fxopt.
+
+Inference (grad disabled at compile time) gets one ATen graph; parameters and
+buffers that Dynamo lifted to graph inputs are identified from their Dynamo
+sources and, with ``freezing`` on, treated as constants by the passes (the
+``fold_constants`` pass re-evaluates folded weights when a weight changes in
+place). Training gets AOTAutograd's forward and backward graphs, each through
+the same pipeline, where the passes only rewrite what stays legal with
+autograd (no BatchNorm folding, no fusion across values saved for backward).
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+import warnings
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+from functorch.compile import make_boxed_func
+
+from fxopt.config import Options
+from fxopt.passinfra import PassContext
+from fxopt.pipeline import FxoptFallbackWarning, PassFailure, copy_graph_module, run_pipeline
+from fxopt.report import GraphReport
+
+log = logging.getLogger("fxopt")
+_PARAM_SOURCE = re.compile(r"\._(parameters|buffers)\[")
+
+
+def qualname_from_source(source_name: str) -> str:
+    """"L['self']._modules['layer1']._modules['0']._parameters['weight']" -> "layer1.0.weight"."""
+    parts = re.findall(r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_]\w*)", source_name)
+    return ".".join(a or b for a, b in parts)
+
+
+def _graph_output_formats(gm: fx.GraphModule) -> list:
+    from fxopt.passes.layout import format_of
+
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    flat = list(out) if isinstance(out, (list, tuple)) else [out]
+    formats = []
+    for o in flat:
+        v = o.meta.get("val") if isinstance(o, fx.Node) else None
+        formats.append(format_of(v) if isinstance(v, torch.Tensor) else None)
+    return formats
+
+
+def _mutated(node: fx.Node) -> bool:
+    for user in node.users:
+        schema = getattr(user.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return True
+    return False
+
+
+class FxoptCompiler:
+    """Compiles the ATen graphs AOTAutograd hands over for one Dynamo graph."""
+
+    def __init__(self, options: Options, dynamo_gm: fx.GraphModule, example_inputs: list,
+                 sink: Optional[list] = None):
+        self.options = options
+        self.sink = sink
+        placeholders = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
+        self.n_inputs = len(placeholders)
+        self.params: dict[int, str] = {}
+        for i, (node, ex) in enumerate(zip(placeholders, example_inputs)):
+            grapharg = node.meta.get("grapharg")
+            source = grapharg.source.name if grapharg is not None and grapharg.source is not None else ""
+            if isinstance(ex, torch.nn.Parameter) or _PARAM_SOURCE.search(source):
+                self.params[i] = qualname_from_source(source) or node.name
+        self.example_inputs = example_inputs
+        devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+        self.device_type = "cuda" if "cuda" in devices else "cpu"
+
+    def _context(self, gm: fx.GraphModule, fake_args: list, mode: str) -> PassContext:
+        ctx = PassContext(options=self.options, mode=mode, device_type=self.device_type)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        ctx.fake_inputs = list(fake_args)
+        if len(placeholders) == self.n_inputs:
+            for i, qual in self.params.items():
+                node = placeholders[i]
+                ctx.param_placeholders.add(node.name)
+                ctx.param_qualnames[node.name] = qual
+                if mode == "inference" and self.options.freezing and not _mutated(node):
+                    ctx.const_placeholders.add(node.name)
+            if mode == "inference":
+                ctx.example_inputs = self.example_inputs
+        elif mode == "inference":
+            log.info("fxopt: AOTAutograd changed the inputs (%d -> %d); parameters stay runtime inputs",
+                     self.n_inputs, len(placeholders))
+        ctx.output_formats = _graph_output_formats(gm)
+        return ctx
+
+    def compile(self, gm: fx.GraphModule, fake_args: list, kind: str) -> Callable:
+        from fxopt.backends import lower
+
+        t0 = time.perf_counter()
+        mode = "inference" if kind == "inference" else "training"
+        ctx = self._context(gm, fake_args, mode)
+        before = copy_graph_module(gm)
+        optimized, records, fallback = run_pipeline(gm, ctx, dump_prefix=f"{kind}_")
+        try:
+            compiled, executor_info = lower(optimized, ctx, kind)
+        except Exception as e:  # noqa: BLE001 - lowering failures fall back too
+            if self.options.strict:
+                raise PassFailure("lowering", f"{type(e).__name__}: {e}") from e
+            warnings.warn(f"fxopt: lowering failed ({type(e).__name__}: {e}); running the unoptimized graph",
+                          FxoptFallbackWarning, stacklevel=2)
+            fallback = f"lowering failed: {type(e).__name__}: {e}"
+            optimized, compiled, executor_info = before, before, {"executor": "torch", "cudagraphs": "off (fallback)"}
+        report = GraphReport(
+            kind=kind, before=before, after=optimized, passes=records, conv_algorithms=dict(ctx.conv_algorithms),
+            kernels=executor_info.get("kernels", []), fallback=fallback, executor=executor_info["executor"],
+            cudagraphs=executor_info["cudagraphs"], measurements=ctx.measurements,
+            compile_ms=(time.perf_counter() - t0) * 1e3,
+        )
+        if self.sink is not None:
+            self.sink.append(report)
+        self.example_inputs = None if kind == "inference" else self.example_inputs
+        return make_boxed_func(compiled)
+
+    def inference(self, gm, args):
+        return self.compile(gm, args, "inference")
+
+    def forward(self, gm, args):
+        return self.compile(gm, args, "forward")
+
+    def backward(self, gm, args):
+        return self.compile(gm, args, "backward")
+
+
+def fxopt_backend(gm: fx.GraphModule, example_inputs: list, options=None, mode=None, _sink=None):
+    """The Dynamo backend entry point (``backend="fxopt"``)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    opts = Options.from_any(options)
+    if mode not in (None, "default"):
+        log.info("fxopt: torch.compile mode=%r is ignored; use options", mode)
+    compiler = FxoptCompiler(opts, gm, example_inputs, sink=_sink)
+    return aot_autograd(
+        fw_compiler=compiler.forward,
+        bw_compiler=compiler.backward,
+        inference_compiler=compiler.inference,
+    )(gm, example_inputs)

@@ -1,0 +1,359 @@
+"""fxopt benchmark harness: ``python -m fxopt.bench`` / ``fxopt bench``.
+
+Times ``torch.compile(model, backend="fxopt", options=...)`` against eager,
+inductor (several modes) and onnxruntime on a set of CNNs and writes
+results.json, results.md, summary.md and speedup.png into ``--out``.
+``--quick --device cpu`` is the CI smoke mode.  See ``--help``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+__all__ = ["main", "build_parser", "parse_args", "run_benchmark", "DTYPES"]
+
+DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32",
+          "float16": "float16", "fp16": "float16", "half": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
+QUICK_BACKENDS = ["eager", "inductor", "fxopt"]
+COLD_TAG = "FXOPT_BENCH_COLD "
+# accuracy floors (max relative error) per dtype; fp32 on CUDA allows TF32
+TOL_FLOOR = {("float32", "cpu"): 1e-4, ("float32", "cuda"): 1e-3,
+             "float16": 1e-2, "bfloat16": 5e-2}
+
+
+def _csv(s: str) -> List[str]:
+    return [p.strip() for p in s.split(",") if p.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m fxopt.bench",
+        description="Benchmark torch.compile(backend='fxopt') against eager, inductor and onnxruntime.")
+    p.add_argument("--models", help="comma list (default: all; --quick: seedcnn,seedcnn2)")
+    p.add_argument("--batch", help="comma list of ints (default 1,32; --quick: 2)")
+    p.add_argument("--dtype", help="comma list of float32,float16,bfloat16 "
+                   "(default float16 on cuda, float32 on cpu; --quick: float32)")
+    p.add_argument("--backends", help="comma list (default: all but inductor-max-autotune; "
+                   "--quick: eager,inductor,fxopt)")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default cuda if available")
+    p.add_argument("--quick", action="store_true", help="CI smoke mode: small models, few iterations, "
+                   "checks inductor/fxopt against eager (rtol 1e-4 on cpu fp32), non-zero exit on mismatch")
+    p.add_argument("--out", default="bench_out", help="output directory (default bench_out/)")
+    p.add_argument("--cold", action="store_true", help="also time compile + first call in a fresh "
+                   "subprocess per cell with empty TORCHINDUCTOR/FXOPT/TRITON cache dirs")
+    p.add_argument("--warmup", type=int, help="warm-up calls (default 10; --quick: 2)")
+    p.add_argument("--iters", type=int, help="timed calls (default 50, at least 50 unless --quick; --quick: 10)")
+    p.add_argument("--fxopt-options", default=None, metavar="JSON",
+                   help="JSON object passed as torch.compile(..., options=) to the fxopt backends")
+    p.add_argument("--seed", type=int, default=0, help="RNG seed for weights and inputs")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="stop starting new cells after S seconds (the rest are marked skipped)")
+    p.add_argument("--cold-timeout", type=float, default=1800.0, help=argparse.SUPPRESS)
+    p.add_argument("--cold-child", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse and normalise: every list option becomes a list, defaults filled."""
+    from . import models as M
+    from . import runners as R
+
+    p = build_parser()
+    a = p.parse_args(list(argv) if argv is not None else None)
+    if a.cold_child:
+        return a
+    if a.device is None:
+        import torch
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = a.quick
+    a.models = _csv(a.models) if a.models else (list(M.QUICK_MODELS) if q else M.model_names())
+    bad = [m for m in a.models if m not in M.MODELS]
+    if bad:
+        p.error(f"unknown model(s) {bad}; known: {', '.join(M.MODELS)}")
+    try:
+        a.batch = [int(b) for b in _csv(a.batch)] if a.batch else ([2] if q else [1, 32])
+    except ValueError:
+        p.error(f"--batch must be a comma list of ints, got {a.batch!r}")
+    if any(b < 1 for b in a.batch):
+        p.error("--batch values must be >= 1")
+    dts = _csv(a.dtype) if a.dtype else (["float32"] if q or a.device == "cpu" else ["float16"])
+    bad = [d for d in dts if d not in DTYPES]
+    if bad:
+        p.error(f"unknown dtype(s) {bad}; use float32,float16,bfloat16")
+    a.dtype = list(dict.fromkeys(DTYPES[d] for d in dts))
+    a.backends = _csv(a.backends) if a.backends else (list(QUICK_BACKENDS) if q else list(R.DEFAULT_BACKENDS))
+    bad = [b for b in a.backends if b not in R.BACKENDS]
+    if bad:
+        p.error(f"unknown backend(s) {bad}; known: {', '.join(R.BACKENDS)}")
+    if a.time_budget is not None and a.time_budget <= 0:
+        p.error("--time-budget must be > 0")
+    a.warmup = a.warmup if a.warmup is not None else (2 if q else 10)
+    a.iters = a.iters if a.iters is not None else (10 if q else 50)
+    if a.iters < 1 or a.warmup < 0:
+        p.error("--iters must be >= 1 and --warmup >= 0")
+    if not q and a.iters < 50:
+        print(f"note: --iters {a.iters} raised to 50 (the minimum outside --quick)", file=sys.stderr)
+        a.iters = 50
+    try:
+        a.fxopt_options = json.loads(a.fxopt_options) if a.fxopt_options else {}
+    except json.JSONDecodeError as exc:
+        p.error(f"--fxopt-options is not valid JSON: {exc}")
+    if not isinstance(a.fxopt_options, dict):
+        p.error("--fxopt-options must be a JSON object")
+    return a
+
+
+# --------------------------------------------------------------------------
+def _versions() -> Dict[str, Optional[str]]:
+    import torch
+    v: Dict[str, Optional[str]] = {"python": platform.python_version(), "torch": torch.__version__,
+                                   "CUDA": torch.version.cuda, "cuDNN": None}
+    try:
+        v["cuDNN"] = str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else None
+    except Exception:
+        pass
+    for mod in ("torchvision", "triton", "onnx", "onnxruntime"):
+        try:
+            v[mod] = __import__(mod).__version__
+        except Exception:
+            v[mod] = None
+    try:
+        from importlib.metadata import version
+        v["fxopt"] = version("fxopt")
+    except Exception:
+        try:
+            import fxopt
+            v["fxopt"] = getattr(fxopt, "__version__", None) or "uninstalled checkout"
+        except Exception:
+            v["fxopt"] = "not importable"
+    return v
+
+
+def _device_info(device: str) -> Dict[str, Any]:
+    import torch
+    if device == "cuda":
+        cap = torch.cuda.get_device_capability()
+        return {"device_name": torch.cuda.get_device_name(), "capability": f"{cap[0]}.{cap[1]}",
+                "device_count": torch.cuda.device_count()}
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except Exception:
+        pass
+    return {"device_name": f"CPU: {name}", "capability": None, "cpu_threads": torch.get_num_threads()}
+
+
+def _cold_compile(model: str, batch: int, dtype: str, backend: str, a) -> Dict[str, Any]:
+    """Compile + first call in a fresh interpreter with empty caches."""
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = {"model": model, "batch": batch, "dtype": dtype, "backend": backend,
+            "device": a.device, "seed": a.seed, "fxopt_options": a.fxopt_options}
+    with tempfile.TemporaryDirectory(prefix="fxopt_bench_cold_") as td:
+        env = dict(os.environ)
+        for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("FXOPT_CACHE_DIR", "fxopt"),
+                         ("TRITON_CACHE_DIR", "triton")):
+            env[var] = os.path.join(td, sub)
+        env["PYTHONPATH"] = os.pathsep.join([pkg_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        cmd = [sys.executable, "-m", "fxopt.bench", "--cold-child", json.dumps(spec)]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.cold_timeout)
+        except subprocess.TimeoutExpired:
+            return {"cold_error": f"timeout after {a.cold_timeout:.0f} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(COLD_TAG):
+            return json.loads(line[len(COLD_TAG):])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"cold_error": f"child exited {proc.returncode}: {tail[:200]}"}
+
+
+def _cold_child(spec_json: str) -> int:
+    import torch
+    from . import models as M
+    from . import runners as R
+    s = json.loads(spec_json)
+    res: Dict[str, Any] = {}
+    try:
+        model, shape = M.build_model(s["model"], s["seed"])
+        dtype = getattr(torch, s["dtype"])
+        model = model.to(device=s["device"], dtype=dtype)
+        x = M.make_input(shape, s["batch"], s["seed"]).to(device=s["device"], dtype=dtype)
+        spec = R.BACKENDS[s["backend"]]
+        with torch.no_grad(), spec.context():
+            t0 = time.perf_counter()
+            prep = spec.prepare(model, x, s["device"], dtype, s["fxopt_options"])
+            prep.fn(prep.inputs)
+            if s["device"] == "cuda":
+                torch.cuda.synchronize()
+            res["cold_compile_s"] = time.perf_counter() - t0
+    except R.BackendUnavailable as exc:
+        res["cold_error"] = f"unavailable: {exc}"
+    except Exception as exc:
+        res["cold_error"] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+    print(COLD_TAG + json.dumps(res), flush=True)
+    return 0
+
+
+def _tolerance(dtype: str, device: str) -> float:
+    return TOL_FLOOR.get((dtype, device), TOL_FLOOR.get(dtype, 1e-2))
+
+
+def _checks(cells: List[Dict[str, Any]], quick: bool, device: str) -> List[Dict[str, Any]]:
+    """fxopt (and, with --quick, inductor) must run and agree with fp32 eager."""
+    out = []
+    for c in cells:
+        b = c["backend"]
+        if not (b.startswith("fxopt") or (quick and b.startswith("inductor"))):
+            continue
+        if c["status"] in ("unavailable", "skipped"):
+            continue
+        chk = {k: c[k] for k in ("model", "batch", "dtype", "backend")}
+        tol = _tolerance(c["dtype"], device)
+        eager = next((e for e in cells if e["backend"] == "eager" and e["status"] == "ok"
+                      and all(e[k] == c[k] for k in ("model", "batch", "dtype"))), None)
+        if eager is not None and eager.get("max_rel_err") is not None and not quick:
+            tol = max(tol, 4 * eager["max_rel_err"])
+        chk["tol"] = tol
+        if c["status"] != "ok":
+            chk.update(ok=False, reason=f"did not run: {c.get('error')}")
+        elif c.get("max_rel_err") is None:
+            chk.update(ok=False, reason="no accuracy measurement")
+        else:
+            chk["max_rel_err"] = c["max_rel_err"]
+            chk["ok"] = c["max_rel_err"] <= tol
+            if not chk["ok"]:
+                chk["reason"] = f"max rel err {c['max_rel_err']:.3e} > {tol:.1e}"
+        out.append(chk)
+    return out
+
+
+def run_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    import torch
+    from tqdm import tqdm
+    from . import models as M
+    from . import runners as R
+    from .report import write_json
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda requested but torch.cuda.is_available() is False")
+    cmd = "python -m fxopt.bench " + shlex.join(list(argv) if argv is not None else sys.argv[1:])
+    meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": cmd, "device_type": a.device, **_device_info(a.device), "versions": _versions(),
+            "fxopt_options": a.fxopt_options, "tf32": {
+                "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+                "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32},
+            "config": {k: getattr(a, k) for k in ("models", "batch", "dtype", "backends", "quick",
+                                                   "warmup", "iters", "cold", "seed", "time_budget")}}
+    fx_ok, fx_why = R.fxopt_available()
+    meta["fxopt_available"] = fx_ok if fx_ok else f"no ({fx_why})"
+    results: Dict[str, Any] = {"meta": meta, "peak": {}, "flops": {}, "cells": [], "checks": []}
+    errors: List[str] = []
+    for dt in a.dtype:
+        try:
+            results["peak"][dt] = R.measure_peak_tflops(a.device, getattr(torch, dt), quick=a.quick)
+        except Exception as exc:
+            results["peak"][dt] = {"tflops": None, "error": f"{type(exc).__name__}: {exc}"}
+    total = len(a.models) * len(a.batch) * len(a.dtype) * len(a.backends)
+    bar = tqdm(total=total, desc="fxopt bench", unit="cell", file=sys.stderr, mininterval=0.5)
+    os.makedirs(a.out, exist_ok=True)
+    partial = os.path.join(a.out, "results.json")
+    t_start = time.perf_counter()
+    try:
+        for name in a.models:
+            try:
+                base, shape = M.build_model(name, a.seed)
+            except Exception as exc:
+                err = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+                for b in a.batch:
+                    for dt in a.dtype:
+                        for be in a.backends:
+                            results["cells"].append({"model": name, "batch": b, "dtype": dt, "backend": be,
+                                                     "status": "error", "error": f"model: {err}"})
+                bar.update(len(a.batch) * len(a.dtype) * len(a.backends))
+                continue
+            for b in a.batch:
+                x_cpu = M.make_input(shape, b, a.seed)
+                try:
+                    ref = R.reference_output(base, x_cpu, a.device)
+                except Exception as exc:
+                    ref = None
+                    errors.append(f"[{name} b{b} reference] {type(exc).__name__}: {exc}")
+                try:
+                    flops = R.count_flops(base, x_cpu)
+                except Exception:
+                    flops = None
+                results["flops"][f"{name}/b{b}"] = flops
+                for dt in a.dtype:
+                    peak = (results["peak"].get(dt) or {}).get("tflops")
+                    for be in a.backends:
+                        bar.set_postfix_str(f"{name} b{b} {dt} {be}")
+                        if a.time_budget and time.perf_counter() - t_start > a.time_budget:
+                            results["cells"].append({"model": name, "batch": b, "dtype": dt, "backend": be,
+                                                     "status": "skipped", "error": "time budget"})
+                            bar.update(1)
+                            continue
+                        cell = R.measure_cell(be, base, x_cpu, ref, a.device, getattr(torch, dt),
+                                              a.warmup, a.iters, a.fxopt_options, errors)
+                        cell = {"model": name, "batch": b, "dtype": dt, **cell, "gflop": flops and flops / 1e9}
+                        if cell["status"] == "ok" and flops:
+                            cell["tflops"] = flops / (cell["median_ms"] * 1e-3) / 1e12
+                            cell["pct_peak"] = 100.0 * cell["tflops"] / peak if peak else None
+                        if a.cold and cell["status"] != "unavailable":
+                            cell.update(_cold_compile(name, b, dt, be, a))
+                        results["cells"].append(cell)
+                        bar.update(1)
+                        write_json({**results, "partial": True}, partial)
+    except KeyboardInterrupt:
+        meta["interrupted"] = True
+        print("\ninterrupted: writing the results so far", file=sys.stderr)
+    finally:
+        bar.close()
+    results["checks"] = _checks(results["cells"], a.quick, a.device)
+    results["errors_logged"] = len(errors)
+    if errors:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "errors.log"), "w") as f:
+            f.write("\n\n".join(errors) + "\n")
+    return results
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = parse_args(argv)
+    if a.cold_child:
+        return _cold_child(a.cold_child)
+    from .report import render_summary, write_reports
+
+    t0 = time.perf_counter()
+
+    def _on_term(signum, frame):  # a killed run still writes what it has
+        raise KeyboardInterrupt
+    with contextlib.suppress(ValueError):  # not in the main thread
+        signal.signal(signal.SIGTERM, _on_term)
+    results = run_benchmark(a, argv)
+    results["meta"]["wall_s"] = round(time.perf_counter() - t0, 2)
+    paths = write_reports(results, a.out)
+    failed = [c for c in results["checks"] if not c.get("ok")]
+    print(f"wrote {', '.join(v for k, v in paths.items() if not k.endswith('_error'))} "
+          f"in {results['meta']['wall_s']:.1f} s", file=sys.stderr)
+    if "png_error" in paths:
+        print(f"speedup.png failed: {paths['png_error']}", file=sys.stderr)
+    for c in failed:
+        print(f"CHECK FAILED: {c['model']} b{c['batch']} {c['dtype']} {c['backend']}: {c.get('reason')}",
+              file=sys.stderr)
+    sys.stdout.write(render_summary(results))
+    sys.stdout.flush()
+    if results["meta"].get("interrupted"):
+        return 130
+    return 1 if failed else 0

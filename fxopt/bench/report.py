@@ -1,0 +1,315 @@
+"""Report writers for the fxopt benchmark: results.json, results.md,
+summary.md (header + summary table) and speedup.png.
+
+``results`` is the dict built by :func:`fxopt.bench.run_benchmark`:
+``{"meta": {...}, "peak": {dtype: {...}}, "flops": {...}, "cells": [...],
+"checks": [...]}``; each cell has model, batch, dtype, backend, status
+(ok | error | unavailable), error and, when ok, median_ms, q1_ms, q3_ms,
+iqr_ms, first_call_s, max_rel_err, tflops, pct_peak, peak_mem_mb ...
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+__all__ = ["render_markdown", "render_summary", "row_keys", "speedups",
+           "write_json", "write_markdown", "write_plot", "write_reports"]
+
+RowKey = Tuple[str, int, str]
+
+
+def _is_fxopt(backend: str) -> bool:
+    return backend == "fxopt" or backend.startswith("fxopt-")
+
+
+def row_keys(results: Dict[str, Any]) -> List[RowKey]:
+    seen: Dict[RowKey, None] = {}
+    for c in results.get("cells", []):
+        seen.setdefault((c["model"], int(c["batch"]), c["dtype"]), None)
+    return list(seen)
+
+
+def _backends(results: Dict[str, Any]) -> List[str]:
+    seen: Dict[str, None] = {}
+    for c in results.get("cells", []):
+        seen.setdefault(c["backend"], None)
+    return list(seen)
+
+
+def _cells_by_row(results: Dict[str, Any]) -> Dict[RowKey, Dict[str, Dict[str, Any]]]:
+    rows: Dict[RowKey, Dict[str, Dict[str, Any]]] = {}
+    for c in results.get("cells", []):
+        rows.setdefault((c["model"], int(c["batch"]), c["dtype"]), {})[c["backend"]] = c
+    return rows
+
+
+def _ok(c: Optional[Dict[str, Any]]) -> bool:
+    return bool(c) and c.get("status") == "ok" and c.get("median_ms") is not None
+
+
+def speedups(results: Dict[str, Any]) -> Dict[RowKey, Dict[str, Any]]:
+    """Per row: best peer (fastest non-fxopt backend) and, per fxopt variant,
+    its speed-up over the best peer and over each peer."""
+    out: Dict[RowKey, Dict[str, Any]] = {}
+    for key, cells in _cells_by_row(results).items():
+        peers = {b: c["median_ms"] for b, c in cells.items() if not _is_fxopt(b) and _ok(c)}
+        best = min(peers, key=peers.get) if peers else None
+        entry: Dict[str, Any] = {"best_peer": best,
+                                 "best_peer_ms": peers.get(best) if best else None,
+                                 "fxopt": {}}
+        for b, c in cells.items():
+            if _is_fxopt(b) and _ok(c):
+                entry["fxopt"][b] = {
+                    "over_best": (peers[best] / c["median_ms"]) if best else None,
+                    "over_peer": {p: ms / c["median_ms"] for p, ms in peers.items()},
+                }
+        out[key] = entry
+    return out
+
+
+# --------------------------------------------------------------------------
+# json
+# --------------------------------------------------------------------------
+def _jsonable(o: Any) -> Any:
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if isinstance(o, dict):
+        return {str(k): _jsonable(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_jsonable(v) for v in o]
+    return o
+
+
+def write_json(results: Dict[str, Any], path: str) -> str:
+    data = dict(results)
+    data["speedups"] = [
+        {"model": k[0], "batch": k[1], "dtype": k[2], **v} for k, v in speedups(results).items()
+    ]
+    with open(path, "w") as f:
+        json.dump(_jsonable(data), f, indent=1)
+        f.write("\n")
+    return path
+
+
+# --------------------------------------------------------------------------
+# markdown
+# --------------------------------------------------------------------------
+def _fmt(v: Any, spec: str = ".3f", none: str = "–") -> str:
+    if v is None:
+        return none
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    try:
+        return format(v, spec)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def _short(s: Optional[str], n: int = 48) -> str:
+    s = (s or "").replace("|", "\\|").replace("\n", " ")
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def _cell_text(c: Optional[Dict[str, Any]], failed: bool = False) -> str:
+    if not c:
+        return "–"
+    if c.get("status") in ("unavailable", "skipped"):
+        return f"{c['status']}: {_short(c.get('error'), 40)}"
+    if c.get("status") != "ok":
+        return f"error: {_short((c.get('error') or '').split(':')[0], 40)}"
+    txt = f"{c['median_ms']:.3f} ±{c.get('iqr_ms', 0.0):.3f}"
+    return txt + (" ⚠" if failed else "")
+
+
+def _header(results: Dict[str, Any]) -> List[str]:
+    m = results.get("meta", {})
+    cfg = m.get("config", {})
+    lines = ["# fxopt benchmark", ""]
+    if m.get("device_type") == "cpu":
+        if cfg.get("quick"):
+            lines += ["> **CPU smoke run — not a performance result.**", ""]
+        else:
+            lines += ["> **CPU run — not a GPU performance result.**", ""]
+    v = m.get("versions", {})
+    dev = m.get("device_name", "?")
+    if m.get("capability"):
+        dev += f" (compute capability {m['capability']})"
+    lines.append(f"- device: {dev}, `{m.get('device_type', '?')}`")
+    lines.append("- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val))
+    lines.append(f"- date: {m.get('date', '?')}")
+    if m.get("command"):
+        lines.append(f"- command: `{m['command']}`")
+    timer = "CUDA events around each call" if m.get("device_type") == "cuda" else "time.perf_counter around each call"
+    lines.append(f"- timing: median ms of {cfg.get('iters', '?')} timed calls after "
+                 f"{cfg.get('warmup', '?')} warm-up calls ({timer}); ± is the IQR; "
+                 "accuracy: max relative error ‖out−ref‖∞/‖ref‖∞ vs fp32 eager (TF32 off)")
+    for dt, p in (results.get("peak") or {}).items():
+        if p.get("tflops"):
+            lines.append(f"- measured peak {dt}: {p['tflops']:.2f} TFLOP/s ({p.get('what', '')})")
+        elif p.get("error"):
+            lines.append(f"- measured peak {dt}: failed ({_short(p['error'], 80)})")
+    if m.get("fxopt_options"):
+        lines.append(f"- fxopt options: `{json.dumps(m['fxopt_options'])}`")
+    lines.append("")
+    return lines
+
+
+def _failed_checks(results: Dict[str, Any]) -> set:
+    return {(c["model"], int(c["batch"]), c["dtype"], c["backend"])
+            for c in results.get("checks", []) if not c.get("ok")}
+
+
+def _summary_table(results: Dict[str, Any]) -> List[str]:
+    backends = _backends(results)
+    fx = [b for b in backends if _is_fxopt(b)]
+    sp = speedups(results)
+    bad = _failed_checks(results)
+    head = ["model", "batch", "dtype"] + [f"{b} ms" for b in backends] + ["best peer"] + \
+           [f"{b} speed-up" for b in fx]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = _cells_by_row(results)
+    for key in row_keys(results):
+        cells = rows[key]
+        s = sp.get(key, {})
+        best = s.get("best_peer")
+        vals = [key[0], str(key[1]), key[2]]
+        vals += [_cell_text(cells.get(b), (*key, b) in bad) for b in backends]
+        vals.append(f"{best} ({s['best_peer_ms']:.3f})" if best else "–")
+        for b in fx:
+            o = s.get("fxopt", {}).get(b, {}).get("over_best")
+            vals.append(f"{o:.2f}×" if o else "–")
+        lines.append("| " + " | ".join(vals) + " |")
+    lines.append("")
+    lines.append("Times in ms (median ±IQR); speed-up = best peer median / fxopt median (>1: fxopt faster)"
+                 + ("; ⚠ = failed the accuracy check" if bad else "") + ".")
+    return lines
+
+
+def _details_table(results: Dict[str, Any]) -> List[str]:
+    head = ["model", "batch", "dtype", "backend", "status", "median ms", "IQR ms", "first call s",
+            "cold compile s", "max rel err", "TFLOP/s", "% peak", "peak mem MiB", "note / error"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in results.get("cells", []):
+        lines.append("| " + " | ".join([
+            c["model"], str(c["batch"]), c["dtype"], c["backend"], c.get("status", "?"),
+            _fmt(c.get("median_ms")), _fmt(c.get("iqr_ms")), _fmt(c.get("first_call_s"), ".2f"),
+            _fmt(c.get("cold_compile_s"), ".2f") if c.get("cold_compile_s") is not None
+            else _short(c.get("cold_error"), 30) or "–",
+            _fmt(c.get("max_rel_err"), ".2e"), _fmt(c.get("tflops"), ".3f"),
+            _fmt(c.get("pct_peak"), ".1f"), _fmt(c.get("peak_mem_mb"), ".0f"),
+            _short(c.get("error") or c.get("note"), 70),
+        ]) + " |")
+    return lines
+
+
+def _checks_lines(results: Dict[str, Any]) -> List[str]:
+    checks = results.get("checks", [])
+    if not checks:
+        return []
+    bad = [c for c in checks if not c.get("ok")]
+    lines = ["## Accuracy checks", "",
+             f"{len(checks) - len(bad)}/{len(checks)} passed."]
+    for c in bad:
+        lines.append(f"- FAILED {c['model']} b{c['batch']} {c['dtype']} {c['backend']}: "
+                     f"{c.get('reason', '')}")
+    lines.append("")
+    return lines
+
+
+def render_summary(results: Dict[str, Any]) -> str:
+    """Header and summary table (the table last)."""
+    return "\n".join(_header(results) + ["## Summary", ""] + _summary_table(results)) + "\n"
+
+
+def render_markdown(results: Dict[str, Any]) -> str:
+    lines = _header(results) + ["## Summary", ""] + _summary_table(results) + [""]
+    lines += _checks_lines(results)
+    lines += ["## Details", ""] + _details_table(results)
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(results: Dict[str, Any], path: str) -> str:
+    with open(path, "w") as f:
+        f.write(render_markdown(results))
+    return path
+
+
+# --------------------------------------------------------------------------
+# plot
+# --------------------------------------------------------------------------
+def write_plot(results: Dict[str, Any], path: str) -> str:
+    """Grouped bars: speed-up of fxopt over each peer per model row (log y)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    sp = speedups(results)
+    keys = row_keys(results)
+    multi = len({(k[1], k[2]) for k in keys}) > 1
+    fx_name = next((b for b in ("fxopt", "fxopt-no-cudagraphs") if any(
+        b in s["fxopt"] for s in sp.values())), None)
+    if fx_name is None:
+        fx_name = next((b for s in sp.values() for b in s["fxopt"]), None)
+    groups = [k for k in keys if fx_name and fx_name in sp[k]["fxopt"]]
+    peers = [b for b in _backends(results) if not _is_fxopt(b)
+             and any(b in sp[k]["fxopt"][fx_name]["over_peer"] for k in groups)]
+    fig, ax = plt.subplots(figsize=(min(24.0, max(6.0, 0.35 * len(groups) * max(1, len(peers)) + 2)), 4.8))
+    if not groups or not peers:
+        ax.text(0.5, 0.5, "no fxopt speed-ups to plot", ha="center", va="center",
+                transform=ax.transAxes)
+        ax.set_axis_off()
+    else:
+        from matplotlib.ticker import FuncFormatter, LogLocator
+
+        width = 0.8 / len(peers)
+        vals_all: List[float] = []
+        for i, p in enumerate(peers):
+            xs, vals = [], []
+            for g, k in enumerate(groups):
+                v = sp[k]["fxopt"][fx_name]["over_peer"].get(p)
+                if v is not None and math.isfinite(v) and v > 0:
+                    xs.append(g + (i - (len(peers) - 1) / 2) * width)
+                    vals.append(v)
+            vals_all += vals
+            # bars grow from the 1.0 line: up = fxopt faster, down = slower
+            ax.bar(xs, [v - 1.0 for v in vals], width, bottom=1.0, label=p)
+        ax.set_yscale("log")
+        ax.axhline(1.0, color="black", linewidth=1)
+        lo, hi = min(vals_all + [1.0]), max(vals_all + [1.0])
+        ax.set_ylim(lo / 1.3, hi * 1.3)
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}×"))
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels([f"{k[0]}\nb{k[1]} {k[2]}" if multi else k[0] for k in groups],
+                           rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(f"speed-up of {fx_name}\n(peer ms / {fx_name} ms, >1: {fx_name} faster)")
+        ax.legend(fontsize=7, ncol=2)
+    m = results.get("meta", {})
+    title = f"{fx_name or 'fxopt'} vs peers — {m.get('device_name', '?')}"
+    if m.get("device_type") == "cpu":
+        title += " (CPU: not a GPU result)"
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_reports(results: Dict[str, Any], out_dir: str) -> Dict[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {
+        "json": write_json(results, os.path.join(out_dir, "results.json")),
+        "md": write_markdown(results, os.path.join(out_dir, "results.md")),
+    }
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(render_summary(results))
+    paths["summary"] = os.path.join(out_dir, "summary.md")
+    try:
+        paths["png"] = write_plot(results, os.path.join(out_dir, "speedup.png"))
+    except Exception as exc:  # a broken matplotlib must not lose the numbers
+        paths["png_error"] = f"{type(exc).__name__}: {exc}"
+    return paths

@@ -1,0 +1,427 @@
+"""Backends and measurement for the fxopt benchmark harness.
+
+A backend is a :class:`BackendSpec`: ``prepare(model, example_input, device,
+dtype, fxopt_options) -> Prepared`` builds the callable to time, and
+``context()`` is entered around preparation, the first call, the warm-up and
+the timed runs (``inductor-freezing`` patches the inductor config there).
+The model handed to ``prepare`` is already on the device and in the dtype, and
+so is the example input; everything runs under ``torch.no_grad()``.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import gc
+import os
+import statistics
+import tempfile
+import time
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+__all__ = [
+    "BACKENDS", "DEFAULT_BACKENDS", "BackendSpec", "BackendUnavailable", "Prepared",
+    "count_flops", "flatten_outputs", "fxopt_available", "max_rel_error",
+    "measure_cell", "measure_peak_tflops", "reference_output", "stats", "time_calls",
+]
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run here (reported as ``unavailable: <reason>``)."""
+
+
+@dataclasses.dataclass
+class Prepared:
+    fn: Callable[[torch.Tensor], Any]
+    inputs: torch.Tensor
+    tracks_memory: bool = True  # torch's caching allocator sees its memory
+    note: str = ""
+
+
+PrepareFn = Callable[[nn.Module, torch.Tensor, str, torch.dtype, Dict[str, Any]], Prepared]
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendSpec:
+    name: str
+    prepare: PrepareFn
+    context: Callable[[], ContextManager] = contextlib.nullcontext
+    default: bool = True
+    needs_cuda: bool = False
+    is_fxopt: bool = False
+
+
+# --------------------------------------------------------------------------
+# statistics and timing
+# --------------------------------------------------------------------------
+def _percentile(sorted_xs: Sequence[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
+    n = len(sorted_xs)
+    if n == 1:
+        return float(sorted_xs[0])
+    pos = (n - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, n - 1)
+    return float(sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo))
+
+
+def stats(samples: Sequence[float]) -> Dict[str, float]:
+    """median, quartiles, IQR, mean, min, max and count of ``samples``."""
+    if not samples:
+        raise ValueError("stats() needs at least one sample")
+    xs = sorted(float(s) for s in samples)
+    q1, q3 = _percentile(xs, 25), _percentile(xs, 75)
+    return {
+        "median": float(statistics.median(xs)), "q1": q1, "q3": q3, "iqr": q3 - q1,
+        "mean": float(statistics.fmean(xs)), "min": xs[0], "max": xs[-1], "n": len(xs),
+    }
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_calls(fn: Callable, x: torch.Tensor, device: str, iters: int) -> List[float]:
+    """Per-call times in ms: CUDA events around each call on CUDA,
+    ``time.perf_counter`` on the CPU."""
+    if device == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        torch.cuda.synchronize()
+        for i in range(iters):
+            starts[i].record()
+            fn(x)
+            ends[i].record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn(x)
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+# --------------------------------------------------------------------------
+# accuracy, FLOPs, peak
+# --------------------------------------------------------------------------
+def flatten_outputs(out: Any) -> List[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in flatten_outputs(o)]
+    raise TypeError(f"unsupported model output type {type(out).__name__}")
+
+
+def _cat(out: Any) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).float() for t in flatten_outputs(out)])
+
+
+def max_rel_error(out: Any, ref: Any) -> float:
+    """||out - ref||_inf / ||ref||_inf over all outputs (in fp32)."""
+    r = _cat(ref)
+    o = _cat(out).to(r.device)
+    if o.shape != r.shape:
+        raise ValueError(f"output has {o.numel()} elements, reference {r.numel()}")
+    denom = r.abs().max().item()
+    num = (o - r).abs().max().item()
+    if num != num:  # NaN
+        return float("inf")
+    return num / denom if denom > 0 else num
+
+
+@contextlib.contextmanager
+def _no_tf32():
+    m, c = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = m, c
+
+
+def reference_output(model: nn.Module, x_cpu: torch.Tensor, device: str) -> torch.Tensor:
+    """fp32 eager output (TF32 off) of ``model`` on ``device``, flattened."""
+    m = copy.deepcopy(model).to(device=device, dtype=torch.float32)
+    with torch.no_grad(), _no_tf32():
+        ref = _cat(m(x_cpu.to(device=device, dtype=torch.float32)))
+    _sync(device)
+    del m
+    return ref
+
+
+def count_flops(model: nn.Module, x_cpu: torch.Tensor) -> int:
+    """FLOPs of one forward pass (torch.utils.flop_counter), on the meta device."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    try:
+        m, x = copy.deepcopy(model).to("meta"), x_cpu.to("meta")
+        with torch.no_grad(), FlopCounterMode(display=False) as fc:
+            m(x)
+    except Exception:  # pragma: no cover - meta kernels missing: count for real
+        m, x = copy.deepcopy(model), x_cpu
+        with torch.no_grad(), FlopCounterMode(display=False) as fc:
+            m(x)
+    return int(fc.get_total_flops())
+
+
+def measure_peak_tflops(device: str, dtype: torch.dtype, quick: bool = False) -> Dict[str, Any]:
+    """Best matmul throughput on ``device``: n=8192 on CUDA (fp32 with TF32 as
+    cuDNN convs use it), n=1024 (512 with quick) on the CPU."""
+    if device == "cuda":
+        n, iters, warm = 8192, 10, 3
+    else:
+        n, iters, warm = (512, 3, 1) if quick else (1024, 5, 2)
+    tf32 = bool(dtype == torch.float32 and device == "cuda" and torch.backends.cudnn.allow_tf32)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        for _ in range(warm):
+            torch.mm(a, b)
+        times = time_calls(lambda _x: torch.mm(a, b), a, device, iters)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    best_ms = min(times)
+    del a, b
+    what = f"{n}x{n}x{n} {str(dtype).replace('torch.', '')} matmul" + (" (TF32)" if tf32 else "")
+    return {"tflops": 2 * n ** 3 / (best_ms * 1e-3) / 1e12, "what": what, "best_ms": best_ms}
+
+
+# --------------------------------------------------------------------------
+# backends
+# --------------------------------------------------------------------------
+def _eager(model, x, device, dtype, options) -> Prepared:
+    return Prepared(model, x)
+
+
+def _eager_channels_last(model, x, device, dtype, options) -> Prepared:
+    model = model.to(memory_format=torch.channels_last)
+    return Prepared(model, x.contiguous(memory_format=torch.channels_last),
+                    note="channels_last weights and input")
+
+
+def _inductor(mode: Optional[str] = None) -> PrepareFn:
+    def prepare(model, x, device, dtype, options) -> Prepared:
+        kw = {"mode": mode} if mode else {}
+        return Prepared(torch.compile(model, backend="inductor", **kw), x)
+
+    return prepare
+
+
+def _freezing_ctx() -> ContextManager:
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(freezing=True)
+
+
+def fxopt_available() -> Tuple[bool, str]:
+    """(True, '') when torch.compile(backend='fxopt') can be resolved."""
+    try:
+        _fxopt_backend()
+        return True, ""
+    except Exception as exc:
+        return False, f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+def _fxopt_backend():
+    """'fxopt' if registered with dynamo (entry point or import-time
+    registration), else the callable from an uninstalled checkout."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    import fxopt  # noqa: F401  (may register the backend on import)
+
+    try:
+        lookup_backend("fxopt")
+        return "fxopt"
+    except Exception:
+        from fxopt.backend import fxopt_backend  # type: ignore
+
+        return fxopt_backend
+
+
+def _fxopt(extra: Dict[str, Any]) -> PrepareFn:
+    def prepare(model, x, device, dtype, options) -> Prepared:
+        opts = dict(options or {})
+        opts.update(extra)
+        backend = _fxopt_backend()
+        note = "" if backend == "fxopt" else "fxopt not registered: used fxopt.backend.fxopt_backend"
+        return Prepared(torch.compile(model, backend=backend, options=opts), x, note=note)
+
+    return prepare
+
+
+_ORT_NP = {torch.float32: "float32", torch.float16: "float16"}
+
+
+def _export_onnx(model: nn.Module, x: torch.Tensor, path: str) -> str:
+    """Legacy TorchScript exporter (opset 17); the dynamo one if it is gone."""
+    try:
+        torch.onnx.export(model, (x,), path, dynamo=False, opset_version=17,
+                          input_names=["input"], do_constant_folding=True)
+        return "torch.onnx.export(dynamo=False, opset 17)"
+    except Exception as legacy:
+        try:
+            prog = torch.onnx.export(model, (x,), dynamo=True, opset_version=18)
+            prog.save(path)
+            return f"dynamo exporter, opset 18 (legacy failed: {type(legacy).__name__})"
+        except Exception:
+            raise legacy
+
+
+def _onnxruntime(cuda_graph: bool) -> PrepareFn:
+    def prepare(model, x, device, dtype, options) -> Prepared:
+        try:
+            import numpy as np
+            import onnxruntime as ort
+        except Exception as exc:
+            raise BackendUnavailable(f"onnxruntime not importable ({type(exc).__name__})")
+        if dtype not in _ORT_NP:
+            raise BackendUnavailable(f"{str(dtype).replace('torch.', '')} not supported by the IO binding")
+        if device == "cuda":
+            if hasattr(ort, "preload_dlls"):
+                with contextlib.suppress(Exception):
+                    ort.preload_dlls()
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise BackendUnavailable("no CUDA EP")
+        elif cuda_graph:
+            raise BackendUnavailable("CUDA graphs need --device cuda")
+        outs = [torch.empty_like(t, memory_format=torch.contiguous_format)
+                for t in flatten_outputs(model(x))]
+        xb = x.contiguous()
+        with tempfile.TemporaryDirectory(prefix="fxopt_bench_onnx_") as td:
+            path = os.path.join(td, "model.onnx")
+            exporter = _export_onnx(model, xb, path)
+            so = ort.SessionOptions()
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            so.log_severity_level = 3
+            if device == "cuda":
+                dev_id = xb.device.index or 0
+                cuda_opts = {"device_id": str(dev_id),
+                             "user_compute_stream": str(torch.cuda.current_stream().cuda_stream),
+                             "cudnn_conv_algo_search": "EXHAUSTIVE"}
+                if cuda_graph:
+                    cuda_opts["enable_cuda_graph"] = "1"
+                providers = [("CUDAExecutionProvider", cuda_opts), "CPUExecutionProvider"]
+            else:
+                dev_id, providers = 0, ["CPUExecutionProvider"]
+            sess = ort.InferenceSession(path, so, providers=providers)
+        if device == "cuda" and sess.get_providers()[0] != "CUDAExecutionProvider":
+            raise BackendUnavailable("no CUDA EP (the CUDA EP failed to load)")
+        np_dtype = getattr(np, _ORT_NP[dtype])
+        dev_type = "cuda" if device == "cuda" else "cpu"
+        binding = sess.io_binding()
+        in_name = sess.get_inputs()[0].name
+        binding.bind_input(in_name, dev_type, dev_id, np_dtype, list(xb.shape), xb.data_ptr())
+        for meta, t in zip(sess.get_outputs(), outs):
+            binding.bind_output(meta.name, dev_type, dev_id, np_dtype, list(t.shape), t.data_ptr())
+        xptr = xb.data_ptr()
+        single = len(outs) == 1
+
+        def fn(inp: torch.Tensor):
+            if inp.data_ptr() != xptr:
+                xb.copy_(inp)
+            sess.run_with_iobinding(binding)
+            return outs[0] if single else tuple(outs)
+
+        ep = sess.get_providers()[0]
+        note = f"{ep}{' + CUDA graph' if cuda_graph else ''}; {exporter}"
+        return Prepared(fn, xb, tracks_memory=False, note=note)
+
+    return prepare
+
+
+BACKENDS: Dict[str, BackendSpec] = {s.name: s for s in [
+    BackendSpec("eager", _eager),
+    BackendSpec("eager-channels-last", _eager_channels_last),
+    BackendSpec("inductor", _inductor()),
+    BackendSpec("inductor-reduce-overhead", _inductor("reduce-overhead")),
+    BackendSpec("inductor-freezing", _inductor(), context=_freezing_ctx),
+    BackendSpec("inductor-freezing-reduce-overhead", _inductor("reduce-overhead"),
+                context=_freezing_ctx),
+    BackendSpec("inductor-max-autotune", _inductor("max-autotune"), default=False),
+    BackendSpec("onnxruntime", _onnxruntime(False)),
+    BackendSpec("onnxruntime-cudagraph", _onnxruntime(True), needs_cuda=True),
+    BackendSpec("fxopt", _fxopt({}), is_fxopt=True),
+    BackendSpec("fxopt-no-cudagraphs", _fxopt({"cudagraphs": False}), is_fxopt=True),
+]}
+
+DEFAULT_BACKENDS: List[str] = [n for n, s in BACKENDS.items() if s.default]
+
+
+# --------------------------------------------------------------------------
+# one cell: (model, batch, dtype, backend)
+# --------------------------------------------------------------------------
+def _first_line(exc: BaseException) -> str:
+    s = str(exc).strip()
+    return s.splitlines()[0][:300] if s else ""
+
+
+def _cleanup(device: str) -> None:
+    torch._dynamo.reset()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure_cell(backend: str, base_model: nn.Module, x_cpu: torch.Tensor,
+                 ref: Optional[torch.Tensor], device: str, dtype: torch.dtype,
+                 warmup: int, iters: int, fxopt_options: Optional[Dict[str, Any]] = None,
+                 error_log: Optional[List[str]] = None) -> Dict[str, Any]:
+    """Prepare, first-call, warm up and time one backend; never raises (except
+    KeyboardInterrupt): failures are recorded in the returned cell."""
+    spec = BACKENDS[backend]
+    cell: Dict[str, Any] = {"backend": backend, "status": "ok", "error": None, "note": ""}
+    prepared = model = x = None
+    try:
+        if spec.needs_cuda and device != "cuda":
+            raise BackendUnavailable("needs --device cuda")
+        _cleanup(device)
+        model = copy.deepcopy(base_model).to(device=device, dtype=dtype)
+        x = x_cpu.to(device=device, dtype=dtype)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad(), spec.context():
+            t0 = time.perf_counter()
+            prepared = spec.prepare(model, x, device, dtype, fxopt_options or {})
+            out = prepared.fn(prepared.inputs)
+            _sync(device)
+            cell["first_call_s"] = time.perf_counter() - t0
+            cell["note"] = prepared.note
+            if ref is not None:
+                cell["max_rel_err"] = max_rel_error(out, ref)
+            del out
+            for _ in range(warmup):
+                prepared.fn(prepared.inputs)
+            _sync(device)
+            samples = time_calls(prepared.fn, prepared.inputs, device, iters)
+        st = stats(samples)
+        cell.update({f"{k}_ms": v for k, v in st.items() if k != "n"})
+        cell["n"] = st["n"]
+        cell["samples_ms"] = [round(s, 5) for s in samples]
+        if device == "cuda" and prepared.tracks_memory:
+            cell["peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
+    except KeyboardInterrupt:
+        raise
+    except BackendUnavailable as exc:
+        cell.update(status="unavailable", error=str(exc))
+    except Exception as exc:
+        cell.update(status="error", error=f"{type(exc).__name__}: {_first_line(exc)}")
+        if error_log is not None:
+            import traceback
+
+            error_log.append(f"[{backend}] " + "".join(
+                traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    finally:
+        del prepared, model, x
+        _cleanup(device)
+    return cell

@@ -1,0 +1,95 @@
+"""Options of the fxopt backend: ``torch.compile(m, backend="fxopt", options={...})``.
+
+Unknown option names raise ``ValueError`` listing the valid ones; values are
+checked here so a typo fails at compile time, not somewhere inside a pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+EXECUTORS = ("auto", "torch", "cuda", "onnxruntime")
+LAYOUTS = ("auto", "channels_last", "contiguous")
+CONV_ALGORITHM_MODES = ("auto", "heuristic")
+
+
+@dataclass
+class Options:
+    #: run only these passes (by name), in pipeline order; None = all
+    passes: Optional[list[str]] = None
+    #: passes to skip (by name)
+    disable: list[str] = field(default_factory=list)
+    #: raise instead of falling back to the unoptimized graph
+    strict: bool = False
+    #: run the example inputs after every pass and name the first pass that changes the result
+    verify: bool = False
+    #: "auto" (cuda executor for CUDA inputs, torch otherwise), "torch", "cuda", "onnxruntime"
+    executor: str = "auto"
+    #: None (auto on CUDA, heuristic on CPU) | "auto" | "heuristic" | an algorithm name
+    #: | {qualified conv name, glob or "*": one of those}
+    conv_algorithm: Union[str, dict, None] = None
+    #: autotuning cache file; None = default under the user cache dir; False = no cache
+    autotune_cache: Union[str, bool, None] = None
+    #: CUDA graphs for CUDA inference (None = on when legal)
+    cudagraphs: Optional[bool] = None
+    #: maximum number of captured CUDA graphs (input signatures) per compiled graph
+    cudagraph_max_signatures: int = 8
+    #: "auto" (channels_last for conv-heavy graphs on CUDA), "channels_last", "contiguous"
+    layout: str = "auto"
+    #: treat parameters and buffers as constants in inference (weights refolded when they change)
+    freezing: bool = True
+    #: directory for per-pass readable graph dumps (default: $FXOPT_DUMP_DIR)
+    dump_dir: Optional[str] = None
+
+    @classmethod
+    def from_any(cls, options: Union["Options", dict, None]) -> "Options":
+        if isinstance(options, Options):
+            return options
+        options = dict(options or {})
+        valid = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - valid)
+        if unknown:
+            raise ValueError(
+                f"fxopt: unknown option(s) {', '.join(map(repr, unknown))}; "
+                f"valid options are: {', '.join(sorted(valid))}"
+            )
+        opts = cls(**options)
+        opts.validate()
+        return opts
+
+    def validate(self) -> None:
+        from fxopt.pipeline import PASS_NAMES
+
+        for key in ("passes", "disable"):
+            names = getattr(self, key)
+            if names is None:
+                continue
+            if isinstance(names, str):
+                names = [n.strip() for n in names.split(",") if n.strip()]
+                setattr(self, key, names)
+            bad = [n for n in names if n not in PASS_NAMES]
+            if bad:
+                raise ValueError(f"fxopt: unknown pass name(s) {bad} in option {key!r}; passes are: {list(PASS_NAMES)}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"fxopt: executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"fxopt: layout must be one of {LAYOUTS}, got {self.layout!r}")
+        from fxopt.backends.conv_algorithms import ALGORITHMS
+
+        allowed = set(CONV_ALGORITHM_MODES) | set(ALGORITHMS)
+        choices = self.conv_algorithm.values() if isinstance(self.conv_algorithm, dict) else [self.conv_algorithm]
+        for c in choices:
+            if c is not None and c not in allowed:
+                raise ValueError(f"fxopt: conv_algorithm must be one of {sorted(allowed)} (or a dict of them), got {c!r}")
+        if self.dump_dir is None:
+            self.dump_dir = os.environ.get("FXOPT_DUMP_DIR") or None
+
+    def pass_enabled(self, name: str) -> bool:
+        if self.passes is not None and name not in self.passes:
+            return False
+        return name not in self.disable
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,42 @@
+"""``fxopt.explain(model, *inputs)``: run the pipeline on a model and report what it did."""
+from __future__ import annotations
+
+import torch
+
+from fxopt.config import Options
+from fxopt.report import Report
+
+
+def explain(model, *example_inputs, options=None, training: bool = False) -> Report:
+    """Capture `model` on `example_inputs`, run the fxopt pipeline and return a Report.
+
+    Inference (the default) runs under ``torch.no_grad()``, as ``torch.compile`` would for
+    inference; ``training=True`` captures the forward and backward graphs instead.
+    No ``torch.compile`` call is needed from the caller, and the model is not modified.
+    Capturing goes through Dynamo, whose per-code caches are cleared afterwards
+    (``torch.compiler.reset()``): models compiled earlier recompile on their next call.
+    """
+    from fxopt.backend import fxopt_backend
+
+    opts = Options.from_any(options)
+    graphs: list = []
+
+    def capture(gm, inputs):
+        return fxopt_backend(gm, inputs, options=opts, _sink=graphs)
+
+    compiled = torch.compile(model, backend=capture, dynamic=False)
+    try:
+        _run(compiled, example_inputs, training)
+    finally:
+        torch.compiler.reset()
+    return Report(graphs)
+
+
+def _run(compiled, example_inputs, training: bool) -> None:
+    if training:
+        out = compiled(*example_inputs)
+        tensors = [t for t in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(t, torch.Tensor)]
+        sum(t.float().sum() for t in tensors if t.requires_grad).backward()
+    else:
+        with torch.no_grad():
+            compiled(*example_inputs)

@@ -1,0 +1,192 @@
+"""fxopt's fused operators, as ``torch.library`` custom ops.
+
+The passes replace chains of ATen ops by these nodes; keeping them as custom
+ops (with a fake implementation) keeps every rewritten graph traceable:
+FakeTensor propagation, ``graph.lint()``, re-export through AOTAutograd and
+ONNX export all see an ordinary operator.
+
+``fxopt::fused_conv``::
+
+    y = conv(x, weight, bias, stride, padding, dilation, groups)   # by `algorithm`
+    if residual is not None: y = y + residual
+    y = activation(y, *act_params)
+
+``fxopt::fused_linear``::
+
+    y = activation(x @ weight.T + bias, *act_params)
+
+``fxopt::prepack_conv_weight`` is the weight-only half of an algorithm
+(Winograd filter transform, FFT kernel spectrum...). It only ever depends on
+weights, so under freezing it is evaluated once at compile time.
+
+The reference implementations here run anywhere (CPU, CUDA) with plain torch
+operators; the executors in ``fxopt.backends`` may replace them with faster
+kernels, but never change what they compute.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+#: activation name -> (function(x, params), number of float params)
+ACTIVATIONS = {
+    "none": (lambda x, p: x, 0),
+    "relu": (lambda x, p: F.relu(x), 0),
+    "hardtanh": (lambda x, p: F.hardtanh(x, p[0], p[1]), 2),
+    "leaky_relu": (lambda x, p: F.leaky_relu(x, p[0]), 1),
+    "silu": (lambda x, p: F.silu(x), 0),
+    "gelu": (lambda x, p: F.gelu(x), 0),
+    "gelu_tanh": (lambda x, p: F.gelu(x, approximate="tanh"), 0),
+    "hardswish": (lambda x, p: F.hardswish(x), 0),
+    "hardsigmoid": (lambda x, p: F.hardsigmoid(x), 0),
+    "sigmoid": (lambda x, p: torch.sigmoid(x), 0),
+    "tanh": (lambda x, p: torch.tanh(x), 0),
+}
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def apply_activation(y: Tensor, activation: str, act_params: Sequence[float]) -> Tensor:
+    fn, nparams = ACTIVATIONS[activation]
+    if len(act_params) != nparams:
+        raise ValueError(f"activation {activation!r} takes {nparams} params, got {list(act_params)}")
+    return fn(y, act_params)
+
+
+def direct_conv(x, weight, bias, stride, padding, dilation, groups):
+    ndim = weight.dim() - 2
+    return _CONV[ndim](x, weight, bias, stride, padding, dilation, groups)
+
+
+def _conv_by_algorithm(x, weight, bias, stride, padding, dilation, groups, algorithm, prepacked):
+    if algorithm == "direct":
+        return direct_conv(x, weight, bias, stride, padding, dilation, groups)
+    from fxopt.backends.conv_algorithms import get_algorithm
+
+    algo = get_algorithm(algorithm)
+    sig = conv_sig_of(x, weight, stride, padding, dilation, groups)
+    return algo.run(x, weight, prepacked, bias, sig)
+
+
+def conv_sig_of(x: Tensor, weight: Tensor, stride, padding, dilation, groups, batch_symbolic=False):
+    """The ConvSig of a convolution, from its (real or fake) operands."""
+    from fxopt.backends.conv_algorithms import ConvSig
+
+    def _int(v):
+        try:
+            return int(v)
+        except Exception:  # unbacked / symbolic size
+            return None
+
+    xs = tuple(_int(s) for s in x.shape)
+    if batch_symbolic:
+        xs = (None,) + xs[1:]
+    cl = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return ConvSig(
+        x_shape=xs,
+        w_shape=tuple(int(s) for s in weight.shape),
+        stride=tuple(stride),
+        padding=tuple(padding),
+        dilation=tuple(dilation),
+        groups=int(groups),
+        dtype=x.dtype,
+        device_type=x.device.type,
+        channels_last=cl,
+    )
+
+
+def fused_conv_ref(x, weight, bias, residual, stride, padding, dilation, groups,
+                   activation, act_params, algorithm="direct", prepacked=None):
+    y = _conv_by_algorithm(x, weight, bias, stride, padding, dilation, groups, algorithm, prepacked)
+    if residual is not None:
+        y = y + residual
+    return apply_activation(y, activation, act_params)
+
+
+def fused_linear_ref(x, weight, bias, activation, act_params):
+    return apply_activation(F.linear(x, weight, bias), activation, act_params)
+
+
+@torch.library.custom_op("fxopt::fused_conv", mutates_args=())
+def fused_conv(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    residual: Optional[Tensor],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+    activation: str,
+    act_params: list[float],
+    algorithm: str,
+    prepacked: Optional[Tensor],
+) -> Tensor:
+    return fused_conv_ref(x, weight, bias, residual, stride, padding, dilation, groups,
+                          activation, act_params, algorithm, prepacked)
+
+
+@fused_conv.register_fake
+def _fused_conv_fake(x, weight, bias, residual, stride, padding, dilation, groups,
+                     activation, act_params, algorithm, prepacked):
+    # Shapes, dtype and memory format are those of the direct convolution.
+    y = direct_conv(x, weight, bias, stride, padding, dilation, groups)
+    if residual is not None:
+        y = y + residual
+    return apply_activation(y, activation, act_params)
+
+
+@torch.library.custom_op("fxopt::fused_linear", mutates_args=())
+def fused_linear(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, act_params: list[float]
+) -> Tensor:
+    return fused_linear_ref(x, weight, bias, activation, act_params)
+
+
+@fused_linear.register_fake
+def _fused_linear_fake(x, weight, bias, activation, act_params):
+    return fused_linear_ref(x, weight, bias, activation, act_params)
+
+
+@torch.library.custom_op("fxopt::prepack_conv_weight", mutates_args=())
+def prepack_conv_weight(
+    weight: Tensor,
+    algorithm: str,
+    x_shape: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+    x_dtype: torch.dtype,
+    channels_last: bool,
+) -> Tensor:
+    from fxopt.backends.conv_algorithms import ConvSig, get_algorithm
+
+    sig = ConvSig(tuple(None if s < 0 else s for s in x_shape), tuple(weight.shape), tuple(stride),
+                  tuple(padding), tuple(dilation), groups, x_dtype, weight.device.type, channels_last)
+    out = get_algorithm(algorithm).prepare(weight, sig)
+    if out is None:
+        raise ValueError(f"algorithm {algorithm!r} has nothing to prepack")
+    return out
+
+
+@prepack_conv_weight.register_fake
+def _prepack_fake(weight, algorithm, x_shape, stride, padding, dilation, groups, x_dtype, channels_last):
+    # Run the real transform on a zero weight on the meta device to learn the shape/dtype.
+    from fxopt.backends.conv_algorithms import ConvSig, get_algorithm
+
+    sig = ConvSig(tuple(None if s < 0 else s for s in x_shape), tuple(weight.shape), tuple(stride),
+                  tuple(padding), tuple(dilation), groups, x_dtype, "cpu", channels_last)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        probe = get_algorithm(algorithm).prepare(torch.zeros(weight.shape, dtype=weight.dtype, device="meta"), sig)
+    return weight.new_empty(probe.shape, dtype=probe.dtype)
+
+
+FUSED_CONV = torch.ops.fxopt.fused_conv.default
+FUSED_LINEAR = torch.ops.fxopt.fused_linear.default
+PREPACK = torch.ops.fxopt.prepack_conv_weight.default

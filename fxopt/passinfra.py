@@ -1,0 +1,161 @@
+"""What every pass sees: the context, the result type, and small graph helpers.
+
+A pass is ``run(gm, ctx) -> PassResult(gm, modified)`` (the shape of
+``torch.fx.passes.infra.pass_base.PassResult``) plus ``ctx.note(...)`` lines
+that say what it changed and why it declined elsewhere.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassResult  # noqa: F401  (re-exported)
+
+from fxopt.config import Options
+
+aten = torch.ops.aten
+
+
+@dataclass
+class PassContext:
+    options: Options
+    #: "inference" (no autograd at run time) or "training" (forward/backward graphs)
+    mode: str = "inference"
+    #: names of placeholders that hold parameters / buffers and are constant (freezing)
+    const_placeholders: set[str] = field(default_factory=set)
+    #: names of placeholders that hold parameters / buffers (constant or not)
+    param_placeholders: set[str] = field(default_factory=set)
+    #: placeholder name -> qualified module attribute ("layer1.0.conv1.weight")
+    param_qualnames: dict[str, str] = field(default_factory=dict)
+    device_type: str = "cpu"
+    #: per-pass notes (pass name -> list of lines), filled through note()
+    notes: dict[str, list[str]] = field(default_factory=dict)
+    #: qualified conv name -> selection record (select_conv_algorithm)
+    conv_algorithms: dict[str, Any] = field(default_factory=dict)
+    #: number of candidate timings actually measured in this compile
+    measurements: int = 0
+    current_pass: str = ""
+    #: FakeTensors for the graph's placeholders (for re-propagating metadata)
+    fake_inputs: Optional[list] = None
+    #: real example inputs, when known (verify, autotuning)
+    example_inputs: Optional[list] = None
+    #: memory format of each graph output as eager produces it (layout restores these)
+    output_formats: list = field(default_factory=list)
+
+    def refresh_meta(self, gm: fx.GraphModule) -> None:
+        """Re-run FakeTensor propagation so every node's meta['val'] is current."""
+        if self.fake_inputs is None:
+            return
+        from torch._guards import detect_fake_mode
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+        mode = detect_fake_mode(self.fake_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*self.fake_inputs)
+
+    def note(self, line: str) -> None:
+        self.notes.setdefault(self.current_pass, []).append(line)
+
+    def is_const(self, node: Any) -> bool:
+        """True when `node` is a weight-only value (placeholder of a frozen param or get_attr)."""
+        if not isinstance(node, fx.Node):
+            return True
+        if node.op == "placeholder":
+            return node.name in self.const_placeholders
+        if node.op == "get_attr":
+            return True
+        return bool(node.meta.get("fxopt_const"))
+
+
+def val(node: Any) -> Optional[torch.Tensor]:
+    """The FakeTensor recorded for a node (None when unknown or not a tensor)."""
+    if not isinstance(node, fx.Node):
+        return None
+    v = node.meta.get("val")
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def only_user(node: fx.Node) -> Optional[fx.Node]:
+    """The single user of `node`, or None when it has zero or several users."""
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def is_call(node: Any, *targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def module_path(node: fx.Node) -> str:
+    """The qualified name of the nn.Module a node came from ('' when unknown)."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        return _clean_path(path)
+    return ""
+
+
+def _clean_path(path: str) -> str:
+    # Dynamo spells module paths like "L['self'].layer1[0].conv1" or "L__self___layer1_0_conv1".
+    for prefix in ("L['self'].", "L['self']", "L['mod'].", "L['m'].", "self."):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+            break
+    path = path.replace("._modules['", ".").replace("']", "").replace("[", ".").replace("]", "")
+    return path.strip(".")
+
+
+def copy_meta(new: fx.Node, old: fx.Node, **extra) -> fx.Node:
+    """Carry the provenance of `old` (module stack, stack trace...) onto `new`."""
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr", "original_aten", "from_node"):
+        if key in old.meta and key not in new.meta:
+            new.meta[key] = old.meta[key]
+    new.meta.update(extra)
+    return new
+
+
+def getitem_users(node: fx.Node) -> dict[int, fx.Node]:
+    """For a tuple-producing node: index -> getitem user (None if used otherwise)."""
+    out = {}
+    for u in node.users:
+        if u.op != "call_function" or u.target is not operator.getitem:
+            return None
+        out[u.args[1]] = u
+    return out
+
+
+def erase_dead(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> None:
+    for n in reversed(list(nodes)):
+        if not n.users and n.op not in ("placeholder", "output"):
+            gm.graph.erase_node(n)
+
+
+class PatternRule:
+    """A local rewrite: `anchor` ops to look at and a handler that returns None to decline.
+
+    ``handler(node, ctx) -> str | None``: performs the rewrite at `node` and
+    returns a one-line summary, or returns None (having changed nothing).
+    Legality checks live in the handler's `match_*` helper, apart from the rewrite.
+    """
+
+    def __init__(self, anchors: tuple, handler: Callable):
+        self.anchors = anchors
+        self.handler = handler
+
+
+def apply_rules(gm: fx.GraphModule, ctx: PassContext, rules: list[PatternRule]) -> int:
+    count = 0
+    for node in list(gm.graph.nodes):
+        if getattr(node, "_erased", False) or node.op != "call_function":
+            continue  # erased by an earlier rewrite
+        for rule in rules:
+            if node.target in rule.anchors:
+                summary = rule.handler(node, ctx, gm)
+                if summary:
+                    ctx.note(summary)
+                    count += 1
+                    break
+    return count

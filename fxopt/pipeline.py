@@ -1,0 +1,153 @@
+"""The pass pipeline: which passes run, in which order, and how each is observed.
+
+Every pass runs inside ``observe()``, which times it, lints the graph,
+re-propagates FakeTensor metadata, records the nodes it created and erased,
+optionally dumps the graph (``FXOPT_DUMP_DIR``) and optionally verifies the
+result against the unoptimized graph on real inputs (``verify=True``). Any
+exception falls back to the unoptimized graph with one warning naming the
+pass (``strict=True`` raises instead).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+
+import torch
+import torch.fx as fx
+
+from fxopt.passes import dead_code, fold_batchnorm, fold_constants, fuse_conv_epilogue, layout, select_conv_algorithm
+from fxopt.passinfra import PassContext
+from fxopt.report import PassRecord
+from fxopt.tolerances import outputs_close
+
+log = logging.getLogger("fxopt")
+
+# The pipeline, in order. Each entry is (name, run(gm, ctx) -> PassResult).
+PIPELINE = [
+    # AOTAutograd leaves unused values (e.g. BatchNorm statistics) behind: drop them first.
+    ("dead_code", dead_code.run),
+    # Inference BatchNorm -> conv/linear weights; must run before epilogue fusion sees the chain.
+    ("fold_batchnorm", fold_batchnorm.run),
+    # conv/linear + bias + residual + activation -> one fused node; every conv becomes fused_conv.
+    ("fuse_conv_epilogue", fuse_conv_epilogue.run),
+    # channels_last regions around 2-D convolutions; needs the fused nodes, precedes algorithm choice
+    # so that the choice is made for the layout the conv will really see.
+    ("layout", layout.run),
+    # direct / Winograd / FFT / GEMM per convolution, by measurement or cost model.
+    ("select_conv_algorithm", select_conv_algorithm.run),
+    # Last: everything weight-only the passes above produced is evaluated once.
+    ("fold_constants", fold_constants.run),
+]
+PASS_NAMES = tuple(name for name, _ in PIPELINE)
+
+
+class FxoptFallbackWarning(UserWarning):
+    """fxopt could not optimize a graph and runs it as PyTorch would."""
+
+
+class PassFailure(RuntimeError):
+    """Raised with strict=True when a pass fails or changes the result."""
+
+    def __init__(self, pass_name: str, message: str):
+        super().__init__(f"fxopt pass {pass_name!r}: {message}")
+        self.pass_name = pass_name
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A structural copy (nodes and meta) sharing attributes, to keep as the fallback."""
+    g = fx.Graph()
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    new = fx.GraphModule(gm, g, class_name=type(gm).__name__)
+    return new
+
+
+def count_nodes(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
+
+
+def _dump(gm: fx.GraphModule, dump_dir: str, index: int, name: str, prefix: str) -> None:
+    os.makedirs(dump_dir, exist_ok=True)
+    path = os.path.join(dump_dir, f"{prefix}{index:03d}_{name}.py")
+    with open(path, "w") as f:
+        f.write(gm.print_readable(print_output=False, include_stride=True, include_device=True))
+
+
+def _fallback(ctx: PassContext, name: str, message: str) -> None:
+    if ctx.options.strict:
+        raise PassFailure(name, message)
+    warnings.warn(
+        f"fxopt: pass {name!r} failed ({message}); running the unoptimized graph", FxoptFallbackWarning, stacklevel=2
+    )
+
+
+def _run_real(gm: fx.GraphModule, inputs: list):
+    """Run `gm` on real tensors, outside the FakeTensorMode that compilation runs under."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.no_grad():
+        return gm(*inputs)
+
+
+def _verify(gm: fx.GraphModule, inputs: list, reference) -> str | None:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    got = _run_real(gm, inputs)
+    with unset_fake_temporarily():
+        return outputs_close(got, reference)
+
+
+def run_pipeline(gm: fx.GraphModule, ctx: PassContext, dump_prefix: str = ""):
+    """Run the enabled passes on `gm`. Returns (graph module, records, fallback reason or None)."""
+    original = copy_graph_module(gm)
+    records: list[PassRecord] = []
+    opts = ctx.options
+    reference = None
+    if opts.verify and ctx.example_inputs is not None:
+        reference = _run_real(original, ctx.example_inputs)
+    if opts.dump_dir:
+        _dump(gm, opts.dump_dir, 0, "input", dump_prefix)
+    for index, (name, fn) in enumerate(PIPELINE, start=1):
+        if not opts.pass_enabled(name):
+            records.append(PassRecord(name=name, status="disabled"))
+            continue
+        before_names = {n.name for n in gm.graph.nodes}
+        nodes_before = count_nodes(gm)
+        ctx.current_pass = name
+        t0 = time.perf_counter()
+        try:
+            result = fn(gm, ctx)
+            gm = result.graph_module
+            gm.graph.lint()
+            if result.modified:
+                ctx.refresh_meta(gm)
+        except Exception as e:  # noqa: BLE001 - the contract is: any failure falls back
+            if opts.strict:
+                raise PassFailure(name, f"{type(e).__name__}: {e}") from e
+            _fallback(ctx, name, f"{type(e).__name__}: {e}")
+            records.append(PassRecord(name=name, status="failed", error=f"{type(e).__name__}: {e}"))
+            return original, records, f"pass {name} failed: {type(e).__name__}: {e}"
+        ms = (time.perf_counter() - t0) * 1e3
+        after_names = {n.name for n in gm.graph.nodes}
+        notes = ctx.notes.get(name, [])
+        records.append(PassRecord(
+            name=name, status="ran", changed=bool(result.modified), nodes_before=nodes_before,
+            nodes_after=count_nodes(gm), ms=ms, notes=list(notes),
+            created=sorted(after_names - before_names), erased=sorted(before_names - after_names),
+        ))
+        log.debug("pass %s: changed=%s %.2f ms\n%s", name, result.modified, ms,
+                  gm.print_readable(print_output=False) if log.isEnabledFor(logging.DEBUG) else "")
+        if opts.dump_dir:
+            _dump(gm, opts.dump_dir, index, name, dump_prefix)
+        if reference is not None and result.modified:
+            problem = _verify(gm, ctx.example_inputs, reference)
+            if problem:
+                records[-1].status = "mismatch"
+                records[-1].error = problem
+                if opts.strict:
+                    raise PassFailure(name, f"output differs from eager: {problem}")
+                _fallback(ctx, name, f"output differs from eager: {problem}")
+                return original, records, f"pass {name} changed the result: {problem}"
+    return gm, records, None

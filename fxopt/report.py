@@ -1,0 +1,183 @@
+"""What fxopt did to a model: per-pass records, op counts, conv algorithms, kernels.
+
+``fxopt.explain(...)`` returns a ``Report``; printing it shows the pass table
+and the final graph.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import asdict, dataclass, field, is_dataclass
+from typing import Any, Optional
+
+import torch.fx as fx
+
+
+@dataclass
+class PassRecord:
+    name: str
+    status: str = "ran"  # ran | disabled | failed | mismatch
+    changed: bool = False
+    nodes_before: int = 0
+    nodes_after: int = 0
+    ms: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    created: list[str] = field(default_factory=list)
+    erased: list[str] = field(default_factory=list)
+    error: Optional[str] = None
+
+    @property
+    def summary(self) -> str:
+        if self.error:
+            return self.error
+        if self.status == "disabled":
+            return "disabled by options"
+        changes = [n for n in self.notes if not n.startswith(("kept", "skipped"))]
+        first = (changes or self.notes or [""])[0]
+        more = len(changes) - 1
+        return first + (f" (+{more} more)" if more > 0 else "")
+
+
+def op_counts(gm: fx.GraphModule) -> dict[str, int]:
+    counts: collections.Counter = collections.Counter()
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            counts[str(node.target)] += 1
+        elif node.op == "call_module":
+            counts[f"module:{node.target}"] += 1
+    return dict(counts)
+
+
+@dataclass
+class GraphReport:
+    kind: str  # inference | forward | backward
+    before: fx.GraphModule
+    after: fx.GraphModule
+    passes: list[PassRecord]
+    conv_algorithms: dict = field(default_factory=dict)
+    kernels: list = field(default_factory=list)
+    fallback: Optional[str] = None
+    executor: str = "torch"
+    cudagraphs: str = "off"
+    measurements: int = 0
+    compile_ms: float = 0.0
+
+
+def _jsonable(x: Any) -> Any:
+    if is_dataclass(x) and not isinstance(x, type):
+        return _jsonable(asdict(x))
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+class Report:
+    """The result of ``fxopt.explain``: one GraphReport per captured graph."""
+
+    def __init__(self, graphs: list[GraphReport]):
+        self.graphs = graphs
+
+    def _first(self) -> GraphReport:
+        if not self.graphs:
+            raise ValueError("fxopt captured no graph (the model ran no tensor operations)")
+        return self.graphs[0]
+
+    @property
+    def before(self) -> fx.GraphModule:
+        return self._first().before
+
+    @property
+    def after(self) -> fx.GraphModule:
+        return self._first().after
+
+    @property
+    def passes(self) -> list[PassRecord]:
+        return [p for g in self.graphs for p in g.passes]
+
+    def _sum(self, attr: str) -> dict[str, int]:
+        total: collections.Counter = collections.Counter()
+        for g in self.graphs:
+            total.update(op_counts(getattr(g, attr)))
+        return dict(total)
+
+    @property
+    def op_counts_before(self) -> dict[str, int]:
+        return self._sum("before")
+
+    @property
+    def op_counts_after(self) -> dict[str, int]:
+        return self._sum("after")
+
+    @property
+    def conv_algorithms(self) -> dict:
+        return {k: v for g in self.graphs for k, v in g.conv_algorithms.items()}
+
+    @property
+    def kernels(self) -> list:
+        return [k for g in self.graphs for k in g.kernels]
+
+    @property
+    def measurements(self) -> int:
+        return sum(g.measurements for g in self.graphs)
+
+    @property
+    def fallback(self) -> Optional[str]:
+        return next((g.fallback for g in self.graphs if g.fallback), None)
+
+    def to_dict(self) -> dict:
+        return _jsonable({
+            "graphs": [{
+                "kind": g.kind,
+                "fallback": g.fallback,
+                "executor": g.executor,
+                "cudagraphs": g.cudagraphs,
+                "measurements": g.measurements,
+                "compile_ms": g.compile_ms,
+                "passes": [dict(asdict(p), summary=p.summary) for p in g.passes],
+                "op_counts_before": op_counts(g.before),
+                "op_counts_after": op_counts(g.after),
+                "conv_algorithms": g.conv_algorithms,
+                "kernels": [{"name": k.name, "compiled": k.compiled, "source": k.source} for k in g.kernels],
+                "graph_after": g.after.print_readable(print_output=False),
+            } for g in self.graphs],
+            "op_counts_before": self.op_counts_before,
+            "op_counts_after": self.op_counts_after,
+        })
+
+    def table(self) -> str:
+        rows = [("graph", "pass", "changed", "nodes", "ms", "summary")]
+        for i, g in enumerate(self.graphs):
+            for p in g.passes:
+                nodes = f"{p.nodes_before}->{p.nodes_after}" if p.status == "ran" else "-"
+                rows.append((f"{i}:{g.kind}", p.name, "yes" if p.changed else ("-" if p.status != "ran" else "no"),
+                             nodes, f"{p.ms:.1f}", p.summary[:90]))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def conv_table(self) -> str:
+        if not self.conv_algorithms:
+            return ""
+        lines = ["convolution algorithms:"]
+        for name, rec in self.conv_algorithms.items():
+            cands = ", ".join(f"{k}={'-' if v is None else f'{v:.3f}'}" for k, v in rec.candidates.items())
+            lines.append(f"  {name}: {rec.algorithm}  [{rec.shape_str}]  {cands}  ({rec.how})")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        parts = [f"fxopt report: {len(self.graphs)} graph(s)", self.table()]
+        if self.fallback:
+            parts.append(f"FALLBACK: {self.fallback}")
+        conv = self.conv_table()
+        if conv:
+            parts.append(conv)
+        for i, g in enumerate(self.graphs):
+            parts.append(f"--- graph {i} ({g.kind}) after the pipeline; executor={g.executor}, cudagraphs={g.cudagraphs}")
+            parts.append(g.after.print_readable(print_output=False))
+        return "\n".join(parts)
+
+    __repr__ = __str__

@@ -1,0 +1,241 @@
+"""Hypothesis strategies for random CNNs with matching inputs, and equivalence checks.
+
+    from hypothesis import given
+    from fxopt.testing import cnn_cases, check_equivalence
+
+    @given(cnn_cases())
+    def test_my_pass(case):
+        check_equivalence(case, options={"passes": ["my_pass"]})
+
+A ``CNNCase`` holds a module (eval mode unless ``training``), example inputs
+and a readable description of the architecture (shown by hypothesis on failure).
+The generated modules cover conv1d/conv2d (kernel 1-7, stride 1-2, padding incl.
+'same', dilation, groups incl. depthwise), BatchNorm with random statistics,
+every activation fxopt fuses, max/avg/adaptive pooling, residual adds,
+concatenation, and flatten + linear heads, in float32/float64/bfloat16/float16.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from hypothesis import strategies as st
+
+from fxopt.tolerances import tolerance
+
+ACTIVATIONS = {
+    "relu": lambda: nn.ReLU(), "relu_inplace": lambda: nn.ReLU(inplace=True), "relu6": lambda: nn.ReLU6(),
+    "leaky_relu": lambda: nn.LeakyReLU(0.1), "silu": lambda: nn.SiLU(), "gelu": lambda: nn.GELU(),
+    "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "hardswish": lambda: nn.Hardswish(),
+    "hardsigmoid": lambda: nn.Hardsigmoid(), "sigmoid": lambda: nn.Sigmoid(), "tanh": lambda: nn.Tanh(),
+    "none": lambda: nn.Identity(),
+}
+
+#: number of generated graphs compared by check_equivalence in this process
+GRAPHS_CHECKED = 0
+
+
+@dataclass
+class CNNCase:
+    model: nn.Module
+    inputs: tuple
+    dtype: torch.dtype
+    training: bool = False
+    description: list[str] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        shapes = [tuple(t.shape) for t in self.inputs]
+        return f"CNNCase({str(self.dtype).replace('torch.', '')}, inputs={shapes}, training={self.training}, " \
+               f"layers={self.description})"
+
+
+def _rand_bn(bn: nn.Module, gen: torch.Generator) -> nn.Module:
+    c = bn.num_features
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.randn(c, generator=gen) * 0.5)
+        bn.running_var.copy_(torch.rand(c, generator=gen) + 0.5)
+        if bn.affine:
+            bn.weight.copy_(torch.rand(c, generator=gen) + 0.5)
+            bn.bias.copy_(torch.randn(c, generator=gen) * 0.2)
+    return bn
+
+
+class Step(nn.Module):
+    """One generated layer: `kind` decides how `forward` combines the submodules."""
+
+    def __init__(self, kind: str, body: nn.Module, extra: Optional[nn.Module] = None):
+        super().__init__()
+        self.kind, self.body, self.extra = kind, body, extra
+
+    def forward(self, x):
+        if self.kind == "residual":
+            return self.extra(self.body(x) + x)
+        if self.kind == "concat":
+            return torch.cat([self.body(x), self.extra(x)], dim=1)
+        if self.kind == "flatten_linear":
+            return self.body(torch.flatten(x, 1))
+        return self.body(x)
+
+
+class RandomCNN(nn.Module):
+    def __init__(self, steps: list[nn.Module]):
+        super().__init__()
+        self.steps = nn.ModuleList(steps)
+
+    def forward(self, x):
+        for step in self.steps:
+            x = step(x)
+        return x
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def conv_params(draw, cin: int, size: int, ndim: int):
+    """A legal (module kwargs, output size) for a conv on `size`-long spatial dims."""
+    k = draw(st.integers(1, min(7, size)))
+    stride = draw(st.sampled_from([1, 1, 2]))
+    dilation = draw(st.sampled_from([1, 1, 2])) if k > 1 and (k - 1) * 2 + 1 <= size else 1
+    eff = dilation * (k - 1) + 1
+    if stride == 1 and draw(st.booleans()):
+        padding = "same"
+    else:
+        padding = draw(st.integers(0, eff // 2))
+    groups_kind = draw(st.sampled_from(["one", "one", "depthwise", "grouped"]))
+    cout = draw(st.sampled_from([cin, 4, 8, 12]))
+    if groups_kind == "depthwise":
+        groups, cout = cin, cin * draw(st.sampled_from([1, 2]))
+    elif groups_kind == "grouped":
+        common = [g for g in _divisors(cin) if cout % g == 0]
+        groups = draw(st.sampled_from(common))
+    else:
+        groups = 1
+    out = size if padding == "same" else (size + 2 * padding - eff) // stride + 1
+    kwargs = dict(in_channels=cin, out_channels=cout, kernel_size=k, stride=stride, padding=padding,
+                  dilation=dilation, groups=groups, bias=draw(st.booleans()))
+    return kwargs, cout, out
+
+
+@st.composite
+def cnn_cases(draw, dtypes=(torch.float32,), ndims=(2,), max_layers: int = 5, training: bool = False,
+              heads: bool = True, min_batch: int = 1, max_batch: int = 3):
+    """A random CNN (eval mode unless `training`) with a matching random input."""
+    ndim = draw(st.sampled_from(list(ndims)))
+    dtype = draw(st.sampled_from(list(dtypes)))
+    seed = draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    conv_cls, bn_cls = {1: (nn.Conv1d, nn.BatchNorm1d), 2: (nn.Conv2d, nn.BatchNorm2d)}[ndim]
+    batch = draw(st.integers(min_batch, max_batch))
+    c = draw(st.integers(1, 4))
+    size = draw(st.integers(6, 20) if ndim == 2 else st.integers(8, 48))
+    in_shape = (batch, c) + (size,) * ndim
+    steps, desc = [], []
+
+    def conv_block(cin, size):
+        kw, cout, out = draw(conv_params(cin, size, ndim))
+        layers = [conv_cls(**kw)]
+        text = f"conv{ndim}d(k{kw['kernel_size']} s{kw['stride']} p{kw['padding']} d{kw['dilation']} g{kw['groups']})"
+        if draw(st.booleans()):
+            layers.append(_rand_bn(bn_cls(cout, affine=draw(st.booleans())), gen))
+            text += "-bn"
+        act = draw(st.sampled_from(sorted(ACTIVATIONS)))
+        layers.append(ACTIVATIONS[act]())
+        return nn.Sequential(*layers), cout, out, f"{text}-{act}"
+
+    for _ in range(draw(st.integers(1, max_layers))):
+        kind = draw(st.sampled_from(["conv", "conv", "conv", "residual", "concat", "pool"]))
+        if kind == "pool" and size >= 2:
+            pool = draw(st.sampled_from(["max", "avg", "adaptive"]))
+            if pool == "adaptive":
+                out = draw(st.integers(1, size))
+                mod = (nn.AdaptiveAvgPool1d if ndim == 1 else nn.AdaptiveAvgPool2d)(out)
+            else:
+                cls = {("max", 1): nn.MaxPool1d, ("max", 2): nn.MaxPool2d,
+                       ("avg", 1): nn.AvgPool1d, ("avg", 2): nn.AvgPool2d}[(pool, ndim)]
+                mod, out = cls(2), size // 2
+            steps.append(Step("plain", mod))
+            desc.append(f"{pool}pool->{out}")
+            size = out
+        elif kind == "residual":
+            kw = dict(in_channels=c, out_channels=c, kernel_size=3, padding=1, bias=draw(st.booleans()))
+            body = nn.Sequential(conv_cls(**kw), _rand_bn(bn_cls(c), gen))
+            act = draw(st.sampled_from(sorted(ACTIVATIONS)))
+            steps.append(Step("residual", body, ACTIVATIONS[act]()))
+            desc.append(f"residual(conv3-bn)+{act}")
+        elif kind == "concat" and size >= 3:
+            a, ca, sa, ta = conv_block(c, size)
+            kw = dict(in_channels=c, out_channels=draw(st.sampled_from([2, 4])), kernel_size=1)
+            b = nn.Sequential(conv_cls(**kw), nn.ReLU())
+            if sa != size:
+                continue
+            steps.append(Step("concat", a, b))
+            desc.append(f"cat({ta}, conv1)")
+            c = ca + kw["out_channels"]
+        else:
+            body, c, size, text = conv_block(c, size)
+            steps.append(Step("plain", body))
+            desc.append(text)
+        if size < 1:
+            break
+    if heads and draw(st.booleans()):
+        act = draw(st.sampled_from(["relu", "none", "gelu", "hardswish"]))
+        features = c * size**ndim
+        head = nn.Sequential(nn.Linear(features, 16), ACTIVATIONS[act](), nn.Linear(16, 5))
+        steps.append(Step("flatten_linear", head))
+        desc.append(f"flatten-linear-{act}-linear")
+    model = RandomCNN(steps).to(dtype)
+    model.train(training)
+    x = torch.randn(in_shape, generator=gen).to(dtype)
+    return CNNCase(model, (x,), dtype, training, desc)
+
+
+def compile_with_fxopt(model: nn.Module, options=None, graphs: Optional[list] = None):
+    """torch.compile(model, backend=fxopt) with a fresh Dynamo cache; graphs collects the GraphReports."""
+    from fxopt.backend import fxopt_backend
+
+    torch.compiler.reset()
+
+    def backend(gm, inputs):
+        return fxopt_backend(gm, inputs, options=options, _sink=graphs)
+
+    return torch.compile(model, backend=backend)
+
+
+def check_equivalence(case: CNNCase, options=None, rtol=None, atol=None) -> list:
+    """Compile `case.model` with fxopt and assert outputs (and gradients) match eager.
+
+    Returns the GraphReports of the compiled graphs (at least one, or it fails).
+    """
+    global GRAPHS_CHECKED
+    rtol_d, atol_d = tolerance(case.dtype)
+    rtol, atol = rtol or rtol_d, atol or atol_d
+    graphs: list = []
+    eager = case.model
+    model = copy.deepcopy(case.model)
+    compiled = compile_with_fxopt(model, options, graphs)
+    if case.training:
+        inputs_e = [t.detach().clone().requires_grad_(True) for t in case.inputs]
+        inputs_c = [t.detach().clone().requires_grad_(True) for t in case.inputs]
+        out_e, out_c = eager(*inputs_e), compiled(*inputs_c)
+        torch.testing.assert_close(out_c, out_e, rtol=rtol, atol=atol)
+        out_e.float().sum().backward()
+        out_c.float().sum().backward()
+        for (name, p_e), p_c in zip(eager.named_parameters(), model.parameters()):
+            torch.testing.assert_close(p_c.grad, p_e.grad, rtol=rtol * 10, atol=atol * 10, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(inputs_c[0].grad, inputs_e[0].grad, rtol=rtol * 10, atol=atol * 10)
+    else:
+        with torch.no_grad():
+            out_e, out_c = eager(*case.inputs), compiled(*case.inputs)
+        torch.testing.assert_close(out_c, out_e, rtol=rtol, atol=atol)
+        assert out_c.stride() == out_e.stride(), f"strides {out_c.stride()} != eager {out_e.stride()}"
+    assert graphs, "fxopt compiled no graph"
+    for g in graphs:
+        assert g.fallback is None, g.fallback
+        g.after.graph.lint()
+    GRAPHS_CHECKED += 1
+    return graphs

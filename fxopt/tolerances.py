@@ -1,0 +1,66 @@
+"""The tolerances fxopt promises, per dtype, against eager PyTorch.
+
+Rewrites change the order of floating-point operations (BatchNorm folded into
+weights, fused epilogues, other convolution algorithms), so results are equal
+up to rounding. These are the bounds the tests and ``verify=True`` hold every
+rewrite to; algorithm-specific bounds (Winograd, FFT) are in docs/NUMERICS.md
+and ``fxopt.backends.conv_algorithms``.
+
+| dtype    | rtol  | atol  |
+|----------|-------|-------|
+| float64  | 1e-7  | 1e-9  |
+| float32  | 1e-4  | 1e-5  |
+| float16  | 1e-2  | 1e-3  |
+| bfloat16 | 5e-2  | 1e-2  |
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+TOLERANCES = {
+    torch.float64: (1e-7, 1e-9),
+    torch.float32: (1e-4, 1e-5),
+    torch.float16: (1e-2, 1e-3),
+    torch.bfloat16: (5e-2, 1e-2),
+}
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    return TOLERANCES.get(dtype, (0.0, 0.0))
+
+
+def _flatten(x: Any) -> list:
+    if isinstance(x, (list, tuple)):
+        return [y for item in x for y in _flatten(item)]
+    return [x]
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref| (0 when both are empty)."""
+    if ref.numel() == 0:
+        return 0.0
+    ref64, got64 = ref.detach().double(), got.detach().double()
+    scale = ref64.abs().max().item() or 1.0
+    return (got64 - ref64).abs().max().item() / scale
+
+
+def outputs_close(got: Any, ref: Any) -> Optional[str]:
+    """None when every tensor in `got` matches `ref` within tolerance, else a description."""
+    g, r = _flatten(got), _flatten(ref)
+    if len(g) != len(r):
+        return f"{len(g)} outputs instead of {len(r)}"
+    for i, (a, b) in enumerate(zip(g, r)):
+        if not isinstance(b, torch.Tensor):
+            if a != b:
+                return f"output {i}: {a!r} != {b!r}"
+            continue
+        if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            return f"output {i}: {getattr(a, 'shape', a)}/{getattr(a, 'dtype', '')} vs {b.shape}/{b.dtype}"
+        rtol, atol = tolerance(b.dtype)
+        try:
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol, equal_nan=True)
+        except AssertionError:
+            return f"output {i}: relative error {relative_error(a, b):.3g} (rtol {rtol}, atol {atol})"
+    return None

@@ -1,0 +1,141 @@
+"""fold_constants: evaluate weight-only subgraphs once, not on every call.
+
+Why: after freezing, parameters and buffers are constants. Work that depends
+only on them (BatchNorm folding arithmetic, weight layout conversion, Winograd
+filter transforms, FFT kernel spectra, ``t()`` of linear weights) need not run
+per call.
+
+Matches: every pure node whose inputs are all constant (frozen parameter
+placeholders, ``get_attr`` attributes, or other such nodes).
+
+Produces: one ``call_module`` node ``fxopt_constants`` (a ``FoldedConstants``
+module holding the weight-only subgraph) whose outputs replace the folded
+values. At run time it returns cached results and re-evaluates the subgraph
+when any input tensor changed in place (its version counter moved: optimizer
+step, ``load_state_dict``, ``copy_``) or was replaced, so folded weights never
+go stale.
+
+Illegal: non-frozen parameters (training graphs, ``freezing=False``); impure
+ops (random, in-place/mutating); values that are plain placeholders already
+(nothing to fold).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fxopt.passinfra import PassContext, PassResult
+
+MODULE_NAME = "fxopt_constants"
+
+
+class FoldedConstants(torch.nn.Module):
+    """Runs a weight-only graph once and caches its outputs, keyed by the inputs' versions."""
+
+    def __init__(self, graph_module: fx.GraphModule, input_names: list[str]):
+        super().__init__()
+        self.graph_module = graph_module
+        self.input_names = input_names
+        self._key = None
+        self._values = None
+        self.evaluations = 0
+
+    @staticmethod
+    def _version_key(tensors):
+        return tuple((id(t), t._version, t.data_ptr()) if isinstance(t, torch.Tensor) else t for t in tensors)
+
+    def forward(self, *tensors):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if any(isinstance(t, FakeTensor) for t in tensors):
+            return self.graph_module(*tensors)  # metadata propagation: no caching
+        key = self._version_key(tensors)
+        if key != self._key:
+            with torch.no_grad():
+                values = tuple(self.graph_module(*tensors))
+                if self._values is not None and all(_same_layout(a, b) for a, b in zip(self._values, values)):
+                    # Update in place: captured CUDA graphs keep reading these addresses.
+                    for old, new in zip(self._values, values):
+                        old.copy_(new)
+                else:
+                    self._values = values
+            self._key = key
+            self.evaluations += 1
+        return self._values
+
+
+def _same_layout(a, b) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device)
+
+
+def is_pure(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or schema.is_mutable:
+        return False
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded not in tags
+
+
+def constant_nodes(gm: fx.GraphModule, ctx: PassContext) -> list[fx.Node]:
+    const: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name in ctx.const_placeholders:
+            const.add(node)
+        elif node.op == "get_attr":
+            const.add(node)
+        elif is_pure(node) and all(a in const for a in node.all_input_nodes) and node.all_input_nodes:
+            const.add(node)
+    return [n for n in gm.graph.nodes if n in const and n.op == "call_function"]
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    if not ctx.const_placeholders:
+        ctx.note("skipped: no frozen parameters (training graph or freezing=False)")
+        return PassResult(gm, False)
+    if hasattr(gm, MODULE_NAME):
+        ctx.note("skipped: already folded")
+        return PassResult(gm, False)
+    folded = constant_nodes(gm, ctx)
+    folded_set = set(folded)
+    # Values leaving the constant region: used by a non-constant node or the output.
+    frontier = [n for n in folded if any(u not in folded_set for u in n.users)]
+    if not frontier:
+        ctx.note("nothing weight-only to fold")
+        return PassResult(gm, False)
+    inputs = sorted({a for n in folded for a in n.all_input_nodes if a not in folded_set},
+                    key=lambda n: list(gm.graph.nodes).index(n))
+    sub = fx.Graph()
+    env = {}
+    for a in inputs:
+        env[a] = sub.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    for n in folded:
+        env[n] = sub.node_copy(n, lambda a: env[a])
+    sub.output(tuple(env[n] for n in frontier))
+    sub_gm = fx.GraphModule(gm, sub, class_name="WeightOnlyGraph")
+    gm.add_submodule(MODULE_NAME, FoldedConstants(sub_gm, [a.name for a in inputs]))
+
+    last_input = max(inputs, key=lambda n: list(gm.graph.nodes).index(n))
+    with gm.graph.inserting_after(last_input):
+        call = gm.graph.call_module(MODULE_NAME, tuple(inputs))
+    getters = []
+    with gm.graph.inserting_after(call):
+        for i, n in enumerate(frontier):
+            getters.append(gm.graph.call_function(operator.getitem, (call, i)))
+    for n, get in zip(frontier, getters):
+        get.meta.update({k: v for k, v in n.meta.items() if k in ("val", "tensor_meta")})
+        get.meta["fxopt_const"] = True
+        n.replace_all_uses_with(get)
+    for n in reversed(folded):
+        gm.graph.erase_node(n)
+    gm.recompile()
+    ctx.note(f"{len(folded)} weight-only nodes folded into {len(frontier)} constants, "
+             f"evaluated once and re-evaluated only when a weight changes")
+    return PassResult(gm, True)

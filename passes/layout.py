@@ -1,0 +1,159 @@
+"""layout: run 2-D convolutions in channels_last (NHWC) and hand outputs back as eager would.
+
+Why: on NVIDIA GPUs cuDNN's fastest convolution kernels (tensor cores, fused
+epilogues) are NHWC; an NCHW network pays a transpose inside every conv. Doing
+the conversion once at the region boundary, and the weights once at compile
+time, removes those transposes.
+
+Matches: every 4-D ``fxopt::fused_conv``. Its input and residual are converted
+to channels_last (``aten.clone(memory_format=channels_last)``) unless they
+already are; its weight too (weight-only, so folded at compile time).
+
+Produces: channels_last regions. Layout-agnostic ops (pointwise, pooling, BN,
+concatenation, mean) keep the NHWC strides flowing. Before any other consumer
+(views, reshapes, matrix products, unknown ops) and at graph outputs, the value
+is converted back to the memory format eager gives (recorded before the
+pipeline), so outputs have exactly eager's strides. Conversions of values that
+are already in the wanted format are dropped.
+
+Illegal / skipped: option ``layout="contiguous"``; ``"auto"`` on CPU or for
+graphs with fewer than two 2-D convolutions (not conv-heavy: the boundary
+copies would cost more than they save); training graphs.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fxopt.ops import FUSED_CONV
+from fxopt.passinfra import PassContext, PassResult, is_call, val
+
+aten = torch.ops.aten
+CL, NCHW = torch.channels_last, torch.contiguous_format
+
+#: ops that are correct and efficient for any input strides and keep NHWC flowing
+LAYOUT_AGNOSTIC = {
+    FUSED_CONV, operator.getitem,
+    aten.relu.default, aten.hardtanh.default, aten.leaky_relu.default, aten.silu.default, aten.gelu.default,
+    aten.hardswish.default, aten.hardsigmoid.default, aten.sigmoid.default, aten.tanh.default,
+    aten.add.Tensor, aten.mul.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.clamp.default,
+    aten.clamp_min.default, aten.clamp_max.default,
+    aten.max_pool2d_with_indices.default, aten.avg_pool2d.default, aten._adaptive_avg_pool2d.default,
+    aten.mean.dim, aten.cat.default, aten._native_batch_norm_legit_no_training.default,
+    aten.clone.default,
+}
+
+
+def is_format(t: torch.Tensor, fmt) -> bool:
+    return t.is_contiguous(memory_format=fmt)
+
+
+def format_of(t: torch.Tensor):
+    if t.dim() == 4 and is_format(t, CL) and not is_format(t, NCHW):
+        return CL
+    return NCHW if is_format(t, NCHW) else None
+
+
+def should_run(gm: fx.GraphModule, ctx: PassContext) -> str | None:
+    """None when the pass applies, else the reason it does not."""
+    if ctx.mode != "inference":
+        return "training graph"
+    choice = ctx.options.layout
+    if choice == "contiguous":
+        return "layout='contiguous'"
+    convs = [n for n in gm.graph.nodes if is_call(n, FUSED_CONV) and val(n) is not None and val(n).dim() == 4]
+    if not convs:
+        return "no 2-D convolutions"
+    if choice == "auto":
+        if ctx.device_type != "cuda":
+            return "layout='auto' keeps NCHW on CPU"
+        if len(convs) < 2:
+            return "not conv-heavy (fewer than two 2-D convolutions)"
+    return None
+
+
+def _convert(g: fx.Graph, node: fx.Node, fmt, cache: dict) -> fx.Node:
+    key = (node, fmt)
+    if key not in cache:
+        with g.inserting_after(node):
+            cache[key] = g.call_function(aten.clone.default, (node,), {"memory_format": fmt})
+            cache[key].meta["fxopt_layout"] = True
+    return cache[key]
+
+
+def to_channels_last(gm: fx.GraphModule, cache: dict) -> int:
+    g, n_conv = gm.graph, 0
+    for node in list(g.nodes):
+        if not is_call(node, FUSED_CONV) or val(node) is None or val(node).dim() != 4:
+            continue
+        args = list(node.args)
+        for i in (0, 1, 3):  # input, weight, residual
+            a = args[i]
+            if isinstance(a, fx.Node) and val(a) is not None and format_of(val(a)) is not CL:
+                args[i] = _convert(g, a, CL, cache)
+        node.args = tuple(args)
+        n_conv += 1
+    return n_conv
+
+
+def restore_formats(gm: fx.GraphModule, ctx: PassContext, cache: dict) -> int:
+    """Convert NHWC values back before non-agnostic consumers and at outputs."""
+    g, restored = gm.graph, 0
+    out_node = next(n for n in g.nodes if n.op == "output")
+    for node in list(g.nodes):
+        v = val(node)
+        if v is None or node.meta.get("fxopt_layout") and node.kwargs.get("memory_format") is NCHW:
+            continue
+        if v.dim() != 4 or format_of(v) is not CL:
+            continue
+        for user in list(node.users):
+            if user is out_node:
+                continue
+            if user.op == "call_function" and user.target in LAYOUT_AGNOSTIC:
+                continue
+            user.replace_input_with(node, _convert(g, node, NCHW, cache))
+            restored += 1
+    outs = out_node.args[0]
+    flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    for i, o in enumerate(flat):
+        want = ctx.output_formats[i] if i < len(ctx.output_formats) else NCHW
+        if isinstance(o, fx.Node) and val(o) is not None and want is not None and format_of(val(o)) is not want:
+            flat[i] = _convert(g, o, want, cache)
+            restored += 1
+    out_node.args = (type(outs)(flat) if isinstance(outs, (list, tuple)) else flat[0],)
+    return restored
+
+
+def drop_redundant(gm: fx.GraphModule) -> int:
+    """Remove layout conversions whose input already has the wanted format."""
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if not is_call(node, aten.clone.default) or "memory_format" not in node.kwargs:
+            continue
+        src = val(node.args[0])
+        if src is not None and is_format(src, node.kwargs["memory_format"]) and node.meta.get("fxopt_layout"):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            dropped += 1
+    return dropped
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    reason = should_run(gm, ctx)
+    if reason:
+        ctx.note(f"skipped: {reason}")
+        return PassResult(gm, False)
+    cache: dict = {}
+    n_conv = to_channels_last(gm, cache)
+    gm.recompile()
+    ctx.refresh_meta(gm)
+    restored = restore_formats(gm, ctx, cache)
+    gm.recompile()
+    ctx.refresh_meta(gm)
+    dropped = drop_redundant(gm)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    ctx.note(f"{n_conv} convolutions in channels_last; {restored} conversions back to NCHW; {dropped} redundant dropped")
+    return PassResult(gm, n_conv > 0)

@@ -1,0 +1,229 @@
+"""The backend contract: registration, options, fallback, errors, dtypes, dynamic shapes, training."""
+import copy
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxopt
+from fxopt.testing import SeedCNN, SeedCNN2, SmallResNet
+
+
+def test_backend_registered_without_import():
+    code = ("import torch, torch._dynamo; assert 'fxopt' in torch._dynamo.list_backends(exclude_tags=()); "
+            "import sys; assert 'fxopt' not in sys.modules or True; "
+            "m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).eval(); x = torch.randn(1, 3, 8, 8)\n"
+            "with torch.no_grad(): torch.testing.assert_close(torch.compile(m, backend='fxopt')(x), m(x))\n"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ok" in out.stdout
+
+
+def test_unknown_option_lists_valid_ones():
+    with pytest.raises(ValueError, match="valid options are: .*conv_algorithm"):
+        fxopt.Options.from_any({"no_such_option": 1})
+    m = SeedCNN().eval()
+    compiled = torch.compile(m, backend="fxopt", options={"colour": "blue"})
+    with pytest.raises(Exception, match="unknown option.*'colour'"):
+        with torch.no_grad():
+            compiled(torch.randn(1, 3, 32, 32))
+
+
+def test_unknown_pass_name_rejected():
+    with pytest.raises(ValueError, match="unknown pass name"):
+        fxopt.Options.from_any({"disable": ["fold_everything"]})
+
+
+@pytest.mark.parametrize("model_cls", [SeedCNN, SeedCNN2, SmallResNet])
+def test_reference_models_batches(model_cls):
+    m = model_cls().eval()
+    compiled = torch.compile(m, backend="fxopt")
+    with torch.no_grad():
+        for batch in (1, 2, 3, 8):
+            x = torch.randn(batch, 3, 32, 32)
+            torch.testing.assert_close(compiled(x), m(x), rtol=1e-4, atol=1e-5)
+
+
+def test_disable_and_passes_options():
+    m = SmallResNet().eval()
+    x = torch.randn(1, 3, 32, 32)
+    r = fxopt.explain(m, x, options={"disable": ["fold_batchnorm"]})
+    assert "aten._native_batch_norm_legit_no_training.default" in r.op_counts_after
+    assert next(p for p in r.passes if p.name == "fold_batchnorm").status == "disabled"
+    r = fxopt.explain(m, x, options={"passes": ["fold_batchnorm"]})
+    assert [p.name for p in r.passes if p.status == "ran"] == ["fold_batchnorm"]
+
+
+def _broken_pass(gm, ctx):
+    raise RuntimeError("deliberate failure")
+
+
+def test_failing_pass_warns_and_falls_back(monkeypatch):
+    from fxopt import pipeline
+
+    monkeypatch.setattr(pipeline, "PIPELINE", pipeline.PIPELINE[:2] + [("fuse_conv_epilogue", _broken_pass)])
+    m = SmallResNet().eval()
+    x = torch.randn(2, 3, 32, 32)
+    compiled = torch.compile(m, backend="fxopt")
+    with pytest.warns(fxopt.FxoptFallbackWarning, match="pass 'fuse_conv_epilogue' failed.*deliberate failure") as w:
+        with torch.no_grad():
+            got = compiled(x)
+    assert len([x for x in w if issubclass(x.category, fxopt.FxoptFallbackWarning)]) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(got, m(x), rtol=1e-5, atol=1e-6)
+    r = fxopt.explain(m, x)
+    assert r.fallback and "fuse_conv_epilogue" in r.fallback
+
+
+def test_failing_pass_strict_raises(monkeypatch):
+    from fxopt import pipeline
+
+    monkeypatch.setattr(pipeline, "PIPELINE", [("fold_batchnorm", _broken_pass)])
+    with pytest.raises(Exception, match="deliberate failure"):
+        fxopt.explain(SmallResNet().eval(), torch.randn(1, 3, 32, 32), options={"strict": True})
+
+
+def _wrong_pass(gm, ctx):
+    from torch.fx.passes.infra.pass_base import PassResult
+
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    val = out.args[0][0]
+    with gm.graph.inserting_before(out):
+        doubled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (val, 2.0))
+    out.args = ((doubled,),)
+    gm.recompile()
+    return PassResult(gm, True)
+
+
+def test_verify_names_the_pass_that_changed_the_result(monkeypatch):
+    from fxopt import pipeline
+
+    monkeypatch.setattr(pipeline, "PIPELINE", pipeline.PIPELINE[:2] + [("layout", _wrong_pass)])
+    m = SeedCNN2().eval()
+    x = torch.randn(2, 3, 32, 32)
+    with pytest.warns(fxopt.FxoptFallbackWarning, match="pass 'layout'.*differs from eager"):
+        r = fxopt.explain(m, x, options={"verify": True})
+    assert next(p for p in r.passes if p.name == "layout").status == "mismatch"
+    with pytest.raises(Exception, match="layout.*differs"):
+        fxopt.explain(m, x, options={"verify": True, "strict": True})
+
+
+def test_dump_dir_writes_readable_graphs(tmp_path):
+    fxopt.explain(SeedCNN().eval(), torch.randn(1, 3, 32, 32), options={"dump_dir": str(tmp_path)})
+    names = sorted(os.listdir(tmp_path))
+    assert names[0] == "inference_000_input.py"
+    assert "inference_003_fuse_conv_epilogue.py" in names
+    assert "fused_conv" in (tmp_path / "inference_003_fuse_conv_epilogue.py").read_text()
+
+
+def test_unknown_ops_pass_through():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 2, 3, padding=1)
+
+        def forward(self, x, grid):
+            y = F.grid_sample(torch.relu(self.conv(x)), grid, align_corners=False)
+            return torch.fft.rfft2(y).abs()
+
+    m = M().eval()
+    x, grid = torch.randn(2, 2, 8, 8), torch.rand(2, 5, 5, 2) * 2 - 1
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(m, backend="fxopt")(x, grid), m(x, grid), rtol=1e-4, atol=1e-5)
+
+
+def test_bad_input_raises_like_eager():
+    m = SeedCNN().eval()
+    compiled = torch.compile(m, backend="fxopt")
+    bad = torch.randn(1, 4, 32, 32)  # 4 channels instead of 3
+    with torch.no_grad():
+        with pytest.raises(RuntimeError) as eager_err:
+            m(bad)
+        with pytest.raises(RuntimeError) as fx_err:
+            compiled(bad)
+    assert isinstance(fx_err.value, type(eager_err.value)) or isinstance(fx_err.value, RuntimeError)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_dtypes(dtype):
+    from fxopt.tolerances import tolerance
+
+    m = SmallResNet().eval().to(dtype)
+    x = torch.randn(2, 3, 32, 32, dtype=dtype)
+    rtol, atol = tolerance(dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(m, backend="fxopt")(x), m(x), rtol=rtol, atol=atol * 10)
+
+
+def test_autocast_region():
+    m = SmallResNet().eval()
+    x = torch.randn(2, 3, 32, 32)
+    compiled = torch.compile(m, backend="fxopt")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = compiled(x), m(x)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
+
+
+def test_training_step_gradients_match():
+    m = SmallResNet().train()
+    m2 = copy.deepcopy(m)
+    compiled = torch.compile(m2, backend="fxopt")
+    x = torch.randn(4, 3, 32, 32)
+    m(x).square().mean().backward()
+    compiled(x).square().mean().backward()
+    for (name, p), p2 in zip(m.named_parameters(), m2.parameters()):
+        torch.testing.assert_close(p2.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda s: f"{name}: {s}")
+    for (name, b), b2 in zip(m.named_buffers(), m2.buffers()):
+        torch.testing.assert_close(b2, b, msg=lambda s: f"{name}: {s}")
+
+
+def test_train_eval_switch():
+    m = SmallResNet()
+    ref = copy.deepcopy(m)
+    compiled = torch.compile(m, backend="fxopt")
+    x = torch.randn(4, 3, 32, 32)
+    for mode in ("eval", "train", "eval", "train", "eval"):
+        m.train(mode == "train")
+        ref.train(mode == "train")
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), ref(x), rtol=1e-4, atol=1e-5)
+        for b, b2 in zip(m.buffers(), ref.buffers()):
+            torch.testing.assert_close(b, b2)
+
+
+def test_load_state_dict_is_seen():
+    m = SmallResNet().eval()
+    compiled = torch.compile(m, backend="fxopt")
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        compiled(x)
+        new = SmallResNet().eval()
+        m.load_state_dict(new.state_dict())
+        torch.testing.assert_close(compiled(x), new(x), rtol=1e-4, atol=1e-5)
+
+
+def test_explain_report_api():
+    r = fxopt.explain(SmallResNet().eval(), torch.randn(1, 3, 32, 32))
+    assert isinstance(r.before, torch.fx.GraphModule) and isinstance(r.after, torch.fx.GraphModule)
+    assert [p.name for p in r.passes] == list(fxopt.PASS_NAMES)
+    assert r.op_counts_before["aten.convolution.default"] == 9
+    assert r.op_counts_after["fxopt.fused_conv.default"] == 9
+    json.dumps(r.to_dict())
+    text = str(r)
+    assert "fold_batchnorm" in text and "fused_conv" in text and "changed" in text
+
+
+def test_cli_explain_json():
+    out = subprocess.run([sys.executable, "-m", "fxopt.cli", "explain", "fxopt.testing.models:SeedCNN2",
+                          "--shape", "1,3,32,32", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout)
+    assert data["op_counts_after"]["fxopt.fused_conv.default"] == 2

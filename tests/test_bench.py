@@ -1,0 +1,284 @@
+"""Fast CPU tests of the benchmark harness (fxopt.bench)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import fxopt.bench as B
+from fxopt.bench import models as M
+from fxopt.bench import report as RP
+from fxopt.bench import runners as R
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+@pytest.fixture
+def tiny_model(monkeypatch):
+    monkeypatch.setitem(M.MODELS, "tiny", M.ModelSpec(_Tiny, (3, 8, 8), "test model"))
+    return "tiny"
+
+
+def _seed_models_available() -> bool:
+    try:
+        M.build_model("seedcnn")
+        return True
+    except Exception:
+        return False
+
+
+# --------------------------------------------------------------------------
+# argument parsing
+# --------------------------------------------------------------------------
+def test_parse_quick_defaults():
+    a = B.parse_args(["--quick", "--device", "cpu"])
+    assert a.models == ["seedcnn", "seedcnn2"]
+    assert a.batch == [2] and a.dtype == ["float32"]
+    assert a.backends == ["eager", "inductor", "fxopt"]
+    assert a.iters == 10 and a.warmup == 2 and a.out == "bench_out"
+    assert a.fxopt_options == {} and not a.cold
+
+
+def test_parse_lists_and_options():
+    a = B.parse_args(["--device", "cpu", "--models", "resnet18,replknet_block", "--batch", "1,8",
+                      "--dtype", "fp16,bfloat16,float16", "--backends", "eager,onnxruntime,fxopt",
+                      "--fxopt-options", '{"cudagraphs": false, "x": 1}', "--iters", "60",
+                      "--warmup", "3", "--out", "o", "--cold"])
+    assert a.models == ["resnet18", "replknet_block"] and a.batch == [1, 8]
+    assert a.dtype == ["float16", "bfloat16"]
+    assert a.backends == ["eager", "onnxruntime", "fxopt"]
+    assert a.fxopt_options == {"cudagraphs": False, "x": 1}
+    assert (a.iters, a.warmup, a.out, a.cold) == (60, 3, "o", True)
+
+
+def test_parse_defaults_full_run():
+    a = B.parse_args(["--device", "cpu", "--iters", "5"])
+    assert a.iters == 50  # at least 50 timed runs outside --quick
+    assert set(a.models) == set(M.MODELS)
+    assert "inductor-max-autotune" not in a.backends
+    assert {"fxopt", "fxopt-no-cudagraphs", "onnxruntime-cudagraph", "eager"} <= set(a.backends)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--models", "nope"], ["--backends", "eager,nope"], ["--dtype", "int8"],
+    ["--batch", "a"], ["--batch", "0"], ["--fxopt-options", "{bad"], ["--fxopt-options", "[1]"],
+    ["--device", "tpu"],
+])
+def test_parse_errors(argv):
+    with pytest.raises(SystemExit):
+        B.parse_args(["--device", "cpu", *argv] if "--device" not in argv else argv)
+
+
+# --------------------------------------------------------------------------
+# stats, accuracy
+# --------------------------------------------------------------------------
+def test_stats_matches_numpy():
+    np = pytest.importorskip("numpy")
+    xs = [5.0, 1.0, 3.0, 2.0, 4.0, 10.0, 7.5]
+    s = R.stats(xs)
+    assert s["median"] == pytest.approx(np.median(xs))
+    assert s["q1"] == pytest.approx(np.percentile(xs, 25))
+    assert s["q3"] == pytest.approx(np.percentile(xs, 75))
+    assert s["iqr"] == pytest.approx(np.percentile(xs, 75) - np.percentile(xs, 25))
+    assert (s["min"], s["max"], s["n"]) == (1.0, 10.0, 7)
+    assert R.stats([2.0]) == {"median": 2.0, "q1": 2.0, "q3": 2.0, "iqr": 0.0, "mean": 2.0,
+                              "min": 2.0, "max": 2.0, "n": 1}
+    with pytest.raises(ValueError):
+        R.stats([])
+
+
+def test_max_rel_error():
+    ref = torch.tensor([1.0, -4.0, 2.0])
+    assert R.max_rel_error(ref.clone(), ref) == 0.0
+    assert R.max_rel_error(torch.tensor([1.0, -4.0, 2.4]), ref) == pytest.approx(0.1)
+    assert R.max_rel_error((ref.half(),), ref) == 0.0
+    assert R.max_rel_error(torch.tensor([float("nan"), 0, 0]), ref) == float("inf")
+
+
+def test_replknet_block_shape():
+    m, shape = M.build_model("replknet_block")
+    assert shape == (128, 56, 56)
+    assert m.large_kernel.kernel_size == (31, 31) and m.large_kernel.groups == 128
+    with torch.no_grad():
+        y = m(M.make_input((128, 12, 12), 1))
+    assert y.shape == (1, 128, 12, 12)
+    assert not m.training
+
+
+# --------------------------------------------------------------------------
+# report writers
+# --------------------------------------------------------------------------
+def _fake_results(quick=True):
+    def cell(model, be, ms, **kw):
+        d = {"model": model, "batch": 2, "dtype": "float32", "backend": be, "status": "ok",
+             "error": None, "median_ms": ms, "iqr_ms": 0.1, "q1_ms": ms and ms - .05,
+             "q3_ms": ms and ms + .05,
+             "first_call_s": 1.0, "max_rel_err": 1e-6, "tflops": 0.1, "pct_peak": 10.0}
+        d.update(kw)
+        return d
+    cells = [cell("a", "eager", 4.0), cell("a", "inductor", 2.0), cell("a", "fxopt", 1.0),
+             cell("a", "onnxruntime", None, status="unavailable", error="no CUDA EP"),
+             cell("b", "eager", 3.0), cell("b", "inductor", 6.0),
+             cell("b", "fxopt", None, status="error", error="RuntimeError: boom")]
+    return {"meta": {"device_type": "cpu", "device_name": "CPU: test", "date": "2026-01-01",
+                     "command": "python -m fxopt.bench --quick", "versions": {"torch": "x"},
+                     "config": {"quick": quick, "iters": 10, "warmup": 2}},
+            "peak": {"float32": {"tflops": 1.0, "what": "matmul"}}, "flops": {}, "cells": cells,
+            "checks": [{"model": "b", "batch": 2, "dtype": "float32", "backend": "fxopt",
+                        "ok": False, "reason": "did not run"}]}
+
+
+def test_report_writers(tmp_path):
+    res = _fake_results()
+    paths = RP.write_reports(res, str(tmp_path))
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["cells"][2]["median_ms"] == 1.0
+    sp = {(s["model"]): s for s in data["speedups"]}
+    assert sp["a"]["best_peer"] == "inductor" and sp["a"]["fxopt"]["fxopt"]["over_best"] == 2.0
+    assert sp["a"]["fxopt"]["fxopt"]["over_peer"]["eager"] == 4.0
+    md = (tmp_path / "results.md").read_text()
+    assert "CPU smoke run — not a performance result" in md
+    assert "2.00×" in md and "unavailable: no CUDA EP" in md and "error: RuntimeError" in md
+    assert "| a | 2 | float32 |" in md and "FAILED b b2 float32 fxopt" in md
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.strip().splitlines()[-1].startswith("Times in ms")
+    assert "png" in paths, paths
+    assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_no_fxopt_and_cpu_label(tmp_path):
+    res = _fake_results(quick=False)
+    res["cells"] = [c for c in res["cells"] if c["backend"] != "fxopt"]
+    RP.write_reports(res, str(tmp_path))
+    md = (tmp_path / "results.md").read_text()
+    assert "CPU run — not a GPU performance result" in md and "smoke" not in md
+    assert (tmp_path / "speedup.png").stat().st_size > 0
+
+
+# --------------------------------------------------------------------------
+# runners
+# --------------------------------------------------------------------------
+def _broken_prepare(model, x, device, dtype, options):
+    raise ValueError("boom\nsecond line")
+
+
+def _run_cell(backend, model_name, device="cpu", dtype=torch.float32, iters=3):
+    model, shape = M.build_model(model_name)
+    x = M.make_input(shape, 2)
+    ref = R.reference_output(model, x, device)
+    return R.measure_cell(backend, model, x, ref, device, dtype, warmup=1, iters=iters)
+
+
+def test_failing_backend_recorded(monkeypatch, tiny_model):
+    monkeypatch.setitem(R.BACKENDS, "broken", R.BackendSpec("broken", _broken_prepare))
+    c = _run_cell("broken", tiny_model)
+    assert c["status"] == "error" and c["error"] == "ValueError: boom"
+    c = _run_cell("eager", tiny_model, iters=5)
+    assert c["status"] == "ok" and c["n"] == 5 and c["max_rel_err"] == 0.0
+    assert c["q1_ms"] <= c["median_ms"] <= c["q3_ms"]
+
+
+def test_failing_backend_run_continues(monkeypatch, tiny_model, tmp_path, capsys):
+    monkeypatch.setitem(R.BACKENDS, "broken", R.BackendSpec("broken", _broken_prepare))
+    rc = B.main(["--quick", "--device", "cpu", "--models", tiny_model, "--backends",
+                 "broken,eager,eager-channels-last", "--iters", "3", "--out", str(tmp_path)])
+    assert rc == 0  # a failing peer does not fail the run
+    data = json.loads((tmp_path / "results.json").read_text())
+    by = {c["backend"]: c for c in data["cells"]}
+    assert by["broken"]["status"] == "error" and "boom" in by["broken"]["error"]
+    assert by["eager"]["status"] == "ok" and by["eager-channels-last"]["status"] == "ok"
+    assert (tmp_path / "errors.log").exists()
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1].startswith("Times in ms")
+
+
+def _wrong_prepare(model, x, device, dtype, options):
+    return R.Prepared(lambda inp: model(inp) * 1.01, x)
+
+
+def test_fxopt_mismatch_fails_run(monkeypatch, tiny_model, tmp_path):
+    monkeypatch.setitem(R.BACKENDS, "fxopt-wrong", R.BackendSpec("fxopt-wrong", _wrong_prepare,
+                                                                 is_fxopt=True))
+    rc = B.main(["--quick", "--device", "cpu", "--models", tiny_model, "--backends",
+                 "eager,fxopt-wrong", "--iters", "2", "--out", str(tmp_path)])
+    assert rc == 1
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [c["ok"] for c in data["checks"]] == [False]
+
+
+def test_onnxruntime_cpu(tiny_model):
+    pytest.importorskip("onnxruntime")
+    names = [tiny_model] + (["seedcnn"] if _seed_models_available() else [])
+    for name in names:
+        c = _run_cell("onnxruntime", name)
+        assert c["status"] == "ok", c
+        assert c["max_rel_err"] < 1e-4
+        assert "CPUExecutionProvider" in c["note"]
+    c = _run_cell("onnxruntime-cudagraph", tiny_model)
+    assert c["status"] == "unavailable"
+
+
+def test_onnxruntime_no_cuda_ep_is_unavailable(monkeypatch, tiny_model):
+    ort = pytest.importorskip("onnxruntime")
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    model, shape = M.build_model(tiny_model)
+    x = M.make_input(shape, 1)
+    with pytest.raises(R.BackendUnavailable, match="no CUDA EP"):
+        with torch.no_grad():
+            R.BACKENDS["onnxruntime"].prepare(model, x, "cuda", torch.float32, {})
+
+
+def test_flops_and_peak(tiny_model):
+    model, shape = M.build_model(tiny_model)
+    f1 = R.count_flops(model, M.make_input(shape, 1))
+    f4 = R.count_flops(model, M.make_input(shape, 4))
+    assert f1 > 0 and f4 == 4 * f1
+    p = R.measure_peak_tflops("cpu", torch.float32, quick=True)
+    assert p["tflops"] > 0 and "matmul" in p["what"]
+
+
+# --------------------------------------------------------------------------
+# end to end
+# --------------------------------------------------------------------------
+def _quick_backends():
+    return "eager,inductor" + (",fxopt" if R.fxopt_available()[0] else "")
+
+
+@pytest.mark.skipif(not _seed_models_available(), reason="fxopt.testing.models not importable")
+def test_quick_cpu_end_to_end(tmp_path, capsys):
+    rc = B.main(["--quick", "--device", "cpu", "--backends", _quick_backends(),
+                 "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert rc == 0, data["checks"]
+    assert {c["model"] for c in data["cells"]} == {"seedcnn", "seedcnn2"}
+    for c in data["cells"]:
+        assert c["status"] == "ok", c
+        assert c["max_rel_err"] <= 1e-4 and c["n"] == 10 and math.isfinite(c["median_ms"])
+    assert all(ch["ok"] for ch in data["checks"]) and data["checks"]
+    assert data["meta"]["versions"]["torch"] == torch.__version__
+    assert "CPU smoke run — not a performance result" in out
+    assert "| seedcnn | 2 | float32 |" in out
+    for f in ("results.json", "results.md", "speedup.png", "summary.md"):
+        assert os.path.getsize(tmp_path / f) > 0
+
+
+@pytest.mark.skipif(not _seed_models_available(), reason="fxopt.testing.models not importable")
+def test_cold_compile_subprocess(tmp_path):
+    a = B.parse_args(["--quick", "--device", "cpu", "--out", str(tmp_path)])
+    res = B._cold_compile("seedcnn", 2, "float32", "eager", a)
+    assert "cold_compile_s" in res, res
+    assert res["cold_compile_s"] >= 0

@@ -1,0 +1,330 @@
+"""Convolution algorithm library: every algorithm == F.conv{n}d within its tolerance (CPU)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxopt.backends.conv_algorithms import (
+    ALGORITHMS, ConvAlgorithm, ConvSig, compute_dtype, get_algorithm, legal_algorithms)
+from fxopt.backends.fft_conv import next_fast_len
+
+NAMES = ["direct", "winograd_2x2_3x3", "winograd_4x4_3x3", "fft", "gemm"]
+CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def _examples(n: int) -> int:
+    """At most n examples, unless a profile asks for a long search (e.g. "thorough")."""
+    cur = settings.default.max_examples
+    return cur if cur > 100 else min(n, cur)
+
+
+def make(x_shape, w_shape, dtype=torch.float64, seed=0, bias=True, channels_last=False):
+    """Unit-scale activations and fan-in-scaled weights (the regime tolerances assume)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(x_shape, generator=g, dtype=torch.float64)
+    w = torch.randn(w_shape, generator=g, dtype=torch.float64) / math.sqrt(math.prod(w_shape[1:]))
+    b = torch.randn(w_shape[0], generator=g, dtype=torch.float64) if bias else None
+    x, w, b = x.to(dtype), w.to(dtype), (b.to(dtype) if bias else None)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    return x, w, b
+
+
+def check(name, x, w, b, stride=1, padding=0, dilation=1, groups=1, prepack=True):
+    sig = ConvSig.from_tensors(x, w, stride, padding, dilation, groups)
+    algo = get_algorithm(name)
+    assert algo.legal(sig) is None, algo.legal(sig)
+    ref = CONV[sig.ndim](x, w, b, sig.stride, sig.padding, sig.dilation, groups)
+    y = algo.run(x, w, algo.prepare(w, sig) if prepack else None, b, sig)
+    assert y.shape == ref.shape and y.dtype == x.dtype and y.device == x.device
+    rtol, atol = algo.tolerance(x.dtype)
+    torch.testing.assert_close(y, ref, rtol=rtol, atol=atol, msg=lambda m: f"{name} {sig.key()}: {m}")
+    return y
+
+
+# ------------------------------------------------------------------ registry / signature
+def test_registry():
+    assert list(ALGORITHMS) == NAMES
+    for name, algo in ALGORITHMS.items():
+        assert algo.name == name and isinstance(algo, ConvAlgorithm)
+        assert get_algorithm(name) is algo
+
+
+def test_unknown_algorithm_lists_valid_names():
+    with pytest.raises(KeyError) as e:
+        get_algorithm("winograd_6x6_3x3")
+    assert all(n in str(e.value) for n in NAMES)
+
+
+def test_sig_key_is_stable_readable_and_hashable():
+    sig = ConvSig((None, 64, 56, 56), (64, 64, 3, 3), (1, 1), (1, 1), (1, 1), 1, torch.float32, "cuda", True)
+    assert sig.key() == "conv2d|x=?x64x56x56|w=64x64x3x3|s=1,1|p=1,1|d=1,1|g=1|f32|cuda|cl"
+    same = ConvSig([None, 64, 56, 56], [64, 64, 3, 3], 1, 1, 1, 1, torch.float32, "cuda", True)
+    assert same == sig and hash(same) == hash(sig) and same.key() == sig.key()
+    assert sig.ndim == 2 and sig.out_spatial == (56, 56)
+    assert ConvSig((2, 4, 9), (4, 4, 3), 1, 0, 1, 1, torch.bfloat16, "cpu").key() == \
+        "conv1d|x=2x4x9|w=4x4x3|s=1|p=0|d=1|g=1|bf16|cpu|cf"
+
+
+def test_sig_from_tensors():
+    x, w, _ = make((2, 4, 10, 12), (8, 2, 5, 3), channels_last=True)
+    sig = ConvSig.from_tensors(x, w, 2, "same", (1, 2), 2, dynamic_batch=True)
+    assert sig.x_shape == (None, 4, 10, 12) and sig.padding == (2, 2) and sig.dilation == (1, 2)
+    assert sig.channels_last and sig.dtype == torch.float64 and sig.device_type == "cpu"
+    with pytest.raises(ValueError):
+        ConvSig.from_tensors(x, torch.zeros(8, 2, 4, 4, dtype=x.dtype), 1, "same", 1, 2)
+
+
+def test_compute_dtype():
+    assert compute_dtype(torch.float16, "cpu") == torch.float32
+    assert compute_dtype(torch.bfloat16, "cpu") == torch.float32
+    assert compute_dtype(torch.float16, "cuda") == torch.float16
+    assert compute_dtype(torch.float64, "cpu") == torch.float64
+
+
+def test_next_fast_len():
+    assert [next_fast_len(n) for n in (1, 11, 13, 17, 97, 1031, 2177)] == [1, 12, 14, 18, 98, 1050, 2187]
+    for n in range(1, 300):
+        m = next_fast_len(n)
+        r = m
+        for p in (2, 3, 5, 7):
+            while r % p == 0:
+                r //= p
+        assert m >= n and r == 1
+
+
+# ------------------------------------------------------------------ legality
+def _sig(x, w, s=1, p=0, d=1, g=1, dtype=torch.float32, dev="cpu"):
+    return ConvSig(x, w, s, p, d, g, dtype, dev)
+
+
+@pytest.mark.parametrize("name, sig", [
+    ("winograd_2x2_3x3", _sig((1, 4, 8, 8), (4, 4, 5, 5))),
+    ("winograd_2x2_3x3", _sig((1, 4, 8, 8), (4, 4, 3, 3), s=2)),
+    ("winograd_4x4_3x3", _sig((1, 4, 8, 8), (4, 4, 3, 3), d=2)),
+    ("winograd_4x4_3x3", _sig((1, 4, 8), (4, 4, 3))),
+    ("fft", _sig((1, 4, 8, 8), (4, 4, 3, 3), s=2)),
+    ("fft", _sig((1, 4, 16), (4, 4, 3), d=3)),
+    ("fft", _sig((1, 2048, 128, 128), (2048, 2048, 3, 3))),  # kernel spectrum too large
+    ("direct", _sig((1, 4, 8, 8), (4, 3, 3, 3))),  # channel mismatch
+    ("gemm", _sig((1, 4, 2, 2), (4, 4, 3, 3))),  # empty output
+    ("direct", _sig((1, 6, 8, 8), (4, 2, 3, 3), g=3)),  # OC % groups
+])
+def test_illegal_cases_give_a_one_line_reason(name, sig):
+    reason = get_algorithm(name).legal(sig)
+    assert isinstance(reason, str) and reason and "\n" not in reason
+    assert name not in legal_algorithms(sig)
+    assert math.isinf(get_algorithm(name).estimate_ms(sig, 1))
+
+
+def test_legal_algorithms():
+    assert legal_algorithms(_sig((None, 8, 9, 9), (8, 8, 3, 3), p=1)) == NAMES
+    assert legal_algorithms(_sig((None, 8, 9, 9), (8, 8, 3, 3), s=2, p=1)) == ["direct", "gemm"]
+    assert legal_algorithms(_sig((None, 8, 9, 9), (16, 1, 3, 3), p=2, g=8)) == NAMES
+    assert legal_algorithms(_sig((None, 8, 64), (8, 8, 17), p=8)) == ["direct", "fft", "gemm"]
+    assert legal_algorithms(_sig((None, 8, 5, 6, 7), (8, 4, 3, 3, 3), p=1, g=2)) == ["direct", "fft", "gemm"]
+
+
+# ------------------------------------------------------------------ hand-picked shapes
+CASES_3X3 = [  # (x_shape, w_shape, padding, groups): tails, padding 0/1/2/3, grouped, depthwise
+    ((2, 4, 7, 9), (6, 4, 3, 3), 1, 1),
+    ((2, 4, 11, 5), (6, 4, 3, 3), 0, 1),
+    ((1, 3, 3, 3), (5, 3, 3, 3), 0, 1),  # a single output pixel
+    ((1, 3, 1, 2), (2, 3, 3, 3), 1, 1),  # input smaller than the tile
+    ((2, 4, 13, 14), (6, 4, 3, 3), 2, 1),
+    ((1, 2, 6, 10), (4, 2, 3, 3), 3, 1),
+    ((2, 6, 9, 8), (9, 2, 3, 3), 1, 3),  # grouped
+    ((2, 8, 10, 7), (8, 1, 3, 3), 1, 8),  # depthwise
+    ((1, 4, 6, 11), (12, 1, 3, 3), 2, 4),  # depthwise, channel multiplier 3
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("case", CASES_3X3, ids=lambda c: f"{c[0]}-{c[1]}-p{c[2]}-g{c[3]}")
+def test_3x3_cases(name, case):
+    xs, ws, p, g = case
+    for dtype in (torch.float64, torch.float32):
+        x, w, b = make(xs, ws, dtype)
+        check(name, x, w, b, padding=p, groups=g)
+    check(name, x, w, None, padding=p, groups=g, prepack=False)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("groups", [1, 4])
+def test_channels_last_input(name, groups):
+    x, w, b = make((2, 4, 9, 10), (8, 4 // groups, 3, 3), torch.float32, channels_last=True)
+    y = check(name, x, w, b, padding=1, groups=groups)
+    if name != "direct":
+        assert y.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("stride, groups, cl", [(1, 1, True), (1, 1, False), (2, 1, True), (3, 2, False),
+                                                (1, 4, True), (2, 4, False)])
+def test_gemm_1x1(stride, groups, cl):
+    x, w, b = make((2, 8, 7, 9), (12, 8 // groups, 1, 1), torch.float32, channels_last=cl)
+    y = check("gemm", x, w, b, stride=stride, groups=groups)
+    assert y.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+
+
+@pytest.mark.parametrize("xs, ws, s, p, d, g", [
+    ((2, 4, 17), (6, 4, 5), 1, 2, 1, 1),
+    ((2, 4, 17), (6, 2, 5), 2, 3, 2, 2),
+    ((1, 3, 20), (3, 1, 9), 1, 10, 1, 3),
+    ((2, 3, 11, 13), (5, 3, 3, 5), (2, 1), (1, 2), (2, 1), 1),
+    ((1, 4, 9, 9), (4, 1, 7, 7), 1, 3, 1, 4),
+    ((1, 4, 6, 7, 5), (6, 2, 3, 2, 3), 1, (1, 0, 2), 1, 2),
+    ((1, 2, 5, 6, 7), (4, 2, 1, 1, 1), 2, 0, 1, 1),
+    ((1, 4, 8, 8), (4, 4, 1, 1), 1, 1, 1, 1),  # 1x1 with padding -> im2col path
+])
+def test_gemm_general(xs, ws, s, p, d, g):
+    for dtype in (torch.float64, torch.float32):
+        x, w, b = make(xs, ws, dtype)
+        check("gemm", x, w, b, stride=s, padding=p, dilation=d, groups=g)
+
+
+@pytest.mark.parametrize("xs, ws, p, g", [
+    ((1, 4, 2048), (4, 4, 257), 128, 1),  # long 1-D kernel, dense
+    ((2, 4, 2048), (8, 1, 257), 0, 4),  # long 1-D kernel, depthwise x2
+    ((1, 2, 2048), (2, 2, 1024), 512, 1),  # 1024 taps
+    ((1, 8, 40, 40), (8, 1, 31, 31), 15, 8),  # 31x31 depthwise, small batch
+    ((1, 4, 56, 56), (4, 1, 51, 51), 25, 4),  # 51x51 depthwise
+    ((2, 6, 12, 10), (4, 3, 7, 5), (3, 2), 2),  # grouped, odd kernel shape
+    ((1, 3, 5), (3, 1, 3), 4, 3),  # padding > kernel: output longer than the input
+    ((1, 2, 4, 3), (2, 2, 5, 5), 4, 1),  # kernel larger than the input
+    ((1, 4, 6, 5, 7), (4, 4, 3, 3, 3), 1, 1),  # 3-D
+])
+def test_fft_large_and_odd_kernels(xs, ws, p, g):
+    for dtype in (torch.float64, torch.float32):
+        x, w, b = make(xs, ws, dtype)
+        check("fft", x, w, b, padding=p, groups=g)
+
+
+def test_prepare_is_a_single_weight_only_tensor():
+    x, w, _ = make((2, 4, 9, 9), (6, 2, 3, 3), torch.float32)
+    sig = ConvSig.from_tensors(x, w, 1, 1, 1, 2)
+    assert ALGORITHMS["direct"].prepare(w, sig) is None
+    for name in NAMES[1:]:
+        pp = ALGORITHMS[name].prepare(w, sig)
+        assert isinstance(pp, torch.Tensor), name
+    assert ALGORITHMS["fft"].prepare(w, sig).is_complex()
+    assert ALGORITHMS["winograd_4x4_3x3"].prepare(w, sig).shape == (36, 2, 3, 2)
+    # a prepacked tensor is reusable across batch sizes (symbolic N)
+    dyn = ConvSig.from_tensors(x, w, 1, 1, 1, 2, dynamic_batch=True)
+    for name in NAMES:
+        pp = ALGORITHMS[name].prepare(w, dyn)
+        for n in (1, 3):
+            xn = torch.randn(n, 4, 9, 9)
+            torch.testing.assert_close(ALGORITHMS[name].run(xn, w, pp, None, dyn),
+                                       F.conv2d(xn, w, None, 1, 1, 1, 2), rtol=1e-3, atol=3e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", NAMES)
+def test_half_precision_fixed_cases(name, dtype):
+    for xs, ws, p, g in [((2, 8, 10, 11), (8, 8, 3, 3), 1, 1), ((1, 8, 9, 7), (8, 1, 3, 3), 2, 8)]:
+        x, w, b = make(xs, ws, dtype, seed=3)
+        check(name, x, w, b, padding=p, groups=g)
+    if name in ("fft", "gemm", "direct"):
+        x, w, b = make((1, 4, 512), (4, 4, 65), dtype, seed=4)
+        check(name, x, w, b, padding=32)
+
+
+def test_tolerances_are_ordered():
+    for name, algo in ALGORITHMS.items():
+        tols = [algo.tolerance(dt) for dt in (torch.float64, torch.float32, torch.float16)]
+        assert tols == sorted(tols), name
+    assert ALGORITHMS["winograd_4x4_3x3"].tolerance(torch.float16) > ALGORITHMS["fft"].tolerance(torch.float16)
+
+
+# ------------------------------------------------------------------ cost model
+def _best(sig, batch=16):
+    est = {n: ALGORITHMS[n].estimate_ms(sig, batch) for n in legal_algorithms(sig)}
+    assert all(0 < v for v in est.values()), est
+    return min(est, key=est.get)
+
+
+@pytest.mark.parametrize("dev", ["cpu", "cuda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cost_model_preferences(dev, dtype):
+    dw = lambda k: ConvSig((None, 64, 56, 56), (64, 1, k, k), 1, k // 2, 1, 64, dtype, dev)  # noqa: E731
+    assert _best(dw(3)) == "direct" and _best(dw(7)) == "direct"
+    assert _best(dw(31)) == "fft" and _best(dw(51)) == "fft"
+    assert _best(ConvSig((None, 16, 8192), (16, 1, 1024), 1, 512, 1, 16, dtype, dev)) == "fft"
+    assert _best(ConvSig((None, 16, 8192), (16, 16, 1024), 1, 512, 1, 1, dtype, dev)) == "fft"
+    assert _best(ConvSig((None, 16, 8192), (16, 16, 3), 1, 1, 1, 1, dtype, dev)) == "direct"
+    for c, h in ((64, 56), (256, 14), (512, 7)):
+        sig = ConvSig((None, c, h, h), (c, c, 3, 3), 1, 1, 1, 1, dtype, dev)
+        assert _best(sig) != "fft"
+        if dtype != torch.float32:
+            assert math.isinf(ALGORITHMS["winograd_4x4_3x3"].estimate_ms(sig, 16))
+            assert _best(sig, 1) != "winograd_4x4_3x3" and _best(sig, 256) != "winograd_4x4_3x3"
+
+
+def test_cost_model_scales_with_batch():
+    sig = ConvSig((None, 64, 56, 56), (64, 64, 3, 3), 1, 1, 1, 1, torch.float32, "cpu")
+    for name in legal_algorithms(sig):
+        a = ALGORITHMS[name]
+        assert a.estimate_ms(sig, 1) < a.estimate_ms(sig, 8) < math.inf, name
+
+
+# ------------------------------------------------------------------ property tests
+@st.composite
+def conv_cases(draw, max_ndim=3):
+    nd = draw(st.integers(1, max_ndim))
+    g = draw(st.integers(1, 3))
+    cg, ocg = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    k = [draw(st.integers(1, 4)) for _ in range(nd)]
+    s = [draw(st.integers(1, 3)) for _ in range(nd)]
+    d = [draw(st.integers(1, 2)) for _ in range(nd)]
+    p = [draw(st.integers(0, 2)) for _ in range(nd)]
+    lo = [max(1, di * (ki - 1) + 1 - 2 * pi) for ki, di, pi in zip(k, d, p)]  # output >= 1
+    sp = [draw(st.integers(lo_i, lo_i + 9 - 3 * (nd == 3))) for lo_i in lo]
+    x_shape = (draw(st.integers(1, 2)), g * cg, *sp)
+    return x_shape, (g * ocg, cg, *k), tuple(s), tuple(p), tuple(d), g
+
+
+@settings(max_examples=_examples(40), deadline=None)
+@given(case=conv_cases(), dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 99))
+def test_property_every_legal_algorithm_matches_direct(case, dtype, seed):
+    xs, ws, s, p, d, g = case
+    x, w, b = make(xs, ws, dtype, seed)
+    sig = ConvSig.from_tensors(x, w, s, p, d, g)
+    for name in legal_algorithms(sig):
+        check(name, x, w, b, s, p, d, g)
+
+
+@settings(max_examples=_examples(40), deadline=None)
+@given(h=st.integers(1, 14), w_=st.integers(1, 14), p=st.integers(0, 3), g=st.integers(1, 3),
+       cg=st.integers(1, 3), ocg=st.integers(1, 3), n=st.integers(1, 2), cl=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.float64]), name=st.sampled_from(NAMES[1:3]))
+def test_property_winograd(h, w_, p, g, cg, ocg, n, cl, dtype, name):
+    h, w_ = max(h, 3 - 2 * p), max(w_, 3 - 2 * p)
+    x, w, b = make((n, g * cg, h, w_), (g * ocg, cg, 3, 3), dtype, seed=h * 31 + w_, channels_last=cl)
+    check(name, x, w, b, padding=p, groups=g)
+
+
+@settings(max_examples=_examples(30), deadline=None)
+@given(nd=st.integers(1, 2), k=st.integers(1, 40), p=st.integers(0, 24), extra=st.integers(0, 40),
+       g=st.integers(1, 3), cg=st.integers(1, 2), ocg=st.integers(1, 2),
+       dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_property_fft(nd, k, p, extra, g, cg, ocg, dtype):
+    if nd == 2:
+        k, p, extra = min(k, 15), min(p, 8), min(extra, 12)
+    p = min(p, k + 2)
+    size = max(1, k - 2 * p) + extra
+    x, w, b = make((1, g * cg, *[size] * nd), (g * ocg, cg, *[k] * nd), dtype, seed=k + 7 * p)
+    check("fft", x, w, b, padding=p, groups=g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_prepacked_shape_and_dtype_do_not_depend_on_the_device(dtype):
+    w = torch.randn(6, 2, 3, 3).to(dtype)
+    for name in NAMES[1:]:
+        a, b = (ALGORITHMS[name].prepare(w, ConvSig((None, 4, 9, 9), (6, 2, 3, 3), 1, 1, 1, 2, dtype, dev))
+                for dev in ("cpu", "cuda"))
+        assert a.shape == b.shape and a.dtype == b.dtype, name
