@@ -10,6 +10,9 @@ Contract (what a caller can rely on):
 - At most ``max_graphs`` signatures are captured; calls with further signatures run uncaptured.
 - Off where unsafe: training graphs, CPU inputs, ops that synchronize with the host or allocate
   data-dependent shapes; the reason is recorded in the report.
+- Measured, not assumed: after capturing a signature, replay (with its input and output copies)
+  and a plain run are timed a few times with CUDA events; if the plain run is faster (large
+  activations, where the copies cost more than the launches saved), that signature runs uncaptured.
 """
 from __future__ import annotations
 
@@ -45,6 +48,20 @@ def unsafe_reason(gm: fx.GraphModule, kind: str, device_type: str) -> Optional[s
 class _Entry:
     def __init__(self, graph, static_inputs, outputs):
         self.graph, self.static_inputs, self.outputs = graph, static_inputs, outputs
+        self.use_graph = True
+        self.timings: dict = {}
+
+
+def _median_ms(fn, runs: int = 5) -> float:
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 class CudaGraphRunner:
@@ -103,10 +120,26 @@ class CudaGraphRunner:
                 self.uncaptured_calls += 1
                 return self.fn(*args)
             entry = self.graphs[key] = self._capture(args)
+            self._decide(entry, args)
+        if not entry.use_graph:
+            return self.fn(*args)
+        return self._replay(entry, args)
+
+    def _replay(self, entry: _Entry, args):
         for i, buf in entry.static_inputs.items():
             buf.copy_(args[i])
         entry.graph.replay()
         return _copy_out(entry.outputs)
+
+    def _decide(self, entry: _Entry, args) -> None:
+        graphed = _median_ms(lambda: self._replay(entry, args))
+        plain = _median_ms(lambda: self.fn(*args))
+        entry.timings = {"graph_ms": graphed, "plain_ms": plain}
+        entry.use_graph = graphed <= plain
+
+    def decisions(self) -> list[dict]:
+        """Per captured signature: replay vs plain timings and which one runs."""
+        return [dict(e.timings, use_graph=e.use_graph) for e in self.graphs.values()]
 
 
 def _copy_out(outputs):

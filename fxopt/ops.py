@@ -170,6 +170,8 @@ def prepack_conv_weight(
     out = get_algorithm(algorithm).prepare(weight, sig)
     if out is None:
         raise ValueError(f"algorithm {algorithm!r} has nothing to prepack")
+    if out.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
+        out = out.clone()  # a custom op's output may not alias its input
     return out
 
 

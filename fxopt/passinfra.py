@@ -7,6 +7,7 @@ that say what it changed and why it declined elsewhere.
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
@@ -99,12 +100,12 @@ def module_path(node: fx.Node) -> str:
 
 
 def _clean_path(path: str) -> str:
-    # Dynamo spells module paths like "L['self'].layer1[0].conv1" or "L__self___layer1_0_conv1".
-    for prefix in ("L['self'].", "L['self']", "L['mod'].", "L['m'].", "self."):
-        if path.startswith(prefix):
-            path = path[len(prefix):]
-            break
-    path = path.replace("._modules['", ".").replace("']", "").replace("[", ".").replace("]", "")
+    """Dynamo's module path ("L['self'].layer1[0].conv1", "L['fn']._modules['0']") -> "layer1.0.conv1"."""
+    path = re.sub(r"^L\['[^']*'\]", "", path)  # the root: L['self'], L['fn'], L['mod'], ...
+    if path.startswith("self."):
+        path = path[len("self."):]
+    path = re.sub(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", r".\1", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path).replace("['", ".").replace("']", "")
     return path.strip(".")
 
 

@@ -98,20 +98,36 @@ def to_channels_last(gm: fx.GraphModule, cache: dict) -> int:
     return n_conv
 
 
+def maybe_channels_last(gm: fx.GraphModule) -> set:
+    """Nodes whose value may now be NHWC: conv outputs and what flows through layout-agnostic ops.
+
+    Computed from the graph's structure, before any metadata is re-propagated (a view of an NHWC
+    value would fail there); conversions inserted for a superset are dropped later if redundant.
+    """
+    maybe: set = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        fmt = node.kwargs.get("memory_format") if node.target is aten.clone.default else None
+        if fmt is NCHW:
+            continue
+        if fmt is CL or (is_call(node, FUSED_CONV) and val(node) is not None and val(node).dim() == 4):
+            maybe.add(node)
+        elif node.target in LAYOUT_AGNOSTIC and any(a in maybe for a in node.all_input_nodes):
+            maybe.add(node)
+    return maybe
+
+
 def restore_formats(gm: fx.GraphModule, ctx: PassContext, cache: dict) -> int:
-    """Convert NHWC values back before non-agnostic consumers and at outputs."""
+    """Convert possibly-NHWC values back before non-agnostic consumers and at outputs."""
     g, restored = gm.graph, 0
     out_node = next(n for n in g.nodes if n.op == "output")
+    maybe = maybe_channels_last(gm)
     for node in list(g.nodes):
-        v = val(node)
-        if v is None or node.meta.get("fxopt_layout") and node.kwargs.get("memory_format") is NCHW:
-            continue
-        if v.dim() != 4 or format_of(v) is not CL:
+        if node not in maybe:
             continue
         for user in list(node.users):
-            if user is out_node:
-                continue
-            if user.op == "call_function" and user.target in LAYOUT_AGNOSTIC:
+            if user is out_node or (user.op == "call_function" and user.target in LAYOUT_AGNOSTIC):
                 continue
             user.replace_input_with(node, _convert(g, node, NCHW, cache))
             restored += 1
@@ -119,8 +135,8 @@ def restore_formats(gm: fx.GraphModule, ctx: PassContext, cache: dict) -> int:
     flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     for i, o in enumerate(flat):
         want = ctx.output_formats[i] if i < len(ctx.output_formats) else NCHW
-        if isinstance(o, fx.Node) and val(o) is not None and want is not None and format_of(val(o)) is not want:
-            flat[i] = _convert(g, o, want, cache)
+        if o in maybe:
+            flat[i] = _convert(g, o, want or NCHW, cache)
             restored += 1
     out_node.args = (type(outs)(flat) if isinstance(outs, (list, tuple)) else flat[0],)
     return restored
@@ -147,8 +163,6 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False)
     cache: dict = {}
     n_conv = to_channels_last(gm, cache)
-    gm.recompile()
-    ctx.refresh_meta(gm)
     restored = restore_formats(gm, ctx, cache)
     gm.recompile()
     ctx.refresh_meta(gm)

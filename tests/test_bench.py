@@ -205,6 +205,30 @@ def test_failing_backend_run_continues(monkeypatch, tiny_model, tmp_path, capsys
     assert out.rstrip().splitlines()[-1].startswith("Times in ms")
 
 
+class _DemoFallbackWarning(UserWarning):
+    pass
+
+
+def _fallback_prepare(model, x, device, dtype, options):
+    def fn(inp):
+        import warnings
+        warnings.warn("pass 'x' failed; running the unoptimized graph", _DemoFallbackWarning)
+        return model(inp)
+    return R.Prepared(fn, x)
+
+
+def test_fallback_warning_recorded(monkeypatch, tiny_model, tmp_path):
+    monkeypatch.setitem(R.BACKENDS, "fxopt-fb", R.BackendSpec("fxopt-fb", _fallback_prepare,
+                                                              is_fxopt=True))
+    with pytest.warns(_DemoFallbackWarning):
+        c = _run_cell("fxopt-fb", tiny_model)
+    assert c["status"] == "ok" and c["fallback"].startswith("pass 'x' failed")
+    assert c["fallback_count"] >= 1
+    res = _fake_results()
+    res["cells"][2]["fallback"] = "pass 'x' failed"
+    assert "1.000 ±0.100 (fallback)" in RP.render_markdown(res)
+
+
 def _wrong_prepare(model, x, device, dtype, options):
     return R.Prepared(lambda inp: model(inp) * 1.01, x)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
 import os
 import re
@@ -88,7 +89,7 @@ class CompiledKernel:
     param_types: tuple[str, ...] | None = None
     key: str = ""
     cache_source: str | None = None  # None: compiled now; "disk": read from the disk cache
-    log: str = ""
+    log: str = ""  # NVRTC warnings of a fresh compile
     _kernels: dict = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -382,12 +383,23 @@ def compile_kernel(source: str, name: str, arch: str | None = None, options=(),
         kw["define_macro"] = ["FXOPT_NO_CUDA_HEADERS"] + list(kw.get("define_macro") or [])
     popts = core.ProgramOptions(arch=arch, **kw)
     STATS["nvrtc_compiles"] += 1
+    logbuf, prog, err = io.StringIO(), None, None
     try:
-        obj = core.Program(source, "c++", popts).compile("cubin")
+        prog = core.Program(source, "c++", popts)
+        try:
+            cubin = bytes(prog.compile("cubin", logs=logbuf).code)
+        except TypeError:  # a cuda.core without the logs argument
+            cubin = bytes(prog.compile("cubin").code)
     except Exception as e:  # NVRTCError (cuda.core) or older CUDAError/RuntimeError
-        raise CompileError(name, source, _extract_log(e), arch) from e
-    cubin = bytes(obj.code)
-    ck = CompiledKernel(name, source, arch, cubin, ptypes, key, None)
+        err = CompileError(name, source, _extract_log(e), arch)
+        err.__cause__ = e.with_traceback(None)  # keep the cause, drop frames holding the Program
+    finally:  # free the Program now: left to the cyclic GC (a raising frame is in a cycle),
+        if prog is not None and hasattr(prog, "close"):  # cuda.core 1.2's __dealloc__ fails
+            prog.close()
+        prog = None
+    if err is not None:
+        raise err
+    ck = CompiledKernel(name, source, arch, cubin, ptypes, key, None, logbuf.getvalue().replace("\x00", ""))
     if use_cache:
         _write_cache(cache_dir() / key[:2] / f"{key}.cubin", cubin)
         with _LOCK:

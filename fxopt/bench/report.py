@@ -120,7 +120,7 @@ def _cell_text(c: Optional[Dict[str, Any]], failed: bool = False) -> str:
     if c.get("status") != "ok":
         return f"error: {_short((c.get('error') or '').split(':')[0], 40)}"
     txt = f"{c['median_ms']:.3f} ±{c.get('iqr_ms', 0.0):.3f}"
-    return txt + (" ⚠" if failed else "")
+    return txt + (" (fallback)" if c.get("fallback") else "") + (" ⚠" if failed else "")
 
 
 def _header(results: Dict[str, Any]) -> List[str]:
@@ -144,7 +144,8 @@ def _header(results: Dict[str, Any]) -> List[str]:
     timer = "CUDA events around each call" if m.get("device_type") == "cuda" else "time.perf_counter around each call"
     lines.append(f"- timing: median ms of {cfg.get('iters', '?')} timed calls after "
                  f"{cfg.get('warmup', '?')} warm-up calls ({timer}); ± is the IQR; "
-                 "accuracy: max relative error ‖out−ref‖∞/‖ref‖∞ vs fp32 eager (TF32 off)")
+                 "accuracy: max relative error ‖out−ref‖∞/‖ref‖∞ vs fp32 eager (TF32 off)"
+                 + ("; cudnn.benchmark on for every backend" if m.get("cudnn.benchmark") else ""))
     for dt, p in (results.get("peak") or {}).items():
         if p.get("tflops"):
             lines.append(f"- measured peak {dt}: {p['tflops']:.2f} TFLOP/s ({p.get('what', '')})")
@@ -182,7 +183,9 @@ def _summary_table(results: Dict[str, Any]) -> List[str]:
             vals.append(f"{o:.2f}×" if o else "–")
         lines.append("| " + " | ".join(vals) + " |")
     lines.append("")
+    fb = any(c.get("fallback") for c in results.get("cells", []))
     lines.append("Times in ms (median ±IQR); speed-up = best peer median / fxopt median (>1: fxopt faster)"
+                 + ("; (fallback) = the backend warned that it fell back (see Details)" if fb else "")
                  + ("; ⚠ = failed the accuracy check" if bad else "") + ".")
     return lines
 
@@ -199,7 +202,8 @@ def _details_table(results: Dict[str, Any]) -> List[str]:
             else _short(c.get("cold_error"), 30) or "–",
             _fmt(c.get("max_rel_err"), ".2e"), _fmt(c.get("tflops"), ".3f"),
             _fmt(c.get("pct_peak"), ".1f"), _fmt(c.get("peak_mem_mb"), ".0f"),
-            _short(c.get("error") or c.get("note"), 70),
+            _short(c.get("error") or (f"fallback ×{c.get('fallback_count')}: {c['fallback']}"
+                                      if c.get("fallback") else c.get("note")), 70),
         ]) + " |")
     return lines
 

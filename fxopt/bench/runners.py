@@ -17,16 +17,16 @@ import os
 import statistics
 import tempfile
 import time
+import traceback
+import warnings
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-__all__ = [
-    "BACKENDS", "DEFAULT_BACKENDS", "BackendSpec", "BackendUnavailable", "Prepared",
-    "count_flops", "flatten_outputs", "fxopt_available", "max_rel_error",
-    "measure_cell", "measure_peak_tflops", "reference_output", "stats", "time_calls",
-]
+__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "BackendSpec", "BackendUnavailable", "Prepared",
+           "count_flops", "flatten_outputs", "fxopt_available", "max_rel_error", "measure_cell",
+           "measure_peak_tflops", "reference_output", "stats", "time_calls"]
 
 
 class BackendUnavailable(RuntimeError):
@@ -54,9 +54,7 @@ class BackendSpec:
     is_fxopt: bool = False
 
 
-# --------------------------------------------------------------------------
-# statistics and timing
-# --------------------------------------------------------------------------
+# ---- statistics and timing -------------------------------------------------
 def _percentile(sorted_xs: Sequence[float], q: float) -> float:
     """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
     n = len(sorted_xs)
@@ -106,9 +104,7 @@ def time_calls(fn: Callable, x: torch.Tensor, device: str, iters: int) -> List[f
     return out
 
 
-# --------------------------------------------------------------------------
-# accuracy, FLOPs, peak
-# --------------------------------------------------------------------------
+# ---- accuracy, FLOPs, peak -------------------------------------------------
 def flatten_outputs(out: Any) -> List[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]
@@ -196,9 +192,7 @@ def measure_peak_tflops(device: str, dtype: torch.dtype, quick: bool = False) ->
     return {"tflops": 2 * n ** 3 / (best_ms * 1e-3) / 1e12, "what": what, "best_ms": best_ms}
 
 
-# --------------------------------------------------------------------------
-# backends
-# --------------------------------------------------------------------------
+# ---- backends --------------------------------------------------------------
 def _eager(model, x, device, dtype, options) -> Prepared:
     return Prepared(model, x)
 
@@ -352,17 +346,32 @@ BACKENDS: Dict[str, BackendSpec] = {s.name: s for s in [
     BackendSpec("onnxruntime-cudagraph", _onnxruntime(True), needs_cuda=True),
     BackendSpec("fxopt", _fxopt({}), is_fxopt=True),
     BackendSpec("fxopt-no-cudagraphs", _fxopt({"cudagraphs": False}), is_fxopt=True),
+    BackendSpec("fxopt-direct", _fxopt({"conv_algorithm": "direct"}), is_fxopt=True, default=False),
+    BackendSpec("fxopt-onnxruntime", _fxopt({"executor": "onnxruntime"}), is_fxopt=True, default=False),
 ]}
 
 DEFAULT_BACKENDS: List[str] = [n for n, s in BACKENDS.items() if s.default]
 
 
-# --------------------------------------------------------------------------
-# one cell: (model, batch, dtype, backend)
-# --------------------------------------------------------------------------
+# ---- one cell: (model, batch, dtype, backend) ------------------------------
 def _first_line(exc: BaseException) -> str:
     s = str(exc).strip()
     return s.splitlines()[0][:300] if s else ""
+
+
+def _record_warnings(cell: Dict[str, Any], caught: List[warnings.WarningMessage]) -> None:
+    """Re-emit caught warnings; note fallbacks (e.g. FxoptFallbackWarning) in the cell."""
+    fallbacks, seen = [], set()
+    for w in caught:
+        msg = str(w.message).strip()
+        if "fallback" in w.category.__name__.lower():
+            fallbacks.append(msg.splitlines()[0][:200] if msg else "")
+        if (w.category, msg) not in seen:
+            seen.add((w.category, msg))
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if fallbacks:
+        cell["fallback"] = fallbacks[0]
+        cell["fallback_count"] = len(fallbacks)
 
 
 def _cleanup(device: str) -> None:
@@ -381,6 +390,7 @@ def measure_cell(backend: str, base_model: nn.Module, x_cpu: torch.Tensor,
     spec = BACKENDS[backend]
     cell: Dict[str, Any] = {"backend": backend, "status": "ok", "error": None, "note": ""}
     prepared = model = x = None
+    caught: List[warnings.WarningMessage] = []
     try:
         if spec.needs_cuda and device != "cuda":
             raise BackendUnavailable("needs --device cuda")
@@ -390,7 +400,8 @@ def measure_cell(backend: str, base_model: nn.Module, x_cpu: torch.Tensor,
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        with torch.no_grad(), spec.context():
+        with torch.no_grad(), spec.context(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             t0 = time.perf_counter()
             prepared = spec.prepare(model, x, device, dtype, fxopt_options or {})
             out = prepared.fn(prepared.inputs)
@@ -417,11 +428,10 @@ def measure_cell(backend: str, base_model: nn.Module, x_cpu: torch.Tensor,
     except Exception as exc:
         cell.update(status="error", error=f"{type(exc).__name__}: {_first_line(exc)}")
         if error_log is not None:
-            import traceback
-
             error_log.append(f"[{backend}] " + "".join(
                 traceback.format_exception(type(exc), exc, exc.__traceback__)))
     finally:
+        _record_warnings(cell, caught)
         del prepared, model, x
         _cleanup(device)
     return cell

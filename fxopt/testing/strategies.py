@@ -182,6 +182,10 @@ def cnn_cases(draw, dtypes=(torch.float32,), ndims=(2,), max_layers: int = 5, tr
             desc.append(text)
         if size < 1:
             break
+    if not steps:  # every drawn layer was skipped: a model needs at least one
+        body, c, size, text = conv_block(c, size)
+        steps.append(Step("plain", body))
+        desc.append(text)
     if heads and draw(st.booleans()):
         act = draw(st.sampled_from(["relu", "none", "gelu", "hardswish"]))
         features = c * size**ndim

@@ -1,0 +1,274 @@
+"""The ``onnxruntime`` executor: the optimized inference graph in an ONNX Runtime session.
+
+``options={"executor": "onnxruntime"}``. For each input signature (shapes, dtypes, devices of the
+user inputs) the optimized graph is translated to ONNX (``fxopt.onnx_export.graph_to_onnx``, static
+shapes) with the current parameter values and folded constants as initializers, and an
+``InferenceSession`` is created (at most ``MAX_SESSIONS``, least recently used dropped).
+
+- CUDA inputs and ``CUDAExecutionProvider`` available: the CUDA EP with IO binding on the torch
+  tensors (no host copies), outputs allocated by torch; with ``cudagraphs`` not False, ORT's own
+  CUDA graph (``enable_cuda_graph``) is captured per signature, inputs copied into static buffers.
+  Torch's current stream is synchronized before each run (ORT runs on its own stream).
+- CPU inputs: the CPU EP (``intra_op_num_threads`` = ``torch.get_num_threads()``).
+- Parameters are initializers, not inputs: when one changes in place (its ``_version`` moves:
+  optimizer step, ``load_state_dict``, ``copy_``) or is replaced, every session is rebuilt.
+
+Falls back to the torch executor (``info["executor"]`` says so, and why): training graphs; ops
+without an ONNX translation (``strict=True`` raises ``UnsupportedOpError``); CUDA inputs without the
+CUDA EP, onnxruntime missing, bfloat16 values (one warning each).
+"""
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+
+import torch
+import torch.fx as fx
+
+from fxopt.backends import torch_ref
+
+MAX_SESSIONS = 8
+_WARNED: set = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    from fxopt.pipeline import FxoptFallbackWarning
+
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, FxoptFallbackWarning, stacklevel=4)
+
+
+def _torch_executor(gm: fx.GraphModule, info: dict, reason: str):
+    info["executor"] = f"torch (onnxruntime not used: {reason})"
+    info["cudagraphs"] = "off (onnxruntime executor fell back)"
+    return torch_ref.lower(gm), info
+
+
+def _np_dtypes():
+    import numpy as np
+
+    return {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
+            torch.int64: np.int64, torch.int32: np.int32, torch.int8: np.int8, torch.uint8: np.uint8,
+            torch.bool: np.bool_}
+
+
+_NP = _np_dtypes()
+
+
+def _unbindable_dtype(gm: fx.GraphModule):
+    """A value whose dtype has no NumPy / IO-binding type (bfloat16...), or None."""
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if n.op in ("placeholder", "output") or not isinstance(v, torch.Tensor):
+            continue
+        if v.dtype not in _NP:
+            return f"{n.name} is {v.dtype}"
+    return None
+
+
+def lower_onnxruntime(gm: fx.GraphModule, ctx, kind: str, info: dict):
+    """(callable, info) running `gm` in ONNX Runtime, or the torch executor where it cannot."""
+    if kind != "inference":
+        return _torch_executor(gm, info, f"{kind} graph; the onnxruntime executor runs inference graphs only")
+    try:
+        import onnxruntime as ort
+    except ImportError as e:
+        _warn_once("import", f"fxopt: executor 'onnxruntime' needs onnxruntime ({e}); using the torch executor")
+        return _torch_executor(gm, info, f"onnxruntime is not importable: {e}")
+    from fxopt.onnx_export import UnsupportedOpError, find_unsupported
+
+    bad = find_unsupported(gm, ctx.param_placeholders)
+    reason = None
+    if bad:
+        err = UnsupportedOpError(bad[0][1], bad[0][0], "no ONNX translation")
+        if ctx.options.strict:
+            raise err
+        reason = str(err)
+    odd_dtype = _unbindable_dtype(gm)
+    reason = reason or (f"dtype without an onnxruntime binding here: {odd_dtype}" if odd_dtype else None)
+    cuda = ctx.device_type == "cuda"
+    if not reason and cuda and "CUDAExecutionProvider" not in ort.get_available_providers():
+        reason = f"inputs are on CUDA but onnxruntime has no CUDAExecutionProvider ({ort.get_available_providers()})"
+    if reason:
+        _warn_once(reason, f"fxopt: executor 'onnxruntime': {reason}; using the torch executor")
+        return _torch_executor(gm, info, reason)
+    provider = "CUDAExecutionProvider" if cuda else "CPUExecutionProvider"
+    cuda_graph = cuda and ctx.options.cudagraphs is not False
+    runner = OrtRunner(gm, ctx.param_placeholders, ctx.param_qualnames, provider, cuda_graph)
+    examples = ctx.example_inputs
+    if examples is not None and all(isinstance(a, (torch.Tensor, int)) for a in examples):
+        # build the first session now: failures show at compile time
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        try:
+            with unset_fake_temporarily():
+                entry = runner.entry(list(examples))
+            provider, cuda_graph = entry.sess.get_providers()[0], entry.cuda_graph
+        except Exception as e:  # noqa: BLE001 - export or session creation: the torch executor runs it
+            if ctx.options.strict:
+                raise
+            reason = f"{type(e).__name__}: {e}"
+            _warn_once(reason, f"fxopt: executor 'onnxruntime': {reason}; using the torch executor")
+            return _torch_executor(gm, info, reason)
+    info["executor"] = f"onnxruntime ({provider})"
+    info["cudagraphs"] = ("on (onnxruntime CUDA graph per input signature)" if cuda_graph else
+                          "off (inputs are not on CUDA)" if not cuda else "off (option cudagraphs=False)"
+                          if ctx.options.cudagraphs is False else "off (onnxruntime could not capture this graph)")
+    return runner, info
+
+
+def _matches(v, a) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(v, torch.Tensor) and all(type(s) is int for s in v.shape)
+                and tuple(v.shape) == tuple(a.shape) and v.dtype == a.dtype)
+    return type(v) is type(a) and v == a
+
+
+def specialize(gm: fx.GraphModule, args: list) -> fx.GraphModule:
+    """`gm`, or a copy whose meta['val'] has the concrete shapes of `args` (dynamic-shape graphs)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if all(_matches(p.meta.get("val"), a) for p, a in zip(placeholders, args)):
+        return gm
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from fxopt.pipeline import copy_graph_module
+
+    g = copy_graph_module(gm)
+    for n in g.graph.nodes:
+        n.meta = dict(n.meta)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+    with mode:
+        FakeTensorProp(g, mode).propagate_dont_convert_inputs(*fakes)
+    return g
+
+
+class _Session:
+    """One ORT session for one input signature."""
+
+    def __init__(self, gm, args, params, provider, cuda_graph):
+        import onnxruntime as ort
+
+        from fxopt.onnx_export import graph_to_onnx
+
+        g = specialize(gm, args)
+        proto = graph_to_onnx(g, args, params, dynamic_batch=False)
+        out = next(n for n in g.graph.nodes if n.op == "output").args[0]
+        self.out_vals = [o.meta["val"] for o in (out if isinstance(out, (list, tuple)) else [out])]
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        self.device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"),
+                           torch.device("cpu"))
+        if provider == "CPUExecutionProvider":
+            opts.intra_op_num_threads = max(1, torch.get_num_threads())
+            providers = [provider]
+        else:
+            popts = {"device_id": str(self.device.index or 0)}
+            if cuda_graph:
+                popts["enable_cuda_graph"] = "1"
+            providers = [(provider, popts)]
+        data = proto.SerializeToString()
+        try:
+            self.sess = ort.InferenceSession(data, opts, providers=providers)
+        except Exception:  # noqa: BLE001 - a CUDA graph needs every node on the CUDA EP: retry without
+            if not cuda_graph:
+                raise
+            cuda_graph, providers = False, [(provider, {"device_id": str(self.device.index or 0)})]
+            self.sess = ort.InferenceSession(data, opts, providers=providers)
+        self.cuda = provider == "CUDAExecutionProvider"
+        if self.cuda and "CUDAExecutionProvider" not in self.sess.get_providers():
+            raise RuntimeError(f"onnxruntime created no CUDA session (providers {self.sess.get_providers()})")
+        self.cuda_graph = cuda_graph
+        self.in_names = [i.name for i in self.sess.get_inputs()]
+        self.out_names = [o.name for o in self.sess.get_outputs()]
+        self.binding = None
+
+    def _bind(self, inputs, outputs):
+        b = self.sess.io_binding()
+        idx = self.device.index or 0
+        for name, t in list(zip(self.in_names, inputs)):
+            b.bind_input(name, "cuda", idx, _NP[t.dtype], tuple(t.shape), t.data_ptr())
+        for name, t in zip(self.out_names, outputs):
+            b.bind_output(name, "cuda", idx, _NP[t.dtype], tuple(t.shape), t.data_ptr())
+        return b
+
+    def run(self, inputs: list) -> list:
+        if not self.cuda:
+            feeds = {n: t.detach().contiguous().numpy() for n, t in zip(self.in_names, inputs)}
+            return [torch.from_numpy(o) for o in self.sess.run(self.out_names, feeds)]
+        inputs = [t.detach().contiguous() for t in inputs]
+        if self.cuda_graph:  # fixed addresses: static input and output buffers, bound once
+            if self.binding is None:
+                self.static_in = [t.clone() for t in inputs]
+                self.static_out = [torch.empty(v.shape, dtype=v.dtype, device=self.device) for v in self.out_vals]
+                self.binding = self._bind(self.static_in, self.static_out)
+            for buf, t in zip(self.static_in, inputs):
+                buf.copy_(t)
+            torch.cuda.current_stream(self.device).synchronize()
+            self.sess.run_with_iobinding(self.binding)
+            return [o.clone() for o in self.static_out]
+        outs = [torch.empty(v.shape, dtype=v.dtype, device=self.device) for v in self.out_vals]
+        binding = self._bind(inputs, outs)
+        torch.cuda.current_stream(self.device).synchronize()
+        self.sess.run_with_iobinding(binding)
+        return outs
+
+
+def _restride(t: torch.Tensor, v) -> torch.Tensor:
+    """ORT's outputs are contiguous: give them the strides eager's outputs have."""
+    if isinstance(v, torch.Tensor) and not v.is_contiguous() and t.dim() == v.dim():
+        out = torch.empty_strided(t.shape, v.stride(), dtype=t.dtype, device=t.device)
+        return out.copy_(t)
+    return t
+
+
+class OrtRunner:
+    """The compiled callable: the graph's flat args in (parameters included), the graph's outputs out."""
+
+    def __init__(self, gm, param_placeholders, qualnames, provider, cuda_graph, max_sessions=MAX_SESSIONS):
+        self.gm, self.provider, self.cuda_graph, self.max_sessions = gm, provider, cuda_graph, max_sessions
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.params = {i: qualnames.get(n.name, n.name) for i, n in enumerate(placeholders)
+                       if n.name in param_placeholders}
+        self.user = [i for i in range(len(placeholders)) if i not in self.params]
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        self.out_type = type(out) if isinstance(out, (list, tuple)) else None
+        self.sessions: OrderedDict = OrderedDict()
+        self._param_key = None
+        self._torch = None  # the torch executor, for signatures ONNX export refuses
+        self.builds = 0  # sessions created (for tests and reports)
+
+    def entry(self, args) -> _Session:
+        key = tuple((id(args[i]), args[i]._version, args[i].data_ptr()) if isinstance(args[i], torch.Tensor)
+                    else args[i] for i in self.params)
+        if key != self._param_key:  # a weight changed: every session holds stale initializers
+            self.sessions.clear()
+            self._param_key = key
+        sig = tuple((tuple(args[i].shape), args[i].dtype, args[i].device) if isinstance(args[i], torch.Tensor)
+                    else args[i] for i in self.user)
+        entry = self.sessions.get(sig)
+        if entry is None:
+            entry = _Session(self.gm, list(args), self.params, self.provider, self.cuda_graph)
+            self.builds += 1
+            self.sessions[sig] = entry
+            while len(self.sessions) > self.max_sessions:
+                self.sessions.popitem(last=False)
+        else:
+            self.sessions.move_to_end(sig)
+        return entry
+
+    def __call__(self, *args):
+        from fxopt.onnx_export import OnnxExportError
+
+        try:
+            entry = self.entry(args)
+        except OnnxExportError as e:
+            _warn_once(str(e), f"fxopt: executor 'onnxruntime': {e}; running these inputs with the torch executor")
+            if self._torch is None:
+                self._torch = torch_ref.lower(self.gm)
+            return self._torch(*args)
+        outs = entry.run([args[i] for i in self.user if isinstance(args[i], torch.Tensor)])
+        outs = [_restride(t, v) for t, v in zip(outs, entry.out_vals)]
+        return self.out_type(outs) if self.out_type is not None else outs[0]

@@ -1,0 +1,629 @@
+"""ONNX export of the graph fxopt optimized: ``fxopt.export_onnx(model, example_inputs, path)``.
+
+The model is captured as ``torch.compile(model, backend="fxopt")`` captures it (Dynamo ->
+AOTAutograd -> passes, under ``no_grad``) and the optimized inference graph is written as standard
+ONNX (opset 20 by default, 17+ accepted): parameters and folded weight-only values (BatchNorm folded
+into the weights...) as initializers computed from the real parameters, user inputs as graph inputs
+(dim 0 = ``batch`` with ``dynamic_batch``). ``fused_conv`` -> ``Conv`` [+ ``Add``] [+ activation],
+``fused_linear`` -> ``Gemm(transB=1)`` [+ activation]; Winograd/FFT/GEMM choices are a plain ``Conv``
+(kept in the node's ``fxopt.conv_algorithm`` metadata). Nodes are named ``<module path>/<OpType>``
+("layer1.0.conv1/Conv") and carry the module path, class and FX node in ``metadata_props`` and
+``doc_string``. An op without an exact translation raises ``UnsupportedOpError`` (op and node named):
+no model is written then. ``graph_to_onnx`` is the translator alone (``fxopt.backends.onnxrt`` uses it).
+See docs/ONNX.md.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+
+import onnx
+import torch
+import torch.fx as fx
+from onnx import TensorProto, helper
+
+from fxopt.ops import FUSED_CONV, FUSED_LINEAR
+from fxopt.passes.fuse_conv_epilogue import ACTIVATION_OPS
+
+aten, prims = torch.ops.aten, torch.ops.prims
+DEFAULT_OPSET, MIN_OPSET = 20, 17
+IR_VERSION = 10  # ONNX 1.16 (node metadata_props); onnxruntime >= 1.17
+DTYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16, torch.bfloat16: TensorProto.BFLOAT16,
+          torch.float64: TensorProto.DOUBLE, torch.int64: TensorProto.INT64, torch.int32: TensorProto.INT32,
+          torch.int8: TensorProto.INT8, torch.uint8: TensorProto.UINT8, torch.bool: TensorProto.BOOL}
+
+
+class OnnxExportError(RuntimeError):
+    """The model cannot be written as ONNX as captured (graph breaks, non-tensor outputs...)."""
+
+
+class UnsupportedOpError(OnnxExportError):
+    """An op of the optimized graph has no exact ONNX translation."""
+
+    def __init__(self, op, node: str, reason: str = ""):
+        self.op, self.node = str(op), node
+        super().__init__(f"fxopt ONNX export: op {self.op} (node {node!r}) is not supported"
+                         + (f": {reason}" if reason else ""))
+
+
+def _tensor(t: torch.Tensor, name: str) -> TensorProto:
+    t = t.detach().cpu().contiguous()
+    if t.dtype not in DTYPES:
+        raise OnnxExportError(f"constant {name!r} has dtype {t.dtype}, which has no ONNX equivalent here")
+    proto = TensorProto(name=name, data_type=DTYPES[t.dtype], dims=list(t.shape))
+    proto.raw_data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return proto
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _ints(v):
+    return [int(s) for s in v]
+
+
+def _path(n) -> str:
+    """The qualified name of the module `n` came from: "L['self'].layer1[0].conv1" -> "layer1.0.conv1"."""
+    stack = list((n.meta.get("nn_module_stack") or {}).values())
+    path = re.sub(r"^L\['[^']*'\]", "", stack[-1][0]) if stack else ""
+    return re.sub(r"\._modules\['([^']*)'\]|\[(\w+)\]", lambda m: "." + (m[1] or m[2]), path).strip(".")
+
+
+def _is_scalar(n) -> bool:  # a (Sym)Int/Float such as a batch size: concrete once shapes are
+    return isinstance(_val(n), (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _const_flags(gm, param_names, factory_ok) -> dict:
+    """Which nodes are weight-only: evaluated at export time and written as initializers."""
+    from fxopt.passes.fold_constants import is_pure
+
+    const = {}
+    for n in gm.graph.nodes:
+        ins = n.all_input_nodes
+        const[n] = (n.op == "placeholder" and n.name in param_names) or n.op == "get_attr" or _is_scalar(n) or (
+            n.op in ("call_module", "call_function") and all(const[a] for a in ins)
+            and (n.op == "call_module" or is_pure(n)) and (bool(ins) or factory_ok(n)))
+    return const
+
+
+class _Emitter:
+    def __init__(self, gm, args, params, input_names, dynamic_batch, opset, output_names):
+        if opset < MIN_OPSET:
+            raise ValueError(f"fxopt ONNX export needs opset >= {MIN_OPSET}, got {opset}")
+        self.gm, self.args, self.opset, self.dynamic = gm, args, opset, dynamic_batch
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.params = {self.placeholders[i].name: q for i, q in params.items()}  # placeholder -> qualname
+        self.input_names, self.output_names = input_names or [], output_names or []
+        self.nodes, self.inits, self.inputs, self.outputs = [], [], [], []
+        self.names, self.batch, self.values, self.init_of, self.scalars, self.renamed = {}, {}, {}, {}, {}, {}
+        self.used = {n.name for n in gm.graph.nodes if n.op != "output"}
+        user = [a for p, a in zip(self.placeholders, args) if p.name not in self.params
+                and isinstance(a, torch.Tensor) and a.dim() > 0]
+        batch = int(user[0].shape[0]) if user else None
+
+        def factory_ok(n):  # a tensor made from nothing must not have the example batch baked in
+            v = _val(n)
+            return not (dynamic_batch and isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch)
+
+        scalars = {p.name for p, a in zip(self.placeholders, args) if not isinstance(a, torch.Tensor)}
+        self.const = _const_flags(gm, set(self.params) | scalars, factory_ok)
+
+    def unique(self, base: str) -> str:
+        name, i = base, 0
+        while name in self.used:
+            i += 1
+            name = f"{base}_{i}"
+        self.used.add(name)
+        return name
+
+    def value(self, n):
+        """The real value of a weight-only node (evaluated once, from the real parameters)."""
+        if n not in self.values:
+            if n.op == "placeholder":
+                v = self.args[self.placeholders.index(n)]
+            elif _is_scalar(n):
+                v = int(_val(n)) if isinstance(_val(n), (int, torch.SymInt)) else float(_val(n))
+            elif n.op == "get_attr":
+                v = operator.attrgetter(n.target)(self.gm)
+            else:
+                a, kw = fx.node.map_arg((n.args, n.kwargs), self.value)
+                v = (self.gm.get_submodule(n.target) if n.op == "call_module" else n.target)(*a, **kw)
+            self.values[n] = v
+        return self.values[n]
+
+    def init(self, t: torch.Tensor, hint: str) -> str:
+        name = self.unique(hint)
+        self.inits.append(_tensor(t, name))
+        return name
+
+    def scalar(self, v, dtype) -> str:
+        key = (float(v) if dtype.is_floating_point else int(v), dtype)
+        if key not in self.scalars:
+            self.scalars[key] = self.init(torch.tensor(v, dtype=dtype), f"scalar_{len(self.scalars)}")
+        return self.scalars[key]
+
+    def ints(self, v) -> str:
+        return self.init(torch.tensor(list(v), dtype=torch.int64), "shape")
+
+    def ref(self, a, dtype=None, hint=None) -> str:
+        """The ONNX name of an FX argument (weight-only values become initializers on first use)."""
+        if a is None:
+            return ""
+        if not isinstance(a, fx.Node):
+            return self.scalar(a, dtype)
+        if self.const[a]:
+            if a not in self.init_of:
+                v = self.value(a)
+                if not isinstance(v, torch.Tensor):
+                    return self.scalar(v, dtype)
+                self.init_of[a] = self.init(v, self.params.get(a.name) or hint or f"const_{a.name}")
+            return self.init_of[a]
+        if not isinstance(self.names.get(a), str):
+            raise UnsupportedOpError(a.target, a.name, "its value is used in a way that has no ONNX translation")
+        return self.names[a]
+
+    def emit(self, n, op, inputs, out=None, **attrs) -> str:
+        """One ONNX node for FX node `n`, named and annotated with `n`'s module path."""
+        path = _path(n)
+        out = out or self.unique(f"{n.name}__{op.lower()}")
+        node = helper.make_node(op, inputs, [out], name=self.unique(f"{path or n.name}/{op}"), **attrs)
+        stack = list((n.meta.get("nn_module_stack") or {}).values())
+        meta = {"fxopt.module": path, "fxopt.fx_node": n.name, "fxopt.fx_target": str(n.target)}
+        if stack:
+            meta["fxopt.module_type"] = getattr(stack[-1][1], "__name__", str(stack[-1][1]))
+        if n.meta.get("fxopt_conv_algorithm"):
+            meta["fxopt.conv_algorithm"] = n.meta["fxopt_conv_algorithm"]
+        node.metadata_props.extend(onnx.StringStringEntryProto(key=k, value=v) for k, v in meta.items())
+        trace = (n.meta.get("stack_trace") or "").rstrip().splitlines()
+        files = [i for i, line in enumerate(trace) if line.lstrip().startswith("File ")]
+        node.doc_string = f"{path or '<top>'}: {n.name} = {n.target}" + (
+            "\n" + "\n".join(s.strip() for s in trace[files[-1]:files[-1] + 2]) if files else "")
+        self.nodes.append(node)
+        return out
+
+    def activation(self, n, x, name, params, dtype, out=None):
+        simple = {"relu": "Relu", "sigmoid": "Sigmoid", "tanh": "Tanh", "hardswish": "HardSwish"}
+        if name == "none":
+            return x if out is None else self.emit(n, "Identity", [x], out)
+        if name in simple:
+            return self.emit(n, simple[name], [x], out)
+        if name == "hardtanh":
+            return self.emit(n, "Clip", [x, self.scalar(params[0], dtype), self.scalar(params[1], dtype)], out)
+        if name == "leaky_relu":
+            return self.emit(n, "LeakyRelu", [x], out, alpha=float(params[0]))
+        if name == "hardsigmoid":
+            return self.emit(n, "HardSigmoid", [x], out, alpha=1.0 / 6, beta=0.5)
+        if name == "silu":
+            return self.emit(n, "Mul", [x, self.emit(n, "Sigmoid", [x])], out)
+        if name not in ("gelu", "gelu_tanh"):
+            raise UnsupportedOpError(f"activation {name!r}", n.name)
+        if self.opset >= 20:
+            return self.emit(n, "Gelu", [x], out, approximate="tanh" if name == "gelu_tanh" else "none")
+        mul = lambda a, b: self.emit(n, "Mul", [a, b])  # noqa: E731
+        if name == "gelu":  # 0.5 x (1 + erf(x / sqrt 2))
+            inner = self.emit(n, "Erf", [mul(x, self.scalar(0.5 ** 0.5, dtype))])
+        else:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+            s = self.emit(n, "Add", [x, mul(mul(mul(x, x), x), self.scalar(0.044715, dtype))])
+            inner = self.emit(n, "Tanh", [mul(s, self.scalar((2 / math.pi) ** 0.5, dtype))])
+        half = mul(x, self.scalar(0.5, dtype))
+        return self.emit(n, "Mul", [half, self.emit(n, "Add", [inner, self.scalar(1.0, dtype)])], out)
+
+    def run(self, graph_name: str) -> onnx.ModelProto:
+        for n in self.gm.graph.nodes:
+            if n.op == "placeholder" and not self.const[n]:
+                self._input(n, len(self.inputs))
+            elif n.op == "output":
+                self._outputs(n)
+            elif n.op != "placeholder" and not self.const[n]:
+                handler = HANDLERS.get(n.target) if n.op == "call_function" else None
+                if handler is None:
+                    hint = "; training-mode BatchNorm: call model.eval()" if "functional" in str(n.target) else ""
+                    raise UnsupportedOpError(n.target, n.name, "no ONNX translation" + hint)
+                self.batch[n] = any(self.batch.get(a, False) for a in n.all_input_nodes)
+                handler(self, n)
+        graph = helper.make_graph(self.nodes, graph_name, self.inputs, self.outputs, self.inits)
+        from fxopt import __version__
+
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)],
+                                  producer_name="fxopt", producer_version=__version__)
+        model.ir_version = IR_VERSION
+        return model
+
+    def _vinfo(self, name, v, batch):
+        if not isinstance(v, torch.Tensor) or v.dtype not in DTYPES:
+            raise OnnxExportError(f"graph input/output {name!r} is not a tensor of an ONNX dtype ({v!r})")
+        dims = ["batch" if batch and i == 0 else int(s) for i, s in enumerate(v.shape)]
+        return helper.make_tensor_value_info(name, DTYPES[v.dtype], dims)
+
+    def _input(self, n, k):
+        v = self.args[self.placeholders.index(n)]
+        name = self.unique(self.input_names[k] if k < len(self.input_names) else f"input_{k}")
+        self.names[n], self.batch[n] = name, self.dynamic and isinstance(v, torch.Tensor) and v.dim() > 0
+        self.inputs.append(self._vinfo(name, v, self.batch[n]))
+
+    def _outputs(self, n):
+        outs = n.args[0] if isinstance(n.args[0], (list, tuple)) else [n.args[0]]
+        produced = {o for node in self.nodes for o in node.output}
+        for i, o in enumerate(outs):
+            if not isinstance(o, fx.Node) or not isinstance(_val(o), torch.Tensor):
+                raise OnnxExportError(f"graph output {i} is not a tensor ({o!r})")
+            want = self.unique(self.output_names[i] if i < len(self.output_names)
+                               else "output" if len(outs) == 1 else f"output_{i}")
+            src = self.ref(o)
+            src = self.renamed.get(src, src)
+            if src in produced and src not in self.renamed:  # rename the producer's output in place
+                for node in self.nodes:
+                    node.input[:] = [want if x == src else x for x in node.input]
+                    node.output[:] = [want if x == src else x for x in node.output]
+                self.renamed[src] = want
+            else:  # an input, an initializer or a value already returned
+                self.emit(o, "Identity", [src], want)
+            self.outputs.append(self._vinfo(want, _val(o), self.batch.get(o, False)))
+
+    def keep_batch(self, n, x, ok: bool, what: str):
+        if self.dynamic and self.batch.get(x, False) and not ok:
+            raise UnsupportedOpError(n.target, n.name, f"{what} moves or mixes the batch dimension; "
+                                     "export with dynamic_batch=False")
+
+
+# ---- handlers: (emitter, node) -> None; they set e.names[node] (a tuple for multi-output ops)
+def _conv(e, n, x, w, b, res, stride, padding, dilation, groups, act, params, transposed=False, out_pad=()):
+    dtype, path = _val(n).dtype, _path(n) or n.name
+    if dtype == torch.bfloat16 and e.opset < 22:
+        raise UnsupportedOpError(n.target, n.name, "bfloat16 Conv needs opset >= 22")
+    attrs = dict(strides=_ints(stride), pads=_ints(padding) * 2, dilations=_ints(dilation), group=int(groups),
+                 kernel_shape=_ints(_val(w).shape[2:]), **({"output_padding": _ints(out_pad)} if transposed else {}))
+    ins = [e.ref(x), e.ref(w, hint=f"{path}.weight")] + ([e.ref(b, hint=f"{path}.bias")] if b is not None else [])
+    y = e.emit(n, "ConvTranspose" if transposed else "Conv", ins, n.name if res is None and act == "none" else None,
+               **attrs)
+    if res is not None:
+        y = e.emit(n, "Add", [y, e.ref(res)], n.name if act == "none" else None)
+    e.names[n] = e.activation(n, y, act, params, dtype, n.name) if act != "none" else y
+
+
+def h_fused_conv(e, n):
+    _conv(e, n, *n.args[:10])
+
+
+def h_convolution(e, n):
+    x, w, b, stride, padding, dilation, transposed, out_pad, groups = n.args
+    _conv(e, n, x, w, b, None, stride, padding, dilation, groups, "none", [], bool(transposed), out_pad)
+
+
+def h_fused_linear(e, n):
+    x, w, b, act, params = n.args
+    path = _path(n) or n.name
+    ins = [e.ref(x), e.ref(w, hint=f"{path}.weight")] + ([e.ref(b, hint=f"{path}.bias")] if b is not None else [])
+    y = e.emit(n, "Gemm", ins, n.name if act == "none" else None, transB=1)
+    e.names[n] = e.activation(n, y, act, params, _val(n).dtype, n.name) if act != "none" else y
+
+
+def h_addmm(e, n):
+    b, x, y = n.args[:3]
+    e.names[n] = e.emit(n, "Gemm", [e.ref(x), e.ref(y), e.ref(b)], n.name,
+                        alpha=float(n.kwargs.get("alpha", 1)), beta=float(n.kwargs.get("beta", 1)))
+
+
+def h_alias(e, n):
+    e.names[n] = e.ref(n.args[0])
+
+
+def h_cast(e, n):
+    if _val(n.args[0]).dtype == _val(n).dtype:  # layout or device conversions: nothing in ONNX
+        return h_alias(e, n)
+    e.names[n] = e.emit(n, "Cast", [e.ref(n.args[0])], n.name, to=DTYPES[_val(n).dtype])
+
+
+def h_reshape(e, n):
+    x = n.args[0]
+    shape = _ints(_val(n).shape)
+    e.keep_batch(n, x, bool(shape) and shape[0] == _val(x).shape[0], "this reshape")
+    if e.dynamic and e.batch.get(x, False):
+        shape[0] = -1
+    e.names[n] = e.emit(n, "Reshape", [e.ref(x), e.ints(shape)], n.name)
+
+
+def h_squeeze(e, n):
+    x, shape = n.args[0], _ints(_val(n.args[0]).shape)
+    dims = n.args[1] if len(n.args) > 1 else range(len(shape))
+    axes = sorted({d % len(shape) for d in ([dims] if isinstance(dims, int) else dims) if shape[d] == 1})
+    e.keep_batch(n, x, 0 not in axes, "squeezing dim 0")
+    e.names[n] = e.emit(n, "Squeeze", [e.ref(x), e.ints(axes)], n.name) if axes else e.ref(x)
+
+
+def h_unsqueeze(e, n):
+    x, d = n.args[0], n.args[1] % _val(n).dim()
+    e.keep_batch(n, x, d != 0, "unsqueezing at dim 0")
+    e.names[n] = e.emit(n, "Unsqueeze", [e.ref(x), e.ints([d])], n.name)
+
+
+def h_permute(e, n):
+    x, rank = n.args[0], _val(n.args[0]).dim()
+    perm = list(range(rank))
+    if n.target is aten.permute.default:
+        perm = [d % rank for d in n.args[1]]
+    elif rank >= 2:  # t / transpose
+        a, b = (n.args[1] % rank, n.args[2] % rank) if n.target is aten.transpose.int else (0, 1)
+        perm[a], perm[b] = perm[b], perm[a]
+    e.keep_batch(n, x, not perm or perm[0] == 0, "this transpose")
+    e.names[n] = e.emit(n, "Transpose", [e.ref(x)], n.name, perm=perm)
+
+
+def h_cat(e, n):
+    dim = (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % _val(n).dim()
+    for t in n.args[0]:
+        e.keep_batch(n, t, dim != 0, "concatenation along dim 0")
+    e.names[n] = e.emit(n, "Concat", [e.ref(t) for t in n.args[0]], n.name, axis=dim)
+
+
+_BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div"}
+_UNARY = {aten.neg.default: "Neg", aten.exp.default: "Exp", aten.sqrt.default: "Sqrt", aten.abs.default: "Abs",
+          aten.reciprocal.default: "Reciprocal", aten.log.default: "Log", aten.erf.default: "Erf",
+          aten.mm.default: "MatMul", aten.bmm.default: "MatMul"}
+
+
+def h_binary(e, n):
+    dtype = _val(n).dtype
+    if n.kwargs.get("rounding_mode") is not None:
+        raise UnsupportedOpError(n.target, n.name, f"rounding_mode={n.kwargs['rounding_mode']!r}")
+    ins = []
+    for a in n.args[:2]:
+        v = _val(a)
+        ins.append(e.ref(a, dtype=dtype))
+        if isinstance(v, torch.Tensor) and v.dtype != dtype:
+            ins[-1] = e.emit(n, "Cast", [ins[-1]], to=DTYPES[dtype])
+        e.keep_batch(n, a, isinstance(v, torch.Tensor) and v.dim() == _val(n).dim(), "broadcasting")
+    if n.kwargs.get("alpha", 1) != 1:
+        ins[1] = e.emit(n, "Mul", [ins[1], e.scalar(n.kwargs["alpha"], dtype)])
+    e.names[n] = e.emit(n, _BINARY[n.target.__name__.split(".")[0]], ins, n.name)
+
+
+def h_unary(e, n):  # single-op translations, and rsqrt
+    ins = [e.ref(a) for a in n.args if isinstance(a, fx.Node)]
+    if n.target is aten.rsqrt.default:
+        ins = [e.emit(n, "Sqrt", ins)]
+    e.names[n] = e.emit(n, _UNARY.get(n.target, "Reciprocal"), ins, n.name)
+
+
+def h_activation(e, n):
+    name, params = ACTIVATION_OPS[n.target](n)
+    e.names[n] = e.activation(n, e.ref(n.args[0]), name, params, _val(n).dtype, n.name)
+
+
+def h_clamp(e, n):
+    lo = n.args[1] if len(n.args) > 1 else n.kwargs.get("min")
+    hi = n.args[2] if len(n.args) > 2 else n.kwargs.get("max")
+    lo, hi = (None, lo) if n.target is aten.clamp_max.default else (lo, hi)
+    if any(isinstance(_val(b), torch.Tensor) for b in (lo, hi)):
+        raise UnsupportedOpError(n.target, n.name, "tensor bounds")
+    dtype = _val(n).dtype
+    e.names[n] = e.emit(n, "Clip", [e.ref(n.args[0]), e.ref(lo, dtype), e.ref(hi, dtype)], n.name)
+
+
+def _pool_attrs(e, n, x, kernel, stride, padding, dilation, ceil):
+    nd = 3 if "3d" in str(n.target) else 1 if "1d" in str(n.target) else 2
+
+    def expand(v, default):
+        v = default if v is None or v == [] else v
+        v = [v] if isinstance(v, int) else list(v)
+        return _ints(v * nd if len(v) == 1 else v)
+
+    k = expand(kernel, None)
+    s, p, d = expand(stride, k), expand(padding, 0), expand(dilation, 1)
+    out = _val(n)[0] if isinstance(_val(n), (tuple, list)) else _val(n)
+    sizes, want = _ints(_val(x).shape[-nd:]), _ints(out.shape[-nd:])
+    got = {c: [(num + (st - 1 if c else 0)) // st + 1 for num, st in
+               ((si + 2 * pi - di * (ki - 1) - 1, st) for si, ki, st, pi, di in zip(sizes, k, s, p, d))]
+           for c in (False, True)}
+    if got[bool(ceil)] != want:
+        raise UnsupportedOpError(n.target, n.name, f"ceil_mode output size {want} differs from ONNX's {got[True]}")
+    return dict(kernel_shape=k, strides=s, pads=p * 2, ceil_mode=int(bool(ceil) and got[False] != want)), d
+
+
+def h_max_pool(e, n):
+    x, kernel, stride, padding, dilation, ceil = (list(n.args) + [None] * 4)[:6]
+    attrs, d = _pool_attrs(e, n, x, kernel, stride, padding, dilation, ceil)
+    y = e.emit(n, "MaxPool", [e.ref(x)], n.name, dilations=d, **attrs)
+    e.names[n] = (y, None) if "with_indices" in str(n.target) else y
+
+
+def h_avg_pool(e, n):
+    x, kernel, stride, padding, ceil, include_pad, divisor = (list(n.args) + [None] * 5)[:7]
+    attrs, _ = _pool_attrs(e, n, x, kernel, stride, padding, None, ceil)
+    if divisor is not None or attrs["ceil_mode"]:
+        raise UnsupportedOpError(n.target, n.name, "divisor_override, or ceil_mode with partial windows "
+                                 "(their divisors differ from ONNX's)")
+    e.names[n] = e.emit(n, "AveragePool", [e.ref(x)], n.name, count_include_pad=int(include_pad is not False),
+                        **attrs)
+
+
+def _adaptive_matrix(n_in: int, n_out: int, dtype) -> torch.Tensor:
+    """P such that x @ P is PyTorch's adaptive average pooling of x's last dim (n_in -> n_out)."""
+    p = torch.zeros(n_in, n_out, dtype=torch.float64)
+    for j in range(n_out):
+        lo, hi = (j * n_in) // n_out, -((-(j + 1) * n_in) // n_out)
+        p[lo:hi, j] = 1.0 / (hi - lo)
+    return p.to(dtype)
+
+
+def h_adaptive_avg_pool(e, n):
+    x, nd = n.args[0], 3 if "3d" in str(n.target) else 2
+    out, sizes, dtype, y = _ints(_val(n).shape[-nd:]), _ints(_val(x).shape[-nd:]), _val(n).dtype, e.ref(n.args[0])
+    if out == [1] * nd and _val(x).dim() == nd + 2:
+        e.names[n] = e.emit(n, "GlobalAveragePool", [y], n.name)
+    elif all(s % o == 0 for s, o in zip(sizes, out)):
+        k = [s // o for s, o in zip(sizes, out)]
+        e.names[n] = e.emit(n, "AveragePool", [y], n.name, kernel_shape=k, strides=k)
+    elif nd > 2:
+        raise UnsupportedOpError(n.target, n.name, "uneven adaptive pooling in 3-D")
+    else:  # uneven bins: one pooling matrix per axis, y = P_h^T @ x @ P_w
+        w_steps = sizes[1] != out[1]
+        if w_steps:
+            pw = e.init(_adaptive_matrix(sizes[1], out[1], dtype), f"{n.name}.pool_w")
+            y = e.emit(n, "MatMul", [y, pw], n.name if sizes[0] == out[0] else None)
+        if sizes[0] != out[0]:
+            ph = e.init(_adaptive_matrix(sizes[0], out[0], dtype).t().contiguous(), f"{n.name}.pool_h")
+            y = e.emit(n, "MatMul", [ph, y], n.name)
+        e.names[n] = y
+
+
+def h_reduce(e, n):
+    x, dims = n.args[0], n.args[1] if len(n.args) > 1 else None
+    keep = int(bool(n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)))
+    rank = _val(x).dim()
+    if n.kwargs.get("dtype") not in (None, _val(x).dtype):
+        raise UnsupportedOpError(n.target, n.name, f"dtype={n.kwargs['dtype']}")
+    axes = sorted(d % rank for d in (dims or range(rank)))
+    e.batch[n] = e.batch.get(x, False) and 0 not in axes
+    op = "ReduceMean" if n.target is aten.mean.dim else "ReduceSum"
+    if op == "ReduceMean" and e.opset < 18:
+        e.names[n] = e.emit(n, op, [e.ref(x)], n.name, axes=axes, keepdims=keep)
+    else:
+        e.names[n] = e.emit(n, op, [e.ref(x), e.ints(axes)], n.name, keepdims=keep)
+
+
+def h_pad(e, n):
+    x, pad = n.args[:2]
+    value = n.args[2] if len(n.args) > 2 else n.kwargs.get("value", 0)
+    rank = _val(x).dim()
+    begin, end = [0] * rank, [0] * rank
+    for i in range(len(pad) // 2):
+        begin[rank - 1 - i], end[rank - 1 - i] = int(pad[2 * i]), int(pad[2 * i + 1])
+    e.keep_batch(n, x, begin[0] == end[0] == 0, "padding dim 0")
+    e.names[n] = e.emit(n, "Pad", [e.ref(x), e.ints(begin + end), e.scalar(value, _val(n).dtype)], n.name)
+
+
+def h_batch_norm(e, n):  # an inference BatchNorm fold_batchnorm left: Mul + Add with folded constants
+    x, w, b, mean, var, _momentum, eps = n.args
+    if not all(a is None or e.const[a] for a in (w, b, mean, var)):
+        raise UnsupportedOpError(n.target, n.name, "BatchNorm statistics are not constants")
+    scale = torch.rsqrt(e.value(var).double() + eps) * (e.value(w).double() if w is not None else 1)
+    shift = (e.value(b).double() if b is not None else 0) - e.value(mean).double() * scale
+    shape, dtype, path = [-1] + [1] * (_val(x).dim() - 2), _val(x).dtype, _path(n) or n.name
+    y = e.emit(n, "Mul", [e.ref(x), e.init(scale.reshape(shape).to(dtype), f"{path}.bn_scale")])
+    e.names[n] = (e.emit(n, "Add", [y, e.init(shift.reshape(shape).to(dtype), f"{path}.bn_shift")], n.name), None, None)
+
+
+def h_getitem(e, n):
+    src, i = n.args
+    parts = e.names.get(src)
+    if not isinstance(parts, tuple) or parts[i] is None:
+        raise UnsupportedOpError(f"{src.target}[{i}]", n.name, "this output has no ONNX translation")
+    e.names[n] = parts[i]
+
+
+HANDLERS = {
+    FUSED_CONV: h_fused_conv, FUSED_LINEAR: h_fused_linear, aten.convolution.default: h_convolution,
+    aten.addmm.default: h_addmm, aten.clone.default: h_alias, aten.alias.default: h_alias,
+    aten.detach.default: h_alias, aten._to_copy.default: h_cast, prims.convert_element_type.default: h_cast,
+    aten.view.default: h_reshape, aten._unsafe_view.default: h_reshape, aten.reshape.default: h_reshape,
+    aten.squeeze.dim: h_squeeze, aten.squeeze.dims: h_squeeze, aten.squeeze.default: h_squeeze,
+    aten.unsqueeze.default: h_unsqueeze, aten.permute.default: h_permute, aten.t.default: h_permute,
+    aten.transpose.int: h_permute, aten.cat.default: h_cat,
+    aten.clamp.default: h_clamp, aten.clamp_min.default: h_clamp, aten.clamp_max.default: h_clamp,
+    aten.max_pool2d_with_indices.default: h_max_pool, aten.max_pool2d.default: h_max_pool,
+    aten.max_pool1d.default: h_max_pool, aten.max_pool3d_with_indices.default: h_max_pool,
+    aten.avg_pool2d.default: h_avg_pool, aten.avg_pool1d.default: h_avg_pool, aten.avg_pool3d.default: h_avg_pool,
+    aten._adaptive_avg_pool2d.default: h_adaptive_avg_pool, aten._adaptive_avg_pool3d.default: h_adaptive_avg_pool,
+    aten.mean.dim: h_reduce, aten.sum.dim_IntList: h_reduce, aten.constant_pad_nd.default: h_pad,
+    aten._native_batch_norm_legit_no_training.default: h_batch_norm, operator.getitem: h_getitem,
+    aten.rsqrt.default: h_unary, **{op: h_unary for op in _UNARY}, **{op: h_activation for op in ACTIVATION_OPS},
+    **{getattr(getattr(aten, b), v): h_binary for b in _BINARY for v in ("Tensor", "Scalar")},
+}
+
+
+def graph_to_onnx(gm: fx.GraphModule, args: list, params: dict, *, input_names=None, output_names=None,
+                  dynamic_batch: bool = False, opset: int = DEFAULT_OPSET, name: str = "fxopt") -> onnx.ModelProto:
+    """Translate an optimized inference graph to ONNX.
+
+    `args`: the real value of every placeholder; `params`: placeholder index -> qualified name of the
+    parameters and buffers (initializers, as is every weight-only value computed from them); the other
+    tensor placeholders are the graph inputs. Node meta['val'] must hold concrete shapes.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.no_grad():
+        return _Emitter(gm, list(args), params, input_names, dynamic_batch, opset, output_names).run(name)
+
+
+def find_unsupported(gm: fx.GraphModule, param_placeholders) -> list[tuple[str, str]]:
+    """(node name, op) of each runtime op without a translation (shape-dependent refusals aside)."""
+    const = _const_flags(gm, set(param_placeholders), lambda n: True)
+    return [(n.name, str(n.target)) for n in gm.graph.nodes if n.op not in ("placeholder", "output")
+            and not const[n] and (n.op != "call_function" or n.target not in HANDLERS)]
+
+
+def _classify(gm, inputs, user_inputs, qualnames):
+    """(constants: placeholder index -> name, user input names) of a Dynamo graph.
+
+    The user inputs are the caller's own tensors (Dynamo passes them through); everything else
+    (parameters, buffers, tensor attributes, globals) is written as a constant."""
+    from fxopt.backend import qualname_from_source
+
+    consts, names = {}, []
+    for i, (node, v) in enumerate(zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs)):
+        src = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", "") or node.name
+        name = re.sub(r"\W+", "_", re.sub(r"^[LG]\['(.*?)'\]", r"\1", src)).strip("_") or f"input_{i}"
+        if any(v is u for u in user_inputs):
+            names.append(name)
+        else:
+            consts[i] = qualnames.get(i) or qualname_from_source(src) or name
+    return consts, names
+
+
+def capture(model, example_inputs, options=None):
+    """Capture `model` as the backend does: (GraphReport, real graph inputs, constants, user input names)."""
+    from fxopt.backend import FxoptCompiler, fxopt_backend
+    from fxopt.config import Options
+
+    opts = Options.from_any(options)
+    graphs, calls = [], []
+
+    def backend(gm, inputs):  # a capturing backend sees the real inputs, parameters included
+        first = len(graphs)
+        compiled = fxopt_backend(gm, inputs, options=opts, _sink=graphs)
+        qualnames = FxoptCompiler(opts, gm, inputs).params
+        calls.append((list(inputs), first, *_classify(gm, inputs, example_inputs, qualnames)))
+        return compiled
+
+    try:
+        with torch.no_grad():
+            torch.compile(model, backend=backend, dynamic=False)(*example_inputs)
+    finally:
+        torch.compiler.reset()
+    if len(calls) != 1:
+        raise OnnxExportError(f"the model was captured as {len(calls)} graphs (graph breaks); ONNX export needs "
+                              "one graph: remove the graph breaks (torch._dynamo.explain shows them)")
+    inputs, first, params, names = calls[0]
+    report = graphs[first]
+    if report.fallback:
+        import warnings
+
+        warnings.warn(f"fxopt ONNX export: the pipeline fell back ({report.fallback}); exporting the "
+                      "unoptimized graph", stacklevel=3)
+    if sum(1 for n in report.after.graph.nodes if n.op == "placeholder") != len(inputs):
+        raise OnnxExportError("AOTAutograd changed the graph inputs; they cannot be mapped to the model's")
+    return report, inputs, params, names
+
+
+def export_onnx(model, example_inputs, path, options=None, dynamic_batch=True, *, opset: int = DEFAULT_OPSET,
+                check: bool = True) -> onnx.ModelProto:
+    """Run the fxopt pipeline on `model` and write its optimized inference graph to `path` as ONNX.
+
+    `example_inputs`: the positional inputs (a tuple, or one tensor). With `dynamic_batch`, dim 0 of
+    the inputs (and of the outputs that carry it) is the symbolic ``batch``; an op that moves or mixes
+    it raises UnsupportedOpError (use ``dynamic_batch=False``). Give an example batch > 1 if the model
+    reshapes: with 1, a flatten and a squeeze look alike. Returns the ModelProto (`path` may be None).
+    """
+    example_inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    report, inputs, params, names = capture(model, example_inputs, options)
+    proto = graph_to_onnx(report.after, inputs, params, input_names=names, dynamic_batch=dynamic_batch,
+                          opset=opset, name=type(model).__name__)
+    large = proto.ByteSize() > 2**31 - 2**26  # protobuf's 2 GB limit: weights go to an external file
+    if check and not large:
+        onnx.checker.check_model(proto, full_check=True)
+    if path is not None:
+        onnx.save_model(proto, str(path), save_as_external_data=large)
+    return proto

@@ -1,0 +1,91 @@
+"""GPU tests of the cuda executor (skipped without a CUDA device; run by scripts/gpu_check.sh)."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxopt
+from fxopt.testing import SeedCNN, SmallResNet
+from fxopt.tolerances import relative_error
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cuda_executor_matches_eager(dtype):
+    m = SmallResNet().cuda().eval().to(dtype)
+    compiled = torch.compile(m, backend="fxopt")
+    with torch.no_grad():
+        for batch in (1, 3, 8):
+            x = torch.randn(batch, 3, 32, 32, device="cuda", dtype=dtype)
+            got, want = compiled(x), m(x)
+            assert got.stride() == want.stride()
+            assert relative_error(got, want) <= (1e-3 if dtype == torch.float32 else 1e-2)
+
+
+def test_cudagraph_outputs_not_overwritten_by_later_calls():
+    m = SeedCNN().cuda().eval()
+    graphs = []
+    compiled = fxopt.testing.compile_with_fxopt(m, None, graphs)
+    x1, x2 = torch.randn(4, 3, 32, 32, device="cuda"), torch.randn(4, 3, 32, 32, device="cuda")
+    with torch.no_grad():
+        y1 = compiled(x1)
+        y1_copy = y1.clone()
+        y2 = compiled(x2)
+        y3 = compiled(x1)
+    assert graphs[0].cudagraphs.startswith("on")
+    torch.testing.assert_close(y1, y1_copy)  # the later calls did not write into y1
+    torch.testing.assert_close(y1, m(x1), rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(y2, m(x2), rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(y3, y1)
+    assert y2.data_ptr() != y1.data_ptr()
+
+
+def test_cudagraph_sees_weight_updates():
+    m = SmallResNet().cuda().eval()
+    compiled = torch.compile(m, backend="fxopt")
+    x = torch.randn(2, 3, 32, 32, device="cuda")
+    with torch.no_grad():
+        compiled(x)
+        compiled(x)
+        new = SmallResNet().cuda().eval()
+        m.load_state_dict(new.state_dict())
+        torch.testing.assert_close(compiled(x), new(x), rtol=1e-3, atol=1e-4)
+
+
+def test_cudagraphs_off_in_training_with_reason():
+    r = fxopt.explain(SmallResNet().cuda().train(), torch.randn(2, 3, 32, 32, device="cuda"), training=True)
+    assert all(g.cudagraphs.startswith("off") for g in r.graphs)
+
+
+@pytest.mark.parametrize("algorithm", ["winograd_2x2_3x3", "winograd_4x4_3x3", "fft", "gemm"])
+def test_forced_algorithms_on_gpu(algorithm):
+    m = SmallResNet().cuda().eval()
+    x = torch.randn(2, 3, 32, 32, device="cuda")
+    compiled = torch.compile(m, backend="fxopt", options={"conv_algorithm": algorithm})
+    with torch.no_grad():
+        assert relative_error(compiled(x), m(x)) <= 1e-3
+
+
+def test_auto_large_kernel_picks_fft_and_caches(tmp_path):
+    conv = nn.Conv2d(128, 128, 31, padding=15, groups=128).cuda().eval()
+    x = torch.randn(32, 128, 56, 56, device="cuda")  # RepLKNet-style: cuDNN 3.4 ms, FFT 1.6 ms on an H100
+    cache = str(tmp_path / "tune.json")
+    r1 = fxopt.explain(conv, x, options={"conv_algorithm": "auto", "autotune_cache": cache})
+    r2 = fxopt.explain(conv, x, options={"conv_algorithm": "auto", "autotune_cache": cache})
+    assert r1.measurements > 0 and r2.measurements == 0
+    (choice,) = r1.conv_algorithms.values()
+    assert choice.algorithm == "fft", choice.candidates
+    assert next(iter(r2.conv_algorithms.values())).algorithm == "fft"
+
+
+def test_training_on_gpu_gradients():
+    m = SmallResNet().cuda().train()
+    ref = copy.deepcopy(m)
+    compiled = torch.compile(m, backend="fxopt")
+    x = torch.randn(4, 3, 32, 32, device="cuda")
+    ref(x).square().mean().backward()
+    compiled(x).square().mean().backward()
+    for p, p2 in zip(ref.parameters(), m.parameters()):
+        torch.testing.assert_close(p2.grad, p.grad, rtol=1e-3, atol=1e-4)
