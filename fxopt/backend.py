@@ -119,6 +119,7 @@ class FxoptCompiler:
             kernels=executor_info.get("kernels", []), fallback=fallback, executor=executor_info["executor"],
             cudagraphs=executor_info["cudagraphs"], measurements=ctx.measurements,
             compile_ms=(time.perf_counter() - t0) * 1e3,
+            executor_details={k: v for k, v in executor_info.items() if k not in ("kernels", "executor", "cudagraphs")},
         )
         if self.sink is not None:
             self.sink.append(report)

@@ -61,7 +61,8 @@ def direct_conv(x, weight, bias, stride, padding, dilation, groups):
     return _CONV[ndim](x, weight, bias, stride, padding, dilation, groups)
 
 
-def _conv_by_algorithm(x, weight, bias, stride, padding, dilation, groups, algorithm, prepacked):
+def conv_by_algorithm(x, weight, bias, stride, padding, dilation, groups, algorithm, prepacked):
+    """The convolution part of fused_conv (no epilogue), by the chosen algorithm."""
     if algorithm == "direct":
         return direct_conv(x, weight, bias, stride, padding, dilation, groups)
     from fxopt.backends.conv_algorithms import get_algorithm
@@ -100,7 +101,7 @@ def conv_sig_of(x: Tensor, weight: Tensor, stride, padding, dilation, groups, ba
 
 def fused_conv_ref(x, weight, bias, residual, stride, padding, dilation, groups,
                    activation, act_params, algorithm="direct", prepacked=None):
-    y = _conv_by_algorithm(x, weight, bias, stride, padding, dilation, groups, algorithm, prepacked)
+    y = conv_by_algorithm(x, weight, bias, stride, padding, dilation, groups, algorithm, prepacked)
     if residual is not None:
         y = y + residual
     return apply_activation(y, activation, act_params)

@@ -60,6 +60,8 @@ class GraphReport:
     cudagraphs: str = "off"
     measurements: int = 0
     compile_ms: float = 0.0
+    #: executor decisions, e.g. "conv_epilogues": node -> measured candidates and choice
+    executor_details: dict = field(default_factory=dict)
 
 
 def _jsonable(x: Any) -> Any:
@@ -136,6 +138,7 @@ class Report:
                 "cudagraphs": g.cudagraphs,
                 "measurements": g.measurements,
                 "compile_ms": g.compile_ms,
+                "executor_details": g.executor_details,
                 "passes": [dict(asdict(p), summary=p.summary) for p in g.passes],
                 "op_counts_before": op_counts(g.before),
                 "op_counts_after": op_counts(g.after),

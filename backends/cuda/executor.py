@@ -1,21 +1,39 @@
-"""The cuda executor's lowering: choose how each fused convolution runs on the GPU.
+"""The cuda executor's lowering: how each fused convolution's epilogue runs on the GPU.
 
-For a ``fused_conv`` with a ReLU epilogue (with or without residual add), cuDNN
-has fused operators (``aten.cudnn_convolution_relu`` and
-``aten.cudnn_convolution_add_relu``) that apply the epilogue inside the
-convolution. Whether they beat convolution + separate epilogue depends on the
-shape, so each eligible convolution is timed both ways once (CUDA events,
-median) and the faster is kept; the decision is stored in the same autotuning
-cache as the algorithm choice, so a second compile measures nothing.
+A ``fused_conv`` computes ``act(conv(x, w) + bias (+ residual))``. Run as PyTorch
+would, the bias add after cuDNN is a broadcasting elementwise kernel (slow on
+channels_last outputs) and each further step is one more pass over the
+activation. Candidates per convolution:
 
-Without a GPU nothing is measured and the reference implementation runs.
+- ``reference``: the torch implementation (conv with bias, then the epilogue ops);
+- ``generated``: conv without bias, then ONE generated kernel (``codegen.generate_pointwise``,
+  NVRTC-compiled, 16-byte vector loads where alignment allows) applying bias, residual and
+  activation in place on the conv output;
+- ``cudnn_fused``: ``aten.cudnn_convolution_relu`` / ``cudnn_convolution_add_relu`` for ReLU
+  epilogues.
+
+Each eligible convolution is timed with every candidate once (CUDA events, median), the
+fastest is kept, and the decision is stored in the autotuning cache (a second compile
+measures nothing). Without a GPU (option ``executor="cuda"`` on CPU inputs) the kernels
+are still generated and compiled with NVRTC and listed in the report; the reference runs.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.fx as fx
 
-from fxopt.ops import fused_conv_ref
+from fxopt.ops import conv_by_algorithm, fused_conv_ref
+
+
+@dataclass
+class KernelRecord:
+    name: str
+    source: str
+    compiled: bool
+    error: Optional[str] = None
 
 
 def cudnn_conv_relu(x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
@@ -27,45 +45,163 @@ def cudnn_conv_relu(x, weight, bias, residual, stride, padding, dilation, groups
                                                      groups)
 
 
-def eligible(node: fx.Node) -> bool:
+class GeneratedEpilogue:
+    """conv without bias, then one generated kernel: out = act(y + bias[c] + residual), in place."""
+
+    def __init__(self, name: str, dtype: torch.dtype, layout: str, has_bias: bool, has_residual: bool,
+                 activation: str, act_params, vector_width: int):
+        from fxopt.backends.cuda.codegen import PointwiseOp, PointwiseRegion, TensorArg, generate_pointwise
+
+        inputs, ops, cur = [TensorArg("y", dtype, "full")], [], "y"
+        if has_bias:
+            inputs.append(TensorArg("bias", dtype, "channel"))
+            ops.append(("t_bias", PointwiseOp("add", [cur, "bias"])))
+            cur = "t_bias"
+        if has_residual:
+            inputs.append(TensorArg("res", dtype, "full"))
+            ops.append(("t_res", PointwiseOp("add", [cur, "res"])))
+            cur = "t_res"
+        if activation != "none":
+            ops.append(("t_act", PointwiseOp(activation, [cur], tuple(act_params))))
+            cur = "t_act"
+        if not ops:
+            ops.append(("t_id", PointwiseOp("identity", [cur])))
+            cur = "t_id"
+        self.region = PointwiseRegion(name, inputs, ops, cur, dtype)
+        self.layout = layout
+        widths = sorted({vector_width, 1}, reverse=True)
+        self.sources = {v: generate_pointwise(self.region, layout, v) for v in widths}
+        self.kernels: dict = {}
+
+    def __call__(self, y, bias, residual):
+        from fxopt.backends.cuda.launch import launch_pointwise, memory_layout_ok, vector_width_ok
+
+        tensors = {"y": y}
+        if bias is not None:
+            tensors["bias"] = bias
+        if residual is not None:
+            tensors["res"] = residual
+        if not all(memory_layout_ok(t, self.layout) for k, t in tensors.items() if k != "bias"):
+            return None  # unexpected layout at run time: the caller runs the reference
+        ptrs = {k: t.data_ptr() for k, t in tensors.items()}
+        for vec, ks in self.sources.items():
+            if vec == 1 or vector_width_ok(self.region, self.layout, vec, y.shape, ptrs, y.data_ptr()):
+                return launch_pointwise(ks, tensors, y, kernel=self.kernels.get(vec))
+        return None
+
+
+def with_generated_epilogue(epilogue: GeneratedEpilogue):
+    def fused_conv_generated(x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
+                             algorithm="direct", prepacked=None):
+        y = conv_by_algorithm(x, weight, None, stride, padding, dilation, groups, algorithm, prepacked)
+        out = epilogue(y, bias, residual)
+        if out is None:
+            return fused_conv_ref(x, weight, bias, residual, stride, padding, dilation, groups, activation,
+                                  act_params, algorithm, prepacked)
+        return out
+
+    fused_conv_generated.__name__ = f"fused_conv_{epilogue.region.name}"
+    return fused_conv_generated
+
+
+def _layout_of(v: torch.Tensor) -> Optional[str]:
+    if v.is_contiguous():
+        return "nchw"
+    if v.dim() == 4 and v.is_contiguous(memory_format=torch.channels_last):
+        return "nhwc"
+    return None
+
+
+def plan(node: fx.Node) -> Optional[GeneratedEpilogue]:
+    """A generated epilogue for this fused conv node, or None when it does not apply."""
     if node.op != "call_function" or node.target is not fused_conv_ref:
-        return False
-    x, w = node.args[0].meta.get("val"), node.args[1].meta.get("val")
-    return (x is not None and w is not None and x.dim() == 4 and x.is_cuda and node.args[8] == "relu"
-            and node.args[10] == "direct" and x.dtype in (torch.float16, torch.float32)
-            and torch.backends.cudnn.is_available() and isinstance(x.shape[0], int))
+        return None
+    out, x = node.meta.get("val"), node.args[0].meta.get("val")
+    bias, res = node.args[2], node.args[3]
+    if out is None or x is None or out.dim() != 4 or out.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return None
+    layout = _layout_of(out)
+    if layout is None or not isinstance(out.shape[0], int):
+        return None
+    for t in (bias, res):
+        if t is not None and (t.meta.get("val") is None or t.meta["val"].dtype != out.dtype):
+            return None
+    if bias is None and res is None and node.args[8] == "none":
+        return None  # nothing to fuse
+    c = int(out.shape[1])
+    hw = int(out.shape[2]) * int(out.shape[3])
+    vec = max(v for v in (8, 4, 2, 1) if v * out.dtype.itemsize <= 16 and (c if layout == "nhwc" else hw) % v == 0)
+    return GeneratedEpilogue(f"conv_epi_{node.name}", out.dtype, layout, bias is not None, res is not None,
+                             node.args[8], node.args[9], vec)
 
 
-def _measure(node: fx.Node) -> dict:
-    from fxopt.autotune import _time_ms
-
-    x_v, w_v = node.args[0].meta["val"], node.args[1].meta["val"]
-    r_v = node.args[3].meta["val"] if node.args[3] is not None else None
-
+def _real_args(node: fx.Node) -> list:
     def real(v):
         t = torch.randn(tuple(v.shape), device=v.device, dtype=v.dtype)
-        return t.contiguous(memory_format=torch.channels_last) if v.is_contiguous(
-            memory_format=torch.channels_last) and not v.is_contiguous() else t
+        return t.contiguous(memory_format=torch.channels_last) if _layout_of(v) == "nhwc" else t
 
-    x, w = real(x_v), real(w_v) * 0.05
-    b = torch.randn(w.shape[0], device=x.device, dtype=x.dtype) if node.args[2] is not None else None
-    r = real(r_v) if r_v is not None else None
-    rest = list(node.args[4:])
-    inputs = [x, real(x_v), real(x_v)]
+    args = []
+    for i, a in enumerate(node.args):
+        if isinstance(a, fx.Node):
+            t = real(a.meta["val"])
+            args.append(t * 0.05 if i == 1 else t)
+        else:
+            args.append(a)
+    return args
+
+
+def _measure(node: fx.Node, candidates: dict) -> dict:
+    from fxopt.autotune import _time_ms
+    from fxopt.tolerances import relative_error
+
+    args = _real_args(node)
+    xs = [args[0], torch.randn_like(args[0]), torch.randn_like(args[0])]
+    result = {"ms": {}, "errors": {}}
     with torch.no_grad():
-        ref = fused_conv_ref(x, w, b, r, *rest)
-        fused = cudnn_conv_relu(x, w, b, r, *rest)
-        err = ((fused.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item()
-        t_ref = _time_ms(lambda t: fused_conv_ref(t, w, b, r, *rest), inputs, "cuda")
-        t_fused = _time_ms(lambda t: cudnn_conv_relu(t, w, b, r, *rest), inputs, "cuda")
-    tol = 1e-2 if x.dtype == torch.float16 else 1e-3
-    return {"reference_ms": t_ref, "cudnn_fused_ms": t_fused, "rel_error": err,
-            "use_cudnn_fused": bool(t_fused < t_ref and err <= tol)}
+        ref = fused_conv_ref(*args)
+        for name, fn in candidates.items():
+            try:
+                err = relative_error(fn(*args), ref)
+                result["errors"][name] = err
+                if err > (1e-2 if ref.dtype != torch.float32 else 1e-3):
+                    continue
+                result["ms"][name] = _time_ms(lambda x: fn(x, *args[1:]), xs, "cuda")
+            except Exception as e:  # noqa: BLE001 - a failing candidate is not chosen
+                result["errors"][name] = f"{type(e).__name__}: {e}"
+    result["choice"] = min(result["ms"], key=result["ms"].get) if result["ms"] else "reference"
+    return result
+
+
+def _compile(epilogues: list[GeneratedEpilogue], info: dict) -> None:
+    from fxopt.backends.cuda.nvrtc import CompileError, compile_many, nvrtc_available
+
+    sources = [(e, v, ks) for e in epilogues for v, ks in e.sources.items()]
+    if not sources:
+        return
+    if not nvrtc_available():
+        info["kernels"].extend(KernelRecord(ks.name, ks.source, False, "NVRTC unavailable") for _, _, ks in sources)
+        return
+    try:
+        compiled = compile_many([ks for _, _, ks in sources])
+    except CompileError as e:  # one bad kernel: record it, the reference runs everywhere
+        info["kernels"].extend(KernelRecord(ks.name, ks.source, False, str(e)) for _, _, ks in sources)
+        for e_ in epilogues:
+            e_.kernels.clear()
+        return
+    for (epi, vec, ks), kernel in zip(sources, compiled):
+        epi.kernels[vec] = kernel
+        info["kernels"].append(KernelRecord(ks.name, ks.source, kernel.compiled))
 
 
 def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
-    """Switch eligible convolutions to cuDNN fused operators where measured faster."""
-    if not torch.cuda.is_available():
+    """Generate epilogue kernels for fused convs; on a GPU, keep the fastest implementation of each."""
+    planned = [(node, plan(node)) for node in runnable.graph.nodes]
+    planned = [(n, e) for n, e in planned if e is not None]
+    _compile([e for _, e in planned], info)
+    decisions = {}
+    info["conv_epilogues"] = decisions
+    on_gpu = torch.cuda.is_available() and ctx.device_type == "cuda"
+    if not on_gpu:
         return runnable
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -74,25 +210,27 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     opt = ctx.options.autotune_cache
     cache = AutotuneCache(None if opt is False else (opt if isinstance(opt, str) else default_cache_path()))
     device = device_fingerprint("cuda")
-    decisions = {}
     changed = False
-    for node in runnable.graph.nodes:
-        if not eligible(node):
-            continue
+    for node, epi in planned:
+        candidates = {"reference": fused_conv_ref}
+        if len(epi.kernels) == len(epi.sources):
+            candidates["generated"] = with_generated_epilogue(epi)
+        if node.args[8] == "relu" and node.args[10] == "direct" and torch.backends.cudnn.is_available():
+            candidates["cudnn_fused"] = cudnn_conv_relu
         x_v, w_v = node.args[0].meta["val"], node.args[1].meta["val"]
-        key = (f"cudnn_fusion|x={tuple(x_v.shape)}|w={tuple(w_v.shape)}|{x_v.dtype}|res={node.args[3] is not None}"
-               f"|bias={node.args[2] is not None}|{node.args[4:8]}|cl={x_v.is_contiguous(memory_format=torch.channels_last)}")
+        key = (f"conv_epilogue|x={tuple(x_v.shape)}|{_layout_of(x_v)}|w={tuple(w_v.shape)}|{x_v.dtype}"
+               f"|{node.args[4:11]}|bias={node.args[2] is not None}|res={node.args[3] is not None}"
+               f"|{sorted(candidates)}")
         entry = cache.get(device, key)
         if entry is None:
             with unset_fake_temporarily():
-                entry = _measure(node)
-            ctx.measurements += 2
+                entry = _measure(node, candidates)
+            ctx.measurements += len(entry["ms"])
             cache.put(device, key, entry)
         decisions[node.name] = entry
-        if entry["use_cudnn_fused"]:
-            node.target = cudnn_conv_relu
+        if entry["choice"] in candidates and entry["choice"] != "reference":
+            node.target = candidates[entry["choice"]]
             changed = True
     if changed:
         runnable.recompile()
-    info["cudnn_fusions"] = decisions
     return runnable
