@@ -61,4 +61,5 @@ def lower(gm: fx.GraphModule, ctx, kind: str):
     runner = CudaGraphRunner(runnable, static, refresh=_constants_refresher(runnable),
                              max_graphs=ctx.options.cudagraph_max_signatures)
     info["cudagraphs"] = f"on (up to {ctx.options.cudagraph_max_signatures} signatures)"
+    info["cudagraph_runner"] = runner  # its decisions() say, per signature, replay vs plain timings
     return runner, info

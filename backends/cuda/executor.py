@@ -12,8 +12,9 @@ activation. Candidates per convolution:
 - ``cudnn_fused``: ``aten.cudnn_convolution_relu`` / ``cudnn_convolution_add_relu`` for ReLU
   epilogues.
 
-Each eligible convolution is timed with every candidate once (CUDA events, median), the
-fastest is kept, and the decision is stored in the autotuning cache (a second compile
+Each eligible convolution is timed with every candidate once (CUDA events, median; replayed
+as a CUDA graph when the graph will run under CUDA graphs, so Python launch costs do not
+decide), the fastest is kept, and the decision is stored in the autotuning cache (a second compile
 measures nothing). Without a GPU (option ``executor="cuda"`` on CPU inputs) the kernels
 are still generated and compiled with NVRTC and listed in the report; the reference runs.
 """
@@ -150,7 +151,26 @@ def _real_args(node: fx.Node) -> list:
     return args
 
 
-def _measure(node: fx.Node, candidates: dict) -> dict:
+def _time_graphed_ms(fn, args, iters: int = 10) -> float:
+    """Median time of `fn(*args)` replayed as a CUDA graph: how it will run under cudagraphs,
+    without the per-launch Python cost that would otherwise dominate small kernels."""
+    from fxopt.backends.cudagraphs import _median_ms
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*args)
+        fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*args)
+    ms = _median_ms(graph.replay, runs=iters)
+    del graph
+    return ms
+
+
+def _measure(node: fx.Node, candidates: dict, graphed: bool) -> dict:
     from fxopt.autotune import _time_ms
     from fxopt.tolerances import relative_error
 
@@ -165,7 +185,10 @@ def _measure(node: fx.Node, candidates: dict) -> dict:
                 result["errors"][name] = err
                 if err > (1e-2 if ref.dtype != torch.float32 else 1e-3):
                     continue
-                result["ms"][name] = _time_ms(lambda x: fn(x, *args[1:]), xs, "cuda")
+                if graphed:
+                    result["ms"][name] = _time_graphed_ms(fn, args)
+                else:
+                    result["ms"][name] = _time_ms(lambda x: fn(x, *args[1:]), xs, "cuda")
             except Exception as e:  # noqa: BLE001 - a failing candidate is not chosen
                 result["errors"][name] = f"{type(e).__name__}: {e}"
     result["choice"] = min(result["ms"], key=result["ms"].get) if result["ms"] else "reference"
@@ -218,13 +241,14 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
         if node.args[8] == "relu" and node.args[10] == "direct" and torch.backends.cudnn.is_available():
             candidates["cudnn_fused"] = cudnn_conv_relu
         x_v, w_v = node.args[0].meta["val"], node.args[1].meta["val"]
-        key = (f"conv_epilogue|x={tuple(x_v.shape)}|{_layout_of(x_v)}|w={tuple(w_v.shape)}|{x_v.dtype}"
+        graphed = ctx.options.cudagraphs is not False
+        key = (f"conv_epilogue|graphed={graphed}|x={tuple(x_v.shape)}|{_layout_of(x_v)}|w={tuple(w_v.shape)}|{x_v.dtype}"
                f"|{node.args[4:11]}|bias={node.args[2] is not None}|res={node.args[3] is not None}"
                f"|{sorted(candidates)}")
         entry = cache.get(device, key)
         if entry is None:
             with unset_fake_temporarily():
-                entry = _measure(node, candidates)
+                entry = _measure(node, candidates, graphed)
             ctx.measurements += len(entry["ms"])
             cache.put(device, key, entry)
         decisions[node.name] = entry
