@@ -116,7 +116,7 @@ class AutotuneCache:
         self._data = merged
 
 
-def _time_ms(fn, inputs: list, device_type: str, warmup: int = 3, iters: int = 10) -> float:
+def time_ms(fn, inputs: list, device_type: str, warmup: int = 3, iters: int = 10) -> float:
     for i in range(warmup):
         fn(inputs[i % len(inputs)])
     times = []
@@ -170,7 +170,7 @@ def measure(sig, batch: int, candidates: list[str], device: torch.device) -> Con
                     choice.rejected[name] = f"relative error {err:.2e} > {bound:.1e}"
                     choice.candidates[name] = None
                     continue
-                choice.candidates[name] = _time_ms(lambda x: algo.run(x, weight, packed, bias, sig), inputs,
+                choice.candidates[name] = time_ms(lambda x: algo.run(x, weight, packed, bias, sig), inputs,
                                                    device.type)
             except Exception as e:  # noqa: BLE001 - a failing candidate is simply not chosen
                 choice.rejected[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

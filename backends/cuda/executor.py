@@ -171,7 +171,7 @@ def _time_graphed_ms(fn, args, iters: int = 10) -> float:
 
 
 def _measure(node: fx.Node, candidates: dict, graphed: bool) -> dict:
-    from fxopt.autotune import _time_ms
+    from fxopt.autotune import time_ms
     from fxopt.tolerances import relative_error
 
     args = _real_args(node)
@@ -188,7 +188,7 @@ def _measure(node: fx.Node, candidates: dict, graphed: bool) -> dict:
                 if graphed:
                     result["ms"][name] = _time_graphed_ms(fn, args)
                 else:
-                    result["ms"][name] = _time_ms(lambda x: fn(x, *args[1:]), xs, "cuda")
+                    result["ms"][name] = time_ms(lambda x: fn(x, *args[1:]), xs, "cuda")
             except Exception as e:  # noqa: BLE001 - a failing candidate is not chosen
                 result["errors"][name] = f"{type(e).__name__}: {e}"
     result["choice"] = min(result["ms"], key=result["ms"].get) if result["ms"] else "reference"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
@@ -29,18 +28,9 @@ RESNET18_3x3 = [(64, 64, 56), (128, 128, 28), (256, 256, 14), (512, 512, 7)]
 
 
 def time_ms(fn, inputs, warmup=5, iters=30) -> float:
-    for i in range(warmup):
-        fn(inputs[i % len(inputs)])
-    torch.cuda.synchronize()
-    times = []
-    for i in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn(inputs[i % len(inputs)])
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    from fxopt.autotune import time_ms as _timed
+
+    return _timed(fn, inputs, "cuda", warmup=warmup, iters=iters)
 
 
 def large_kernel_rows(iters: int) -> list[dict]:
