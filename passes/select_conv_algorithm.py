@@ -113,7 +113,7 @@ def rewrite(gm: fx.GraphModule, node: fx.Node, choice: ConvChoice) -> None:
     args[ARG_ALGORITHM] = choice.algorithm
     args[ARG_PREPACKED] = None
     if choice.algorithm != "direct":
-        x, w = val(node.args[0]), val(node.args[1])
+        x = val(node.args[0])
         batch, symbolic = _batch_hint(x)
         x_shape = [-1 if symbolic else batch] + [int(s) for s in x.shape[1:]]
         cl = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
