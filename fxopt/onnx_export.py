@@ -23,6 +23,8 @@ import torch
 import torch.fx as fx
 from onnx import TensorProto, helper
 
+from fxopt.passinfra import module_path
+
 
 aten, prims = torch.ops.aten, torch.ops.prims
 DEFAULT_OPSET, MIN_OPSET = 20, 17
@@ -63,10 +65,8 @@ def _ints(v):
 
 
 def _path(n) -> str:
-    """The qualified name of the module `n` came from: "L['self'].layer1[0].conv1" -> "layer1.0.conv1"."""
-    stack = list((n.meta.get("nn_module_stack") or {}).values())
-    path = re.sub(r"^L\['[^']*'\]", "", stack[-1][0]) if stack else ""
-    return re.sub(r"\._modules\['([^']*)'\]|\[(\w+)\]", lambda m: "." + (m[1] or m[2]), path).strip(".")
+    """The qualified name of the module `n` came from ("layer1.0.conv1")."""
+    return module_path(n)
 
 
 def _is_scalar(n) -> bool:  # a (Sym)Int/Float such as a batch size: concrete once shapes are
