@@ -9,7 +9,7 @@ from __future__ import annotations
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -60,16 +60,6 @@ class PassContext:
 
     def note(self, line: str) -> None:
         self.notes.setdefault(self.current_pass, []).append(line)
-
-    def is_const(self, node: Any) -> bool:
-        """True when `node` is a weight-only value (placeholder of a frozen param or get_attr)."""
-        if not isinstance(node, fx.Node):
-            return True
-        if node.op == "placeholder":
-            return node.name in self.const_placeholders
-        if node.op == "get_attr":
-            return True
-        return bool(node.meta.get("fxopt_const"))
 
 
 def val(node: Any) -> Optional[torch.Tensor]:
@@ -126,12 +116,6 @@ def getitem_users(node: fx.Node) -> dict[int, fx.Node]:
             return None
         out[u.args[1]] = u
     return out
-
-
-def erase_dead(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> None:
-    for n in reversed(list(nodes)):
-        if not n.users and n.op not in ("placeholder", "output"):
-            gm.graph.erase_node(n)
 
 
 class PatternRule:

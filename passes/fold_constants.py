@@ -25,6 +25,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from fxopt.passinfra import PassContext, PassResult
 
@@ -48,9 +49,7 @@ class FoldedConstants(torch.nn.Module):
         return [t._version for t in tensors], [t.data_ptr() for t in tensors]
 
     def forward(self, *tensors):
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        if any(isinstance(t, FakeTensor) for t in tensors):
+        if tensors and isinstance(tensors[0], FakeTensor):  # fake inputs come all together
             return self.graph_module(*tensors)  # metadata propagation: no caching
         key = self._version_key(tensors)
         if key != self._key:

@@ -6,27 +6,17 @@ the median latency of fxopt with executor cuda / torch and with CUDA graphs off.
 """
 import argparse
 import collections
-import statistics
 
 import torch
 import torchvision
 
+from fxopt.autotune import time_ms
 from fxopt.testing import compile_with_fxopt
 
 
 def median_ms(fn, x, iters=50):
     with torch.no_grad():
-        for _ in range(10):
-            fn(x)
-        times = []
-        for _ in range(iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn(x)
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-    return statistics.median(times)
+        return time_ms(fn, [x], "cuda", warmup=10, iters=iters)
 
 
 def main():

@@ -106,11 +106,10 @@ def with_generated_epilogue(epilogue: GeneratedEpilogue):
 
 
 def _layout_of(v: torch.Tensor) -> Optional[str]:
-    if v.is_contiguous():
-        return "nchw"
-    if v.dim() == 4 and v.is_contiguous(memory_format=torch.channels_last):
-        return "nhwc"
-    return None
+    """The codegen layout name of a value's memory format (the layout pass's notion of it)."""
+    from fxopt.passes.layout import CL, NCHW, format_of
+
+    return {NCHW: "nchw", CL: "nhwc"}.get(format_of(v))
 
 
 def plan(node: fx.Node) -> Optional[GeneratedEpilogue]:
