@@ -58,8 +58,11 @@ def lower(gm: fx.GraphModule, ctx, kind: str):
         info["cudagraphs"] = f"off ({reason})"
         return runnable, info
     static = _placeholder_indices(gm, ctx.param_placeholders)
+    # parameters nothing reads (e.g. BatchNorm's num_batches_tracked in eval) need no per-call check
+    read = [n.name for n in runnable.graph.nodes if n.op == "placeholder" and n.users]
+    watched = _placeholder_indices(runnable, [p for p in ctx.param_placeholders if p in read])
     runner = CudaGraphRunner(runnable, static, refresh=_constants_refresher(runnable),
-                             max_graphs=ctx.options.cudagraph_max_signatures)
+                             max_graphs=ctx.options.cudagraph_max_signatures, watched=watched)
     info["cudagraphs"] = f"on (up to {ctx.options.cudagraph_max_signatures} signatures)"
     info["cudagraph_runner"] = runner  # its decisions() say, per signature, replay vs plain timings
     return runner, info

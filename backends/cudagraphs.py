@@ -16,6 +16,8 @@ Contract (what a caller can rely on):
 """
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -64,11 +66,65 @@ def _median_ms(fn, runs: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+_VERSION = operator.attrgetter("_version")
+_DATA_PTR = torch.Tensor.data_ptr
+# One C++ call that compares many tensors' data pointers (what Inductor's CUDA graphs use); a
+# Python fallback keeps older/newer torch builds without it working.
+_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+class WeightWatch:
+    """Notices, per call, when parameter/buffer inputs were replaced (new storage) or changed in
+    place (version counter moved). Runs on every replay, so it does a handful of C-level calls
+    over the whole list rather than Python work per parameter."""
+
+    def __init__(self, indices: Sequence[int]):
+        self.indices = list(indices)
+        n = len(self.indices)
+        if n > 1:
+            self._gather = operator.itemgetter(*self.indices)
+        elif n == 1:
+            only = self.indices[0]
+            self._gather = lambda args: (args[only],)
+        else:
+            self._gather = lambda args: ()
+        self.ptrs: Optional[tuple] = None
+        self.versions: Optional[tuple] = None
+        self._cpp = _PTRS_EQUAL is not None and n > 0
+
+    def _same_ptrs(self, args, params) -> bool:
+        if self.ptrs is None:
+            return False
+        if self._cpp:
+            try:  # data_ptrs is indexed like args (None where not checked)
+                return _PTRS_EQUAL(list(args), self._ptr_list, self.indices)
+            except (TypeError, RuntimeError):  # e.g. a non-tensor argument: the Python way from now on
+                self._cpp = False
+        return tuple(map(_DATA_PTR, params)) == self.ptrs
+
+    def check(self, args) -> tuple[bool, bool]:
+        """(pointers changed, anything changed) since the previous call."""
+        params = self._gather(args)
+        versions = tuple(map(_VERSION, params))
+        ptrs_changed = not self._same_ptrs(args, params)
+        if ptrs_changed:
+            self.ptrs = tuple(map(_DATA_PTR, params))
+            self._ptr_list = [None] * len(args)
+            for i, p in zip(self.indices, self.ptrs):
+                self._ptr_list[i] = p
+        changed = ptrs_changed or versions != self.versions
+        self.versions = versions
+        return ptrs_changed, changed
+
+
 class CudaGraphRunner:
     def __init__(self, fn: Callable, static_indices: Sequence[int], refresh: Optional[Callable] = None,
-                 max_graphs: int = 8, warmup: int = 2):
+                 max_graphs: int = 8, warmup: int = 2, watched: Optional[Sequence[int]] = None):
+        """static_indices: parameter/buffer inputs (read in place, never copied); watched: those of
+        them the graph reads (default all), checked on every call."""
         self.fn = fn
         self.static = set(static_indices)
+        self.watch = WeightWatch(sorted(self.static if watched is None else set(watched) & self.static))
         self.refresh = refresh
         self.max_graphs = max_graphs
         self.warmup = warmup
@@ -76,13 +132,16 @@ class CudaGraphRunner:
         self.pool = None
         self.uncaptured_calls = 0
         self.dynamic: Optional[list[int]] = None
-        self._weights_state = None
+        self._ptr_epochs: dict = {}  # parameter data pointers -> an id used in graph keys
+        self._epoch = 0
+        self._epoch_counter = itertools.count()
+        self._last = (None, None)  # (key, entry) of the previous call: the common case repeats it
 
-    def _key(self, args, static_ptrs: tuple) -> tuple:
-        key = [static_ptrs]
+    def _key(self, args) -> tuple:
+        key = [self._epoch]
         for i in self.dynamic:
             a = args[i]
-            key.append((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a)
+            key.append((a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a)
         return tuple(key)
 
     def _capture(self, args) -> _Entry:
@@ -110,23 +169,27 @@ class CudaGraphRunner:
     def __call__(self, *args):
         if self.dynamic is None:
             self.dynamic = [i for i in range(len(args)) if i not in self.static]
-            self.static_list = sorted(self.static)
-        # Per-call work is kept to two list comprehensions over the parameters: this is on the
-        # critical path of every replay (ResNet-50 has ~320 parameter and buffer inputs).
-        params = [args[i] for i in self.static_list]
-        state = ([p._version for p in params], [p.data_ptr() for p in params])
-        if state != self._weights_state:
-            if self.refresh is not None:
-                self.refresh(args)  # re-folds constants, in place, when a weight changed
-            self._weights_state = state
-        key = self._key(args, tuple(state[1]))
-        entry = self.graphs.get(key)
-        if entry is None:
-            if len(self.graphs) >= self.max_graphs:
-                self.uncaptured_calls += 1
-                return self.fn(*args)
-            entry = self.graphs[key] = self._capture(args)
-            self._decide(entry, args)
+        ptrs_changed, changed = self.watch.check(args)
+        if changed and self.refresh is not None:
+            self.refresh(args)  # re-folds constants, in place, when a weight changed
+        if ptrs_changed:
+            if len(self._ptr_epochs) > 64:  # parameters replaced over and over: forget old sets
+                self._ptr_epochs.clear()
+            epoch = self._ptr_epochs.get(self.watch.ptrs)
+            if epoch is None:
+                epoch = self._ptr_epochs[self.watch.ptrs] = next(self._epoch_counter)
+            self._epoch = epoch
+        key = self._key(args)
+        last_key, entry = self._last
+        if key != last_key:
+            entry = self.graphs.get(key)
+            if entry is None:
+                if len(self.graphs) >= self.max_graphs:
+                    self.uncaptured_calls += 1
+                    return self.fn(*args)
+                entry = self.graphs[key] = self._capture(args)
+                self._decide(entry, args)
+            self._last = (key, entry)
         if not entry.use_graph:
             return self.fn(*args)
         return self._replay(entry, args)

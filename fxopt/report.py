@@ -60,7 +60,7 @@ class GraphReport:
     cudagraphs: str = "off"
     measurements: int = 0
     compile_ms: float = 0.0
-    #: executor decisions, e.g. "conv_epilogues": node -> measured candidates and choice
+    #: executor decisions, e.g. "node_choices": node -> measured candidates and choice (cuda executor)
     executor_details: dict = field(default_factory=dict)
 
 

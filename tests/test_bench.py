@@ -306,3 +306,35 @@ def test_cold_compile_subprocess(tmp_path):
     res = B._cold_compile("seedcnn", 2, "float32", "eager", a)
     assert "cold_compile_s" in res, res
     assert res["cold_compile_s"] >= 0
+    assert "warm_cache_compile_s" not in res  # only fxopt has its own caches to keep warm
+
+
+def test_cold_compile_of_fxopt_also_times_a_warm_fxopt_cache(tmp_path):
+    a = B.parse_args(["--quick", "--device", "cpu", "--out", str(tmp_path)])
+    res = B._cold_compile("seedcnn", 2, "float32", "fxopt", a)
+    assert res.get("cold_compile_s", -1) > 0 and res.get("warm_cache_compile_s", -1) > 0, res
+
+
+def test_merge_results_of_split_runs(tmp_path):
+    from fxopt.bench.report import merge_results
+
+    def part(model, wall):
+        return {"meta": {"device_name": "gpu0", "command": f"bench --models {model}", "date": "d", "wall_s": wall},
+                "peak": {"float32": {"tflops": 1.0}}, "flops": {f"{model}/b1": 10},
+                "cells": [{"model": model, "batch": 1, "dtype": "float32", "backend": b, "status": "ok",
+                           "median_ms": ms} for b, ms in (("eager", 2.0), ("fxopt", 1.0))],
+                "checks": [{"ok": True}], "errors_logged": 0}
+
+    merged = merge_results([part("seedcnn", 3.0), part("resnet18", 4.0)])
+    assert [c["model"] for c in merged["cells"]] == ["seedcnn"] * 2 + ["resnet18"] * 2
+    assert merged["meta"]["wall_s"] == 7.0 and len(merged["meta"]["runs"]) == 2
+    assert set(merged["flops"]) == {"seedcnn/b1", "resnet18/b1"}
+    other = part("vgg16", 1.0)
+    other["meta"]["device_name"] = "gpu1"
+    with pytest.raises(ValueError, match="different devices"):
+        merge_results([part("seedcnn", 1.0), other])
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for p, r in zip(paths, (part("seedcnn", 1.0), part("resnet18", 1.0))):
+        p.write_text(json.dumps(r))
+    assert B.main(["--merge", *map(str, paths), "--out", str(tmp_path / "m")]) == 0
+    assert "resnet18" in (tmp_path / "m" / "summary.md").read_text()

@@ -349,21 +349,26 @@ def generate_global_avgpool(dtype: torch.dtype = torch.float32, layout: str = "n
 # ---------------------------------------------------------------------------- depthwise conv
 def generate_depthwise_conv2d(k, stride=1, padding=0, dtype: torch.dtype = torch.float32,
                               layout: str = "nchw", epilogue: Epilogue | None = None,
-                              dilation=1, index64: bool = False, block: int = 256) -> KernelSource:
+                              dilation=1, index64: bool = False, block: int = 256,
+                              weight_layout: str | None = None) -> KernelSource:
     """Direct depthwise conv (groups == C, multiplier 1) with fused bias/residual/activation.
-    Launch args: x, w, [bias], [res], y, N, C, H, W, OH, OW. Weight layout: (C, KH, KW) for
-    nchw, (KH, KW, C) for nhwc (see launch.prepare_depthwise_weight)."""
+    Launch args: x, w, [bias], [res], y, N, C, H, W, OH, OW. Weight layout: ``"ckk"`` (C, KH, KW),
+    which is the conv weight (C, 1, KH, KW) itself, or ``"kkc"`` (KH, KW, C); default ckk for
+    nchw, kkc for nhwc (see launch.prepare_depthwise_weight)."""
     (KH, KW), (SH, SW), (PH, PW), (DH, DW) = _pair(k), _pair(stride), _pair(padding), _pair(dilation)
     if not (1 <= KH <= 7 and 1 <= KW <= 7 and 1 <= SH <= 2 and 1 <= SW <= 2 and min(PH, PW) >= 0):
         raise ValueError("depthwise conv: kernel 1..7, stride 1..2, padding >= 0")
     lay, ct, epi = _layout(layout), _ctype(dtype), epilogue or Epilogue()
+    wl = weight_layout or ("ckk" if lay == "nchw" else "kkc")
+    if wl not in ("ckk", "kkc"):
+        raise ValueError(f"depthwise conv: weight_layout must be 'ckk' or 'kkc', not {wl!r}")
     name = _uname(f"fx_dw{KH}x{KW}_s{SH}x{SW}_{_SHORT[dtype]}_{lay}", KH, KW, SH, SW, PH, PW, DH, DW,
-                  epi, index64, block)
+                  epi, index64, block, wl)
     decompose, in_at = _decompose(lay)
-    w_at = "(c * $KH + kh) * $KW + kw" if lay == "nchw" else "(idx_t)(kh * $KW + kw) * C + c"
+    w_at = "(c * $KH + kh) * $KW + kw" if wl == "ckk" else "(idx_t)(kh * $KW + kw) * C + c"
     src = load("depthwise_conv2d.cu").substitute(
         prelude=_prelude({dtype}), KH=KH, KW=KW, SH=SH, SW=SW, PH=PH, PW=PW, DH=DH, DW=DW,
-        layout=lay, weight_layout="(C, KH, KW)" if lay == "nchw" else "(KH, KW, C)",
+        layout=lay, weight_layout="(C, KH, KW)" if wl == "ckk" else "(KH, KW, C)",
         epi_desc=epi.describe(), block=block, name=name, T=ct, extra_params=epi.params(ct),
         idx=_idx(index64), decompose=decompose, in_at=in_at,
         w_at=w_at.replace("$KH", str(KH)).replace("$KW", str(KW)),
@@ -372,7 +377,7 @@ def generate_depthwise_conv2d(k, stride=1, padding=0, dtype: torch.dtype = torch
     params += [("bias", f"const {ct}*")] * epi.bias + [("res", f"const {ct}*")] * epi.residual
     params += [("y", f"{ct}*")] + [(n, "long long") for n in ("N", "C", "H", "W", "OH", "OW")]
     meta = {"layout": lay, "k": (KH, KW), "stride": (SH, SW), "padding": (PH, PW),
-            "dilation": (DH, DW), "epilogue": epi}
+            "dilation": (DH, DW), "epilogue": epi, "weight_layout": wl}
     return KernelSource(name, src, tuple(params), "depthwise_conv2d", meta, (block, 1, 1), index64)
 
 

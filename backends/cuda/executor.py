@@ -1,4 +1,4 @@
-"""The cuda executor's lowering: how each fused convolution's epilogue runs on the GPU.
+"""The cuda executor's lowering: which implementation each node of the graph runs on the GPU.
 
 A ``fused_conv`` computes ``act(conv(x, w) + bias (+ residual))``. Run as PyTorch
 would, the bias add after cuDNN is a broadcasting elementwise kernel (slow on
@@ -10,13 +10,17 @@ activation. Candidates per convolution:
   NVRTC-compiled, 16-byte vector loads where alignment allows) applying bias, residual and
   activation in place on the conv output;
 - ``cudnn_fused``: ``aten.cudnn_convolution_relu`` / ``cudnn_convolution_add_relu`` for ReLU
-  epilogues.
+  epilogues;
+- ``generated_depthwiseconv``: for depthwise convs, one generated direct-convolution kernel with
+  the whole epilogue fused (``regions.py``).
 
-Each eligible convolution is timed with every candidate once (CUDA events, median; replayed
-as a CUDA graph when the graph will run under CUDA graphs, so Python launch costs do not
-decide), the fastest is kept, and the decision is stored in the autotuning cache (a second compile
-measures nothing). Without a GPU (option ``executor="cuda"`` on CPU inputs) the kernels
-are still generated and compiled with NVRTC and listed in the report; the reference runs.
+Max pooling whose indices are unused and global average pooling get a generated kernel as a
+candidate too (``regions.py``). Each node with more than one candidate is timed with every
+candidate once (CUDA events, median; replayed as a CUDA graph when the graph will run under
+CUDA graphs, so Python launch costs do not decide), the fastest is kept, and the decision is
+stored in the autotuning cache (a second compile measures nothing); ``report.executor_details
+["node_choices"]`` lists them. Without a GPU (option ``executor="cuda"`` on CPU inputs) the
+kernels are still generated and compiled with NVRTC and listed in the report; the reference runs.
 """
 from __future__ import annotations
 
@@ -140,19 +144,22 @@ def _real_args(node: fx.Node) -> list:
         t = torch.randn(tuple(v.shape), device=v.device, dtype=v.dtype)
         return t.contiguous(memory_format=torch.channels_last) if _layout_of(v) == "nhwc" else t
 
+    conv = node.target is fused_conv_ref
     args = []
     for i, a in enumerate(node.args):
         if isinstance(a, fx.Node):
             t = real(a.meta["val"])
-            args.append(t * 0.05 if i == 1 else t)
+            args.append(t * 0.05 if conv and i == 1 else t)
         else:
             args.append(a)
     return args
 
 
-def _time_graphed_ms(fn, args, iters: int = 10) -> float:
+def _time_graphed_ms(fn, args, iters: int = 10, reps: int = 1) -> float:
     """Median time of `fn(*args)` replayed as a CUDA graph: how it will run under cudagraphs,
-    without the per-launch Python cost that would otherwise dominate small kernels."""
+    without the per-launch Python cost that would otherwise dominate small kernels. The graph
+    holds `reps` back-to-back calls (the result is per call), so the graph launch latency and
+    event jitter, which are comparable to a small kernel's time, are spread over many calls."""
     from fxopt.backends.cudagraphs import _median_ms
 
     side = torch.cuda.Stream()
@@ -163,10 +170,22 @@ def _time_graphed_ms(fn, args, iters: int = 10) -> float:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn(*args)
-    ms = _median_ms(graph.replay, runs=iters)
+        for _ in range(reps):
+            fn(*args)
+    ms = _median_ms(graph.replay, runs=iters) / reps
     del graph
     return ms
+
+
+def _reps(out) -> int:
+    """Calls per timed graph: 10 for small outputs, fewer where 10 outputs would take > 256 MiB."""
+    nbytes = max(1, sum(t.numel() * t.element_size() for t in (out if isinstance(out, (tuple, list)) else [out])
+                        if isinstance(t, torch.Tensor)))
+    return max(1, min(10, (256 << 20) // nbytes))
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def _measure(node: fx.Node, candidates: dict, graphed: bool) -> dict:
@@ -177,15 +196,16 @@ def _measure(node: fx.Node, candidates: dict, graphed: bool) -> dict:
     xs = [args[0], torch.randn_like(args[0]), torch.randn_like(args[0])]
     result = {"ms": {}, "errors": {}}
     with torch.no_grad():
-        ref = fused_conv_ref(*args)
+        ref = _first(candidates["reference"](*args))
+        reps = _reps(ref)
         for name, fn in candidates.items():
             try:
-                err = relative_error(fn(*args), ref)
+                err = relative_error(_first(fn(*args)), ref)
                 result["errors"][name] = err
                 if err > (1e-2 if ref.dtype != torch.float32 else 1e-3):
                     continue
                 if graphed:
-                    result["ms"][name] = _time_graphed_ms(fn, args)
+                    result["ms"][name] = _time_graphed_ms(fn, args, reps=reps)
                 else:
                     result["ms"][name] = time_ms(lambda x: fn(x, *args[1:]), xs, "cuda")
             except Exception as e:  # noqa: BLE001 - a failing candidate is not chosen
@@ -194,10 +214,12 @@ def _measure(node: fx.Node, candidates: dict, graphed: bool) -> dict:
     return result
 
 
-def _compile(epilogues: list[GeneratedEpilogue], info: dict) -> None:
+def _compile(items: list, info: dict) -> None:
+    """Compile every generated kernel of `items` (objects with .sources {variant: KernelSource}
+    and .kernels, filled here) with NVRTC, in parallel; record each in the report."""
     from fxopt.backends.cuda.nvrtc import CompileError, compile_many, nvrtc_available
 
-    sources = [(e, v, ks) for e in epilogues for v, ks in e.sources.items()]
+    sources = [(e, v, ks) for e in items for v, ks in e.sources.items()]
     if not sources:
         return
     if not nvrtc_available():
@@ -207,21 +229,62 @@ def _compile(epilogues: list[GeneratedEpilogue], info: dict) -> None:
         compiled = compile_many([ks for _, _, ks in sources])
     except CompileError as e:  # one bad kernel: record it, the reference runs everywhere
         info["kernels"].extend(KernelRecord(ks.name, ks.source, False, str(e)) for _, _, ks in sources)
-        for e_ in epilogues:
+        for e_ in items:
             e_.kernels.clear()
         return
-    for (epi, vec, ks), kernel in zip(sources, compiled):
-        epi.kernels[vec] = kernel
+    for (item, vec, ks), kernel in zip(sources, compiled):
+        item.kernels[vec] = kernel
         info["kernels"].append(KernelRecord(ks.name, ks.source, kernel.compiled))
 
 
+def _with_fallback(candidate, reference):
+    """The candidate, or the reference where the candidate declines (returns None) at run time."""
+    def run(*args):
+        out = candidate(*args)
+        return reference(*args) if out is None else out
+
+    run.__name__ = f"fx_{candidate.name}"
+    return run
+
+
+def _candidates(node: fx.Node, epi: Optional[GeneratedEpilogue], regions: list) -> dict:
+    reference = node.target
+    candidates = {"reference": reference}
+    if epi is not None and len(epi.kernels) == len(epi.sources):
+        candidates["generated"] = with_generated_epilogue(epi)
+    if (reference is fused_conv_ref and node.args[8] == "relu" and node.args[10] == "direct"
+            and torch.backends.cudnn.is_available()):
+        candidates["cudnn_fused"] = cudnn_conv_relu
+    for r in regions:
+        if len(r.kernels) == len(r.sources):
+            candidates[f"generated_{type(r).__name__.lower()}"] = _with_fallback(r, reference)
+    return candidates
+
+
+def _cache_key(node: fx.Node, candidates: dict, graphed: bool) -> str:
+    metas = []
+    for a in node.args:
+        v = a.meta.get("val") if isinstance(a, fx.Node) else None
+        metas.append(f"{tuple(v.shape)}|{_layout_of(v)}|{v.dtype}" if isinstance(v, torch.Tensor)
+                     else ("node" if isinstance(a, fx.Node) else repr(a)))
+    target = "fused_conv" if node.target is fused_conv_ref else str(node.target)
+    return f"node|graphed={graphed}|{target}|{metas}|{sorted(candidates)}"
+
+
 def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
-    """Generate epilogue kernels for fused convs; on a GPU, keep the fastest implementation of each."""
-    planned = [(node, plan(node)) for node in runnable.graph.nodes]
-    planned = [(n, e) for n, e in planned if e is not None]
-    _compile([e for _, e in planned], info)
+    """Generate kernels for fused-conv epilogues, depthwise convs, pooling and global average
+    pooling; on a GPU, keep the fastest implementation of each node (measured, cached)."""
+    from fxopt.backends.cuda.regions import PLANNERS
+
+    planned = []
+    for node in runnable.graph.nodes:
+        epi = plan(node)
+        regions = [r for r in (p(node) for p in PLANNERS) if r is not None]
+        if epi is not None or regions:
+            planned.append((node, epi, regions))
+    _compile([e for _, e, _ in planned if e is not None] + [r for _, _, rs in planned for r in rs], info)
     decisions = {}
-    info["conv_epilogues"] = decisions
+    info["node_choices"] = decisions
     on_gpu = torch.cuda.is_available() and ctx.device_type == "cuda"
     if not on_gpu:
         return runnable
@@ -232,18 +295,13 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     opt = ctx.options.autotune_cache
     cache = AutotuneCache(None if opt is False else (opt if isinstance(opt, str) else default_cache_path()))
     device = device_fingerprint("cuda")
+    graphed = ctx.options.cudagraphs is not False
     changed = False
-    for node, epi in planned:
-        candidates = {"reference": fused_conv_ref}
-        if len(epi.kernels) == len(epi.sources):
-            candidates["generated"] = with_generated_epilogue(epi)
-        if node.args[8] == "relu" and node.args[10] == "direct" and torch.backends.cudnn.is_available():
-            candidates["cudnn_fused"] = cudnn_conv_relu
-        x_v, w_v = node.args[0].meta["val"], node.args[1].meta["val"]
-        graphed = ctx.options.cudagraphs is not False
-        key = (f"conv_epilogue|graphed={graphed}|x={tuple(x_v.shape)}|{_layout_of(x_v)}|w={tuple(w_v.shape)}|{x_v.dtype}"
-               f"|{node.args[4:11]}|bias={node.args[2] is not None}|res={node.args[3] is not None}"
-               f"|{sorted(candidates)}")
+    for node, epi, regions in planned:
+        candidates = _candidates(node, epi, regions)
+        if len(candidates) < 2:
+            continue
+        key = _cache_key(node, candidates, graphed)
         entry = cache.get(device, key)
         if entry is None:
             with unset_fake_temporarily():

@@ -149,10 +149,11 @@ def launch_global_avgpool(ks: KernelSource, x: torch.Tensor, out: torch.Tensor |
 
 
 def prepare_depthwise_weight(w: torch.Tensor, layout: str) -> torch.Tensor:
-    """(C, 1, KH, KW) conv weight -> (C, KH, KW) for nchw kernels, (KH, KW, C) for nhwc."""
+    """(C, 1, KH, KW) conv weight -> (C, KH, KW) for ckk kernels (the nchw default), (KH, KW, C)
+    for kkc kernels (the nhwc default); ``layout`` is the kernel's layout or weight layout."""
     C, _, KH, KW = w.shape
     w = w.reshape(C, KH, KW)
-    return (w if layout == "nchw" else w.permute(1, 2, 0)).contiguous()
+    return (w if layout in ("nchw", "ckk") else w.permute(1, 2, 0)).contiguous()
 
 
 def launch_depthwise_conv2d(ks: KernelSource, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,

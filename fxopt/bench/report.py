@@ -138,9 +138,14 @@ def _header(results: Dict[str, Any]) -> List[str]:
         dev += f" (compute capability {m['capability']})"
     lines.append(f"- device: {dev}, `{m.get('device_type', '?')}`")
     lines.append("- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val))
-    lines.append(f"- date: {m.get('date', '?')}")
-    if m.get("command"):
-        lines.append(f"- command: `{m['command']}`")
+    runs = m.get("runs") or []
+    if len(runs) > 1:  # a merged report: every run's date and command
+        lines.append(f"- {len(runs)} runs on this device (merged):")
+        lines += [f"  - {r.get('date', '?')}: `{r.get('command', '?')}`" for r in runs]
+    else:
+        lines.append(f"- date: {m.get('date', '?')}")
+        if m.get("command"):
+            lines.append(f"- command: `{m['command']}`")
     timer = "CUDA events around each call" if m.get("device_type") == "cuda" else "time.perf_counter around each call"
     lines.append(f"- timing: median ms of {cfg.get('iters', '?')} timed calls after "
                  f"{cfg.get('warmup', '?')} warm-up calls ({timer}); ± is the IQR; "
@@ -198,8 +203,9 @@ def _details_table(results: Dict[str, Any]) -> List[str]:
         lines.append("| " + " | ".join([
             c["model"], str(c["batch"]), c["dtype"], c["backend"], c.get("status", "?"),
             _fmt(c.get("median_ms")), _fmt(c.get("iqr_ms")), _fmt(c.get("first_call_s"), ".2f"),
-            _fmt(c.get("cold_compile_s"), ".2f") if c.get("cold_compile_s") is not None
-            else _short(c.get("cold_error"), 30) or "–",
+            (_fmt(c.get("cold_compile_s"), ".2f") + (f" (warm fxopt cache {c['warm_cache_compile_s']:.2f})"
+                                                     if c.get("warm_cache_compile_s") is not None else ""))
+            if c.get("cold_compile_s") is not None else _short(c.get("cold_error"), 30) or "–",
             _fmt(c.get("max_rel_err"), ".2e"), _fmt(c.get("tflops"), ".3f"),
             _fmt(c.get("pct_peak"), ".1f"), _fmt(c.get("peak_mem_mb"), ".0f"),
             _short(c.get("error") or (f"fallback ×{c.get('fallback_count')}: {c['fallback']}"
@@ -301,6 +307,29 @@ def write_plot(results: Dict[str, Any], path: str) -> str:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def merge_results(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One result from several runs of the same suite (a long suite split over several commands
+    on one machine): cells, checks, FLOPs and peaks side by side; ``meta`` is the first run's,
+    with every run's command, date, device and wall time under ``meta["runs"]``."""
+    if not parts:
+        raise ValueError("merge_results needs at least one result")
+    devices = {p["meta"].get("device_name") for p in parts}
+    if len(devices) > 1:
+        raise ValueError(f"refusing to merge runs from different devices: {sorted(map(str, devices))}")
+    meta = dict(parts[0]["meta"])
+    meta["runs"] = [{k: p["meta"].get(k) for k in ("command", "date", "device_name", "versions", "wall_s")}
+                    for p in parts]
+    meta["wall_s"] = round(sum(p["meta"].get("wall_s") or 0 for p in parts), 2)
+    out: Dict[str, Any] = {"meta": meta, "peak": {}, "flops": {}, "cells": [], "checks": [], "errors_logged": 0}
+    for p in parts:
+        out["peak"].update(p.get("peak", {}))
+        out["flops"].update(p.get("flops", {}))
+        out["cells"].extend(p.get("cells", []))
+        out["checks"].extend(p.get("checks", []))
+        out["errors_logged"] += p.get("errors_logged", 0)
+    return out
 
 
 def write_reports(results: Dict[str, Any], out_dir: str) -> Dict[str, str]:

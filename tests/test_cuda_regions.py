@@ -1,0 +1,178 @@
+"""Generated-kernel candidates for depthwise convs, max pooling and global average pooling
+(backends/cuda/regions.py): which nodes they take and decline, that their kernels compile with
+NVRTC (CPU), and that they compute what the node computes (GPU, hypothesis over shapes)."""
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fxopt
+from fxopt.backends import torch_ref
+from fxopt.backends.cuda.nvrtc import nvrtc_available
+from fxopt.backends.cuda.regions import (DepthwiseConv, GlobalAvgPool, MaxPool, plan_depthwise,
+                                         plan_global_avgpool, plan_maxpool)
+from fxopt.tolerances import relative_error
+
+needs_nvrtc = pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (cuda-core) not importable")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class MobileBlock(nn.Module):
+    """stem conv -> max pool -> depthwise 3x3 + BN + ReLU6 -> 1x1 -> global average pool."""
+
+    def __init__(self, c=16, k=3, stride=1, dilation=1, pool_k=3, pool_stride=2, pool_pad=1, ceil=False):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.pool = nn.MaxPool2d(pool_k, pool_stride, pool_pad, ceil_mode=ceil)
+        self.dw = nn.Conv2d(c, c, k, stride, padding=dilation * (k // 2), dilation=dilation, groups=c, bias=False)
+        self.bn = nn.BatchNorm2d(c)
+        self.act = nn.ReLU6()
+        self.pw = nn.Conv2d(c, 2 * c, 1)
+        self.gap = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x):
+        y = self.pool(self.stem(x))
+        y = self.act(self.bn(self.dw(y)))
+        return torch.flatten(self.gap(self.pw(y)), 1)
+
+
+def _randomize_bn(m):
+    for mod in m.modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.running_mean.uniform_(-0.5, 0.5)
+            mod.running_var.uniform_(0.5, 2.0)
+            mod.weight.data.uniform_(0.5, 1.5)
+    return m
+
+
+def lowered(model, x, options=None):
+    """The graph the executor plans on: the pipeline's output with fused ops made direct."""
+    r = fxopt.explain(model, x, options=dict({"executor": "torch", "conv_algorithm": "direct"}, **(options or {})))
+    return torch_ref.lower(r.graphs[0].after)
+
+
+def planned(gm):
+    out = {}
+    for node in gm.graph.nodes:
+        for planner in (plan_depthwise, plan_maxpool, plan_global_avgpool):
+            c = planner(node)
+            if c is not None:
+                out.setdefault(type(c), []).append((node, c))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_plans_depthwise_maxpool_and_global_avgpool(layout):
+    gm = lowered(MobileBlock().eval(), torch.randn(2, 3, 16, 16), {"layout": layout})
+    p = planned(gm)
+    assert set(p) == {MaxPool, DepthwiseConv, GlobalAvgPool}
+    assert all(len(v) == 1 for v in p.values())  # the stem and the 1x1 conv are not depthwise
+    dw = p[DepthwiseConv][0][1]
+    assert dw.epilogue.bias and not dw.epilogue.residual  # BN folded into a bias
+    assert dw.sources[0].meta["weight_layout"] == "ckk"
+    want = "nhwc" if layout == "channels_last" else "nchw"
+    assert {c.layout for v in p.values() for _, c in v} == {want}
+
+
+@needs_nvrtc
+def test_region_kernels_compile_and_are_reported():
+    r = fxopt.explain(MobileBlock().eval(), torch.randn(2, 3, 16, 16), options={"executor": "cuda"})
+    names = [k.name for k in r.kernels]
+    assert any(n.startswith("fx_maxpool") for n in names), names
+    assert any(n.startswith("fx_gap") for n in names), names
+    assert any(n.startswith("fx_dw3x3") for n in names), names
+    assert all(k.compiled for k in r.kernels), [k.error for k in r.kernels if not k.compiled]
+
+
+def test_declines_what_the_templates_do_not_cover():
+    # channel multiplier 2, dilated max pool, max pool whose indices are returned, mean over C
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 8, 3, groups=4)
+            self.pool = nn.MaxPool2d(2, dilation=2)
+
+        def forward(self, x):
+            y = self.pool(self.conv(x))
+            v, idx = nn.functional.max_pool2d(y, 2, return_indices=True)
+            return v.mean(dim=1), idx
+
+    gm = lowered(Odd().eval(), torch.randn(1, 4, 20, 20))
+    assert planned(gm) == {}
+    # a 9x9 depthwise kernel is beyond the direct template (1..7)
+    big = nn.Sequential(nn.Conv2d(8, 8, 9, padding=4, groups=8)).eval()
+    assert planned(lowered(big, torch.randn(1, 8, 12, 12))) == {}
+
+
+def test_candidates_decline_at_run_time_without_a_kernel():
+    gm = lowered(MobileBlock().eval(), torch.randn(2, 3, 16, 16))
+    for cands in planned(gm).values():
+        for node, c in cands:
+            assert c.kernel is None  # not compiled here: calling it declines instead of failing
+            args = [torch.randn(tuple(a.meta["val"].shape)) if isinstance(a, torch.fx.Node) else a for a in node.args]
+            assert c(*args) is None
+
+
+# ---------------------------------------------------------------------------- GPU: values
+def _check_on_gpu(model, x, layout, dtype, tol):
+    model = _randomize_bn(model).eval().cuda().to(dtype)
+    x = x.cuda().to(dtype)
+    if layout == "channels_last":
+        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+    gm = lowered(model, x, {"layout": layout})
+    from fxopt.backends.cuda.executor import _compile
+    p = planned(gm)
+    cands = [c for v in p.values() for _, c in v]
+    info = {"kernels": []}
+    _compile(cands, info)
+    assert all(k.compiled for k in info["kernels"])
+    for node, c in (nc for v in p.values() for nc in v):
+        args = []
+        for i, a in enumerate(node.args):
+            if isinstance(a, torch.fx.Node):
+                v = a.meta["val"]
+                t = torch.randn(tuple(v.shape), device="cuda", dtype=v.dtype)
+                if layout == "channels_last" and t.dim() == 4 and not (isinstance(c, DepthwiseConv) and i == 1):
+                    t = t.contiguous(memory_format=torch.channels_last)
+                args.append(t)
+            else:
+                args.append(a)
+        with torch.no_grad():
+            want, got = node.target(*args), c(*args)
+        assert got is not None, f"{c.name} declined"
+        want, got = (want[0], got[0]) if isinstance(want, tuple) else (want, got)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        if got.dim() == 4 and got.shape[2] * got.shape[3] > 1:
+            assert got.stride() == want.stride(), (c.name, got.stride(), want.stride())
+        assert relative_error(got, want) <= tol, c.name
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@settings(max_examples=6)  # x 6 dtype/layout combinations, each example a compile
+@given(c=st.sampled_from([8, 24, 32]), k=st.sampled_from([3, 5, 7]), stride=st.integers(1, 2),
+       dilation=st.integers(1, 2), pool=st.sampled_from([(3, 2, 1, False), (2, 2, 0, False), (3, 2, 0, True)]),
+       hw=st.integers(9, 23), n=st.integers(1, 3))
+def test_region_candidates_match_the_nodes_on_gpu(dtype, layout, c, k, stride, dilation, pool, hw, n):
+    model = MobileBlock(c, k, stride, dilation, *pool)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    _check_on_gpu(model, torch.randn(n, 3, hw, hw), layout, dtype, tol)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_compiled_mobile_block_matches_eager_and_measures_region_candidates(dtype, tmp_path):
+    m = _randomize_bn(MobileBlock()).eval().cuda().to(dtype)
+    graphs = []
+    c = fxopt.testing.compile_with_fxopt(m, {"autotune_cache": str(tmp_path / "c.json")}, graphs)
+    with torch.no_grad():
+        for batch in (1, 4):
+            x = torch.randn(batch, 3, 32, 32, device="cuda", dtype=dtype)
+            assert relative_error(c(x), m(x)) <= (1e-3 if dtype == torch.float32 else 1e-2)
+    choices = graphs[0].executor_details["node_choices"]
+    measured = {name for e in choices.values() for name in e["ms"]}
+    assert {"generated_maxpool", "generated_globalavgpool", "generated_depthwiseconv"} <= measured, choices

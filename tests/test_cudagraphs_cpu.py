@@ -1,0 +1,40 @@
+"""The CPU-testable parts of the CUDA-graph runner: when it is refused, and the per-call weight
+watch that decides whether folded constants are refreshed and whether a new graph is needed."""
+import torch
+
+import fxopt
+from fxopt.backends.cudagraphs import WeightWatch, unsafe_reason
+from fxopt.testing import SmallResNet
+
+
+def test_weight_watch_sees_in_place_changes_and_replacements():
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(4)]
+    args = (torch.randn(2), *params, 7)  # activations, parameters, a non-tensor argument
+    w = WeightWatch([1, 2, 3, 4])
+    assert w.check(args) == (True, True)  # first call: everything is new
+    assert w.check(args) == (False, False)
+    with torch.no_grad():
+        params[2].mul_(2)  # optimizer step / load_state_dict: version counter moves
+    assert w.check(args) == (False, True)
+    assert w.check(args) == (False, False)
+    params[0].data = torch.randn(3)  # new storage under the same Parameter object
+    assert w.check(args) == (True, True)
+    args = (args[0], torch.nn.Parameter(torch.randn(3)), *args[2:])  # parameter object replaced
+    assert w.check(args) == (True, True)
+    assert w.check(list(args)) == (False, False)  # a list works like a tuple
+
+
+def test_weight_watch_with_one_or_no_static_input():
+    t = torch.randn(2)
+    one, none = WeightWatch([0]), WeightWatch([])
+    assert one.check((t,)) == (True, True) and one.check((t,)) == (False, False)
+    assert none.check((t,)) == (True, True) and none.check((t,)) == (False, False)
+
+
+def test_cudagraphs_refused_on_cpu_and_in_training_with_reasons():
+    r = fxopt.explain(SmallResNet().eval(), torch.randn(1, 3, 32, 32))
+    gm = r.graphs[0].after
+    assert unsafe_reason(gm, "inference", "cpu") == "inputs are not on CUDA"
+    assert unsafe_reason(gm, "forward", "cuda") == "training graph"
+    # claimed to be CUDA while a value lives on the CPU: refused, naming the node
+    assert unsafe_reason(gm, "inference", "cuda") == "arg0_1 produces a CPU tensor"
