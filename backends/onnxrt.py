@@ -8,7 +8,8 @@ shapes) with the current parameter values and folded constants as initializers, 
 - CUDA inputs and ``CUDAExecutionProvider`` available: the CUDA EP with IO binding on the torch
   tensors (no host copies), outputs allocated by torch; with ``cudagraphs`` not False, ORT's own
   CUDA graph (``enable_cuda_graph``) is captured per signature, inputs copied into static buffers.
-  Torch's current stream is synchronized before each run (ORT runs on its own stream).
+  ORT runs on torch's current stream of session creation (``user_compute_stream``); a call made
+  on another stream is ordered with it by stream waits, never by a host synchronization.
 - CPU inputs: the CPU EP (``intra_op_num_threads`` = ``torch.get_num_threads()``).
 - Parameters are initializers, not inputs: when one changes in place (its ``_version`` moves:
   optimizer step, ``load_state_dict``, ``copy_``) or is replaced, every session is rebuilt.
@@ -165,7 +166,10 @@ class _Session:
             opts.intra_op_num_threads = max(1, torch.get_num_threads())
             providers = [provider]
         else:
-            popts = {"device_id": str(self.device.index or 0)}
+            # ORT enqueues its kernels on torch's current stream: ordered with the torch work that
+            # produced the inputs and reads the outputs, with no host synchronization
+            self.stream = torch.cuda.current_stream(self.device)
+            popts = {"device_id": str(self.device.index or 0), "user_compute_stream": str(self.stream.cuda_stream)}
             if cuda_graph:
                 popts["enable_cuda_graph"] = "1"
             providers = [(provider, popts)]
@@ -175,7 +179,8 @@ class _Session:
         except Exception:  # noqa: BLE001 - a CUDA graph needs every node on the CUDA EP: retry without
             if not cuda_graph:
                 raise
-            cuda_graph, providers = False, [(provider, {"device_id": str(self.device.index or 0)})]
+            cuda_graph = False
+            providers = [(provider, {k: v for k, v in providers[0][1].items() if k != "enable_cuda_graph"})]
             self.sess = ort.InferenceSession(data, opts, providers=providers)
         self.cuda = provider == "CUDAExecutionProvider"
         if self.cuda and "CUDAExecutionProvider" not in self.sess.get_providers():
@@ -198,7 +203,18 @@ class _Session:
         if not self.cuda:
             feeds = {n: t.detach().contiguous().numpy() for n, t in zip(self.in_names, inputs)}
             return [torch.from_numpy(o) for o in self.sess.run(self.out_names, feeds)]
-        inputs = [t.detach().contiguous() for t in inputs]
+        current = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):  # the stream ORT was given
+            if current != self.stream:
+                self.stream.wait_stream(current)
+            outs = self._run_on_stream([t.detach().contiguous() for t in inputs])
+        if current != self.stream:
+            current.wait_stream(self.stream)
+            for t in outs:
+                t.record_stream(current)
+        return outs
+
+    def _run_on_stream(self, inputs: list) -> list:
         if self.cuda_graph:  # fixed addresses: static input and output buffers, bound once
             if self.binding is None:
                 self.static_in = [t.clone() for t in inputs]
@@ -206,13 +222,10 @@ class _Session:
                 self.binding = self._bind(self.static_in, self.static_out)
             for buf, t in zip(self.static_in, inputs):
                 buf.copy_(t)
-            torch.cuda.current_stream(self.device).synchronize()
             self.sess.run_with_iobinding(self.binding)
             return [o.clone() for o in self.static_out]
         outs = [torch.empty(v.shape, dtype=v.dtype, device=self.device) for v in self.out_vals]
-        binding = self._bind(inputs, outs)
-        torch.cuda.current_stream(self.device).synchronize()
-        self.sess.run_with_iobinding(binding)
+        self.sess.run_with_iobinding(self._bind(inputs, outs))
         return outs
 
 

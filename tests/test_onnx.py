@@ -328,24 +328,32 @@ def _cuda_ep():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_ep(), reason="needs CUDA and onnxruntime's CUDAExecutionProvider")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("cudagraphs", [None, False])
-def test_onnxruntime_executor_cuda_io_binding(cudagraphs):
+def test_onnxruntime_executor_cuda_io_binding(cudagraphs, dtype):
     torch.manual_seed(6)
-    model = randomize_bn(fxopt.testing.SmallResNet()).cuda()
+    model = randomize_bn(fxopt.testing.SmallResNet()).cuda().to(dtype)
+    tol = RTOL if dtype == torch.float32 else 1e-2
     graphs = []
     compiled = compile_with_fxopt(model, {"executor": "onnxruntime", "cudagraphs": cudagraphs}, graphs)
     with torch.no_grad():
         outs = []
         for _ in range(3):  # replays: fresh outputs every call, inputs read every call
-            x = torch.randn(4, 3, 32, 32, device="cuda")
+            x = torch.randn(4, 3, 32, 32, device="cuda", dtype=dtype)
             out = compiled(x)
             assert out.device.type == "cuda"
-            assert rel_error(out.cpu(), model(x).cpu()) <= RTOL
+            # read on torch's stream right away (no host sync in between): ORT's work is ordered before
+            assert rel_error(out.float().cpu(), model(x).float().cpu()) <= tol
             outs.append((out, model(x)))
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):  # a call from another stream is ordered too
+            x = torch.randn(4, 3, 32, 32, device="cuda", dtype=dtype)
+            out = compiled(x)
+            assert rel_error(out.float().cpu(), model(x).float().cpu()) <= tol
         for out, ref in outs:
-            assert rel_error(out.cpu(), ref.cpu()) <= RTOL
+            assert rel_error(out.float().cpu(), ref.float().cpu()) <= tol
         model.load_state_dict({k: v * 1.5 if v.is_floating_point() else v for k, v in model.state_dict().items()})
-        x = torch.randn(4, 3, 32, 32, device="cuda")
-        assert rel_error(compiled(x).cpu(), model(x).cpu()) <= RTOL
+        x = torch.randn(4, 3, 32, 32, device="cuda", dtype=dtype)
+        assert rel_error(compiled(x).float().cpu(), model(x).float().cpu()) <= tol
     assert graphs[0].executor == "onnxruntime (CUDAExecutionProvider)"
     assert graphs[0].cudagraphs.startswith("on" if cudagraphs is None else "off")
