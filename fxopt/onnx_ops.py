@@ -220,18 +220,32 @@ def h_adaptive_avg_pool(e, n):
 
 
 def h_reduce(e, n):
+    """mean/sum over dims. The mean over both spatial dims of a 4-D tensor (adaptive average pooling
+    to 1x1) is GlobalAveragePool, as torch.onnx writes it. Other fp16/bf16 reductions run in fp32
+    (Cast, reduce, Cast back): PyTorch accumulates them in fp32, and ORT's CUDA EP, reducing in the
+    16-bit type, overflows to inf where eager does not (ResNet-50 fp16 gave NaN everywhere)."""
     x, dims = n.args[0], n.args[1] if len(n.args) > 1 else None
     keep = int(bool(n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)))
     rank = _val(x).dim()
-    if n.kwargs.get("dtype") not in (None, _val(x).dtype):
+    dtype = _val(x).dtype
+    if n.kwargs.get("dtype") not in (None, dtype):
         raise UnsupportedOpError(n.target, n.name, f"dtype={n.kwargs['dtype']}")
     axes = sorted(d % rank for d in (dims or range(rank)))
     e.batch[n] = e.batch.get(x, False) and 0 not in axes
     op = "ReduceMean" if n.target is aten.mean.dim else "ReduceSum"
+    if op == "ReduceMean" and rank == 4 and axes == [2, 3]:
+        y = e.emit(n, "GlobalAveragePool", [e.ref(x)], n.name if keep else None)
+        e.names[n] = y if keep else e.emit(n, "Squeeze", [y, e.ints(axes)], n.name)
+        return
+    src, wide = e.ref(x), dtype in (torch.float16, torch.bfloat16)
+    if wide:
+        src = e.emit(n, "Cast", [src], to=DTYPES[torch.float32])
+    name = None if wide else n.name
     if op == "ReduceMean" and e.opset < 18:
-        e.names[n] = e.emit(n, op, [e.ref(x)], n.name, axes=axes, keepdims=keep)
+        y = e.emit(n, op, [src], name, axes=axes, keepdims=keep)
     else:
-        e.names[n] = e.emit(n, op, [e.ref(x), e.ints(axes)], n.name, keepdims=keep)
+        y = e.emit(n, op, [src, e.ints(axes)], name, keepdims=keep)
+    e.names[n] = e.emit(n, "Cast", [y], n.name, to=DTYPES[dtype]) if wide else y
 
 
 def h_pad(e, n):

@@ -333,7 +333,7 @@ def _cuda_ep():
 def test_onnxruntime_executor_cuda_io_binding(cudagraphs, dtype):
     torch.manual_seed(6)
     model = randomize_bn(fxopt.testing.SmallResNet()).cuda().to(dtype)
-    tol = RTOL if dtype == torch.float32 else 1e-2
+    tol = 1e-3 if dtype == torch.float32 else 1e-2  # fp32: ORT's CUDA EP and eager both convolve in TF32
     graphs = []
     compiled = compile_with_fxopt(model, {"executor": "onnxruntime", "cudagraphs": cudagraphs}, graphs)
     with torch.no_grad():
