@@ -85,6 +85,21 @@ def test_region_kernels_compile_and_are_reported():
     assert all(k.compiled for k in r.kernels), [k.error for k in r.kernels if not k.compiled]
 
 
+@needs_nvrtc
+@settings(max_examples=10)  # each example: a compile and 3-6 NVRTC compilations
+@given(k=st.sampled_from([1, 3, 5, 7]), stride=st.integers(1, 2), dilation=st.integers(1, 3),
+       pool=st.sampled_from([(3, 2, 1, False), (2, 2, 0, False), (3, 2, 0, True), (3, 1, 1, False)]),
+       layout=st.sampled_from(["contiguous", "channels_last"]),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_region_kernels_compile_for_random_configurations(k, stride, dilation, pool, layout, dtype):
+    model = MobileBlock(8, k, stride, dilation, *pool).eval().to(dtype)
+    r = fxopt.explain(model, torch.randn(1, 3, 13, 13, dtype=dtype), options={"executor": "cuda", "layout": layout})
+    names = [kr.name for kr in r.kernels]
+    assert any(n.startswith(f"fx_dw{k}x{k}") for n in names), names
+    assert any(n.startswith("fx_maxpool") for n in names) and any(n.startswith("fx_gap") for n in names), names
+    assert all(kr.compiled for kr in r.kernels), [kr.error for kr in r.kernels if not kr.compiled]
+
+
 def test_declines_what_the_templates_do_not_cover():
     # channel multiplier 2, dilated max pool, max pool whose indices are returned, mean over C
     class Odd(nn.Module):
