@@ -196,13 +196,13 @@ def _summary_table(results: Dict[str, Any]) -> List[str]:
 
 
 def _details_table(results: Dict[str, Any]) -> List[str]:
-    head = ["model", "batch", "dtype", "backend", "status", "median ms", "IQR ms", "first call s",
+    head = ["model", "batch", "dtype", "backend", "status", "median ms", "IQR ms", "host ms/call", "first call s",
             "cold compile s", "max rel err", "TFLOP/s", "% peak", "peak mem MiB", "note / error"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in results.get("cells", []):
         lines.append("| " + " | ".join([
             c["model"], str(c["batch"]), c["dtype"], c["backend"], c.get("status", "?"),
-            _fmt(c.get("median_ms")), _fmt(c.get("iqr_ms")), _fmt(c.get("first_call_s"), ".2f"),
+            _fmt(c.get("median_ms")), _fmt(c.get("iqr_ms")), _fmt(c.get("host_ms")), _fmt(c.get("first_call_s"), ".2f"),
             (_fmt(c.get("cold_compile_s"), ".2f") + (f" (warm fxopt cache {c['warm_cache_compile_s']:.2f})"
                                                      if c.get("warm_cache_compile_s") is not None else ""))
             if c.get("cold_compile_s") is not None else _short(c.get("cold_error"), 30) or "–",

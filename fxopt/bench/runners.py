@@ -104,6 +104,18 @@ def time_calls(fn: Callable, x: torch.Tensor, device: str, iters: int) -> List[f
     return out
 
 
+def host_ms_per_call(fn: Callable, x: torch.Tensor, calls: int = 20) -> float:
+    """Host (CPU) time to issue one call, back to back without synchronizing: close to the CUDA
+    time, the cell is bound by Python/launch overhead and moves with the host's speed."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn(x)
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return dt / calls * 1e3
+
+
 # ---- accuracy, FLOPs, peak -------------------------------------------------
 def flatten_outputs(out: Any) -> List[torch.Tensor]:
     if isinstance(out, torch.Tensor):
@@ -415,6 +427,8 @@ def measure_cell(backend: str, base_model: nn.Module, x_cpu: torch.Tensor,
                 prepared.fn(prepared.inputs)
             _sync(device)
             samples = time_calls(prepared.fn, prepared.inputs, device, iters)
+            if device == "cuda":
+                cell["host_ms"] = host_ms_per_call(prepared.fn, prepared.inputs)
         st = stats(samples)
         cell.update({f"{k}_ms": v for k, v in st.items() if k != "n"})
         cell["n"] = st["n"]
