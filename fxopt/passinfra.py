@@ -45,6 +45,8 @@ class PassContext:
     example_inputs: Optional[list] = None
     #: memory format of each graph output as eager produces it (layout restores these)
     output_formats: list = field(default_factory=list)
+    #: fake results of the last propagation, reused where nothing they depend on changed
+    fake_cache: dict = field(default_factory=dict, repr=False)
 
     def refresh_meta(self, gm: fx.GraphModule) -> None:
         """Re-run FakeTensor propagation so every node's meta['val'] is current."""
@@ -52,11 +54,15 @@ class PassContext:
             return
         from torch._guards import detect_fake_mode
         from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+        from fxopt.fakeprop import CachedFakeTensorProp
 
         mode = detect_fake_mode(self.fake_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+        prop = CachedFakeTensorProp(gm, mode, self.fake_cache)
+        if not self.fake_cache:
+            prop.seed()
         with mode:
-            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*self.fake_inputs)
+            prop.propagate_dont_convert_inputs(*self.fake_inputs)
 
     def note(self, line: str) -> None:
         self.notes.setdefault(self.current_pass, []).append(line)

@@ -1,0 +1,101 @@
+"""FakeTensor propagation that only recomputes what a pass could have changed.
+
+After every pass that modified the graph, the pipeline re-propagates FakeTensors so each node's
+``meta["val"]`` is current. A fake result depends on nothing but the node's op, its non-tensor
+arguments and the metadata (shape, strides, offset, dtype, device) of its tensor inputs, so a node
+whose op and arguments are unchanged and whose inputs' metadata is unchanged gets its previous
+result back instead of running the op's fake kernel again. Kept out: symbolic sizes (comparing
+them would add guards), placeholders and outputs, ``call_module`` / ``get_attr`` (their target can
+change behind the same name), and results that are not plain tensors, numbers or tuples of them.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+_CACHED_OPS = ("call_function", "call_method")
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+def meta_key(v: Any) -> Any:
+    """A hashable summary of everything fake propagation reads from a value, or raise _Uncacheable."""
+    if isinstance(v, torch.Tensor):
+        dims = (*v.shape, *v.stride(), v.storage_offset())
+        if not all(type(d) is int for d in dims):
+            raise _Uncacheable  # symbolic: comparing would specialize it
+        return ("T", tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.device, v.requires_grad)
+    if isinstance(v, (tuple, list)):
+        return tuple(meta_key(x) for x in v)
+    if v is None or type(v) in (int, float, bool, str, torch.dtype, torch.device, torch.memory_format,
+                                torch.layout):
+        return v
+    raise _Uncacheable
+
+
+def fake_inputs_key(tensors) -> Optional[tuple]:
+    """The metadata of fake inputs plus their fake mode, or None where it cannot be compared."""
+    try:
+        modes = {id(getattr(t, "fake_mode", None)) for t in tensors}
+        return (tuple(modes), meta_key(tuple(tensors)))
+    except _Uncacheable:
+        return None
+
+
+class CachedFakeTensorProp(FakeTensorProp):
+    """FakeTensorProp with a cache (node -> (key, result, meta val)) that outlives one propagation."""
+
+    def __init__(self, module: fx.GraphModule, mode, cache: dict):
+        super().__init__(module, mode)
+        self.cache = cache
+        self.hits = 0
+
+    def _key(self, n: fx.Node, value_of=None) -> Optional[tuple]:
+        value_of = value_of or self.env.__getitem__
+
+        def leaf(a):
+            return ("N", meta_key(value_of(a))) if isinstance(a, fx.Node) else meta_key(a)
+
+        try:
+            return (n.op, n.target, map_aggregate(n.args, leaf), map_aggregate(n.kwargs, leaf))
+        except (_Uncacheable, KeyError):
+            return None
+
+    def seed(self) -> None:
+        """Fill an empty cache from the values the graph already carries (AOTAutograd's fake
+        results), so the first propagation after a pass recomputes only what the pass touched."""
+        for n in self.module.graph.nodes:
+            val = n.meta.get("val")
+            if n.op not in _CACHED_OPS or val is None or n in self.cache:
+                continue
+            key = self._key(n, lambda a: a.meta["val"])
+            if key is not None:
+                try:
+                    meta_key(val)
+                except _Uncacheable:
+                    continue
+                self.cache[n] = (key, val, val)
+
+    def run_node(self, n: fx.Node) -> Any:
+        key = self._key(n) if n.op in _CACHED_OPS else None
+        if key is not None:
+            hit = self.cache.get(n)
+            if hit is not None and hit[0] == key:
+                self.hits += 1
+                n.meta["val"] = hit[2]
+                return hit[1]
+        result = super().run_node(n)
+        if key is not None:
+            try:
+                meta_key(result)
+            except _Uncacheable:
+                self.cache.pop(n, None)
+            else:
+                self.cache[n] = (key, result, n.meta.get("val"))
+        return result

@@ -1,0 +1,99 @@
+"""Cached FakeTensor propagation (fxopt/fakeprop.py): recomputes only what a rewrite could change,
+and always leaves the same metadata a fresh propagation would."""
+import torch
+import torch.fx as fx
+from hypothesis import given, settings
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from fxopt.fakeprop import CachedFakeTensorProp, fake_inputs_key, meta_key
+from fxopt.testing import cnn_cases
+
+aten = torch.ops.aten
+
+
+def _traced():
+    def f(x, w):
+        y = torch.relu(torch.conv2d(x, w, padding=1))
+        return torch.flatten(y.mean(dim=(2, 3), keepdim=True), 1) * 2
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+    return make_fx(f)(torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3))
+
+
+def _meta(gm):
+    out = {}
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            out[n.name] = (tuple(v.shape), v.stride(), v.dtype)
+    return out
+
+
+def test_unchanged_graph_is_all_hits_and_a_rewrite_recomputes_only_its_node():
+    gm = _traced()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(torch.randn(2, 3, 8, 8)), mode.from_tensor(torch.randn(4, 3, 3, 3))]
+    cache = {}
+    with mode:
+        first = CachedFakeTensorProp(gm, mode, cache)
+        first.propagate_dont_convert_inputs(*fakes)
+        again = CachedFakeTensorProp(gm, mode, cache)
+        again.propagate_dont_convert_inputs(*fakes)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert first.hits == 0 and again.hits == len(calls)
+    relu = next(n for n in calls if n.target is aten.relu.default)
+    relu.target = aten.sigmoid.default  # same metadata out: everything after it stays cached
+    with mode:
+        third = CachedFakeTensorProp(gm, mode, cache)
+        third.propagate_dont_convert_inputs(*fakes)
+    assert third.hits == len(calls) - 1
+    gm.graph.lint()
+
+
+def test_metadata_change_propagates_downstream():
+    gm = _traced()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    x = mode.from_tensor(torch.randn(2, 3, 8, 8))
+    w = mode.from_tensor(torch.randn(4, 3, 3, 3))
+    cache = {}
+    with mode:
+        CachedFakeTensorProp(gm, mode, cache).propagate_dont_convert_inputs(x, w)
+        conv = next(n for n in gm.graph.nodes if n.target is aten.convolution.default)
+        args = list(conv.args)
+        args[4] = [0, 0]  # padding 1 -> 0: every later shape changes
+        conv.args = tuple(args)
+        CachedFakeTensorProp(gm, mode, cache).propagate_dont_convert_inputs(x, w)
+    conv_val = conv.meta["val"]
+    assert tuple(conv_val.shape) == (2, 4, 6, 6)
+    assert tuple(next(iter(conv.users)).meta["val"].shape) == (2, 4, 6, 6)
+
+
+def test_symbolic_sizes_are_not_compared():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    t = mode.from_tensor(torch.randn(3, 4), source=ConstantSource("x"), symbolic_context=ctx)
+    assert not isinstance(t.shape[0], int)
+    assert fake_inputs_key([t]) is None
+    assert meta_key((1, 2.0, None, torch.float16)) == (1, 2.0, None, torch.float16)
+
+
+@settings(max_examples=10)
+@given(cnn_cases(ndims=(2,)))
+def test_pipeline_metadata_equals_a_fresh_propagation(case):
+    import fxopt
+
+    r = fxopt.explain(case.model, *case.inputs)
+    for g in r.graphs:
+        gm = g.after
+        cached = _meta(gm)
+        fakes = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+        mode = next(v.fake_mode for v in fakes if hasattr(v, "fake_mode"))
+        with mode:
+            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+        assert _meta(gm) == cached
