@@ -10,7 +10,8 @@
 # results survive a kill), else into bench_out/ (or the --out you pass).
 # Keeps going when a step fails; exits non-zero at the end if any step failed.
 # Env: PYTHON (default python3), GPU_CHECK_TEST_TIMEOUT (seconds for pytest, 0 = none),
-#      GPU_CHECK_SKIP_TESTS=1 (skip pytest), FXOPT_TARGET (--target dir fallback).
+#      GPU_CHECK_SKIP_TESTS=1 (skip pytest), FXOPT_TARGET (--target dir fallback),
+#      GPU_CHECK_MEMCHECK=1 (also run the CUDA kernel tests under compute-sanitizer memcheck).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -78,6 +79,21 @@ elif [ "$rc" -eq 5 ]; then
     echo "no gpu tests collected" >&2
 elif [ "$rc" -ne 0 ]; then
     FAILED+=("pytest -m gpu (rc=$rc)")
+fi
+
+if [ "${GPU_CHECK_MEMCHECK:-0}" = "1" ]; then
+    step "CUDA kernel tests under compute-sanitizer memcheck"
+    if command -v compute-sanitizer >/dev/null 2>&1; then
+        timeout "${GPU_CHECK_TEST_TIMEOUT:-0}" compute-sanitizer --tool memcheck --report-api-errors no \
+            --error-exitcode 3 "$PY" -m pytest -q -m gpu tests/test_cuda_codegen.py tests/test_gpu.py \
+            tests/test_cuda_regions.py -p no:cacheprovider >"$LOGDIR/memcheck.log" 2>&1
+        rc=$?
+        tail -4 "$LOGDIR/memcheck.log" >&2
+        [ "$rc" -ne 0 ] && FAILED+=("memcheck (rc=$rc)")
+    else
+        echo "compute-sanitizer not on PATH" >&2
+        FAILED+=("memcheck (no compute-sanitizer)")
+    fi
 fi
 
 step "benchmark"
