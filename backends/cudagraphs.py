@@ -17,11 +17,12 @@ Contract (what a caller can rely on):
 from __future__ import annotations
 
 import itertools
-import operator
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
+
+from fxopt.weights import WeightWatch
 
 aten = torch.ops.aten
 
@@ -64,57 +65,6 @@ def _median_ms(fn, runs: int = 5) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
-
-
-_VERSION = operator.attrgetter("_version")
-_DATA_PTR = torch.Tensor.data_ptr
-# One C++ call that compares many tensors' data pointers (what Inductor's CUDA graphs use); a
-# Python fallback keeps older/newer torch builds without it working.
-_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-
-
-class WeightWatch:
-    """Notices, per call, when parameter/buffer inputs were replaced (new storage) or changed in
-    place (version counter moved). Runs on every replay, so it does a handful of C-level calls
-    over the whole list rather than Python work per parameter."""
-
-    def __init__(self, indices: Sequence[int]):
-        self.indices = list(indices)
-        n = len(self.indices)
-        if n > 1:
-            self._gather = operator.itemgetter(*self.indices)
-        elif n == 1:
-            only = self.indices[0]
-            self._gather = lambda args: (args[only],)
-        else:
-            self._gather = lambda args: ()
-        self.ptrs: Optional[tuple] = None
-        self.versions: Optional[tuple] = None
-        self._cpp = _PTRS_EQUAL is not None and n > 0
-
-    def _same_ptrs(self, args, params) -> bool:
-        if self.ptrs is None:
-            return False
-        if self._cpp:
-            try:  # data_ptrs is indexed like args (None where not checked)
-                return _PTRS_EQUAL(list(args), self._ptr_list, self.indices)
-            except (TypeError, RuntimeError):  # e.g. a non-tensor argument: the Python way from now on
-                self._cpp = False
-        return tuple(map(_DATA_PTR, params)) == self.ptrs
-
-    def check(self, args) -> tuple[bool, bool]:
-        """(pointers changed, anything changed) since the previous call."""
-        params = self._gather(args)
-        versions = tuple(map(_VERSION, params))
-        ptrs_changed = not self._same_ptrs(args, params)
-        if ptrs_changed:
-            self.ptrs = tuple(map(_DATA_PTR, params))
-            self._ptr_list = [None] * len(args)
-            for i, p in zip(self.indices, self.ptrs):
-                self._ptr_list[i] = p
-        changed = ptrs_changed or versions != self.versions
-        self.versions = versions
-        return ptrs_changed, changed
 
 
 class CudaGraphRunner:

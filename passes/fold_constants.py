@@ -28,6 +28,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fxopt.passinfra import PassContext, PassResult
+from fxopt.weights import WeightWatch
 
 MODULE_NAME = "fxopt_constants"
 
@@ -39,21 +40,18 @@ class FoldedConstants(torch.nn.Module):
         super().__init__()
         self.graph_module = graph_module
         self.input_names = input_names
-        self._key = None
+        self._watch = None  # WeightWatch over the inputs, made on the first real call
         self._values = None
         self._fake = (None, None)  # (input metadata, fake outputs) of the last fake call
         self.evaluations = 0
 
-    @staticmethod
-    def _version_key(tensors):
-        # Two list comprehensions: this runs on every call (hundreds of weights in a ResNet).
-        return [t._version for t in tensors], [t.data_ptr() for t in tensors]
-
     def forward(self, *tensors):
         if tensors and isinstance(tensors[0], FakeTensor):  # fake inputs come all together
             return self._fake_forward(tensors)  # metadata propagation
-        key = self._version_key(tensors)
-        if key != self._key:
+        if self._watch is None:
+            self._watch = WeightWatch(range(len(tensors)))
+        _, changed = self._watch.check(tensors)
+        if changed or self._values is None:
             with torch.no_grad():
                 values = tuple(self.graph_module(*tensors))
                 if self._values is not None and all(_same_layout(a, b) for a, b in zip(self._values, values)):
@@ -62,10 +60,8 @@ class FoldedConstants(torch.nn.Module):
                         old.copy_(new)
                 else:
                     self._values = values
-            self._key = key
             self.evaluations += 1
         return self._values
-
 
     def _fake_forward(self, tensors):
         """Fake outputs depend only on the inputs' metadata: reuse them while it is unchanged."""

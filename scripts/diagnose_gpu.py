@@ -17,13 +17,12 @@ Also the executor's per-node choices and the replay-vs-plain decision.
 import argparse
 import collections
 import statistics
-import time
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
 
 from fxopt.bench.models import build_model
-from fxopt.bench.runners import time_calls
+from fxopt.bench.runners import host_ms_per_call, time_calls
 from fxopt.testing import compile_with_fxopt
 
 
@@ -42,13 +41,7 @@ def cpu_us(fn, x, iters=100):
     with torch.no_grad():
         for _ in range(5):
             fn(x)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn(x)
-        dt = time.perf_counter() - t0
-        torch.cuda.synchronize()
-    return dt / iters * 1e6
+        return host_ms_per_call(fn, x, iters) * 1e3
 
 
 def noop_us(model, x):

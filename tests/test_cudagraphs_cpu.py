@@ -3,7 +3,8 @@ watch that decides whether folded constants are refreshed and whether a new grap
 import torch
 
 import fxopt
-from fxopt.backends.cudagraphs import WeightWatch, unsafe_reason
+from fxopt.backends.cudagraphs import unsafe_reason
+from fxopt.weights import WeightWatch
 from fxopt.testing import SmallResNet
 
 
