@@ -61,8 +61,15 @@ def lower(gm: fx.GraphModule, ctx, kind: str):
     # parameters nothing reads (e.g. BatchNorm's num_batches_tracked in eval) need no per-call check
     read = [n.name for n in runnable.graph.nodes if n.op == "placeholder" and n.users]
     watched = _placeholder_indices(runnable, [p for p in ctx.param_placeholders if p in read])
+    baseline = baseline_watched = None
+    if ctx.options.baseline_check and ctx.unoptimized is not None and gm is not ctx.unoptimized:
+        baseline = torch_ref.lower(ctx.unoptimized)
+        read = [n.name for n in baseline.graph.nodes if n.op == "placeholder" and n.users]
+        baseline_watched = _placeholder_indices(baseline, [p for p in ctx.param_placeholders if p in read])
     runner = CudaGraphRunner(runnable, static, refresh=_constants_refresher(runnable),
-                             max_graphs=ctx.options.cudagraph_max_signatures, watched=watched)
+                             max_graphs=ctx.options.cudagraph_max_signatures, watched=watched,
+                             baseline=baseline, baseline_watched=baseline_watched)
     info["cudagraphs"] = f"on (up to {ctx.options.cudagraph_max_signatures} signatures)"
+    info["baseline_check"] = baseline is not None
     info["cudagraph_runner"] = runner  # its decisions() say, per signature, replay vs plain timings
     return runner, info

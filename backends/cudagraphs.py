@@ -13,6 +13,10 @@ Contract (what a caller can rely on):
 - Measured, not assumed: after capturing a signature, replay (with its input and output copies)
   and a plain run are timed a few times with CUDA events; if the plain run is faster (large
   activations, where the copies cost more than the launches saved), that signature runs uncaptured.
+- Never slower than the unoptimized graph: with a ``baseline`` (the graph as AOTAutograd handed it
+  over, before any pass: PyTorch's own kernels), that graph is captured too and timed in
+  alternation with the optimized one; where it is faster by more than ``margin`` the signature
+  replays the baseline instead. ``decisions()`` says which one runs and the times behind it.
 """
 from __future__ import annotations
 
@@ -52,27 +56,53 @@ class _Entry:
     def __init__(self, graph, static_inputs, outputs):
         self.graph, self.static_inputs, self.outputs = graph, static_inputs, outputs
         self.use_graph = True
+        self.runs = "optimized graph"
         self.timings: dict = {}
 
 
+def _alternating_medians(fns: dict, rounds: int = 4, runs: int = 3) -> dict:
+    """Median CUDA-event ms of each function, timed in alternating rounds so that a drifting host
+    or clock affects every candidate alike."""
+    times: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(runs):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end))
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+
+
 def _median_ms(fn, runs: int = 5) -> float:
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return _alternating_medians({"t": fn}, rounds=1, runs=runs)["t"]
+
+
+def choose(timings: dict, margin: float) -> str:
+    """Which way a signature runs, from its measured times (ms): the optimized graph replayed, the
+    optimized graph uncaptured, or the baseline replayed. The baseline must win by more than
+    ``margin`` (a fraction): a tie keeps the optimized graph."""
+    best = "optimized graph" if timings["graph_ms"] <= timings["plain_ms"] else "optimized plain"
+    best_ms = min(timings["graph_ms"], timings["plain_ms"])
+    base = timings.get("baseline_graph_ms")
+    if base is not None and base < best_ms * (1.0 - margin):
+        return "baseline graph"
+    return best
 
 
 class CudaGraphRunner:
     def __init__(self, fn: Callable, static_indices: Sequence[int], refresh: Optional[Callable] = None,
-                 max_graphs: int = 8, warmup: int = 2, watched: Optional[Sequence[int]] = None):
+                 max_graphs: int = 8, warmup: int = 2, watched: Optional[Sequence[int]] = None,
+                 baseline: Optional[Callable] = None, baseline_watched: Optional[Sequence[int]] = None,
+                 margin: float = 0.03):
         """static_indices: parameter/buffer inputs (read in place, never copied); watched: those of
-        them the graph reads (default all), checked on every call."""
+        them the graph reads (default all), checked on every call. baseline: the unoptimized graph
+        (same arguments), a candidate per signature; baseline_watched: the parameters it reads."""
         self.fn = fn
+        self.baseline, self.margin = baseline, margin
+        self.baseline_watched = None if baseline_watched is None else sorted(set(baseline_watched) & set(static_indices))
         self.static = set(static_indices)
         self.watch = WeightWatch(sorted(self.static if watched is None else set(watched) & self.static))
         self.refresh = refresh
@@ -94,7 +124,8 @@ class CudaGraphRunner:
             key.append((a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a)
         return tuple(key)
 
-    def _capture(self, args) -> _Entry:
+    def _capture(self, args, fn: Optional[Callable] = None) -> _Entry:
+        fn = self.fn if fn is None else fn
         static_inputs = {}
         call_args = list(args)
         for i, a in enumerate(args):
@@ -107,13 +138,13 @@ class CudaGraphRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(self.warmup):  # allocator and library handles settle before capture
-                self.fn(*call_args)
+                fn(*call_args)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.fn(*call_args)
+            outputs = fn(*call_args)
         return _Entry(graph, static_inputs, outputs)
 
     def __call__(self, *args):
@@ -151,14 +182,32 @@ class CudaGraphRunner:
         return _copy_out(entry.outputs)
 
     def _decide(self, entry: _Entry, args) -> None:
-        graphed = _median_ms(lambda: self._replay(entry, args))
-        plain = _median_ms(lambda: self.fn(*args))
-        entry.timings = {"graph_ms": graphed, "plain_ms": plain}
-        entry.use_graph = graphed <= plain
+        fns = {"graph_ms": lambda: self._replay(entry, args), "plain_ms": lambda: self.fn(*args)}
+        base = None
+        if self.baseline is not None:
+            base = self._capture(args, self.baseline)
+            fns["baseline_graph_ms"] = lambda: self._replay(base, args)
+        entry.timings = _alternating_medians(fns)
+        entry.runs = choose(entry.timings, self.margin)
+        entry.use_graph = entry.runs != "optimized plain"
+        if entry.runs == "baseline graph":
+            entry.graph, entry.static_inputs, entry.outputs = base.graph, base.static_inputs, base.outputs
+            self._watch_baseline_params(args)
+        del base  # the losing capture's memory goes back to the pool
+
+    def _watch_baseline_params(self, args) -> None:
+        """The baseline reads parameters the optimized graph folded away (BatchNorm statistics...):
+        from now on the per-call watch covers them too, keeping the current graph key."""
+        if self.baseline_watched is None or set(self.baseline_watched) <= set(self.watch.indices):
+            return
+        self.watch = WeightWatch(sorted(set(self.watch.indices) | set(self.baseline_watched)))
+        self.watch.check(args)
+        self._ptr_epochs[self.watch.ptrs] = self._epoch
 
     def decisions(self) -> list[dict]:
-        """Per captured signature: replay vs plain timings and which one runs."""
-        return [dict(e.timings, use_graph=e.use_graph) for e in self.graphs.values()]
+        """Per captured signature: the measured times (optimized replay, optimized uncaptured and,
+        with a baseline, the baseline's replay) and which one runs."""
+        return [dict(e.timings, use_graph=e.use_graph, runs=e.runs) for e in self.graphs.values()]
 
 
 def _copy_out(outputs):

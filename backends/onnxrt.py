@@ -8,6 +8,10 @@ shapes) with the current parameter values and folded constants as initializers, 
 - CUDA inputs and ``CUDAExecutionProvider`` available: the CUDA EP with IO binding on the torch
   tensors (no host copies), outputs allocated by torch; with ``cudagraphs`` not False, ORT's own
   CUDA graph (``enable_cuda_graph``) is captured per signature, inputs copied into static buffers.
+  Where the layout pass put the graph's convolutions in channels_last (fxopt's judgement that NHWC
+  convolutions are the fast ones here), the session gets ``prefer_nhwc`` too, so ORT's CUDA EP runs
+  its convolutions in NHWC (the ONNX graph itself stays NCHW, as ONNX requires); a build without
+  NHWC kernels ignores the option. ``info["onnxruntime_nhwc"]`` records it.
   ORT runs on torch's current stream of session creation (``user_compute_stream``); a call made
   on another stream is ordered with it by stream waits, never by a host synchronization.
 - CPU inputs: the CPU EP (``intra_op_num_threads`` = ``torch.get_num_threads()``).
@@ -68,6 +72,16 @@ def _unbindable_dtype(gm: fx.GraphModule):
     return None
 
 
+def wants_nhwc(gm: fx.GraphModule) -> bool:
+    """True when the layout pass ran the graph's 2-D convolutions in channels_last."""
+    from fxopt.ops import FUSED_CONV
+    from fxopt.passes.layout import CL, format_of
+
+    outs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "call_function" and n.target == FUSED_CONV]
+    outs = [v for v in outs if isinstance(v, torch.Tensor) and v.dim() == 4]
+    return bool(outs) and all(format_of(v) == CL for v in outs)
+
+
 def lower_onnxruntime(gm: fx.GraphModule, ctx, kind: str, info: dict):
     """(callable, info) running `gm` in ONNX Runtime, or the torch executor where it cannot."""
     if kind != "inference":
@@ -96,7 +110,8 @@ def lower_onnxruntime(gm: fx.GraphModule, ctx, kind: str, info: dict):
         return _torch_executor(gm, info, reason)
     provider = "CUDAExecutionProvider" if cuda else "CPUExecutionProvider"
     cuda_graph = cuda and ctx.options.cudagraphs is not False
-    runner = OrtRunner(gm, ctx.param_placeholders, ctx.param_qualnames, provider, cuda_graph)
+    nhwc = cuda and wants_nhwc(gm)
+    runner = OrtRunner(gm, ctx.param_placeholders, ctx.param_qualnames, provider, cuda_graph, nhwc=nhwc)
     examples = ctx.example_inputs
     if examples is not None and all(isinstance(a, (torch.Tensor, int)) for a in examples):
         # build the first session now: failures show at compile time
@@ -105,7 +120,7 @@ def lower_onnxruntime(gm: fx.GraphModule, ctx, kind: str, info: dict):
         try:
             with unset_fake_temporarily():
                 entry = runner.entry(list(examples))
-            provider, cuda_graph = entry.sess.get_providers()[0], entry.cuda_graph
+            provider, cuda_graph, nhwc = entry.sess.get_providers()[0], entry.cuda_graph, entry.nhwc
         except Exception as e:  # noqa: BLE001 - export or session creation: the torch executor runs it
             if ctx.options.strict:
                 raise
@@ -113,6 +128,7 @@ def lower_onnxruntime(gm: fx.GraphModule, ctx, kind: str, info: dict):
             _warn_once(reason, f"fxopt: executor 'onnxruntime': {reason}; using the torch executor")
             return _torch_executor(gm, info, reason)
     info["executor"] = f"onnxruntime ({provider})"
+    info["onnxruntime_nhwc"] = nhwc
     info["cudagraphs"] = ("on (onnxruntime CUDA graph per input signature)" if cuda_graph else
                           "off (inputs are not on CUDA)" if not cuda else "off (option cudagraphs=False)"
                           if ctx.options.cudagraphs is False else "off (onnxruntime could not capture this graph)")
@@ -149,7 +165,7 @@ def specialize(gm: fx.GraphModule, args: list) -> fx.GraphModule:
 class _Session:
     """One ORT session for one input signature."""
 
-    def __init__(self, gm, args, params, provider, cuda_graph):
+    def __init__(self, gm, args, params, provider, cuda_graph, nhwc=False):
         import onnxruntime as ort
 
         from fxopt.onnx_export import graph_to_onnx
@@ -172,16 +188,25 @@ class _Session:
             popts = {"device_id": str(self.device.index or 0), "user_compute_stream": str(self.stream.cuda_stream)}
             if cuda_graph:
                 popts["enable_cuda_graph"] = "1"
+            if nhwc:
+                popts["prefer_nhwc"] = "1"
             providers = [(provider, popts)]
         data = proto.SerializeToString()
-        try:
-            self.sess = ort.InferenceSession(data, opts, providers=providers)
-        except Exception:  # noqa: BLE001 - a CUDA graph needs every node on the CUDA EP: retry without
-            if not cuda_graph:
-                raise
-            cuda_graph = False
-            providers = [(provider, {k: v for k, v in providers[0][1].items() if k != "enable_cuda_graph"})]
-            self.sess = ort.InferenceSession(data, opts, providers=providers)
+        self.sess = None
+        while self.sess is None:
+            try:
+                self.sess = ort.InferenceSession(data, opts, providers=providers)
+            except Exception:  # noqa: BLE001 - drop the optional settings one at a time, then give up
+                # a CUDA graph needs every node on the CUDA EP; NHWC kernels are a build option
+                extra = [k for k in ("prefer_nhwc", "enable_cuda_graph")
+                         if provider != "CPUExecutionProvider" and k in providers[0][1]]
+                if not extra:
+                    raise
+                providers = [(provider, {k: v for k, v in providers[0][1].items() if k != extra[0]})]
+        if provider != "CPUExecutionProvider":
+            cuda_graph = "enable_cuda_graph" in providers[0][1]
+            nhwc = "prefer_nhwc" in providers[0][1]
+        self.nhwc = nhwc
         self.cuda = provider == "CUDAExecutionProvider"
         if self.cuda and "CUDAExecutionProvider" not in self.sess.get_providers():
             raise RuntimeError(f"onnxruntime created no CUDA session (providers {self.sess.get_providers()})")
@@ -240,8 +265,10 @@ def _restride(t: torch.Tensor, v) -> torch.Tensor:
 class OrtRunner:
     """The compiled callable: the graph's flat args in (parameters included), the graph's outputs out."""
 
-    def __init__(self, gm, param_placeholders, qualnames, provider, cuda_graph, max_sessions=MAX_SESSIONS):
+    def __init__(self, gm, param_placeholders, qualnames, provider, cuda_graph, max_sessions=MAX_SESSIONS,
+                 nhwc=False):
         self.gm, self.provider, self.cuda_graph, self.max_sessions = gm, provider, cuda_graph, max_sessions
+        self.nhwc = nhwc
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.params = {i: qualnames.get(n.name, n.name) for i, n in enumerate(placeholders)
                        if n.name in param_placeholders}
@@ -263,7 +290,7 @@ class OrtRunner:
                     else args[i] for i in self.user)
         entry = self.sessions.get(sig)
         if entry is None:
-            entry = _Session(self.gm, list(args), self.params, self.provider, self.cuda_graph)
+            entry = _Session(self.gm, list(args), self.params, self.provider, self.cuda_graph, self.nhwc)
             self.builds += 1
             self.sessions[sig] = entry
             while len(self.sessions) > self.max_sessions:

@@ -105,6 +105,7 @@ class FxoptCompiler:
         ctx = self._context(gm, fake_args, mode)
         before = copy_graph_module(gm)
         optimized, records, fallback = run_pipeline(gm, ctx, dump_prefix=f"{kind}_")
+        ctx.unoptimized = before if fallback is None else None
         try:
             compiled, executor_info = lower(optimized, ctx, kind)
         except Exception as e:  # noqa: BLE001 - lowering failures fall back too

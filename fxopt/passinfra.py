@@ -45,6 +45,8 @@ class PassContext:
     example_inputs: Optional[list] = None
     #: memory format of each graph output as eager produces it (layout restores these)
     output_formats: list = field(default_factory=list)
+    #: the graph as it came in, before any pass (the executor's never-slower baseline)
+    unoptimized: Optional[fx.GraphModule] = None
     #: fake results of the last propagation, reused where nothing they depend on changed
     fake_cache: dict = field(default_factory=dict, repr=False)
 

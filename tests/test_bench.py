@@ -205,6 +205,48 @@ def test_failing_backend_run_continues(monkeypatch, tiny_model, tmp_path, capsys
     assert out.rstrip().splitlines()[-1].startswith("Times in ms")
 
 
+def test_rounds_interleave_live_backends_without_recompiling(monkeypatch, tiny_model, tmp_path):
+    from torch._dynamo.utils import counters
+
+    order = []
+
+    def tagged(tag):
+        def prepare(model, x, device, dtype, options):
+            def fn(inp):
+                order.append(tag)
+                return model(inp)
+            return R.Prepared(fn, x)
+        return prepare
+
+    monkeypatch.setitem(R.BACKENDS, "tag-a", R.BackendSpec("tag-a", tagged("a")))
+    monkeypatch.setitem(R.BACKENDS, "tag-b", R.BackendSpec("tag-b", tagged("b")))
+    monkeypatch.setitem(R.BACKENDS, "broken", R.BackendSpec("broken", _broken_prepare))
+    counters.clear()
+    rc = B.main(["--quick", "--device", "cpu", "--models", tiny_model, "--backends",
+                 "tag-a,broken,inductor,tag-b,fxopt", "--iters", "7", "--warmup", "1", "--rounds", "3",
+                 "--out", str(tmp_path)])
+    assert rc == 0
+    by = {c["backend"]: c for c in json.loads((tmp_path / "results.json").read_text())["cells"]}
+    for be in ("tag-a", "inductor", "tag-b", "fxopt"):
+        c = by[be]
+        assert c["status"] == "ok" and c["rounds"] == 3 and c["n"] == 9, c  # 3 rounds of ceil(7/3)
+        assert len(c["samples_ms"]) == 9 and c["max_rel_err"] <= 1e-4
+    assert by["broken"]["status"] == "error"
+    # the rounds alternate: a's calls come in three separate runs, each followed by b's
+    runs = [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k]
+    assert runs == ["a", "b"] * 4  # preparation and warm-up, then 3 rounds
+    # inductor and fxopt stayed compiled through the rounds: one Dynamo frame compile each
+    assert counters["frames"]["ok"] == 2, dict(counters["frames"])
+
+
+def test_parse_rounds_defaults():
+    assert B.parse_args(["--device", "cpu"]).rounds == 1
+    assert B.parse_args(["--device", "cuda", "--quick"]).rounds == 1
+    assert B.parse_args(["--device", "cpu", "--rounds", "4"]).rounds == 4
+    with pytest.raises(SystemExit):
+        B.parse_args(["--device", "cpu", "--rounds", "0"])
+
+
 class _DemoFallbackWarning(UserWarning):
     pass
 

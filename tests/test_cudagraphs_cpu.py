@@ -39,3 +39,22 @@ def test_cudagraphs_refused_on_cpu_and_in_training_with_reasons():
     assert unsafe_reason(gm, "forward", "cuda") == "training graph"
     # claimed to be CUDA while a value lives on the CPU: refused, naming the node
     assert unsafe_reason(gm, "inference", "cuda") == "arg0_1 produces a CPU tensor"
+
+
+def test_choose_keeps_the_optimized_graph_unless_the_baseline_clearly_wins():
+    from fxopt.backends.cudagraphs import choose
+
+    assert choose({"graph_ms": 1.0, "plain_ms": 2.0}, 0.03) == "optimized graph"
+    assert choose({"graph_ms": 2.0, "plain_ms": 1.0}, 0.03) == "optimized plain"
+    # a tie or a win inside the margin keeps the optimized graph
+    assert choose({"graph_ms": 1.0, "plain_ms": 2.0, "baseline_graph_ms": 1.0}, 0.03) == "optimized graph"
+    assert choose({"graph_ms": 1.0, "plain_ms": 2.0, "baseline_graph_ms": 0.98}, 0.03) == "optimized graph"
+    assert choose({"graph_ms": 1.0, "plain_ms": 2.0, "baseline_graph_ms": 0.96}, 0.03) == "baseline graph"
+    # compared with the faster of the two optimized ways
+    assert choose({"graph_ms": 2.0, "plain_ms": 1.0, "baseline_graph_ms": 1.5}, 0.03) == "optimized plain"
+    assert choose({"graph_ms": 2.0, "plain_ms": 1.0, "baseline_graph_ms": 0.5}, 0.03) == "baseline graph"
+
+
+def test_baseline_check_is_an_option():
+    assert fxopt.Options.from_any(None).baseline_check is True
+    assert fxopt.Options.from_any({"baseline_check": False}).baseline_check is False

@@ -89,3 +89,58 @@ def test_training_on_gpu_gradients():
     compiled(x).square().mean().backward()
     for p, p2 in zip(ref.parameters(), m.parameters()):
         torch.testing.assert_close(p2.grad, p.grad, rtol=1e-3, atol=1e-4)
+
+
+class _Slow(nn.Module):
+    """The optimized side made slow on purpose: a GPU spin before the same computation."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time
+        return self.fn(*args)
+
+
+def test_cudagraph_runner_replays_the_baseline_where_it_is_faster():
+    from fxopt.backends.cudagraphs import CudaGraphRunner
+
+    w = torch.randn(8, 8, device="cuda")
+    fast = lambda x, w: torch.relu(x @ w)  # noqa: E731
+    x = torch.randn(4, 8, device="cuda")
+    slow_first = CudaGraphRunner(_Slow(fast), static_indices=[1], baseline=fast, baseline_watched=[1])
+    out = slow_first(x, w)
+    torch.testing.assert_close(out, fast(x, w))
+    (d,) = slow_first.decisions()
+    assert d["runs"] == "baseline graph" and d["baseline_graph_ms"] < d["graph_ms"], d
+    x2 = torch.randn(4, 8, device="cuda")
+    torch.testing.assert_close(slow_first(x2, w), fast(x2, w))  # replays read the new input
+    with torch.no_grad():
+        w.mul_(2)  # the baseline graph reads the weight in place
+    torch.testing.assert_close(slow_first(x2, w), fast(x2, w))
+    assert len(slow_first.graphs) == 1
+    # the other way round: the optimized graph is kept
+    fast_first = CudaGraphRunner(fast, static_indices=[1], baseline=_Slow(fast), baseline_watched=[1])
+    torch.testing.assert_close(fast_first(x, w), fast(x, w))
+    (d,) = fast_first.decisions()
+    assert d["runs"] == "optimized graph", d
+
+
+def test_compiled_model_reports_the_baseline_check():
+    m = SmallResNet().cuda().eval()
+    x = torch.randn(2, 3, 32, 32, device="cuda")
+    graphs = []
+    compiled = fxopt.testing.compile_with_fxopt(m, None, graphs)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), m(x), rtol=1e-3, atol=1e-3)
+    details = graphs[0].executor_details
+    assert details["baseline_check"] is True
+    (d,) = details["cudagraph_runner"].decisions()
+    assert d["runs"] in ("optimized graph", "optimized plain", "baseline graph") and "baseline_graph_ms" in d
+    graphs = []
+    compiled = fxopt.testing.compile_with_fxopt(m, {"baseline_check": False}, graphs)
+    with torch.no_grad():
+        compiled(x)
+    assert graphs[0].executor_details["baseline_check"] is False
+    assert "baseline_graph_ms" not in graphs[0].executor_details["cudagraph_runner"].decisions()[0]

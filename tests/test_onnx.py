@@ -262,6 +262,21 @@ def test_onnxruntime_executor_matches_eager_and_sees_new_weights():
     assert all(g.fallback is None for g in graphs)
 
 
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
+def test_onnxruntime_nhwc_follows_the_layout_pass(layout):
+    from fxopt.backends.onnxrt import wants_nhwc
+
+    torch.manual_seed(7)
+    model = randomize_bn(fxopt.testing.SmallResNet())
+    graphs = []
+    compiled = compile_with_fxopt(model, {"layout": layout}, graphs)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert rel_error(compiled(x), model(x)) <= RTOL
+    assert wants_nhwc(graphs[0].after) is (layout == "channels_last")
+    assert wants_nhwc(graphs[0].before) is False  # no fused convolutions before the pipeline
+
+
 def test_onnxruntime_executor_falls_back():
     from fxopt.backends import onnxrt
 
@@ -357,3 +372,5 @@ def test_onnxruntime_executor_cuda_io_binding(cudagraphs, dtype):
         assert rel_error(compiled(x).float().cpu(), model(x).float().cpu()) <= tol
     assert graphs[0].executor == "onnxruntime (CUDAExecutionProvider)"
     assert graphs[0].cudagraphs.startswith("on" if cudagraphs is None else "off")
+    # the layout pass chose channels_last on CUDA, so the session asks ORT for NHWC convolutions
+    assert graphs[0].executor_details["onnxruntime_nhwc"] is True

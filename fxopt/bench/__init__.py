@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "subprocess per cell with empty TORCHINDUCTOR/FXOPT/TRITON cache dirs")
     p.add_argument("--warmup", type=int, help="warm-up calls (default 10; --quick: 2)")
     p.add_argument("--iters", type=int, help="timed calls (default 50, at least 50 unless --quick; --quick: 10)")
+    p.add_argument("--rounds", type=int, help="split each cell's timed calls into this many rounds, the backends "
+                   "of a row taking turns (all kept alive), so host/clock drift hits them alike "
+                   "(default 5 on cuda, 1 on cpu and with --quick; 1 = each backend timed on its own)")
     p.add_argument("--fxopt-options", default=None, metavar="JSON",
                    help="JSON object passed as torch.compile(..., options=) to the fxopt backends")
     p.add_argument("--seed", type=int, default=0, help="RNG seed for weights and inputs")
@@ -107,6 +110,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     a.iters = a.iters if a.iters is not None else (10 if q else 50)
     if a.iters < 1 or a.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
+    a.rounds = a.rounds if a.rounds is not None else (1 if q or a.device == "cpu" else 5)
+    if a.rounds < 1:
+        p.error("--rounds must be >= 1")
     if not q and a.iters < 50:
         print(f"note: --iters {a.iters} raised to 50 (the minimum outside --quick)", file=sys.stderr)
         a.iters = 50
@@ -270,6 +276,13 @@ def run_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] = None) -
         # As the peers' reference figures were taken (../shared/anchors-h100.md): cuDNN picks
         # its kernels by measurement, for every backend alike.
         torch.backends.cudnn.benchmark = True
+    if a.rounds > 1:
+        # every torch.compile backend of a row stays compiled at once: one Dynamo cache entry each
+        # for the model's forward, more than the default limit of 8 with the optional backends
+        cfg = torch._dynamo.config
+        for knob in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, knob):
+                setattr(cfg, knob, max(getattr(cfg, knob), 64))
     prog = "fxopt bench" if os.path.basename(sys.argv[0] or "") == "fxopt" else "python -m fxopt.bench"
     cmd = f"{prog} " + shlex.join(list(argv) if argv is not None else sys.argv[1:])
     meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -278,7 +291,7 @@ def run_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] = None) -
                 "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
                 "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32},
             "config": {k: getattr(a, k) for k in ("models", "batch", "dtype", "backends", "quick",
-                                                   "warmup", "iters", "cold", "seed", "time_budget")}}
+                                                   "warmup", "iters", "rounds", "cold", "seed", "time_budget")}}
     fx_ok, fx_why = R.fxopt_available()
     meta["fxopt_available"] = fx_ok if fx_ok else f"no ({fx_why})"
     results: Dict[str, Any] = {"meta": meta, "peak": {}, "flops": {}, "cells": [], "checks": []}
@@ -320,24 +333,37 @@ def run_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] = None) -
                 results["flops"][f"{name}/b{b}"] = flops
                 for dt in a.dtype:
                     peak = (results["peak"].get(dt) or {}).get("tflops")
+                    lives = []
                     for be in a.backends:
                         bar.set_postfix_str(f"{name} b{b} {dt} {be}")
                         if a.time_budget and time.perf_counter() - t_start > a.time_budget:
-                            results["cells"].append({"model": name, "batch": b, "dtype": dt, "backend": be,
-                                                     "status": "skipped", "error": "time budget"})
+                            lives.append({"backend": be, "status": "skipped", "error": "time budget"})
                             bar.update(1)
                             continue
-                        cell = R.measure_cell(be, base, x_cpu, ref, a.device, getattr(torch, dt),
-                                              a.warmup, a.iters, a.fxopt_options, errors)
+                        live = R.start_cell(be, base, x_cpu, ref, a.device, getattr(torch, dt), a.warmup,
+                                            a.fxopt_options, errors, reset=not lives or a.rounds == 1)
+                        if a.rounds == 1:  # each backend timed on its own, then released
+                            R.time_round(live, a.device, a.iters, error_log=errors)
+                            live = R.finish_cell(live, a.device)
+                        lives.append(live)
+                        bar.update(1)
+                    per_round = -(-a.iters // a.rounds)
+                    for r in range(a.rounds if a.rounds > 1 else 0):
+                        for live in lives:
+                            if isinstance(live, R.LiveCell):
+                                R.time_round(live, a.device, per_round, rewarm=3, error_log=errors)
+                    for live in lives:
+                        cell = R.finish_cell(live, a.device, a.rounds) if isinstance(live, R.LiveCell) else live
                         cell = {"model": name, "batch": b, "dtype": dt, **cell, "gflop": flops and flops / 1e9}
                         if cell["status"] == "ok" and flops:
                             cell["tflops"] = flops / (cell["median_ms"] * 1e-3) / 1e12
                             cell["pct_peak"] = 100.0 * cell["tflops"] / peak if peak else None
-                        if a.cold and cell["status"] != "unavailable":
-                            cell.update(_cold_compile(name, b, dt, be, a))
+                        if a.cold and cell["status"] not in ("unavailable", "skipped"):
+                            cell.update(_cold_compile(name, b, dt, cell["backend"], a))
                         results["cells"].append(cell)
-                        bar.update(1)
-                        write_json({**results, "partial": True}, partial)
+                    del lives
+                    R._cleanup(a.device)
+                    write_json({**results, "partial": True}, partial)
     except KeyboardInterrupt:
         meta["interrupted"] = True
         print("\ninterrupted: writing the results so far", file=sys.stderr)

@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 __all__ = ["BACKENDS", "DEFAULT_BACKENDS", "BackendSpec", "BackendUnavailable", "Prepared",
-           "count_flops", "flatten_outputs", "fxopt_available", "max_rel_error", "measure_cell",
-           "measure_peak_tflops", "reference_output", "stats", "time_calls"]
+           "LiveCell", "count_flops", "finish_cell", "flatten_outputs", "fxopt_available", "max_rel_error",
+           "measure_cell", "measure_peak_tflops", "reference_output", "start_cell", "stats", "time_calls",
+           "time_round"]
 
 
 class BackendUnavailable(RuntimeError):
@@ -386,66 +387,134 @@ def _record_warnings(cell: Dict[str, Any], caught: List[warnings.WarningMessage]
         cell["fallback_count"] = len(fallbacks)
 
 
-def _cleanup(device: str) -> None:
-    torch._dynamo.reset()
+def _cleanup(device: str, reset: bool = True) -> None:
+    if reset:
+        torch._dynamo.reset()
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
+
+
+@dataclasses.dataclass
+class LiveCell:
+    """A prepared backend kept alive so that its timed calls can be spread over several rounds,
+    interleaved with the other backends of the same row (host and clock drift then hit every
+    backend alike instead of whichever happened to run during a slow minute)."""
+    backend: str
+    cell: Dict[str, Any]
+    prepared: Optional[Prepared]
+    model: Optional[nn.Module]
+    samples: List[float] = dataclasses.field(default_factory=list)
+
+
+def _fail(cell: Dict[str, Any], exc: BaseException, backend: str, error_log: Optional[List[str]]) -> None:
+    if isinstance(exc, BackendUnavailable):
+        cell.update(status="unavailable", error=str(exc))
+        return
+    cell.update(status="error", error=f"{type(exc).__name__}: {_first_line(exc)}")
+    if error_log is not None:
+        error_log.append(f"[{backend}] " + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+
+
+def start_cell(backend: str, base_model: nn.Module, x_cpu: torch.Tensor, ref: Optional[torch.Tensor],
+               device: str, dtype: torch.dtype, warmup: int, fxopt_options: Optional[Dict[str, Any]] = None,
+               error_log: Optional[List[str]] = None, reset: bool = True) -> LiveCell:
+    """Prepare, first-call (compile time, accuracy) and warm up one backend; never raises (except
+    KeyboardInterrupt). ``reset=False`` keeps the other live backends' compiled code (no
+    ``torch._dynamo.reset()``). Peak memory is what this backend allocated beyond what was already
+    allocated when it started."""
+    spec = BACKENDS[backend]
+    cell: Dict[str, Any] = {"backend": backend, "status": "ok", "error": None, "note": ""}
+    live = LiveCell(backend, cell, None, None)
+    caught: List[warnings.WarningMessage] = []
+    try:
+        if spec.needs_cuda and device != "cuda":
+            raise BackendUnavailable("needs --device cuda")
+        _cleanup(device, reset)
+        live.model = copy.deepcopy(base_model).to(device=device, dtype=dtype)
+        x = x_cpu.to(device=device, dtype=dtype)
+        base_mem = 0
+        if device == "cuda":
+            torch.cuda.synchronize()
+            base_mem = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad(), spec.context(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t0 = time.perf_counter()
+            live.prepared = spec.prepare(live.model, x, device, dtype, fxopt_options or {})
+            out = live.prepared.fn(live.prepared.inputs)
+            _sync(device)
+            cell["first_call_s"] = time.perf_counter() - t0
+            cell["note"] = live.prepared.note
+            if ref is not None:
+                cell["max_rel_err"] = max_rel_error(out, ref)
+            del out
+            for _ in range(warmup):
+                live.prepared.fn(live.prepared.inputs)
+            _sync(device)
+        if device == "cuda" and live.prepared.tracks_memory:
+            cell["peak_mem_mb"] = (torch.cuda.max_memory_allocated() - base_mem) / 2 ** 20
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:
+        _fail(cell, exc, backend, error_log)
+        live.prepared = live.model = None
+    finally:
+        _record_warnings(cell, caught)
+    return live
+
+
+def time_round(live: LiveCell, device: str, iters: int, rewarm: int = 0,
+               error_log: Optional[List[str]] = None) -> None:
+    """``iters`` more timed calls of a live backend (after ``rewarm`` untimed ones, which also bring
+    its compiled code to the front of Dynamo's cache)."""
+    if live.prepared is None:
+        return
+    spec = BACKENDS[live.backend]
+    try:
+        with torch.no_grad(), spec.context(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # reported once, at preparation
+            for _ in range(rewarm):
+                live.prepared.fn(live.prepared.inputs)
+            live.samples += time_calls(live.prepared.fn, live.prepared.inputs, device, iters)
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:
+        _fail(live.cell, exc, live.backend, error_log)
+        live.prepared = live.model = None
+
+
+def finish_cell(live: LiveCell, device: str, rounds: int = 1) -> Dict[str, Any]:
+    """The cell's statistics (and host time per call on CUDA); releases the backend."""
+    cell = live.cell
+    try:
+        if live.prepared is not None and cell["status"] == "ok":
+            if device == "cuda":
+                with torch.no_grad(), BACKENDS[live.backend].context(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    cell["host_ms"] = host_ms_per_call(live.prepared.fn, live.prepared.inputs)
+            st = stats(live.samples)
+            cell.update({f"{k}_ms": v for k, v in st.items() if k != "n"})
+            cell["n"] = st["n"]
+            cell["rounds"] = rounds
+            cell["samples_ms"] = [round(s, 5) for s in live.samples]
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:
+        _fail(cell, exc, live.backend, None)
+    finally:
+        live.prepared = live.model = None
+    return cell
 
 
 def measure_cell(backend: str, base_model: nn.Module, x_cpu: torch.Tensor,
                  ref: Optional[torch.Tensor], device: str, dtype: torch.dtype,
                  warmup: int, iters: int, fxopt_options: Optional[Dict[str, Any]] = None,
                  error_log: Optional[List[str]] = None) -> Dict[str, Any]:
-    """Prepare, first-call, warm up and time one backend; never raises (except
-    KeyboardInterrupt): failures are recorded in the returned cell."""
-    spec = BACKENDS[backend]
-    cell: Dict[str, Any] = {"backend": backend, "status": "ok", "error": None, "note": ""}
-    prepared = model = x = None
-    caught: List[warnings.WarningMessage] = []
-    try:
-        if spec.needs_cuda and device != "cuda":
-            raise BackendUnavailable("needs --device cuda")
-        _cleanup(device)
-        model = copy.deepcopy(base_model).to(device=device, dtype=dtype)
-        x = x_cpu.to(device=device, dtype=dtype)
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        with torch.no_grad(), spec.context(), warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            t0 = time.perf_counter()
-            prepared = spec.prepare(model, x, device, dtype, fxopt_options or {})
-            out = prepared.fn(prepared.inputs)
-            _sync(device)
-            cell["first_call_s"] = time.perf_counter() - t0
-            cell["note"] = prepared.note
-            if ref is not None:
-                cell["max_rel_err"] = max_rel_error(out, ref)
-            del out
-            for _ in range(warmup):
-                prepared.fn(prepared.inputs)
-            _sync(device)
-            samples = time_calls(prepared.fn, prepared.inputs, device, iters)
-            if device == "cuda":
-                cell["host_ms"] = host_ms_per_call(prepared.fn, prepared.inputs)
-        st = stats(samples)
-        cell.update({f"{k}_ms": v for k, v in st.items() if k != "n"})
-        cell["n"] = st["n"]
-        cell["samples_ms"] = [round(s, 5) for s in samples]
-        if device == "cuda" and prepared.tracks_memory:
-            cell["peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
-    except KeyboardInterrupt:
-        raise
-    except BackendUnavailable as exc:
-        cell.update(status="unavailable", error=str(exc))
-    except Exception as exc:
-        cell.update(status="error", error=f"{type(exc).__name__}: {_first_line(exc)}")
-        if error_log is not None:
-            error_log.append(f"[{backend}] " + "".join(
-                traceback.format_exception(type(exc), exc, exc.__traceback__)))
-    finally:
-        _record_warnings(cell, caught)
-        del prepared, model, x
-        _cleanup(device)
+    """Prepare, first-call, warm up and time one backend on its own (one round); never raises
+    (except KeyboardInterrupt): failures are recorded in the returned cell."""
+    live = start_cell(backend, base_model, x_cpu, ref, device, dtype, warmup, fxopt_options, error_log)
+    time_round(live, device, iters, error_log=error_log)
+    cell = finish_cell(live, device)
+    _cleanup(device)
     return cell
