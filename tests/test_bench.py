@@ -371,6 +371,14 @@ def test_merge_results_of_split_runs(tmp_path):
     assert [c["model"] for c in merged["cells"]] == ["seedcnn"] * 2 + ["resnet18"] * 2
     assert merged["meta"]["wall_s"] == 7.0 and len(merged["meta"]["runs"]) == 2
     assert set(merged["flops"]) == {"seedcnn/b1", "resnet18/b1"}
+    assert merged["meta"]["replaced_rows"] == [] and [c["run"] for c in merged["cells"]] == [0, 0, 1, 1]
+    # a row measured again later is replaced as a whole (never mixed cell by cell)
+    again = part("seedcnn", 2.0)
+    again["cells"] = again["cells"][:1]
+    merged = merge_results([part("seedcnn", 3.0), part("resnet18", 4.0), again])
+    seed = [c for c in merged["cells"] if c["model"] == "seedcnn"]
+    assert [(c["backend"], c["run"]) for c in seed] == [("eager", 2)]
+    assert merged["meta"]["replaced_rows"] == [{"model": "seedcnn", "batch": 1, "dtype": "float32", "by_run": 2}]
     other = part("vgg16", 1.0)
     other["meta"]["device_name"] = "gpu1"
     with pytest.raises(ValueError, match="different devices"):

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fxopt
+import fxopt.testing
 from fxopt.backends import torch_ref
 from fxopt.backends.cuda.nvrtc import nvrtc_available
 from fxopt.backends.cuda.regions import (DepthwiseConv, GlobalAvgPool, MaxPool, plan_depthwise,

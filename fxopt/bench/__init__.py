@@ -148,7 +148,26 @@ def _versions() -> Dict[str, Optional[str]]:
             v["fxopt"] = getattr(fxopt, "__version__", None) or "uninstalled checkout"
         except Exception:
             v["fxopt"] = "not importable"
+    v["fxopt_commit"] = _git_commit()
     return v
+
+
+def _git_commit() -> Optional[str]:
+    """The checkout's commit (with "+dirty" for uncommitted changes) when fxopt runs from a git
+    checkout (editable install, the GPU machine's copy), else None."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        run = lambda *cmd: subprocess.run(["git", "-C", here, *cmd], capture_output=True, text=True,  # noqa: E731
+                                          timeout=10)
+        head = run("rev-parse", "--short=12", "HEAD")
+        if head.returncode != 0:
+            return None
+        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def _device_info(device: str) -> Dict[str, Any]:

@@ -311,8 +311,11 @@ def write_plot(results: Dict[str, Any], path: str) -> str:
 
 def merge_results(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One result from several runs of the same suite (a long suite split over several commands
-    on one machine): cells, checks, FLOPs and peaks side by side; ``meta`` is the first run's,
-    with every run's command, date, device and wall time under ``meta["runs"]``."""
+    on one machine kind): cells, checks, FLOPs and peaks side by side; ``meta`` is the first run's,
+    with every run's command, date, device, versions and wall time under ``meta["runs"]``.
+    A row (model, batch, dtype) measured again by a later run is replaced as a whole, never
+    mixed cell by cell, so every row stays one side-by-side measurement; each cell keeps the
+    index of its run under ``"run"``, and ``meta["replaced_rows"]`` lists what was replaced."""
     if not parts:
         raise ValueError("merge_results needs at least one result")
     devices = {p["meta"].get("device_name") for p in parts}
@@ -322,11 +325,21 @@ def merge_results(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
     meta["runs"] = [{k: p["meta"].get(k) for k in ("command", "date", "device_name", "versions", "wall_s")}
                     for p in parts]
     meta["wall_s"] = round(sum(p["meta"].get("wall_s") or 0 for p in parts), 2)
+    meta["replaced_rows"] = []
     out: Dict[str, Any] = {"meta": meta, "peak": {}, "flops": {}, "cells": [], "checks": [], "errors_logged": 0}
-    for p in parts:
+
+    def row(c: Dict[str, Any]) -> RowKey:
+        return (c.get("model"), c.get("batch"), c.get("dtype"))
+
+    for i, p in enumerate(parts):
+        rows = {row(c) for c in p.get("cells", [])}
+        again = sorted({row(c) for c in out["cells"]} & rows, key=str)
+        meta["replaced_rows"] += [{"model": m, "batch": b, "dtype": d, "by_run": i} for m, b, d in again]
+        out["cells"] = [c for c in out["cells"] if row(c) not in rows]
+        out["checks"] = [c for c in out["checks"] if row(c) not in rows]
         out["peak"].update(p.get("peak", {}))
         out["flops"].update(p.get("flops", {}))
-        out["cells"].extend(p.get("cells", []))
+        out["cells"].extend({**c, "run": i} for c in p.get("cells", []))
         out["checks"].extend(p.get("checks", []))
         out["errors_logged"] += p.get("errors_logged", 0)
     return out
