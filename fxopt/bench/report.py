@@ -147,8 +147,11 @@ def _header(results: Dict[str, Any]) -> List[str]:
         if m.get("command"):
             lines.append(f"- command: `{m['command']}`")
     timer = "CUDA events around each call" if m.get("device_type") == "cuda" else "time.perf_counter around each call"
+    rounds = cfg.get("rounds") or 1
+    spread = (f" in {rounds} rounds, the backends of a row taking turns (all kept compiled)" if rounds > 1
+              else ", each backend on its own")
     lines.append(f"- timing: median ms of {cfg.get('iters', '?')} timed calls after "
-                 f"{cfg.get('warmup', '?')} warm-up calls ({timer}); ± is the IQR; "
+                 f"{cfg.get('warmup', '?')} warm-up calls{spread} ({timer}); ± is the IQR; "
                  "accuracy: max relative error ‖out−ref‖∞/‖ref‖∞ vs fp32 eager (TF32 off)"
                  + ("; cudnn.benchmark on for every backend" if m.get("cudnn.benchmark") else ""))
     for dt, p in (results.get("peak") or {}).items():
