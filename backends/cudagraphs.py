@@ -63,16 +63,12 @@ class _Entry:
 def _alternating_medians(fns: dict, rounds: int = 4, runs: int = 3) -> dict:
     """Median CUDA-event ms of each function, timed in alternating rounds so that a drifting host
     or clock affects every candidate alike."""
+    from fxopt.autotune import cuda_event_times
+
     times: dict = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            for _ in range(runs):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end))
+            times[name] += cuda_event_times(fn, runs)
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
@@ -193,7 +189,7 @@ class CudaGraphRunner:
         if entry.runs == "baseline graph":
             entry.graph, entry.static_inputs, entry.outputs = base.graph, base.static_inputs, base.outputs
             self._watch_baseline_params(args)
-        del base  # the losing capture's memory goes back to the pool
+        # a losing baseline capture is dropped on return: its memory goes back to the pool
 
     def _watch_baseline_params(self, args) -> None:
         """The baseline reads parameters the optimized graph folded away (BatchNorm statistics...):

@@ -116,18 +116,26 @@ class AutotuneCache:
         self._data = merged
 
 
+def cuda_event_times(call, n: int) -> list:
+    """ms of `n` calls of `call()`, each between two CUDA events and waited for (no overlap)."""
+    times = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
 def time_ms(fn, inputs: list, device_type: str, warmup: int = 3, iters: int = 10) -> float:
     for i in range(warmup):
         fn(inputs[i % len(inputs)])
     times = []
     if device_type == "cuda":
-        for i in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(inputs[i % len(inputs)])
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        rotated = iter([inputs[i % len(inputs)] for i in range(iters)])
+        times = cuda_event_times(lambda: fn(next(rotated)), iters)
     else:
         for i in range(iters):
             t0 = time.perf_counter()

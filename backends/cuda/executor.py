@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from fxopt.backends.cuda.regions import PLANNERS, layout_name
 from fxopt.ops import conv_by_algorithm, fused_conv_ref
 
 
@@ -109,13 +110,6 @@ def with_generated_epilogue(epilogue: GeneratedEpilogue):
     return fused_conv_generated
 
 
-def _layout_of(v: torch.Tensor) -> Optional[str]:
-    """The codegen layout name of a value's memory format (the layout pass's notion of it)."""
-    from fxopt.passes.layout import CL, NCHW, format_of
-
-    return {NCHW: "nchw", CL: "nhwc"}.get(format_of(v))
-
-
 def plan(node: fx.Node) -> Optional[GeneratedEpilogue]:
     """A generated epilogue for this fused conv node, or None when it does not apply."""
     if node.op != "call_function" or node.target is not fused_conv_ref:
@@ -124,7 +118,7 @@ def plan(node: fx.Node) -> Optional[GeneratedEpilogue]:
     bias, res = node.args[2], node.args[3]
     if out is None or x is None or out.dim() != 4 or out.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return None
-    layout = _layout_of(out)
+    layout = layout_name(out)
     if layout is None or not isinstance(out.shape[0], int):
         return None
     for t in (bias, res):
@@ -142,7 +136,7 @@ def plan(node: fx.Node) -> Optional[GeneratedEpilogue]:
 def _real_args(node: fx.Node) -> list:
     def real(v):
         t = torch.randn(tuple(v.shape), device=v.device, dtype=v.dtype)
-        return t.contiguous(memory_format=torch.channels_last) if _layout_of(v) == "nhwc" else t
+        return t.contiguous(memory_format=torch.channels_last) if layout_name(v) == "nhwc" else t
 
     conv = node.target is fused_conv_ref
     args = []
@@ -265,7 +259,7 @@ def _cache_key(node: fx.Node, candidates: dict, graphed: bool) -> str:
     metas = []
     for a in node.args:
         v = a.meta.get("val") if isinstance(a, fx.Node) else None
-        metas.append(f"{tuple(v.shape)}|{_layout_of(v)}|{v.dtype}" if isinstance(v, torch.Tensor)
+        metas.append(f"{tuple(v.shape)}|{layout_name(v)}|{v.dtype}" if isinstance(v, torch.Tensor)
                      else ("node" if isinstance(a, fx.Node) else repr(a)))
     target = "fused_conv" if node.target is fused_conv_ref else str(node.target)
     return f"node|graphed={graphed}|{target}|{metas}|{sorted(candidates)}"
@@ -274,8 +268,6 @@ def _cache_key(node: fx.Node, candidates: dict, graphed: bool) -> str:
 def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     """Generate kernels for fused-conv epilogues, depthwise convs, pooling and global average
     pooling; on a GPU, keep the fastest implementation of each node (measured, cached)."""
-    from fxopt.backends.cuda.regions import PLANNERS
-
     planned = []
     for node in runnable.graph.nodes:
         epi = plan(node)

@@ -32,7 +32,9 @@ aten = torch.ops.aten
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _layout(v) -> Optional[str]:
+def layout_name(v) -> Optional[str]:
+    """The codegen layout name ("nchw" / "nhwc") of a value's memory format (the layout pass's
+    notion of it), or None (other strides, not a tensor)."""
     from fxopt.passes.layout import CL, NCHW, format_of
 
     return {NCHW: "nchw", CL: "nhwc"}.get(format_of(v)) if isinstance(v, torch.Tensor) else None
@@ -124,8 +126,8 @@ def plan_depthwise(node: fx.Node) -> Optional[DepthwiseConv]:
     k, stride, padding, dilation = _ints(w.shape[2:]), _ints(node.args[4]), _ints(node.args[5]), _ints(node.args[6])
     if None in (k, stride, padding, dilation) or max(k) > 7 or max(stride) > 2:
         return None  # outside the template's range
-    layout = _layout(out)
-    if layout is None or _layout(x) != layout:
+    layout = layout_name(out)
+    if layout is None or layout_name(x) != layout:
         return None
     for t in (node.args[2], node.args[3]):
         if t is not None and (_val(t) is None or _val(t).dtype != out.dtype):
@@ -171,8 +173,8 @@ def plan_maxpool(node: fx.Node) -> Optional[MaxPool]:
         return None  # dilated pooling: not in the template
     if padding[0] > k[0] // 2 or padding[1] > k[1] // 2:
         return None  # eager raises; let it
-    layout = _layout(x)
-    if layout is None or _layout(out) != layout:
+    layout = layout_name(x)
+    if layout is None or layout_name(out) != layout:
         return None
     return MaxPool(node, layout, out, k, stride, padding, ceil_mode)
 
@@ -209,7 +211,7 @@ def plan_global_avgpool(node: fx.Node) -> Optional[GlobalAvgPool]:
         return None  # not a mean over both spatial dims
     if node.kwargs.get("dtype") not in (None, x.dtype):
         return None
-    layout = _layout(x)
+    layout = layout_name(x)
     return GlobalAvgPool(node, layout, out) if layout is not None else None
 
 
