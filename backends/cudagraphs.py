@@ -1,15 +1,25 @@
 """CUDA graphs for compiled inference graphs: capture once per input signature, replay after.
 
 Contract (what a caller can rely on):
-- Inputs are copied into static buffers before each replay; the caller's tensors are never written.
-- Returned outputs are fresh tensors on every call (copied out of the graph's static outputs), so a
-  later call never overwrites a tensor the caller already holds.
+- The caller's tensors are never written. The first capture of a signature reads the inputs where
+  they are; a later call whose inputs sit at the same addresses replays it as it is (reading them
+  there at that point of the stream is what copying them there would read); a call with inputs
+  elsewhere replays a capture that copies them into static buffers first. Inputs that are memory of
+  this runner's own outputs are always copied.
+- A returned output is never written by a later call while the caller holds it (or a view of it).
+  Where the caller has released the previous call's outputs (their storages' reference counts say
+  so), a replay hands out the graph's own output buffers, without a copy; while outputs are held, a
+  second capture of the graph serves the call (up to ``max_instances`` captures), and beyond that a
+  capture whose outputs are never handed out runs and its outputs are copied. Outputs that share
+  memory with each other or with an argument are always copied. As with any tensor released to
+  PyTorch's caching allocator, work on another stream that still reads a released output must be
+  ordered before the next call (``record_stream`` or an event).
 - Parameters and buffers are read where they live: changing them in place is seen by the next
   replay; folded weights are refreshed (in place) before each replay when a weight changed;
   replacing a parameter object (new storage) is a new signature and is captured anew.
 - At most ``max_graphs`` signatures are captured; calls with further signatures run uncaptured.
-- Off where unsafe: training graphs, CPU inputs, ops that synchronize with the host or allocate
-  data-dependent shapes; the reason is recorded in the report.
+- Off where unsafe: training graphs, CPU inputs, graphs that write an input in place, ops that
+  synchronize with the host or allocate data-dependent shapes; the reason is recorded in the report.
 - Measured, not assumed: after capturing a signature, replay (with its input and output copies)
   and a plain run are timed a few times with CUDA events; if the plain run is faster (large
   activations, where the copies cost more than the launches saved), that signature runs uncaptured.
@@ -44,6 +54,9 @@ def unsafe_reason(gm: fx.GraphModule, kind: str, device_type: str) -> Optional[s
     if device_type != "cuda":
         return "inputs are not on CUDA"
     for node in gm.graph.nodes:
+        if node.op == "placeholder" and any(getattr(getattr(u.target, "_schema", None), "is_mutable", False)
+                                            for u in node.users):
+            return f"input {node.name} is written in place"
         if node.op == "call_function" and node.target in UNSAFE_OPS:
             return f"{node.target} synchronizes or has a data-dependent shape"
         v = node.meta.get("val")
@@ -52,9 +65,56 @@ def unsafe_reason(gm: fx.GraphModule, kind: str, device_type: str) -> Optional[s
     return None
 
 
+#: the reference count of a tensor storage (what Inductor's CUDA-graph trees use to tell whether
+#: the caller still holds an output); without it outputs are always copied out
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _flat(outputs) -> list:
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if isinstance(outputs, (list, tuple)):
+        return [t for o in outputs for t in _flat(o)]
+    return []
+
+
+class _Instance:
+    """One capture: the graph, its static input buffers and its static outputs.
+
+    ``input_ptrs`` (direct captures): the graph reads the inputs where the caller's tensors were at
+    capture time, so it only serves calls whose inputs are at those addresses (no copy); a buffered
+    capture (``input_ptrs`` None) serves any call, copying the inputs into ``static_inputs``.
+    ``lendable``: the outputs may be handed to the caller as they are (distinct storages, none shared
+    with an argument), as long as the caller has released them before the next replay."""
+
+    def __init__(self, graph, static_inputs: dict, input_ptrs: Optional[dict], outputs, args, lend: bool = True):
+        self.graph, self.static_inputs, self.input_ptrs, self.outputs = graph, static_inputs, input_ptrs, outputs
+        flat = _flat(outputs)
+        arg_storages = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        arg_storages |= {b.untyped_storage().data_ptr() for b in static_inputs.values()}
+        self.out_ptrs = [t.untyped_storage().data_ptr() for t in flat]
+        self.lendable = (lend and _USE_COUNT is not None and bool(flat) and len(set(self.out_ptrs)) == len(flat)
+                         and not set(self.out_ptrs) & arg_storages)
+        self._storages = [t.untyped_storage() for t in flat] if self.lendable else []
+        self._held = [_USE_COUNT(st._cdata) for st in self._storages]  # our own references
+
+    def free(self) -> bool:
+        """Nobody but the runner references this capture's outputs (nor views of them)."""
+        return all(_USE_COUNT(st._cdata) <= n for st, n in zip(self._storages, self._held))
+
+    def serves(self, args) -> bool:
+        """This capture may run the call: inputs where it reads them, outputs not held."""
+        if self.input_ptrs is not None:
+            for i, ptr in self.input_ptrs.items():
+                if args[i].data_ptr() != ptr:
+                    return False
+        return self.free()
+
+
 class _Entry:
-    def __init__(self, graph, static_inputs, outputs):
-        self.graph, self.static_inputs, self.outputs = graph, static_inputs, outputs
+    def __init__(self, fn, instance: _Instance):
+        self.fn, self.instances = fn, [instance]
+        self.private: Optional[_Instance] = None  # never lent: for calls while all are held
         self.use_graph = True
         self.runs = "optimized graph"
         self.timings: dict = {}
@@ -92,7 +152,7 @@ class CudaGraphRunner:
     def __init__(self, fn: Callable, static_indices: Sequence[int], refresh: Optional[Callable] = None,
                  max_graphs: int = 8, warmup: int = 2, watched: Optional[Sequence[int]] = None,
                  baseline: Optional[Callable] = None, baseline_watched: Optional[Sequence[int]] = None,
-                 margin: float = 0.03):
+                 margin: float = 0.03, max_instances: int = 3):
         """static_indices: parameter/buffer inputs (read in place, never copied); watched: those of
         them the graph reads (default all), checked on every call. baseline: the unoptimized graph
         (same arguments), a candidate per signature; baseline_watched: the parameters it reads."""
@@ -103,6 +163,7 @@ class CudaGraphRunner:
         self.watch = WeightWatch(sorted(self.static if watched is None else set(watched) & self.static))
         self.refresh = refresh
         self.max_graphs = max_graphs
+        self.max_instances = max_instances
         self.warmup = warmup
         self.graphs: dict = {}
         self.pool = None
@@ -112,6 +173,7 @@ class CudaGraphRunner:
         self._epoch = 0
         self._epoch_counter = itertools.count()
         self._last = (None, None)  # (key, entry) of the previous call: the common case repeats it
+        self._lent_ptrs: set = set()  # output storages of all captures
 
     def _key(self, args) -> tuple:
         key = [self._epoch]
@@ -120,12 +182,16 @@ class CudaGraphRunner:
             key.append((a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a)
         return tuple(key)
 
-    def _capture(self, args, fn: Optional[Callable] = None) -> _Entry:
-        fn = self.fn if fn is None else fn
-        static_inputs = {}
+    def _capture(self, args, fn: Callable, lend: bool = True, direct: bool = False) -> _Instance:
+        """Capture ``fn`` on ``args``: reading the inputs where they are (direct) or from static
+        buffers that each replay fills."""
+        static_inputs, input_ptrs = {}, ({} if direct else None)
         call_args = list(args)
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor) and i not in self.static:
+                if direct:
+                    input_ptrs[i] = a.data_ptr()
+                    continue
                 buf = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
                 buf.copy_(a)
                 static_inputs[i] = buf
@@ -141,7 +207,15 @@ class CudaGraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = fn(*call_args)
-        return _Entry(graph, static_inputs, outputs)
+        inst = _Instance(graph, static_inputs, input_ptrs, outputs, args, lend)
+        self._lent_ptrs.update(inst.out_ptrs)
+        return inst
+
+    def _may_read_directly(self, args) -> bool:
+        """Inputs that are not memory of this runner's captures (a lent output fed back in could be
+        rewritten by a replay): a direct capture may read them in place."""
+        return not any(isinstance(args[i], torch.Tensor) and args[i].untyped_storage().data_ptr() in self._lent_ptrs
+                       for i in self.dynamic)
 
     def __call__(self, *args):
         if self.dynamic is None:
@@ -164,7 +238,8 @@ class CudaGraphRunner:
                 if len(self.graphs) >= self.max_graphs:
                     self.uncaptured_calls += 1
                     return self.fn(*args)
-                entry = self.graphs[key] = self._capture(args)
+                entry = self.graphs[key] = _Entry(self.fn, self._capture(args, self.fn,
+                                                                         direct=self._may_read_directly(args)))
                 self._decide(entry, args)
             self._last = (key, entry)
         if not entry.use_graph:
@@ -172,22 +247,34 @@ class CudaGraphRunner:
         return self._replay(entry, args)
 
     def _replay(self, entry: _Entry, args):
-        for i, buf in entry.static_inputs.items():
+        for inst in entry.instances:  # the first capture that reads these inputs, outputs released
+            if inst.serves(args):
+                break
+        else:  # all busy, or inputs elsewhere: a buffered capture, up to max_instances, else the
+            # capture whose outputs are never lent (copied out on every call)
+            if len(entry.instances) < self.max_instances:
+                inst = self._capture(args, entry.fn)
+                entry.instances.append(inst)
+            else:
+                if entry.private is None:
+                    entry.private = self._capture(args, entry.fn, lend=False)
+                inst = entry.private
+        for i, buf in inst.static_inputs.items():
             buf.copy_(args[i])
-        entry.graph.replay()
-        return _copy_out(entry.outputs)
+        inst.graph.replay()
+        return _lend(inst.outputs) if inst.lendable else _copy_out(inst.outputs)
 
     def _decide(self, entry: _Entry, args) -> None:
         fns = {"graph_ms": lambda: self._replay(entry, args), "plain_ms": lambda: self.fn(*args)}
         base = None
         if self.baseline is not None:
-            base = self._capture(args, self.baseline)
+            base = _Entry(self.baseline, self._capture(args, self.baseline, direct=entry.instances[0].input_ptrs is not None))
             fns["baseline_graph_ms"] = lambda: self._replay(base, args)
         entry.timings = _alternating_medians(fns)
         entry.runs = choose(entry.timings, self.margin)
         entry.use_graph = entry.runs != "optimized plain"
         if entry.runs == "baseline graph":
-            entry.graph, entry.static_inputs, entry.outputs = base.graph, base.static_inputs, base.outputs
+            entry.fn, entry.instances = base.fn, base.instances
             self._watch_baseline_params(args)
         # a losing baseline capture is dropped on return: its memory goes back to the pool
 
@@ -203,7 +290,20 @@ class CudaGraphRunner:
     def decisions(self) -> list[dict]:
         """Per captured signature: the measured times (optimized replay, optimized uncaptured and,
         with a baseline, the baseline's replay) and which one runs."""
-        return [dict(e.timings, use_graph=e.use_graph, runs=e.runs) for e in self.graphs.values()]
+        return [dict(e.timings, use_graph=e.use_graph, runs=e.runs, captures=len(e.instances),
+                     outputs="lent" if e.instances[0].lendable else "copied",
+                     inputs="read in place" if e.instances[0].input_ptrs is not None else "copied")
+                for e in self.graphs.values()]
+
+
+def _lend(outputs):
+    """The static outputs as new tensor objects over the same memory (so that the caller holding
+    one shows in the storage's reference count)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.detach()
+    if isinstance(outputs, (list, tuple)):
+        return type(outputs)(_lend(o) for o in outputs)
+    return outputs
 
 
 def _copy_out(outputs):

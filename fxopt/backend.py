@@ -59,6 +59,53 @@ def _mutated(node: fx.Node) -> bool:
     return False
 
 
+def direct_call_blocker(gm: fx.GraphModule, n_inputs: int) -> Optional[str]:
+    """Why an inference graph must keep AOTAutograd's runtime wrapper, or None when the compiled
+    graph may be handed to Dynamo directly (saving the wrapper's per-call cost). The wrapper does
+    nothing for such a graph: its inputs are Dynamo's (no deduplication or synthetic bases), no
+    input is mutated outside the graph, no output aliases an input or intermediate, no effect
+    tokens, RNG functionalization, tensor subclasses or autocast; running with grad disabled is
+    kept by the direct call."""
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    if meta is None:
+        return "no AOTAutograd metadata"
+    try:
+        from torch._functorch._aot_autograd.schemas import SubclassCreationMeta
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        checks = (
+            (len(placeholders) != n_inputs, "AOTAutograd changed the inputs"),
+            (meta.num_mutated_inp_runtime_indices > 0, "inputs mutated at run time"),
+            (meta.num_outputs_aliased > 0 or meta.num_intermediate_bases > 0, "outputs alias"),
+            (len(out) != len(meta.output_info), "extra graph outputs"),
+            (bool(meta.tokens) or meta.is_rng_op_functionalized or getattr(meta, "num_graphsafe_rng_states", 0),
+             "effect tokens or functionalized RNG"),
+            (any(isinstance(m, SubclassCreationMeta) for m in
+                 list(meta.subclass_inp_meta) + list(meta.subclass_fw_graph_out_meta)), "tensor subclasses"),
+            (getattr(meta, "grad_enabled_mutation", None) is not None, "the graph changes grad mode"),
+            (torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"), "autocast"),
+        )
+    except (AttributeError, ImportError, TypeError) as e:  # another torch's metadata: keep the wrapper
+        return f"unreadable AOTAutograd metadata ({type(e).__name__})"
+    return next((why for bad, why in checks if bad), None)
+
+
+def direct_call(fn: Callable) -> Callable:
+    """Dynamo's compiled function for a graph that needs no AOTAutograd runtime wrapper: runs
+    with grad disabled, as AOTAutograd runs inference graphs."""
+    def call(*args):
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return fn(*args)
+        return fn(*args)
+
+    call.fxopt_direct = True
+    return call
+
+
 class FxoptCompiler:
     """Compiles the ATen graphs AOTAutograd hands over for one Dynamo graph."""
 
@@ -66,6 +113,7 @@ class FxoptCompiler:
                  sink: Optional[list] = None):
         self.options = options
         self.sink = sink
+        self.direct: Optional[Callable] = None  # the inference graph, when it may skip AOT's wrapper
         placeholders = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
         self.n_inputs = len(placeholders)
         self.params: dict[int, str] = {}
@@ -122,6 +170,10 @@ class FxoptCompiler:
             compile_ms=(time.perf_counter() - t0) * 1e3,
             executor_details={k: v for k, v in executor_info.items() if k not in ("kernels", "executor", "cudagraphs")},
         )
+        if kind == "inference" and self.options.direct_call:
+            why = direct_call_blocker(gm, self.n_inputs)
+            report.executor_details["aot_runtime_wrapper"] = why or "skipped (direct call)"
+            self.direct = direct_call(compiled) if why is None else None
         if self.sink is not None:
             self.sink.append(report)
         self.example_inputs = None if kind == "inference" else self.example_inputs
@@ -145,8 +197,9 @@ def fxopt_backend(gm: fx.GraphModule, example_inputs: list, options=None, mode=N
     if mode not in (None, "default"):
         log.info("fxopt: torch.compile mode=%r is ignored; use options", mode)
     compiler = FxoptCompiler(opts, gm, example_inputs, sink=_sink)
-    return aot_autograd(
+    compiled = aot_autograd(
         fw_compiler=compiler.forward,
         bw_compiler=compiler.backward,
         inference_compiler=compiler.inference,
     )(gm, example_inputs)
+    return compiler.direct or compiled

@@ -37,6 +37,9 @@ class Options:
     #: with CUDA graphs, also capture the unoptimized graph per signature and replay it instead where
     #: it measures faster (by more than 3%): never slower than PyTorch's own kernels
     baseline_check: bool = True
+    #: inference graphs that need nothing of AOTAutograd's runtime wrapper (no aliasing, mutation,
+    #: subclasses, autocast...) are called by Dynamo directly, saving the wrapper's per-call cost
+    direct_call: bool = True
     #: maximum number of captured CUDA graphs (input signatures) per compiled graph
     cudagraph_max_signatures: int = 8
     #: "auto" (channels_last for conv-heavy graphs on CUDA), "channels_last", "contiguous"

@@ -118,7 +118,7 @@ def main():
             args = runner.last_args
             row["runner"] = e2e_us(lambda _: runner(*args), x)
             entry = next(iter(runner.graphs.values()))
-            row["replay"] = e2e_us(lambda _: entry.graph.replay(), x)
+            row["replay"] = e2e_us(lambda _: entry.instances[0].graph.replay(), x)
             real = type(runner)
             outs = runner._replay(entry, args)
             trivial = type("Trivial", (real,), {"__call__": lambda self, *a: outs})
@@ -128,7 +128,7 @@ def main():
                 runner.__class__ = real
                 cpu["cpu"].append(cpu_us(c, x))
                 cpu["runner_cpu"].append(cpu_us(lambda _: runner(*args), x))
-                cpu["replay_cpu"].append(cpu_us(lambda _: entry.graph.replay(), x))
+                cpu["replay_cpu"].append(cpu_us(lambda _: entry.instances[0].graph.replay(), x))
                 cpu["check_cpu"].append(cpu_us(lambda _: runner.watch.check(args), x))
                 runner.__class__ = trivial  # Dynamo + AOTAutograd + boxing around a runner that does nothing
                 cpu["wrappers_cpu"].append(cpu_us(c, x))
@@ -149,7 +149,7 @@ def main():
             if "conv" not in node_name:  # pooling / mean nodes: show the measurements
                 print(f"   {node_name}: {e['choice']} ms={e['ms']} errors={e['errors']}")
         if a.profile and runner is not None:
-            print("  fxopt replay:\n" + kernel_table(entry.graph.replay))
+            print("  fxopt replay:\n" + kernel_table(entry.instances[0].graph.replay))
         torch.compiler.reset()
 
 

@@ -227,3 +227,46 @@ def test_cli_explain_json():
     assert out.returncode == 0, out.stderr[-2000:]
     data = json.loads(out.stdout)
     assert data["op_counts_after"]["fxopt.fused_conv.default"] == 2
+
+
+def test_inference_graphs_are_called_without_the_aot_wrapper_where_it_does_nothing():
+    from fxopt.testing import compile_with_fxopt
+    from fxopt.testing.models import SeedCNN
+
+    m = SeedCNN().eval()
+    x = torch.randn(2, 3, 32, 32)
+    graphs = []
+    compiled = compile_with_fxopt(m, None, graphs)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), m(x))
+    assert graphs[0].executor_details["aot_runtime_wrapper"] == "skipped (direct call)"
+    y = compiled(x)  # grad mode changed: recompiled as a training graph, gradients flow
+    assert y.requires_grad and [g.kind for g in graphs][1:] == ["forward"]
+    y.sum().backward()
+    assert m.conv1.weight.grad is not None
+
+    graphs = []
+    with torch.no_grad():
+        compile_with_fxopt(m, {"direct_call": False}, graphs)(x)
+    assert "aot_runtime_wrapper" not in graphs[0].executor_details
+
+
+def test_graphs_returning_views_of_inputs_keep_the_aot_wrapper():
+    from fxopt.testing import compile_with_fxopt
+
+    class ViewOut(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            return self.conv(x), x[:, :1]
+
+    m = ViewOut().eval()
+    x = torch.randn(1, 3, 8, 8)
+    graphs = []
+    with torch.no_grad():
+        got = compile_with_fxopt(m, None, graphs)(x)
+    assert graphs[0].executor_details["aot_runtime_wrapper"] == "outputs alias"
+    assert got[1]._base is x or got[1].data_ptr() == x.data_ptr()  # still a view of the input
+    torch.testing.assert_close(got[0], m(x)[0])

@@ -58,3 +58,53 @@ def test_choose_keeps_the_optimized_graph_unless_the_baseline_clearly_wins():
 def test_baseline_check_is_an_option():
     assert fxopt.Options.from_any(None).baseline_check is True
     assert fxopt.Options.from_any({"baseline_check": False}).baseline_check is False
+
+
+def test_lent_outputs_are_busy_while_the_caller_holds_them_or_a_view():
+    from fxopt.backends.cudagraphs import _Instance, _lend
+
+    x = torch.randn(4, 8)
+    outs = (torch.randn(4, 10), torch.randn(4))
+    inst = _Instance(None, {0: torch.empty(4, 8)}, None, outs, [x])
+    assert inst.lendable and inst.free()
+    y = _lend(inst.outputs)
+    assert y[0].data_ptr() == outs[0].data_ptr() and y[0] is not outs[0]
+    assert not inst.free()
+    first_row = y[0][0]  # a view of a lent output keeps it busy
+    del y
+    assert not inst.free()
+    del first_row
+    assert inst.free()
+
+
+def test_outputs_sharing_memory_are_never_lent():
+    from fxopt.backends.cudagraphs import _Instance
+
+    x, base = torch.randn(4, 8), torch.randn(8)
+    assert not _Instance(None, {}, None, (base[:4], base[4:]), [x]).lendable  # two views of one buffer
+    assert not _Instance(None, {}, None, (x[0],), [x]).lendable               # a view of an argument
+    assert not _Instance(None, {}, None, (torch.randn(3),), [x], lend=False).lendable
+
+
+def test_direct_captures_serve_only_calls_with_inputs_where_they_read_them():
+    from fxopt.backends.cudagraphs import _Instance
+
+    x, other = torch.randn(4, 8), torch.randn(4, 8)
+    w = torch.randn(8)
+    direct = _Instance(None, {}, {0: x.data_ptr()}, (torch.randn(4),), [x, w])
+    assert direct.serves([x, w]) and not direct.serves([other, w])
+    assert direct.serves([x.view(4, 8), w])  # any tensor at that address (the key fixes its layout)
+    buffered = _Instance(None, {0: torch.empty(4, 8)}, None, (torch.randn(4),), [x, w])
+    assert buffered.serves([other, w])
+
+
+def test_cudagraphs_refused_where_the_graph_writes_an_input():
+    # AOTAutograd normally returns an input mutation as an extra output (its runtime wrapper
+    # copies it back); a graph that keeps the copy_ itself must not be replayed from buffers
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.mul.Tensor, (x, 2))
+    g.call_function(torch.ops.aten.copy_.default, (x, y))
+    g.output((y,))
+    reason = unsafe_reason(torch.fx.GraphModule(torch.nn.Module(), g), "inference", "cuda")
+    assert reason == "input x is written in place", reason

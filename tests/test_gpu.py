@@ -144,3 +144,58 @@ def test_compiled_model_reports_the_baseline_check():
         compiled(x)
     assert graphs[0].executor_details["baseline_check"] is False
     assert "baseline_graph_ms" not in graphs[0].executor_details["cudagraph_runner"].decisions()[0]
+
+
+def test_cudagraph_lends_released_outputs_and_never_writes_held_ones():
+    m = SeedCNN().cuda().eval()
+    graphs = []
+    compiled = fxopt.testing.compile_with_fxopt(m, None, graphs)
+    xs = [torch.randn(4, 3, 32, 32, device="cuda") for _ in range(5)]
+    with torch.no_grad():
+        want = [m(x) for x in xs]
+        ptrs = {compiled(xs[0]).data_ptr() for _ in range(3)}  # released each time: one lent buffer
+        held = [compiled(x) for x in xs[:4]]                    # all held: 3 lent captures, then copies
+        view = compiled(xs[4])[1]                               # only a view of the output is held
+        again = compiled(xs[0])
+    runner = graphs[0].executor_details["cudagraph_runner"]
+    (d,) = runner.decisions()
+    if d["runs"] == "optimized plain":
+        pytest.skip("this signature runs uncaptured here")
+    assert d["outputs"] == "lent" and d["captures"] == 3, d
+    assert len(ptrs) == 1
+    for got, w in zip(held, want):
+        torch.testing.assert_close(got, w, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(view, want[4][1], rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(again, want[0], rtol=1e-3, atol=1e-4)
+    assert len({t.data_ptr() for t in held}) == 4
+
+
+def test_inference_graph_skips_the_aot_wrapper_and_still_recompiles_for_grad():
+    m = SeedCNN().cuda().eval()
+    graphs = []
+    compiled = fxopt.testing.compile_with_fxopt(m, None, graphs)
+    x = torch.randn(2, 3, 32, 32, device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), m(x), rtol=1e-3, atol=1e-4)
+    assert graphs[0].executor_details["aot_runtime_wrapper"] == "skipped (direct call)"
+    y = compiled(x)  # grad enabled: Dynamo's grad-mode guard fails, a training graph is compiled
+    assert y.requires_grad and len(graphs) > 1
+
+
+def test_cudagraph_reads_inputs_in_place_only_at_the_captured_address():
+    m = SeedCNN().cuda().eval()
+    graphs = []
+    compiled = fxopt.testing.compile_with_fxopt(m, None, graphs)
+    x1, x2, x3 = (torch.randn(2, 3, 32, 32, device="cuda") for _ in range(3))
+    with torch.no_grad():
+        want = [m(x) for x in (x1, x2, x3)]
+        got1 = compiled(x1).clone()  # captured reading x1 where it is
+        got2 = compiled(x2).clone()  # elsewhere: a buffered capture, input copied
+        x1.copy_(x3)                 # new values at the captured address are read
+        got3 = compiled(x1).clone()
+    (d,) = graphs[0].executor_details["cudagraph_runner"].decisions()
+    if d["runs"] == "optimized plain":
+        pytest.skip("this signature runs uncaptured here")
+    assert d["inputs"] == "read in place" and d["captures"] == 2, d
+    for got, w in zip((got1, got2, got3), want):
+        torch.testing.assert_close(got, w, rtol=1e-3, atol=1e-4)

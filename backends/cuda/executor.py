@@ -12,7 +12,14 @@ activation. Candidates per convolution:
 - ``cudnn_fused``: ``aten.cudnn_convolution_relu`` / ``cudnn_convolution_add_relu`` for ReLU
   epilogues;
 - ``generated_depthwiseconv``: for depthwise convs, one generated direct-convolution kernel with
-  the whole epilogue fused (``regions.py``).
+  the whole epilogue fused (``regions.py``);
+- ``generated_directconv_t<tile>``: for convs with few input channels (C_in <= 16, C_out <= 128,
+  C_in*KH*KW <= 512, groups 1: stems, small CNNs), one generated direct-convolution kernel with the
+  epilogue fused (``direct_conv.py``), in two output-channel tilings.
+
+A max pool (indices unused) fed by such a conv that nothing else reads is then measured once more
+as one kernel, conv + epilogue + pool (``generated_directconv_maxpool_t<tile>``), against the conv
+and the pool as already chosen; where it wins, one node replaces the pair.
 
 Max pooling whose indices are unused and global average pooling get a generated kernel as a
 candidate too (``regions.py``). Each node with more than one candidate is timed with every
@@ -24,14 +31,19 @@ kernels are still generated and compiled with NVRTC and listed in the report; th
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.fx as fx
 
-from fxopt.backends.cuda.regions import PLANNERS, layout_name
+from fxopt.backends.cuda.direct_conv import conv_maxpool_chain, plan_conv_maxpool, plan_direct_conv
+from fxopt.backends.cuda.regions import PLANNERS as REGION_PLANNERS, layout_name
 from fxopt.ops import conv_by_algorithm, fused_conv_ref
+
+
+PLANNERS = REGION_PLANNERS + (plan_direct_conv,)
 
 
 @dataclass
@@ -251,7 +263,7 @@ def _candidates(node: fx.Node, epi: Optional[GeneratedEpilogue], regions: list) 
         candidates["cudnn_fused"] = cudnn_conv_relu
     for r in regions:
         if len(r.kernels) == len(r.sources):
-            candidates[f"generated_{type(r).__name__.lower()}"] = _with_fallback(r, reference)
+            candidates[f"generated_{getattr(r, 'label', type(r).__name__.lower())}"] = _with_fallback(r, reference)
     return candidates
 
 
@@ -261,20 +273,76 @@ def _cache_key(node: fx.Node, candidates: dict, graphed: bool) -> str:
         v = a.meta.get("val") if isinstance(a, fx.Node) else None
         metas.append(f"{tuple(v.shape)}|{layout_name(v)}|{v.dtype}" if isinstance(v, torch.Tensor)
                      else ("node" if isinstance(a, fx.Node) else repr(a)))
-    target = "fused_conv" if node.target is fused_conv_ref else str(node.target)
+    target = ("fused_conv" if node.target is fused_conv_ref
+              else node.target.__name__ if inspect.isfunction(node.target) else str(node.target))
     return f"node|graphed={graphed}|{target}|{metas}|{sorted(candidates)}"
+
+
+def _as_list(planned) -> list:
+    return [] if planned is None else (planned if isinstance(planned, list) else [planned])
+
+
+def _pool_args(pool: fx.Node) -> tuple:
+    """max_pool2d_with_indices arguments with the defaults filled in."""
+    args = list(pool.args) + [None] * (6 - len(pool.args))
+    return (args[1], args[2] or args[1], args[3] if args[3] is not None else 0,
+            args[4] if args[4] is not None else 1, bool(args[5]))
+
+
+def _fuse_conv_maxpool(gm: fx.GraphModule, pool: fx.Node, conv: fx.Node, fused: list, cache, device: str,
+                       graphed: bool, ctx, decisions: dict) -> bool:
+    """Measure conv + max pool as one generated kernel against the pair as chosen so far; where it
+    wins, one node replaces both (the pool's values are its only output in use)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    reference = conv_maxpool_chain(conv.target, pool.target)
+    candidates = {"reference": reference}
+    for c in fused:
+        if len(c.kernels) == len(c.sources):
+            candidates[f"generated_{c.label}"] = _with_fallback(c, reference)
+    if len(candidates) < 2:
+        return False
+    g = gm.graph
+    conv_args = tuple(conv.args) + (None,) * (12 - len(conv.args))
+    with g.inserting_after(pool):
+        node = g.call_function(reference, conv_args + _pool_args(pool))
+    node.meta = dict(pool.meta)
+    node.meta["val"] = pool.meta["val"][0]
+    chosen = [decisions.get(n.name, {}).get("choice", "reference") for n in (conv, pool)]
+    key = _cache_key(node, candidates, graphed).replace("node|", f"conv_maxpool|{chosen}|", 1)
+    entry = cache.get(device, key)
+    if entry is None:
+        with unset_fake_temporarily():
+            entry = _measure(node, candidates, graphed)
+        ctx.measurements += len(entry["ms"])
+        cache.put(device, key, entry)
+    decisions[f"{conv.name}+{pool.name}"] = entry
+    if entry["choice"] not in candidates or entry["choice"] == "reference":
+        g.erase_node(node)
+        return False
+    node.target = candidates[entry["choice"]]
+    for user in list(pool.users):  # getitem(pool, 0): the values
+        user.replace_all_uses_with(node)
+        g.erase_node(user)
+    g.erase_node(pool)
+    g.erase_node(conv)
+    return True
 
 
 def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     """Generate kernels for fused-conv epilogues, depthwise convs, pooling and global average
     pooling; on a GPU, keep the fastest implementation of each node (measured, cached)."""
-    planned = []
+    planned, pairs = [], []
     for node in runnable.graph.nodes:
         epi = plan(node)
-        regions = [r for r in (p(node) for p in PLANNERS) if r is not None]
+        regions = [r for p in PLANNERS for r in _as_list(p(node))]
         if epi is not None or regions:
             planned.append((node, epi, regions))
-    _compile([e for _, e, _ in planned if e is not None] + [r for _, _, rs in planned for r in rs], info)
+        pair = plan_conv_maxpool(node)
+        if pair is not None:
+            pairs.append((node, *pair))
+    _compile([e for _, e, _ in planned if e is not None] + [r for _, _, rs in planned for r in rs]
+             + [c for _, _, cs in pairs for c in cs], info)
     decisions = {}
     info["node_choices"] = decisions
     on_gpu = torch.cuda.is_available() and ctx.device_type == "cuda"
@@ -304,6 +372,8 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
         if entry["choice"] in candidates and entry["choice"] != "reference":
             node.target = candidates[entry["choice"]]
             changed = True
+    for pool, conv, fused in pairs:  # after the per-node choices: the pair is measured against them
+        changed |= _fuse_conv_maxpool(runnable, pool, conv, fused, cache, device, graphed, ctx, decisions)
     if changed:
         runnable.recompile()
     return runnable

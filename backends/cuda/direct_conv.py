@@ -1,0 +1,401 @@
+"""Direct convolution for convs with a small reduction (C_in x KH x KW), optionally with the
+following max pool fused in.
+
+Why: a stem conv (3 input channels) or a small CNN's conv does little arithmetic per output;
+cuDNN runs it as a general engine plus separate bias/activation and pooling kernels, each a pass
+over the activation and, at batch 1, a few microseconds of launch latency. One generated kernel
+computes ``pool(act(conv(x, w) + bias (+ residual)))`` with the weights of a tile of output
+channels in shared memory, one thread per output pixel (per pooled pixel: it evaluates the conv
+at every position of the pool window and keeps the max), and writes only the final tensor.
+
+- ``generate_direct_conv2d``: the kernel source (NCHW or NHWC, fp32/fp16/bf16 with fp32
+  accumulation, weights (C_out, C_in, KH, KW) or channels_last (C_out, KH, KW, C_in)).
+- ``DirectConv`` / ``plan_direct_conv``: candidates (two output-channel tilings) for a
+  ``fused_conv`` node with groups 1, algorithm ``direct``, C_in <= 16, C_out <= 128 and
+  C_in*KH*KW <= 512 (stems and small CNNs: wider convs are GEMMs that cuDNN runs better, and each
+  candidate costs an NVRTC compilation and a measurement at compile time).
+- ``ConvMaxPool`` / ``plan_conv_maxpool``: a candidate for a ``max_pool2d_with_indices`` node
+  whose indices nobody reads and whose input is such a conv (without residual) used only there;
+  the executor measures it against the conv and pool as they were chosen separately
+  (``conv_maxpool_chain``) and rewrites the pair only where the fused kernel is faster.
+
+Candidates return ``None`` when the tensors they get at run time differ from what they were
+generated for (layout, dtype, sizes); the executor then runs the reference.
+"""
+from __future__ import annotations
+
+import operator
+from string import Template
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from fxopt.ops import fused_conv_ref
+
+from .codegen import Epilogue, KernelSource, _idx, _layout, _pair, _uname, needs_index64
+from .templates import ctype, load, prelude
+
+aten = torch.ops.aten
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+MAX_REDUCTION = 512  # C_in * KH * KW
+MAX_CIN, MAX_COUT = 16, 128  # stems and small CNNs; wider convs are GEMMs that cuDNN runs better
+SMEM_FLOATS = 12288  # 48 KiB of weights per block
+_MAX_GRID = 65535
+
+
+def cout_tile(pixels: int, cout: int, reduction: int) -> int:
+    """Output channels per block: all of them (each input value read once per pixel) unless that
+    leaves too few threads to fill the GPU, at most 16 (registers), weights within shared memory."""
+    tile = min(cout, 16)
+    while tile > 1 and (pixels * -(-cout // tile) < (1 << 17) or tile * reduction > SMEM_FLOATS):
+        tile = -(-tile // 2)
+    return tile
+
+
+def _loops(layout: str, CI: int, KH: int, KW: int, DH: int, DW: int, COT: int, CIKK: int) -> str:
+    """The reduction loop nest: over C_in outermost for NCHW, innermost for NHWC (contiguous reads)."""
+    ci_loop = [f"for (int ci = 0; ci < {CI}; ++ci) {{"]
+    kh_loop = ["#pragma unroll", f"for (int kh = 0; kh < {KH}; ++kh) {{",
+               f"  const int ih = hs + kh * {DH};", "  if (ih < 0 || ih >= H) continue;"]
+    kw_loop = ["#pragma unroll", f"for (int kw = 0; kw < {KW}; ++kw) {{",
+               f"  const int iw = wsx + kw * {DW};", "  if (iw < 0 || iw >= W) continue;"]
+    x_at = (f"((n * {CI} + ci) * H + ih) * W + iw" if layout == "nchw"
+            else f"((n * H + ih) * W + iw) * {CI} + ci")
+    body = [f"const float xv = fx_to_f32(x[{x_at}]);",
+            f"const float* wr = ws + (ci * {KH} + kh) * {KW} + kw;",
+            "#pragma unroll", f"for (int j = 0; j < {COT}; ++j) sum[j] += xv * wr[j * {CIKK}];"]
+    nest = [ci_loop, kh_loop, kw_loop] if layout == "nchw" else [kh_loop, kw_loop, ci_loop]
+    lines, depth = [], 0
+    for loop in nest:
+        lines += ["  " * depth + ln for ln in loop]
+        depth += 1
+    lines += ["  " * depth + ln for ln in body]
+    lines += ["  " * d + "}" for d in range(depth - 1, -1, -1)]
+    return "\n".join(" " * 8 + ln for ln in lines)
+
+
+_WINDOW_BODY = """    float best[$COT];
+#pragma unroll
+    for (int j = 0; j < $COT; ++j) best[j] = $best_init;
+    for (int ph = 0; ph < $PKH; ++ph) {
+      const int ch = oh * $PSH - $PPH + ph;
+      if (ch < 0 || ch >= CH) continue;
+      for (int pw = 0; pw < $PKW; ++pw) {
+        const int cw = ow * $PSW - $PPW + pw;
+        if (cw < 0 || cw >= CW) continue;
+        float sum[$COT];
+#pragma unroll
+        for (int j = 0; j < $COT; ++j) sum[j] = 0.f;
+        const int hs = ch * $SH - $PH, wsx = cw * $SW - $PW;
+$loops
+#pragma unroll
+        for (int j = 0; j < $COT; ++j) {
+          const int co = co0 + j;
+          if (co >= $CO) break;
+          float acc = sum[j];
+$epilogue
+          $combine
+        }
+      }
+    }"""
+
+
+def _patch_body(layout: str, CI: int, k, stride, dil, pool, COT: int, CIKK: int, epilogue: str) -> str:
+    """Conv + max pool with the pool window's input patch in registers: for each input channel the
+    thread loads the (rows x cols) patch that all positions of its pool window read once, then
+    accumulates every position from registers (a 2x2 pool of 5x5 taps: 36 loads instead of 100)."""
+    (KH, KW), (SH, SW), (DH, DW) = k, stride, dil
+    (PKH, PKW), (PSH, PSW), (PPH, PPW) = pool
+    R, C = (PKH - 1) * SH + (KH - 1) * DH + 1, (PKW - 1) * SW + (KW - 1) * DW + 1
+    x_at = (f"((n * {CI} + ci) * H + ih) * W + iw" if layout == "nchw" else f"((n * H + ih) * W + iw) * {CI} + ci")
+    L = [f"    const int ch0 = oh * {PSH} - {PPH}, cw0 = ow * {PSW} - {PPW};",
+         f"    const int ih0 = ch0 * {SH} - $PH, iw0 = cw0 * {SW} - $PW;",
+         f"    float sum[{PKH}][{PKW}][{COT}];",
+         "#pragma unroll", f"    for (int a = 0; a < {PKH}; ++a)", "#pragma unroll", f"      for (int b = 0; b < {PKW}; ++b)",
+         "#pragma unroll", f"        for (int j = 0; j < {COT}; ++j) sum[a][b][j] = 0.f;",
+         f"    for (int ci = 0; ci < {CI}; ++ci) {{", f"      float xp[{R}][{C}];",
+         "#pragma unroll", f"      for (int r = 0; r < {R}; ++r) {{",
+         "        const int ih = ih0 + r;", "        const bool rok = ih >= 0 && ih < H;",
+         "#pragma unroll", f"        for (int c = 0; c < {C}; ++c) {{", "          const int iw = iw0 + c;",
+         f"          xp[r][c] = rok && iw >= 0 && iw < W ? fx_to_f32(x[{x_at}]) : 0.f;", "        }", "      }",
+         "#pragma unroll", f"      for (int kh = 0; kh < {KH}; ++kh)", "#pragma unroll", f"        for (int kw = 0; kw < {KW}; ++kw) {{",
+         f"          const float* wr = ws + (ci * {KH} + kh) * {KW} + kw;", "#pragma unroll",
+         f"          for (int j = 0; j < {COT}; ++j) {{", f"            const float wv = wr[j * {CIKK}];",
+         "#pragma unroll", f"            for (int a = 0; a < {PKH}; ++a)", "#pragma unroll",
+         f"              for (int b = 0; b < {PKW}; ++b) sum[a][b][j] += xp[a * {SH} + kh * {DH}][b * {SW} + kw * {DW}] * wv;",
+         "          }", "        }", "    }",
+         f"    float best[{COT}];", "#pragma unroll",
+         f"    for (int j = 0; j < {COT}; ++j) best[j] = (-__int_as_float(0x7f800000));",
+         "#pragma unroll", f"    for (int a = 0; a < {PKH}; ++a) {{", "      const int ch = ch0 + a;",
+         "      if (ch < 0 || ch >= CH) continue;", "#pragma unroll", f"      for (int b = 0; b < {PKW}; ++b) {{",
+         "        const int cw = cw0 + b;", "        if (cw < 0 || cw >= CW) continue;", "#pragma unroll",
+         f"        for (int j = 0; j < {COT}; ++j) {{", "          const int co = co0 + j;", f"          if (co >= $CO) break;",
+         "          float acc = sum[a][b][j];", epilogue,
+         "          if (acc > best[j] || acc != acc) best[j] = acc;", "        }", "      }", "    }"]
+    return "\n".join(L)
+
+
+#: a pool-window patch of at most this many values per input channel is held in registers
+MAX_PATCH = 64
+
+
+def generate_direct_conv2d(cin: int, cout: int, k, stride=1, padding=0, dilation=1,
+                           dtype: torch.dtype = torch.float32, layout: str = "nchw",
+                           epilogue: Epilogue | None = None, weight_layout: str = "oihw",
+                           pool: Optional[tuple] = None, cout_tile_: int | None = None,
+                           index64: bool = False, block: int = 128) -> KernelSource:
+    """Launch args: x, w, [bias], [res], y, N, H, W, CH, CW, OH, OW (CH, CW: conv output size;
+    OH, OW: final output size, = CH, CW without pool). ``pool``: (k, stride, padding) of a max
+    pool applied after the epilogue. Grid: (pixel blocks, ceil(C_out / tile)), see launch."""
+    (KH, KW), (SH, SW), (PH, PW), (DH, DW) = _pair(k), _pair(stride), _pair(padding), _pair(dilation)
+    CI, CO, CIKK = int(cin), int(cout), int(cin) * KH * KW
+    if min(CI, CO, KH, KW, SH, SW, DH, DW) < 1 or min(PH, PW) < 0:
+        raise ValueError("direct conv: sizes must be positive, padding >= 0")
+    if CIKK > MAX_REDUCTION:
+        raise ValueError(f"direct conv: C_in*KH*KW = {CIKK} > {MAX_REDUCTION}")
+    if weight_layout not in ("oihw", "ohwi"):
+        raise ValueError(f"direct conv: weight_layout must be 'oihw' or 'ohwi', not {weight_layout!r}")
+    lay, ct, epi = _layout(layout), ctype(dtype), epilogue or Epilogue()
+    COT = int(cout_tile_ or min(CO, 16))
+    if COT * CIKK > SMEM_FLOATS or not 1 <= COT <= 16:
+        raise ValueError(f"direct conv: tile of {COT} output channels does not fit")
+    (PKH, PKW), (PSH, PSW), (PPH, PPW) = ((1, 1), (1, 1), (0, 0)) if pool is None else (
+        _pair(pool[0]), _pair(pool[1]), _pair(pool[2]))
+    if pool is not None and (epi.residual or PPH > PKH // 2 or PPW > PKW // 2):
+        raise ValueError("direct conv + max pool: no residual, pool padding <= half the window")
+    name = _uname(f"fx_dconv{KH}x{KW}_c{CI}x{CO}_{_SHORT[dtype]}_{lay}" + ("_maxpool" if pool else ""),
+                  CI, CO, KH, KW, SH, SW, PH, PW, DH, DW, epi, weight_layout, pool, COT, index64, block)
+    out_at = ("((n * $CO + co) * OH + oh) * OW + ow" if lay == "nchw"
+              else "((n * OH + oh) * OW + ow) * $CO + co").replace("$CO", str(CO))
+    res_at = ("((n * $CO + co) * CH + ch) * CW + cw" if lay == "nchw"
+              else "((n * CH + ch) * CW + cw) * $CO + co").replace("$CO", str(CO))
+    w_at = ("(idx_t)co * $CIKK + r" if weight_layout == "oihw"
+            else "((idx_t)co * $KK + r % $KK) * $CI + r / $KK")
+    w_at = w_at.replace("$CIKK", str(CIKK)).replace("$KK", str(KH * KW)).replace("$CI", str(CI))
+    pool_desc = "no pool" if pool is None else f"max pool {PKH}x{PKW} stride ({PSH}, {PSW}) padding ({PPH}, {PPW})"
+    epilogue = epi.code(" " * 10, "fx_to_f32(bias[co])", f"fx_to_f32(res[{res_at}])")
+    patch = ((PKH - 1) * SH + (KH - 1) * DH + 1) * ((PKW - 1) * SW + (KW - 1) * DW + 1)
+    if pool is not None and patch <= MAX_PATCH:
+        pool_desc += ", window patch in registers"
+        body = _patch_body(lay, CI, (KH, KW), (SH, SW), (DH, DW), ((PKH, PKW), (PSH, PSW), (PPH, PPW)), COT, CIKK,
+                           epilogue)
+    else:
+        body = _WINDOW_BODY
+    src = Template(load("direct_conv2d.cu").safe_substitute(body=body)).substitute(
+        prelude=prelude({dtype}), KH=KH, KW=KW, CI=CI, CO=CO, COT=COT, CIKK=CIKK, SH=SH, SW=SW, PH=PH, PW=PW,
+        DH=DH, DW=DW, layout=lay, weight_layout=weight_layout, epi_desc=epi.describe(), pool_desc=pool_desc,
+        block=block, name=name, T=ct, extra_params=epi.params(ct), idx=_idx(index64), w_at=w_at,
+        best_init="(-__int_as_float(0x7f800000))" if pool else "0.f",
+        PKH=PKH, PKW=PKW, PSH=PSH, PSW=PSW, PPH=PPH, PPW=PPW,
+        loops=_loops(lay, CI, KH, KW, DH, DW, COT, CIKK),
+        epilogue=epilogue,
+        combine="if (acc > best[j] || acc != acc) best[j] = acc;" if pool else "best[j] = acc;",
+        out_at=out_at)
+    params = [("x", f"const {ct}*"), ("w", f"const {ct}*")]
+    params += [("bias", f"const {ct}*")] * epi.bias + [("res", f"const {ct}*")] * epi.residual
+    params += [("y", f"{ct}*")] + [(n, "long long") for n in ("N", "H", "W", "CH", "CW", "OH", "OW")]
+    meta = {"layout": lay, "cin": CI, "cout": CO, "k": (KH, KW), "stride": (SH, SW), "padding": (PH, PW),
+            "dilation": (DH, DW), "epilogue": epi, "weight_layout": weight_layout, "pool": pool,
+            "cout_tile": COT}
+    return KernelSource(name, src, tuple(params), "direct_conv2d", meta, (block, 1, 1), index64)
+
+
+def weight_layout_of(w: torch.Tensor) -> Optional[str]:
+    """"oihw" (contiguous), "ohwi" (channels_last) or None for other strides."""
+    if w.is_contiguous():
+        return "oihw"
+    if w.is_contiguous(memory_format=torch.channels_last):
+        return "ohwi"
+    return None
+
+
+def weight_fits(w: torch.Tensor, weight_layout: str) -> bool:
+    """The weight's memory is dense in the kernel's weight layout (a weight with 1x1 taps or one
+    input channel is both)."""
+    return w.is_contiguous(memory_format=torch.channels_last if weight_layout == "ohwi" else torch.contiguous_format)
+
+
+def launch_direct_conv2d(ks: KernelSource, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                         bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                         conv_size: tuple | None = None, kernel=None) -> torch.Tensor:
+    """``out``: the final (pooled) output; ``conv_size``: (CH, CW) before the pool (default:
+    out's size)."""
+    from .launch import _check, _kernel
+
+    m = ks.meta
+    lay, epi = m["layout"], m["epilogue"]
+    _check(x, lay, f"{ks.name}: x")
+    _check(out, lay, f"{ks.name}: out", x.dtype)
+    if tuple(w.shape) != (m["cout"], m["cin"], *m["k"]) or not weight_fits(w, m["weight_layout"]):
+        raise ValueError(f"{ks.name}: weight {tuple(w.shape)} / strides {w.stride()} do not match the kernel")
+    if x.shape[1] != m["cin"] or out.shape[1] != m["cout"]:
+        raise ValueError(f"{ks.name}: channels {x.shape[1]} -> {out.shape[1]}, kernel {m['cin']} -> {m['cout']}")
+    if (bias is not None) != epi.bias or (residual is not None) != epi.residual:
+        raise ValueError(f"{ks.name}: bias/residual do not match the kernel's epilogue {epi}")
+    if residual is not None:
+        _check(residual, lay, f"{ks.name}: residual", x.dtype)
+    N, _, H, W = x.shape
+    OH, OW = out.shape[2:]
+    CH, CW = conv_size or (OH, OW)
+    if out.numel() == 0:
+        return out
+    if not ks.index64 and needs_index64(max(x.numel(), out.numel(), N * CH * CW * m["cout"])):
+        raise ValueError(f"{ks.name}: tensors need index64=True")
+    pixels = N * OH * OW
+    grid = (min(-(-pixels // ks.block[0]), _MAX_GRID), -(-m["cout"] // m["cout_tile"]), 1)
+    args = [x, w] + [t for t in (bias, residual) if t is not None] + [out, N, H, W, CH, CW, OH, OW]
+    _kernel(ks, kernel).launch(grid, ks.block, args)
+    return out
+
+
+def _val(a):
+    return a.meta.get("val") if isinstance(a, fx.Node) else None
+
+
+def _ints(v, n=2):
+    v = list(v) if isinstance(v, (list, tuple)) else [v] * n
+    return tuple(int(x) for x in v) if len(v) == n and all(isinstance(x, int) for x in v) else None
+
+
+def _strides(layout: str, shape) -> tuple:
+    n, c, h, w = shape
+    return (c * h * w, h * w, w, 1) if layout == "nchw" else (h * w * c, 1, w * c, c)
+
+
+def _conv_spec(node: fx.Node) -> Optional[dict]:
+    """What the template needs of a fused_conv node, or None where it does not apply."""
+    from .regions import layout_name
+
+    if node.op != "call_function" or node.target is not fused_conv_ref or len(node.args) < 11:
+        return None
+    x, w, out = _val(node.args[0]), _val(node.args[1]), node.meta.get("val")
+    if x is None or w is None or out is None or x.dim() != 4 or w.dim() != 4 or out.dtype not in _DTYPES:
+        return None  # only 2-D convolutions in fp32/fp16/bf16
+    if not all(isinstance(d, int) for d in (*x.shape, *w.shape, *out.shape)):
+        return None  # symbolic sizes
+    if node.args[7] != 1 or node.args[10] != "direct" or w.dtype != x.dtype or out.dtype != x.dtype:
+        return None  # grouped, another algorithm, or mixed dtypes
+    k, stride, padding, dilation = _ints(w.shape[2:]), _ints(node.args[4]), _ints(node.args[5]), _ints(node.args[6])
+    if None in (k, stride, padding, dilation):
+        return None
+    cin, cout = int(w.shape[1]), int(w.shape[0])
+    if cin * k[0] * k[1] > MAX_REDUCTION or cin > MAX_CIN or cout > MAX_COUT:
+        return None  # a wide conv: a GEMM that cuDNN runs better (and measuring it costs compile time)
+    layout, wl = layout_name(out), weight_layout_of(w)
+    if layout is None or layout_name(x) != layout or wl is None:
+        return None
+    for t in (node.args[2], node.args[3]):
+        if t is not None and (_val(t) is None or _val(t).dtype != out.dtype):
+            return None
+    act = node.args[8]
+    return {"cin": cin, "cout": cout, "k": k, "stride": stride, "padding": padding, "dilation": dilation,
+            "layout": layout, "weight_layout": wl, "dtype": out.dtype, "x_shape": tuple(x.shape[1:]),
+            "epilogue": Epilogue(node.args[2] is not None, node.args[3] is not None,
+                                 None if act == "none" else (act, tuple(node.args[9])))}
+
+
+class DirectConv:
+    """Candidate for a fused_conv node (same signature); ``pool`` set: for the conv + max pool
+    composite (``conv_maxpool_chain`` signature)."""
+
+    def __init__(self, name: str, spec: dict, conv_size: tuple, tile: int, pool: Optional[tuple] = None):
+        self.name, self.spec, self.pool = f"{name}_t{tile}", spec, pool
+        self.label = f"directconv{'_maxpool' if pool else ''}_t{tile}"
+        self.conv_size = tuple(int(d) for d in conv_size)
+        self.sources = {0: generate_direct_conv2d(
+            spec["cin"], spec["cout"], spec["k"], spec["stride"], spec["padding"], spec["dilation"], spec["dtype"],
+            spec["layout"], spec["epilogue"], spec["weight_layout"], pool, tile)}
+        self.kernels: dict = {}
+
+    def run(self, x, weight, bias, residual):
+        from .launch import memory_layout_ok, pool2d_output_size
+
+        s, ks, kernel = self.spec, self.sources[0], self.kernels.get(0)
+        if kernel is None or not x.is_cuda or tuple(x.shape[1:]) != s["x_shape"] or x.dtype != s["dtype"]:
+            return None
+        if not memory_layout_ok(x, s["layout"]) or weight.dtype != x.dtype or not weight_fits(weight, s["weight_layout"]):
+            return None
+        if (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())) or (
+                residual is not None and not memory_layout_ok(residual, s["layout"])):
+            return None
+        ch, cw = self.conv_size
+        oh, ow = (ch, cw) if self.pool is None else pool2d_output_size(ch, cw, *self.pool[:3], self.pool[3])
+        shape = (x.shape[0], s["cout"], oh, ow)
+        out = torch.empty_strided(shape, _strides(s["layout"], shape), dtype=x.dtype, device=x.device)
+        if needs_index64(max(x.numel(), out.numel(), x.shape[0] * s["cout"] * ch * cw)):
+            return None
+        return launch_direct_conv2d(ks, x, weight, out, bias, residual, (ch, cw), kernel)
+
+    def __call__(self, x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
+                 algorithm="direct", prepacked=None, *pool_args):
+        return self.run(x, weight, bias, residual)
+
+
+def _tiles(spec: dict, out: torch.Tensor) -> list[int]:
+    """Two tile sizes to measure: the heuristic's (enough threads) and all channels (up to 16)."""
+    n, _, oh, ow = (int(d) for d in out.shape)
+    reduction = spec["cin"] * spec["k"][0] * spec["k"][1]
+    full = min(spec["cout"], 16)
+    while full * reduction > SMEM_FLOATS:
+        full = -(-full // 2)
+    return sorted({cout_tile(n * oh * ow, spec["cout"], reduction), full})
+
+
+def plan_direct_conv(node: fx.Node) -> list[DirectConv]:
+    """Direct-conv candidates (one per tile size) for a fused_conv node; [] where none applies."""
+    spec = _conv_spec(node)
+    if spec is None:
+        return []
+    out = node.meta["val"]
+    return [DirectConv(f"dconv_{node.name}", spec, out.shape[2:], t) for t in _tiles(spec, out)]
+
+
+# ---------------------------------------------------------------------------- conv + max pool
+def pool_params(node: fx.Node) -> Optional[tuple]:
+    """(k, stride, padding, ceil_mode) of a max_pool2d_with_indices node whose indices are unused
+    and whose dilation is 1, else None."""
+    if node.op != "call_function" or node.target is not aten.max_pool2d_with_indices.default:
+        return None
+    if not node.users or any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
+        return None  # the indices are used
+    args = list(node.args) + [None] * (6 - len(node.args))
+    k = _ints(args[1])
+    stride = _ints(args[2]) if args[2] else k
+    padding = _ints(args[3] if args[3] is not None else 0)
+    dilation = _ints(args[4] if args[4] is not None else 1)
+    if None in (k, stride, padding) or dilation != (1, 1):
+        return None
+    if padding[0] > k[0] // 2 or padding[1] > k[1] // 2:
+        return None  # eager raises; let it
+    return k, stride, padding, bool(args[5]) if args[5] is not None else False
+
+
+def conv_maxpool_chain(conv_impl, pool_impl):
+    """The reference of the fused pair: the conv and the pool as the executor chose them."""
+    def chain(x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
+              algorithm, prepacked, kernel_size, pool_stride, pool_padding, pool_dilation, ceil_mode):
+        y = conv_impl(x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
+                      algorithm, prepacked)
+        return pool_impl(y, kernel_size, pool_stride, pool_padding, pool_dilation, ceil_mode)[0]
+
+    chain.__name__ = "conv_maxpool_chain"
+    return chain
+
+
+def plan_conv_maxpool(pool: fx.Node) -> Optional[tuple[fx.Node, list[DirectConv]]]:
+    """(conv node, fused candidates) for a max pool fed by an eligible conv used only there."""
+    pp = pool_params(pool)
+    conv = pool.args[0] if pp is not None else None
+    if not isinstance(conv, fx.Node) or len(conv.users) != 1:
+        return None
+    spec = _conv_spec(conv)
+    if spec is None or spec["epilogue"].residual:
+        return None
+    out = _val(pool)
+    out = out[0] if isinstance(out, (tuple, list)) else None
+    if out is None or out.dtype != spec["dtype"]:
+        return None
+    conv_size = conv.meta["val"].shape[2:]
+    return conv, [DirectConv(f"dconv_pool_{conv.name}", spec, conv_size, t, pool=pp) for t in _tiles(spec, out)]
