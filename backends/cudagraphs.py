@@ -158,7 +158,8 @@ class CudaGraphRunner:
         (same arguments), a candidate per signature; baseline_watched: the parameters it reads."""
         self.fn = fn
         self.baseline, self.margin = baseline, margin
-        self.baseline_watched = None if baseline_watched is None else sorted(set(baseline_watched) & set(static_indices))
+        self.baseline_watched = (None if baseline_watched is None
+                                 else sorted(set(baseline_watched) & set(static_indices)))
         self.static = set(static_indices)
         self.watch = WeightWatch(sorted(self.static if watched is None else set(watched) & self.static))
         self.refresh = refresh
@@ -268,7 +269,8 @@ class CudaGraphRunner:
         fns = {"graph_ms": lambda: self._replay(entry, args), "plain_ms": lambda: self.fn(*args)}
         base = None
         if self.baseline is not None:
-            base = _Entry(self.baseline, self._capture(args, self.baseline, direct=entry.instances[0].input_ptrs is not None))
+            direct = entry.instances[0].input_ptrs is not None
+            base = _Entry(self.baseline, self._capture(args, self.baseline, direct=direct))
             fns["baseline_graph_ms"] = lambda: self._replay(base, args)
         entry.timings = _alternating_medians(fns)
         entry.runs = choose(entry.timings, self.margin)

@@ -156,8 +156,9 @@ def test_pair_rewrite_replaces_conv_and_pool_and_keeps_values(monkeypatch):
     class Ctx:
         measurements = 0
 
+    tuning = X.Tuning(AutotuneCache(None), "dev", True, Ctx)
     for pool, conv, cands in pairs:
-        assert X._fuse_conv_maxpool(gm, pool, conv, cands, AutotuneCache(None), "dev", True, Ctx, decisions)
+        assert X._fuse_conv_maxpool(gm, pool, conv, cands, tuning, decisions)
     gm.graph.lint()
     gm.recompile()
     assert aten.max_pool2d_with_indices.default not in targets(gm)

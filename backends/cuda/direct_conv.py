@@ -76,67 +76,6 @@ def _loops(layout: str, CI: int, KH: int, KW: int, DH: int, DW: int, COT: int, C
     return "\n".join(" " * 8 + ln for ln in lines)
 
 
-_WINDOW_BODY = """    float best[$COT];
-#pragma unroll
-    for (int j = 0; j < $COT; ++j) best[j] = $best_init;
-    for (int ph = 0; ph < $PKH; ++ph) {
-      const int ch = oh * $PSH - $PPH + ph;
-      if (ch < 0 || ch >= CH) continue;
-      for (int pw = 0; pw < $PKW; ++pw) {
-        const int cw = ow * $PSW - $PPW + pw;
-        if (cw < 0 || cw >= CW) continue;
-        float sum[$COT];
-#pragma unroll
-        for (int j = 0; j < $COT; ++j) sum[j] = 0.f;
-        const int hs = ch * $SH - $PH, wsx = cw * $SW - $PW;
-$loops
-#pragma unroll
-        for (int j = 0; j < $COT; ++j) {
-          const int co = co0 + j;
-          if (co >= $CO) break;
-          float acc = sum[j];
-$epilogue
-          $combine
-        }
-      }
-    }"""
-
-
-def _patch_body(layout: str, CI: int, k, stride, dil, pool, COT: int, CIKK: int, epilogue: str) -> str:
-    """Conv + max pool with the pool window's input patch in registers: for each input channel the
-    thread loads the (rows x cols) patch that all positions of its pool window read once, then
-    accumulates every position from registers (a 2x2 pool of 5x5 taps: 36 loads instead of 100)."""
-    (KH, KW), (SH, SW), (DH, DW) = k, stride, dil
-    (PKH, PKW), (PSH, PSW), (PPH, PPW) = pool
-    R, C = (PKH - 1) * SH + (KH - 1) * DH + 1, (PKW - 1) * SW + (KW - 1) * DW + 1
-    x_at = (f"((n * {CI} + ci) * H + ih) * W + iw" if layout == "nchw" else f"((n * H + ih) * W + iw) * {CI} + ci")
-    L = [f"    const int ch0 = oh * {PSH} - {PPH}, cw0 = ow * {PSW} - {PPW};",
-         f"    const int ih0 = ch0 * {SH} - $PH, iw0 = cw0 * {SW} - $PW;",
-         f"    float sum[{PKH}][{PKW}][{COT}];",
-         "#pragma unroll", f"    for (int a = 0; a < {PKH}; ++a)", "#pragma unroll", f"      for (int b = 0; b < {PKW}; ++b)",
-         "#pragma unroll", f"        for (int j = 0; j < {COT}; ++j) sum[a][b][j] = 0.f;",
-         f"    for (int ci = 0; ci < {CI}; ++ci) {{", f"      float xp[{R}][{C}];",
-         "#pragma unroll", f"      for (int r = 0; r < {R}; ++r) {{",
-         "        const int ih = ih0 + r;", "        const bool rok = ih >= 0 && ih < H;",
-         "#pragma unroll", f"        for (int c = 0; c < {C}; ++c) {{", "          const int iw = iw0 + c;",
-         f"          xp[r][c] = rok && iw >= 0 && iw < W ? fx_to_f32(x[{x_at}]) : 0.f;", "        }", "      }",
-         "#pragma unroll", f"      for (int kh = 0; kh < {KH}; ++kh)", "#pragma unroll", f"        for (int kw = 0; kw < {KW}; ++kw) {{",
-         f"          const float* wr = ws + (ci * {KH} + kh) * {KW} + kw;", "#pragma unroll",
-         f"          for (int j = 0; j < {COT}; ++j) {{", f"            const float wv = wr[j * {CIKK}];",
-         "#pragma unroll", f"            for (int a = 0; a < {PKH}; ++a)", "#pragma unroll",
-         f"              for (int b = 0; b < {PKW}; ++b) sum[a][b][j] += xp[a * {SH} + kh * {DH}][b * {SW} + kw * {DW}] * wv;",
-         "          }", "        }", "    }",
-         f"    float best[{COT}];", "#pragma unroll",
-         f"    for (int j = 0; j < {COT}; ++j) best[j] = (-__int_as_float(0x7f800000));",
-         "#pragma unroll", f"    for (int a = 0; a < {PKH}; ++a) {{", "      const int ch = ch0 + a;",
-         "      if (ch < 0 || ch >= CH) continue;", "#pragma unroll", f"      for (int b = 0; b < {PKW}; ++b) {{",
-         "        const int cw = cw0 + b;", "        if (cw < 0 || cw >= CW) continue;", "#pragma unroll",
-         f"        for (int j = 0; j < {COT}; ++j) {{", "          const int co = co0 + j;", f"          if (co >= $CO) break;",
-         "          float acc = sum[a][b][j];", epilogue,
-         "          if (acc > best[j] || acc != acc) best[j] = acc;", "        }", "      }", "    }"]
-    return "\n".join(L)
-
-
 #: a pool-window patch of at most this many values per input channel is held in registers
 MAX_PATCH = 64
 
@@ -175,15 +114,14 @@ def generate_direct_conv2d(cin: int, cout: int, k, stride=1, padding=0, dilation
             else "((idx_t)co * $KK + r % $KK) * $CI + r / $KK")
     w_at = w_at.replace("$CIKK", str(CIKK)).replace("$KK", str(KH * KW)).replace("$CI", str(CI))
     pool_desc = "no pool" if pool is None else f"max pool {PKH}x{PKW} stride ({PSH}, {PSW}) padding ({PPH}, {PPW})"
-    epilogue = epi.code(" " * 10, "fx_to_f32(bias[co])", f"fx_to_f32(res[{res_at}])")
     patch = ((PKH - 1) * SH + (KH - 1) * DH + 1) * ((PKW - 1) * SW + (KW - 1) * DW + 1)
-    if pool is not None and patch <= MAX_PATCH:
-        pool_desc += ", window patch in registers"
-        body = _patch_body(lay, CI, (KH, KW), (SH, SW), (DH, DW), ((PKH, PKW), (PSH, PSW), (PPH, PPW)), COT, CIKK,
-                           epilogue)
-    else:
-        body = _WINDOW_BODY
-    src = Template(load("direct_conv2d.cu").safe_substitute(body=body)).substitute(
+    pool_desc += ", input patch in registers" if pool is not None and patch <= MAX_PATCH else ""
+    epilogue = epi.code(" " * 10, "fx_to_f32(bias[co])", f"fx_to_f32(res[{res_at}])")
+    # a pool window whose input patch fits in registers loads it once per input channel
+    body = "direct_conv2d_patch.cu" if pool is not None and patch <= MAX_PATCH else "direct_conv2d_window.cu"
+    x_at = (f"((n * {CI} + ci) * H + ih) * W + iw" if lay == "nchw" else f"((n * H + ih) * W + iw) * {CI} + ci")
+    src = Template(load("direct_conv2d.cu").safe_substitute(body=load(body).template)).substitute(
+        R=(PKH - 1) * SH + (KH - 1) * DH + 1, C=(PKW - 1) * SW + (KW - 1) * DW + 1, x_at=x_at,
         prelude=prelude({dtype}), KH=KH, KW=KW, CI=CI, CO=CO, COT=COT, CIKK=CIKK, SH=SH, SW=SW, PH=PH, PW=PW,
         DH=DH, DW=DW, layout=lay, weight_layout=weight_layout, epi_desc=epi.describe(), pool_desc=pool_desc,
         block=block, name=name, T=ct, extra_params=epi.params(ct), idx=_idx(index64), w_at=w_at,
@@ -315,7 +253,8 @@ class DirectConv:
         s, ks, kernel = self.spec, self.sources[0], self.kernels.get(0)
         if kernel is None or not x.is_cuda or tuple(x.shape[1:]) != s["x_shape"] or x.dtype != s["dtype"]:
             return None
-        if not memory_layout_ok(x, s["layout"]) or weight.dtype != x.dtype or not weight_fits(weight, s["weight_layout"]):
+        if (not memory_layout_ok(x, s["layout"]) or weight.dtype != x.dtype
+                or not weight_fits(weight, s["weight_layout"])):
             return None
         if (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())) or (
                 residual is not None and not memory_layout_ok(residual, s["layout"])):

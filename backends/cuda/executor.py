@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
@@ -289,12 +289,30 @@ def _pool_args(pool: fx.Node) -> tuple:
             args[4] if args[4] is not None else 1, bool(args[5]))
 
 
-def _fuse_conv_maxpool(gm: fx.GraphModule, pool: fx.Node, conv: fx.Node, fused: list, cache, device: str,
-                       graphed: bool, ctx, decisions: dict) -> bool:
+@dataclass
+class Tuning:
+    """Where measured choices come from: the autotuning cache, else a measurement (stored)."""
+    cache: Any
+    device: str
+    graphed: bool
+    ctx: Any
+
+    def entry(self, node: fx.Node, candidates: dict, key: str) -> dict:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        entry = self.cache.get(self.device, key)
+        if entry is None:
+            with unset_fake_temporarily():
+                entry = _measure(node, candidates, self.graphed)
+            self.ctx.measurements += len(entry["ms"])
+            self.cache.put(self.device, key, entry)
+        return entry
+
+
+def _fuse_conv_maxpool(gm: fx.GraphModule, pool: fx.Node, conv: fx.Node, fused: list, tuning: Tuning,
+                       decisions: dict) -> bool:
     """Measure conv + max pool as one generated kernel against the pair as chosen so far; where it
     wins, one node replaces both (the pool's values are its only output in use)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     reference = conv_maxpool_chain(conv.target, pool.target)
     candidates = {"reference": reference}
     for c in fused:
@@ -309,14 +327,8 @@ def _fuse_conv_maxpool(gm: fx.GraphModule, pool: fx.Node, conv: fx.Node, fused: 
     node.meta = dict(pool.meta)
     node.meta["val"] = pool.meta["val"][0]
     chosen = [decisions.get(n.name, {}).get("choice", "reference") for n in (conv, pool)]
-    key = _cache_key(node, candidates, graphed).replace("node|", f"conv_maxpool|{chosen}|", 1)
-    entry = cache.get(device, key)
-    if entry is None:
-        with unset_fake_temporarily():
-            entry = _measure(node, candidates, graphed)
-        ctx.measurements += len(entry["ms"])
-        cache.put(device, key, entry)
-    decisions[f"{conv.name}+{pool.name}"] = entry
+    key = _cache_key(node, candidates, tuning.graphed).replace("node|", f"conv_maxpool|{chosen}|", 1)
+    entry = decisions[f"{conv.name}+{pool.name}"] = tuning.entry(node, candidates, key)
     if entry["choice"] not in candidates or entry["choice"] == "reference":
         g.erase_node(node)
         return False
@@ -348,32 +360,22 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     on_gpu = torch.cuda.is_available() and ctx.device_type == "cuda"
     if not on_gpu:
         return runnable
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     from fxopt.autotune import AutotuneCache, default_cache_path, device_fingerprint
 
     opt = ctx.options.autotune_cache
     cache = AutotuneCache(None if opt is False else (opt if isinstance(opt, str) else default_cache_path()))
-    device = device_fingerprint("cuda")
-    graphed = ctx.options.cudagraphs is not False
+    tuning = Tuning(cache, device_fingerprint("cuda"), ctx.options.cudagraphs is not False, ctx)
     changed = False
     for node, epi, regions in planned:
         candidates = _candidates(node, epi, regions)
         if len(candidates) < 2:
             continue
-        key = _cache_key(node, candidates, graphed)
-        entry = cache.get(device, key)
-        if entry is None:
-            with unset_fake_temporarily():
-                entry = _measure(node, candidates, graphed)
-            ctx.measurements += len(entry["ms"])
-            cache.put(device, key, entry)
-        decisions[node.name] = entry
+        entry = decisions[node.name] = tuning.entry(node, candidates, _cache_key(node, candidates, tuning.graphed))
         if entry["choice"] in candidates and entry["choice"] != "reference":
             node.target = candidates[entry["choice"]]
             changed = True
     for pool, conv, fused in pairs:  # after the per-node choices: the pair is measured against them
-        changed |= _fuse_conv_maxpool(runnable, pool, conv, fused, cache, device, graphed, ctx, decisions)
+        changed |= _fuse_conv_maxpool(runnable, pool, conv, fused, tuning, decisions)
     if changed:
         runnable.recompile()
     return runnable
