@@ -2,6 +2,8 @@
 conv -> pool pairs they take and decline, that every generated variant compiles with NVRTC (CPU),
 the executor's pair rewrite (CPU, with the measurement stubbed), and that the kernels compute
 what PyTorch computes (GPU, hypothesis over shapes, layouts and dtypes)."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -233,7 +235,8 @@ def test_compiled_seedcnn_matches_eager_and_measures_the_fused_pair(dtype, batch
     c = fxopt.testing.compile_with_fxopt(m, {"autotune_cache": str(tmp_path / "c.json")}, graphs)
     x = torch.randn(batch, 3, 32, 32, device="cuda", dtype=dtype)
     with torch.no_grad():
-        assert relative_error(c(x), m(x)) <= (1e-4 if dtype == torch.float32 else 1e-2)
+        want = copy.deepcopy(m).double()(x.double())  # fp32 convs (eager's and cuDNN's here) may use TF32
+        assert relative_error(c(x), want) <= (2e-3 if dtype == torch.float32 else 1e-2)
     choices = graphs[0].executor_details["node_choices"]
     pairs = {k: v for k, v in choices.items() if "+" in k}
     assert len(pairs) == 2, choices
