@@ -36,6 +36,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from fxopt.passinfra import written_in_place
 from fxopt.weights import WeightWatch
 
 aten = torch.ops.aten
@@ -54,8 +55,7 @@ def unsafe_reason(gm: fx.GraphModule, kind: str, device_type: str) -> Optional[s
     if device_type != "cuda":
         return "inputs are not on CUDA"
     for node in gm.graph.nodes:
-        if node.op == "placeholder" and any(getattr(getattr(u.target, "_schema", None), "is_mutable", False)
-                                            for u in node.users):
+        if node.op == "placeholder" and written_in_place(node):
             return f"input {node.name} is written in place"
         if node.op == "call_function" and node.target in UNSAFE_OPS:
             return f"{node.target} synchronizes or has a data-dependent shape"
@@ -70,12 +70,19 @@ def unsafe_reason(gm: fx.GraphModule, kind: str, device_type: str) -> Optional[s
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
-def _flat(outputs) -> list:
+def _map_tensors(outputs, fn):
+    """``outputs`` (a tensor or nested lists/tuples) with ``fn`` applied to every tensor."""
     if isinstance(outputs, torch.Tensor):
-        return [outputs]
+        return fn(outputs)
     if isinstance(outputs, (list, tuple)):
-        return [t for o in outputs for t in _flat(o)]
-    return []
+        return type(outputs)(_map_tensors(o, fn) for o in outputs)
+    return outputs
+
+
+def _flat(outputs) -> list:
+    flat: list = []
+    _map_tensors(outputs, flat.append)
+    return flat
 
 
 class _Instance:
@@ -301,16 +308,8 @@ class CudaGraphRunner:
 def _lend(outputs):
     """The static outputs as new tensor objects over the same memory (so that the caller holding
     one shows in the storage's reference count)."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs.detach()
-    if isinstance(outputs, (list, tuple)):
-        return type(outputs)(_lend(o) for o in outputs)
-    return outputs
+    return _map_tensors(outputs, torch.Tensor.detach)
 
 
 def _copy_out(outputs):
-    if isinstance(outputs, torch.Tensor):
-        return outputs.clone(memory_format=torch.preserve_format)
-    if isinstance(outputs, (list, tuple)):
-        return type(outputs)(_copy_out(o) for o in outputs)
-    return outputs
+    return _map_tensors(outputs, lambda t: t.clone(memory_format=torch.preserve_format))

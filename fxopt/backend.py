@@ -25,7 +25,7 @@ import torch.fx as fx
 from functorch.compile import make_boxed_func
 
 from fxopt.config import Options
-from fxopt.passinfra import PassContext
+from fxopt.passinfra import PassContext, written_in_place
 from fxopt.pipeline import FxoptFallbackWarning, PassFailure, copy_graph_module, run_pipeline
 from fxopt.report import GraphReport
 
@@ -49,14 +49,6 @@ def _graph_output_formats(gm: fx.GraphModule) -> list:
         v = o.meta.get("val") if isinstance(o, fx.Node) else None
         formats.append(format_of(v) if isinstance(v, torch.Tensor) else None)
     return formats
-
-
-def _mutated(node: fx.Node) -> bool:
-    for user in node.users:
-        schema = getattr(user.target, "_schema", None)
-        if schema is not None and schema.is_mutable:
-            return True
-    return False
 
 
 def direct_call_blocker(gm: fx.GraphModule, n_inputs: int) -> Optional[str]:
@@ -135,7 +127,7 @@ class FxoptCompiler:
                 node = placeholders[i]
                 ctx.param_placeholders.add(node.name)
                 ctx.param_qualnames[node.name] = qual
-                if mode == "inference" and self.options.freezing and not _mutated(node):
+                if mode == "inference" and self.options.freezing and not written_in_place(node):
                     ctx.const_placeholders.add(node.name)
             if mode == "inference":
                 ctx.example_inputs = self.example_inputs

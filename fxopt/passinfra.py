@@ -20,6 +20,11 @@ from fxopt.config import Options
 aten = torch.ops.aten
 
 
+def written_in_place(node: fx.Node) -> bool:
+    """A user of ``node`` is an op whose schema mutates an argument (copy_, add_, ...)."""
+    return any(getattr(getattr(u.target, "_schema", None), "is_mutable", False) for u in node.users)
+
+
 @dataclass
 class PassContext:
     options: Options

@@ -75,6 +75,10 @@ def test_lent_outputs_are_busy_while_the_caller_holds_them_or_a_view():
     assert not inst.free()
     del first_row
     assert inst.free()
+    from fxopt.backends.cudagraphs import _copy_out
+    copied = _copy_out([outs[0], (outs[1], None)])  # nested outputs keep their structure
+    assert isinstance(copied, list) and copied[1][1] is None
+    assert copied[0].data_ptr() != outs[0].data_ptr() and torch.equal(copied[1][0], outs[1])
 
 
 def test_outputs_sharing_memory_are_never_lent():

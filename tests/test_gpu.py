@@ -159,8 +159,7 @@ def test_cudagraph_lends_released_outputs_and_never_writes_held_ones():
         again = compiled(xs[0])
     runner = graphs[0].executor_details["cudagraph_runner"]
     (d,) = runner.decisions()
-    if d["runs"] == "optimized plain":
-        pytest.skip("this signature runs uncaptured here")
+    assert d["runs"] != "optimized plain", d  # SeedCNN: replay 0.03-0.12 ms, uncaptured 0.3-2 ms (H100)
     assert d["outputs"] == "lent" and d["captures"] == 3, d
     assert len(ptrs) == 1
     for got, w in zip(held, want):
@@ -194,8 +193,7 @@ def test_cudagraph_reads_inputs_in_place_only_at_the_captured_address():
         x1.copy_(x3)                 # new values at the captured address are read
         got3 = compiled(x1).clone()
     (d,) = graphs[0].executor_details["cudagraph_runner"].decisions()
-    if d["runs"] == "optimized plain":
-        pytest.skip("this signature runs uncaptured here")
+    assert d["runs"] != "optimized plain", d  # SeedCNN: replay 0.03-0.12 ms, uncaptured 0.3-2 ms (H100)
     assert d["inputs"] == "read in place" and d["captures"] == 2, d
     for got, w in zip((got1, got2, got3), want):
         torch.testing.assert_close(got, w, rtol=1e-3, atol=1e-4)

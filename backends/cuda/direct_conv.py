@@ -160,20 +160,14 @@ def launch_direct_conv2d(ks: KernelSource, x: torch.Tensor, w: torch.Tensor, out
                          conv_size: tuple | None = None, kernel=None) -> torch.Tensor:
     """``out``: the final (pooled) output; ``conv_size``: (CH, CW) before the pool (default:
     out's size)."""
-    from .launch import _check, _kernel
+    from .launch import _kernel, check_conv_args
 
     m = ks.meta
-    lay, epi = m["layout"], m["epilogue"]
-    _check(x, lay, f"{ks.name}: x")
-    _check(out, lay, f"{ks.name}: out", x.dtype)
+    check_conv_args(ks, x, out, bias, residual)
     if tuple(w.shape) != (m["cout"], m["cin"], *m["k"]) or not weight_fits(w, m["weight_layout"]):
         raise ValueError(f"{ks.name}: weight {tuple(w.shape)} / strides {w.stride()} do not match the kernel")
     if x.shape[1] != m["cin"] or out.shape[1] != m["cout"]:
         raise ValueError(f"{ks.name}: channels {x.shape[1]} -> {out.shape[1]}, kernel {m['cin']} -> {m['cout']}")
-    if (bias is not None) != epi.bias or (residual is not None) != epi.residual:
-        raise ValueError(f"{ks.name}: bias/residual do not match the kernel's epilogue {epi}")
-    if residual is not None:
-        _check(residual, lay, f"{ks.name}: residual", x.dtype)
     N, _, H, W = x.shape
     OH, OW = out.shape[2:]
     CH, CW = conv_size or (OH, OW)

@@ -20,7 +20,7 @@ from .templates import WINO_AT, WINO_BT, WINO_G
 __all__ = [
     "memory_layout_ok", "pointwise_sizes", "vector_width_ok", "choose_vector_width",
     "launch_pointwise", "pool2d_output_size", "launch_pool2d", "launch_global_avgpool",
-    "prepare_depthwise_weight", "launch_depthwise_conv2d", "winograd_filter_transform",
+    "prepare_depthwise_weight", "check_conv_args", "launch_depthwise_conv2d", "winograd_filter_transform",
     "launch_winograd_input", "winograd_gemm", "launch_winograd_output", "winograd_conv2d",
     "winograd_conv2d_reference",
 ]
@@ -156,10 +156,9 @@ def prepare_depthwise_weight(w: torch.Tensor, layout: str) -> torch.Tensor:
     return (w if layout in ("nchw", "ckk") else w.permute(1, 2, 0)).contiguous()
 
 
-def launch_depthwise_conv2d(ks: KernelSource, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-                            bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                            kernel=None) -> torch.Tensor:
-    """``w`` from prepare_depthwise_weight; bias/residual as the kernel's Epilogue requires."""
+def check_conv_args(ks: KernelSource, x: torch.Tensor, out: torch.Tensor, bias, residual) -> None:
+    """What every generated convolution with a fused epilogue requires: x, out (and the residual)
+    dense in the kernel's layout with one dtype; bias/residual given exactly when the epilogue has them."""
     lay, epi = ks.meta["layout"], ks.meta["epilogue"]
     _check(x, lay, f"{ks.name}: x")
     _check(out, lay, f"{ks.name}: out", x.dtype)
@@ -167,6 +166,13 @@ def launch_depthwise_conv2d(ks: KernelSource, x: torch.Tensor, w: torch.Tensor, 
         raise ValueError(f"{ks.name}: bias/residual do not match the kernel's epilogue {epi}")
     if residual is not None:
         _check(residual, lay, f"{ks.name}: residual", x.dtype)
+
+
+def launch_depthwise_conv2d(ks: KernelSource, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                            bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                            kernel=None) -> torch.Tensor:
+    """``w`` from prepare_depthwise_weight; bias/residual as the kernel's Epilogue requires."""
+    check_conv_args(ks, x, out, bias, residual)
     N, C, H, W = x.shape
     OH, OW = out.shape[2:]
     if out.numel() == 0:
