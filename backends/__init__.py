@@ -25,15 +25,16 @@ def _placeholder_indices(gm: fx.GraphModule, names) -> list[int]:
 
 
 def _constants_refresher(gm: fx.GraphModule):
-    """A function(args) that brings folded constants up to date, or None."""
+    """(a function(args) that brings folded constants up to date, the indices of the inputs they
+    are folded from), or (None, [])."""
     from fxopt.passes.fold_constants import MODULE_NAME
 
     call = next((n for n in gm.graph.nodes if n.op == "call_module" and n.target == MODULE_NAME), None)
     if call is None:
-        return None
+        return None, []
     idx = _placeholder_indices(gm, [a.name for a in call.args])
     module = getattr(gm, MODULE_NAME)
-    return lambda args: module(*[args[i] for i in idx])
+    return (lambda args: module(*[args[i] for i in idx])), idx
 
 
 def lower(gm: fx.GraphModule, ctx, kind: str):
@@ -66,7 +67,8 @@ def lower(gm: fx.GraphModule, ctx, kind: str):
         baseline = torch_ref.lower(ctx.unoptimized)
         read = [n.name for n in baseline.graph.nodes if n.op == "placeholder" and n.users]
         baseline_watched = _placeholder_indices(baseline, [p for p in ctx.param_placeholders if p in read])
-    runner = CudaGraphRunner(runnable, static, refresh=_constants_refresher(runnable),
+    refresh, folded_from = _constants_refresher(runnable)
+    runner = CudaGraphRunner(runnable, static, refresh=refresh, versioned=folded_from,
                              max_graphs=ctx.options.cudagraph_max_signatures, watched=watched,
                              baseline=baseline, baseline_watched=baseline_watched)
     info["cudagraphs"] = f"on (up to {ctx.options.cudagraph_max_signatures} signatures)"

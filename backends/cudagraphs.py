@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 
 from fxopt.passinfra import written_in_place
-from fxopt.weights import WeightWatch
+from fxopt.weights import _PTRS_EQUAL, WeightWatch
 
 aten = torch.ops.aten
 
@@ -68,6 +68,7 @@ def unsafe_reason(gm: fx.GraphModule, kind: str, device_type: str) -> Optional[s
 #: the reference count of a tensor storage (what Inductor's CUDA-graph trees use to tell whether
 #: the caller still holds an output); without it outputs are always copied out
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+_DETACH = torch.Tensor.detach
 
 
 def _map_tensors(outputs, fn):
@@ -159,16 +160,22 @@ class CudaGraphRunner:
     def __init__(self, fn: Callable, static_indices: Sequence[int], refresh: Optional[Callable] = None,
                  max_graphs: int = 8, warmup: int = 2, watched: Optional[Sequence[int]] = None,
                  baseline: Optional[Callable] = None, baseline_watched: Optional[Sequence[int]] = None,
-                 margin: float = 0.03, max_instances: int = 3):
+                 margin: float = 0.03, max_instances: int = 3, versioned: Optional[Sequence[int]] = None):
         """static_indices: parameter/buffer inputs (read in place, never copied); watched: those of
-        them the graph reads (default all), checked on every call. baseline: the unoptimized graph
-        (same arguments), a candidate per signature; baseline_watched: the parameters it reads."""
+        them the graph reads (default all), checked on every call for replacement; versioned: those
+        whose in-place changes ``refresh`` must see (default: all watched ones when there is a
+        ``refresh``, none without). baseline: the unoptimized graph (same arguments), a candidate per
+        signature; baseline_watched: the parameters it reads."""
         self.fn = fn
         self.baseline, self.margin = baseline, margin
         self.baseline_watched = (None if baseline_watched is None
                                  else sorted(set(baseline_watched) & set(static_indices)))
         self.static = set(static_indices)
-        self.watch = WeightWatch(sorted(self.static if watched is None else set(watched) & self.static))
+        indices = sorted(self.static if watched is None else set(watched) & self.static)
+        if refresh is None:
+            versioned = []
+        self.versioned = indices if versioned is None else sorted(set(versioned) & self.static)
+        self.watch = WeightWatch(indices, self.versioned)
         self.refresh = refresh
         self.max_graphs = max_graphs
         self.max_instances = max_instances
@@ -182,6 +189,11 @@ class CudaGraphRunner:
         self._epoch_counter = itertools.count()
         self._last = (None, None)  # (key, entry) of the previous call: the common case repeats it
         self._lent_ptrs: set = set()  # output storages of all captures
+        # the previous call, when it replayed a capture reading its inputs in place: (capture, key,
+        # data pointers expected at indices, indices, parameter versions, outputs a flat tuple); a
+        # call that finds all of them unchanged and the capture's outputs released replays it
+        # without further work
+        self._fast: Optional[tuple] = None
 
     def _key(self, args) -> tuple:
         key = [self._epoch]
@@ -226,6 +238,17 @@ class CudaGraphRunner:
                        for i in self.dynamic)
 
     def __call__(self, *args):
+        fast = self._fast
+        if fast is not None:
+            inst, key, ptr_list, indices, versions, flat = fast
+            if (_PTRS_EQUAL(list(args), ptr_list, indices) and inst.free() and self._key(args) == key
+                    and (not versions or self.watch.current_versions(args) == versions)):
+                inst.graph.replay()
+                return tuple(map(_DETACH, inst.outputs)) if flat else _lend(inst.outputs)
+            self._fast = None
+        return self._call(args)
+
+    def _call(self, args):
         if self.dynamic is None:
             self.dynamic = [i for i in range(len(args)) if i not in self.static]
         ptrs_changed, changed = self.watch.check(args)
@@ -252,11 +275,13 @@ class CudaGraphRunner:
             self._last = (key, entry)
         if not entry.use_graph:
             return self.fn(*args)
-        return self._replay(entry, args)
+        return self._replay(entry, args, key)
 
-    def _replay(self, entry: _Entry, args):
+    def _replay(self, entry: _Entry, args, key=None):
         for inst in entry.instances:  # the first capture that reads these inputs, outputs released
             if inst.serves(args):
+                if key is not None and inst.input_ptrs is not None and inst.lendable:
+                    self._remember(inst, key, args)
                 break
         else:  # all busy, or inputs elsewhere: a buffered capture, up to max_instances, else the
             # capture whose outputs are never lent (copied out on every call)
@@ -271,6 +296,20 @@ class CudaGraphRunner:
             buf.copy_(args[i])
         inst.graph.replay()
         return _lend(inst.outputs) if inst.lendable else _copy_out(inst.outputs)
+
+    def _remember(self, inst: _Instance, key: tuple, args) -> None:
+        """Let the next call replay ``inst`` after one check of data pointers (parameters and
+        inputs, one C++ call), the signature key and the watched versions."""
+        if _PTRS_EQUAL is None or not all(isinstance(args[i], torch.Tensor) for i in self.dynamic):
+            return  # symbolic sizes among the arguments: the full path decides
+        ptr_list: list = [None] * len(args)
+        for i, p in zip(self.watch.indices, self.watch.ptrs):
+            ptr_list[i] = p
+        for i, p in inst.input_ptrs.items():
+            ptr_list[i] = p
+        indices = sorted(set(self.watch.indices) | set(inst.input_ptrs))
+        flat = type(inst.outputs) is tuple and all(isinstance(o, torch.Tensor) for o in inst.outputs)
+        self._fast = (inst, key, ptr_list, indices, self.watch.versions if self.watch.version_indices else (), flat)
 
     def _decide(self, entry: _Entry, args) -> None:
         fns = {"graph_ms": lambda: self._replay(entry, args), "plain_ms": lambda: self.fn(*args)}
@@ -292,7 +331,7 @@ class CudaGraphRunner:
         from now on the per-call watch covers them too, keeping the current graph key."""
         if self.baseline_watched is None or set(self.baseline_watched) <= set(self.watch.indices):
             return
-        self.watch = WeightWatch(sorted(set(self.watch.indices) | set(self.baseline_watched)))
+        self.watch = WeightWatch(sorted(set(self.watch.indices) | set(self.baseline_watched)), self.versioned)
         self.watch.check(args)
         self._ptr_epochs[self.watch.ptrs] = self._epoch
 

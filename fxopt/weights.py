@@ -17,12 +17,18 @@ _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 class WeightWatch:
     """Notices, per call, when parameter/buffer inputs were replaced (new storage) or changed in
     place (version counter moved). Runs on every replay, so it does a handful of C-level calls
-    over the whole list rather than Python work per parameter."""
+    over the whole list rather than Python work per parameter.
 
-    def __init__(self, indices: Sequence[int]):
+    ``version_indices`` (default: all of ``indices``): the inputs whose in-place changes matter
+    (those feeding folded constants); the others are only checked for replacement."""
+
+    def __init__(self, indices: Sequence[int], version_indices: Optional[Sequence[int]] = None):
         self.indices = list(indices)
         n = len(self.indices)
+        self.version_indices = self.indices if version_indices is None else sorted(set(version_indices))
         self._getter = operator.itemgetter(*self.indices) if n > 1 else None
+        nv = len(self.version_indices)
+        self._version_getter = operator.itemgetter(*self.version_indices) if nv > 1 else None
         self.ptrs: Optional[tuple] = None
         self.versions: Optional[tuple] = None
         self._cpp = _PTRS_EQUAL is not None and n > 0
@@ -42,10 +48,16 @@ class WeightWatch:
             return self._getter(args)
         return tuple(args[i] for i in self.indices)
 
+    def current_versions(self, args) -> tuple:
+        """The version counters of the watched-for-versions inputs in ``args``."""
+        if self._version_getter is not None:
+            return tuple(map(_VERSION, self._version_getter(args)))
+        return tuple(args[i]._version for i in self.version_indices)
+
     def check(self, args) -> tuple[bool, bool]:
         """(pointers changed, anything changed) since the previous call."""
         params = self._gather(args)
-        versions = tuple(map(_VERSION, params))
+        versions = self.current_versions(args)
         ptrs_changed = not self._same_ptrs(args, params)
         if ptrs_changed:
             self.ptrs = tuple(map(_DATA_PTR, params))

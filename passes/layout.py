@@ -16,9 +16,12 @@ is converted back to the memory format eager gives (recorded before the
 pipeline), so outputs have exactly eager's strides. Conversions of values that
 are already in the wanted format are dropped.
 
-Illegal / skipped: option ``layout="contiguous"``; ``"auto"`` on CPU or for
+Illegal / skipped: option ``layout="contiguous"``; ``"auto"`` on CPU, for
 graphs with fewer than two 2-D convolutions (not conv-heavy: the boundary
-copies would cost more than they save); training graphs.
+copies would cost more than they save) and for graphs whose convolutions all
+have fewer than ``MIN_CHANNELS`` input (per group) or output channels (small
+CNNs: nothing for NHWC kernels to vectorize over, only copies to pay); training
+graphs.
 """
 from __future__ import annotations
 
@@ -71,7 +74,19 @@ def should_run(gm: fx.GraphModule, ctx: PassContext) -> str | None:
             return "layout='auto' keeps NCHW on CPU"
         if len(convs) < 2:
             return "not conv-heavy (fewer than two 2-D convolutions)"
+        if not any(_wide(n) for n in convs):
+            return f"every convolution has fewer than {MIN_CHANNELS} input or output channels"
     return None
+
+
+#: NHWC pays where convs have channels to vectorize over (tensor-core kernels); a network whose
+#: convs all have fewer in- or output channels (a small CNN) would only pay the boundary copies
+MIN_CHANNELS = 16
+
+
+def _wide(conv: fx.Node) -> bool:
+    w = val(conv.args[1])
+    return w is not None and w.dim() == 4 and min(int(w.shape[0]), int(w.shape[1])) >= MIN_CHANNELS
 
 
 def _convert(g: fx.Graph, node: fx.Node, fmt, cache: dict) -> fx.Node:

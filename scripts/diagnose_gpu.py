@@ -134,7 +134,8 @@ def main():
                 cpu["wrappers_cpu"].append(cpu_us(c, x))
             runner.__class__ = real
             row.update({k: min(v) for k, v in cpu.items()})
-            info += f" decisions={runner.decisions()} watched={len(runner.watch.indices)}/{len(runner.static)}"
+            info += (f" decisions={runner.decisions()} watched={len(runner.watch.indices)}/{len(runner.static)}"
+                     f" versioned={len(runner.watch.version_indices)} fast_path={runner._fast is not None}")
         row["noop"] = noop_us(model, x)
         if a.inductor:
             torch.compiler.reset()

@@ -112,3 +112,96 @@ def test_cudagraphs_refused_where_the_graph_writes_an_input():
     g.output((y,))
     reason = unsafe_reason(torch.fx.GraphModule(torch.nn.Module(), g), "inference", "cuda")
     assert reason == "input x is written in place", reason
+
+
+# ---------------------------------------------------------------------------- the runner's call path
+class _SimulatedGraph:
+    """Stands in for a captured CUDA graph on the CPU: a replay recomputes the outputs in place
+    from the tensors the capture read (the caller's inputs for a direct capture)."""
+
+    def __init__(self, fn, args, outputs):
+        self.fn, self.args, self.outputs, self.replays = fn, list(args), outputs, 0
+
+    def replay(self):
+        self.replays += 1
+        for out, new in zip(self.outputs, self.fn(*self.args)):
+            out.copy_(new)
+
+
+def _simulated_runner(fn, static, **kw):
+    from fxopt.backends.cudagraphs import CudaGraphRunner, _Instance
+
+    class Simulated(CudaGraphRunner):
+        def _capture(self, args, fn, lend=True, direct=False):
+            call_args, static_inputs = list(args), {}
+            for i in self.dynamic:
+                if not direct:
+                    static_inputs[i] = call_args[i] = args[i].clone()
+            outputs = tuple(o.clone() for o in fn(*call_args))
+            ptrs = {i: args[i].data_ptr() for i in self.dynamic} if direct else None
+            inst = _Instance(_SimulatedGraph(fn, call_args, outputs), static_inputs, ptrs, outputs, args, lend)
+            self._lent_ptrs.update(inst.out_ptrs)
+            self.captures += 1
+            return inst
+
+        def _decide(self, entry, args):
+            entry.timings = {"graph_ms": 0.0, "plain_ms": 1.0}
+
+    runner = Simulated(fn, static, **kw)
+    runner.captures = 0
+    return runner
+
+
+def test_repeated_calls_take_the_fast_path_and_see_new_input_values():
+    w = torch.randn(5, 3)
+    refreshed = []
+    runner = _simulated_runner(lambda w, x: (x @ w.T,), [0], refresh=refreshed.append, versioned=[0])
+    x = torch.randn(2, 3)
+    first = runner(w, x)
+    torch.testing.assert_close(first[0], x @ w.T)
+    assert runner._fast is not None and runner.captures == 1 and len(refreshed) == 1
+    del first  # released: the next call may hand out the same buffers
+    inst = runner._fast[0]
+    x.copy_(torch.randn(2, 3))  # new values at the same address: a direct capture reads them
+    second = runner(w, x)
+    torch.testing.assert_close(second[0], x @ w.T)
+    assert inst.graph.replays == 2 and runner._fast[0] is inst and runner.captures == 1
+    assert len(refreshed) == 1  # nothing changed: no refresh
+
+
+def test_fast_path_declines_held_outputs_moved_inputs_and_changed_weights():
+    w = torch.randn(5, 3)
+    refreshed = []
+    runner = _simulated_runner(lambda w, x: (x @ w.T,), [0], refresh=refreshed.append, versioned=[0])
+    x = torch.randn(2, 3)
+    held = runner(w, x)
+    snapshot = held[0].clone()
+    again = runner(w, x)  # `held` is still referenced: a second (buffered) capture serves
+    assert runner.captures == 2 and again[0].data_ptr() != held[0].data_ptr()
+    assert torch.equal(held[0], snapshot)
+    del held, again
+    other = torch.randn(2, 3)  # inputs elsewhere: the full path finds the buffered capture
+    out = runner(w, other)
+    torch.testing.assert_close(out[0], other @ w.T)
+    assert runner._fast is None and runner.captures == 2
+    del out
+    with torch.no_grad():
+        w.mul_(2)  # in place: the folded constants must be refreshed before the replay
+    out = runner(w, x)
+    torch.testing.assert_close(out[0], x @ w.T)
+    assert len(refreshed) == 2
+    del out
+    w2 = torch.randn(5, 3)  # a replaced parameter: a new signature, captured anew
+    out = runner(w2, x)
+    torch.testing.assert_close(out[0], x @ w2.T)
+    assert runner.captures == 3
+
+
+def test_only_parameters_feeding_folded_constants_are_watched_for_versions():
+    from fxopt.backends.cudagraphs import CudaGraphRunner
+
+    fn = lambda *a: a  # noqa: E731
+    assert CudaGraphRunner(fn, [0, 1, 2]).watch.version_indices == []  # no refresh: reads in place
+    r = CudaGraphRunner(fn, [0, 1, 2], refresh=lambda a: None, versioned=[1])
+    assert r.watch.indices == [0, 1, 2] and r.watch.version_indices == [1]
+    assert CudaGraphRunner(fn, [0, 1], refresh=lambda a: None).watch.version_indices == [0, 1]

@@ -207,6 +207,23 @@ def test_layout_channels_last_gives_eager_strides():
     assert got.stride() == want.stride()
 
 
+def test_layout_auto_skips_small_cnns_and_takes_conv_heavy_ones_on_cuda():
+    from fxopt.config import Options
+    from fxopt.passes.layout import should_run
+    from fxopt.passinfra import PassContext
+    from fxopt.testing.models import SeedCNN
+
+    def reason(model):
+        r = fxopt.explain(model.eval(), torch.randn(1, 3, 32, 32), options={"layout": "contiguous"})
+        return should_run(r.after, PassContext(options=Options(), device_type="cuda"))
+
+    # conv 3->6 and 6->16: nothing for NHWC kernels to vectorize over, only boundary copies
+    assert reason(SeedCNN()) == "every convolution has fewer than 16 input or output channels"
+    assert reason(SmallResNet()) is None
+    assert reason(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 16, 3))) is not None
+    assert reason(nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Conv2d(16, 16, 3))) is None
+
+
 def test_layout_returns_conv_output_with_eager_strides():
     m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
     for fmt in (torch.contiguous_format, torch.channels_last):

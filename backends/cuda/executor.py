@@ -17,6 +17,10 @@ activation. Candidates per convolution:
   C_in*KH*KW <= 512, groups 1: stems, small CNNs), one generated direct-convolution kernel with the
   epilogue fused (``direct_conv.py``), in two output-channel tilings.
 
+A ``fused_linear`` over at most 16 rows (a classifier head at small batch) gets one generated
+kernel with bias and activation fused as a candidate (``generated_linear``, ``linear.py``) against
+cuBLAS followed by the activation.
+
 A max pool (indices unused) fed by such a conv that nothing else reads is then measured once more
 as one kernel, conv + epilogue + pool (``generated_directconv_maxpool_t<tile>``), against the conv
 and the pool as already chosen; where it wins, one node replaces the pair.
@@ -39,11 +43,12 @@ import torch
 import torch.fx as fx
 
 from fxopt.backends.cuda.direct_conv import conv_maxpool_chain, plan_conv_maxpool, plan_direct_conv
+from fxopt.backends.cuda.linear import plan_linear
 from fxopt.backends.cuda.regions import PLANNERS as REGION_PLANNERS, layout_name
 from fxopt.ops import conv_by_algorithm, fused_conv_ref
 
 
-PLANNERS = REGION_PLANNERS + (plan_direct_conv,)
+PLANNERS = REGION_PLANNERS + (plan_direct_conv, plan_linear)
 
 
 @dataclass

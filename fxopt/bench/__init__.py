@@ -311,6 +311,7 @@ def run_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] = None) -
                 "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32},
             "config": {k: getattr(a, k) for k in ("models", "batch", "dtype", "backends", "quick",
                                                    "warmup", "iters", "rounds", "cold", "seed", "time_budget")}}
+    meta["config"]["rewarm"] = a.warmup  # untimed calls at the start of every round
     fx_ok, fx_why = R.fxopt_available()
     meta["fxopt_available"] = fx_ok if fx_ok else f"no ({fx_why})"
     results: Dict[str, Any] = {"meta": meta, "peak": {}, "flops": {}, "cells": [], "checks": []}
@@ -370,7 +371,7 @@ def run_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] = None) -
                     for r in range(a.rounds if a.rounds > 1 else 0):
                         for live in lives:
                             if isinstance(live, R.LiveCell):
-                                R.time_round(live, a.device, per_round, rewarm=3, error_log=errors)
+                                R.time_round(live, a.device, per_round, rewarm=a.warmup, error_log=errors)
                     for live in lives:
                         cell = R.finish_cell(live, a.device, a.rounds) if isinstance(live, R.LiveCell) else live
                         cell = {"model": name, "batch": b, "dtype": dt, **cell, "gflop": flops and flops / 1e9}

@@ -148,8 +148,9 @@ def _header(results: Dict[str, Any]) -> List[str]:
             lines.append(f"- command: `{m['command']}`")
     timer = "CUDA events around each call" if m.get("device_type") == "cuda" else "time.perf_counter around each call"
     rounds = cfg.get("rounds") or 1
-    spread = (f" in {rounds} rounds, the backends of a row taking turns (all kept compiled)" if rounds > 1
-              else ", each backend on its own")
+    rewarm = cfg.get("rewarm", 3)  # results written before the per-round warm-up was recorded: 3
+    spread = (f" in {rounds} rounds, the backends of a row taking turns (all kept compiled; each round "
+              f"after {rewarm} untimed calls)" if rounds > 1 else ", each backend on its own")
     lines.append(f"- timing: median ms of {cfg.get('iters', '?')} timed calls after "
                  f"{cfg.get('warmup', '?')} warm-up calls{spread} ({timer}); ± is the IQR; "
                  "accuracy: max relative error ‖out−ref‖∞/‖ref‖∞ vs fp32 eager (TF32 off)"

@@ -1,0 +1,165 @@
+"""Linear layers over few rows (backends/cuda/linear.py): which fused_linear nodes get a
+candidate and which are declined, that every generated variant compiles with NVRTC (CPU), the
+launch checks (CPU), and that the kernel computes what PyTorch computes (GPU, hypothesis over
+sizes, dtypes, rows and epilogues; the compiled seed CNN picks it where it is faster)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fxopt
+from fxopt.backends import torch_ref
+from fxopt.backends.cuda.codegen import Epilogue
+from fxopt.backends.cuda.linear import (MAX_ROWS, LinearRows, generate_linear, launch_linear, plan_linear,
+                                        row_capacity, vector_width)
+from fxopt.backends.cuda.nvrtc import compile_many, nvrtc_available
+from fxopt.ops import fused_linear_ref
+from fxopt.testing.models import SeedCNN
+from fxopt.tolerances import relative_error
+
+needs_nvrtc = pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (cuda-core) not importable")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+ACTS = [None, "relu", ("hardtanh", (0.0, 6.0)), "gelu", "silu", "sigmoid"]
+
+
+def lowered(model, x, options=None):
+    r = fxopt.explain(model, x, options=dict({"executor": "torch"}, **(options or {})))
+    return torch_ref.lower(r.graphs[0].after)
+
+
+def linear_nodes(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fused_linear_ref]
+
+
+# ---------------------------------------------------------------------------- planning (CPU)
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_plans_the_three_seedcnn_linears_with_their_epilogues(batch):
+    gm = lowered(SeedCNN().eval(), torch.randn(batch, 3, 32, 32))
+    nodes = linear_nodes(gm)
+    assert len(nodes) == 3
+    cands = [plan_linear(n) for n in nodes]
+    assert all(isinstance(c, LinearRows) for c in cands)
+    assert [(c.spec["k"], c.spec["n"]) for c in cands] == [(400, 120), (120, 84), (84, 10)]
+    assert [c.spec["epilogue"] for c in cands] == [Epilogue(True, False, ("relu", ())),
+                                                   Epilogue(True, False, ("relu", ())), Epilogue(True, False, None)]
+    assert all(c.spec["rows"] == row_capacity(batch) and c.spec["rows"] >= batch for c in cands)
+    assert all(c.spec["dtype"] == torch.float32 and c.label == "linear" for c in cands)
+
+
+def _linear_graph(x, w, b, act="none"):
+    """A hand-built graph: one fused_linear node over placeholders carrying example values."""
+    g = torch.fx.Graph()
+    nodes = []
+    for name, v in (("x", x), ("w", w), ("b", b)):
+        node = g.placeholder(name) if v is not None else None
+        if node is not None:
+            node.meta["val"] = v
+        nodes.append(node)
+    lin = g.call_function(fused_linear_ref, (nodes[0], nodes[1], nodes[2], act, []))
+    lin.meta["val"] = torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype)
+    g.output((lin,))
+    return lin
+
+
+def test_declines_batches_beyond_the_row_limit_and_other_inputs():
+    gm = lowered(SeedCNN().eval(), torch.randn(MAX_ROWS + 1, 3, 32, 32))
+    assert [plan_linear(n) for n in linear_nodes(gm)] == [None] * 3  # a GEMM: cuBLAS
+    w, b = torch.randn(4, 8), torch.randn(4)
+    assert plan_linear(_linear_graph(torch.randn(2, 8), w, b, "relu")).spec["rows"] == 2
+    assert plan_linear(_linear_graph(torch.randn(2, 8), w, None)).spec["epilogue"] == Epilogue(False, False, None)
+    assert plan_linear(_linear_graph(torch.randn(2, 3, 8), w, b)) is None  # 3-D input
+    assert plan_linear(_linear_graph(torch.randn(2, 8).half(), w.half(), b)) is None  # fp32 bias, fp16 x
+    assert plan_linear(_linear_graph(torch.randn(2, 8).half(), w, None)) is None  # fp32 weight, fp16 x
+    assert plan_linear(_linear_graph(torch.randn(8, 2).T, w, b)) is None  # a transposed input
+    assert plan_linear(_linear_graph(torch.randn(2, 8, dtype=torch.float64), w.double(), b.double())) is None
+    assert plan_linear(_linear_graph(torch.randn(2, 8), w, b).args[0]) is None  # not a linear
+
+
+def test_row_capacity_and_vector_width():
+    assert [row_capacity(m) for m in (1, 2, 3, 4, 5, 16)] == [1, 2, 4, 4, 8, 16]
+    with pytest.raises(ValueError):
+        row_capacity(0)
+    with pytest.raises(ValueError):
+        row_capacity(MAX_ROWS + 1)
+    assert vector_width(400, torch.float32) == 4 and vector_width(84, torch.float16) == 4
+    assert vector_width(2048, torch.bfloat16) == 8 and vector_width(7, torch.float32) == 1
+    with pytest.raises(ValueError):
+        generate_linear(8, 8, 16, features_per_warp=4)  # 64 outputs per warp > 32 lanes
+    with pytest.raises(ValueError):
+        generate_linear(8, 8, 1, epilogue=Epilogue(False, True, None))  # no residual
+
+
+def test_launch_checks_sizes_dtypes_and_alignment_before_launching():
+    ks = generate_linear(16, 4, 2, torch.float32, Epilogue(True, False, None))
+    x, w, b, out = torch.randn(2, 16), torch.randn(4, 16), torch.randn(4), torch.empty(2, 4)
+    with pytest.raises(ValueError, match="do not match"):
+        launch_linear(ks, torch.randn(2, 15), w, out, b)
+    with pytest.raises(ValueError, match="rows"):
+        launch_linear(ks, torch.randn(3, 16), w, torch.empty(3, 4), b)
+    with pytest.raises(ValueError, match="bias missing"):
+        launch_linear(ks, x, w, out, None)
+    with pytest.raises(ValueError, match="contiguous"):
+        launch_linear(ks, x.half(), w, out, b)
+    with pytest.raises(ValueError, match="contiguous"):
+        launch_linear(ks, x, torch.randn(16, 4).T, out, b)
+    with pytest.raises(ValueError, match="aligned"):
+        launch_linear(ks, torch.randn(2 * 16 + 1)[1:].view(2, 16), w, out, b)
+
+
+def test_candidate_declines_cpu_tensors_and_other_shapes():
+    c = LinearRows("lin", {"k": 16, "n": 4, "rows": 2, "dtype": torch.float32,
+                           "epilogue": Epilogue(True, False, None)})
+    c.kernels[0] = object()  # "compiled": the run-time checks come first
+    x, w, b = torch.randn(2, 16), torch.randn(4, 16), torch.randn(4)
+    assert c(x, w, b, "none", []) is None  # CPU tensors
+    assert c(torch.randn(3, 16), w, b, "none", []) is None
+
+
+@needs_nvrtc
+@settings(max_examples=12, deadline=None)  # each example: 1 NVRTC compilation
+@given(k=st.integers(1, 600), n=st.integers(1, 300), rows=st.sampled_from([1, 2, 4, 8, 16]),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), bias=st.booleans(),
+       act=st.sampled_from(ACTS), nw=st.sampled_from([1, 2]))
+def test_every_variant_compiles_with_nvrtc(k, n, rows, dtype, bias, act, nw):
+    if rows * nw > 32:
+        nw = 1
+    ks = generate_linear(k, n, rows, dtype, Epilogue(bias, False, act), nw)
+    assert f"linear, few rows" in ks.source and ks.meta["vec"] == vector_width(k, dtype)
+    (compiled,) = compile_many([ks])
+    assert compiled.compiled
+
+
+# ---------------------------------------------------------------------------- GPU: values
+def _reference(x, w, b, act):
+    y = F.linear(x.double(), w.double(), None if b is None else b.double())
+    if act is None:
+        return y
+    if isinstance(act, tuple):
+        return y.clamp(*act[1])
+    return {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "sigmoid": torch.sigmoid}[act](y)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, MAX_ROWS), k=st.integers(1, 2100), n=st.integers(1, 1100),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), bias=st.booleans(),
+       act=st.sampled_from(ACTS), nw=st.sampled_from([1, 2]))
+def test_kernel_matches_pytorch_on_gpu(m, k, n, dtype, bias, act, nw):
+    rows = row_capacity(m)
+    nw = nw if rows * nw <= 32 else 1
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
+    b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
+    ks = generate_linear(k, n, rows, dtype, Epilogue(bias, False, act), nw)
+    out = launch_linear(ks, x, w, torch.full((m, n), float("nan"), device="cuda", dtype=dtype), b)
+    assert relative_error(out.double(), _reference(x, w, b, act)) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_empty_batch_launches_nothing_on_gpu():
+    ks = generate_linear(32, 8, 1, torch.float32)
+    out = torch.empty(0, 8, device="cuda")
+    assert launch_linear(ks, torch.empty(0, 32, device="cuda"), torch.randn(8, 32, device="cuda"), out) is out
