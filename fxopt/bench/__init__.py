@@ -154,8 +154,12 @@ def _versions() -> Dict[str, Optional[str]]:
 
 def _git_commit() -> Optional[str]:
     """The checkout's commit (with "+dirty" for uncommitted changes) when fxopt runs from a git
-    checkout (editable install, the GPU machine's copy), else None."""
+    checkout (editable install, the GPU machine's copy), else None. ``FXOPT_COMMIT`` in the
+    environment overrides it: a copy of the tree whose ``.git`` is not its own says which commit it is."""
     import subprocess
+
+    if os.environ.get("FXOPT_COMMIT"):
+        return os.environ["FXOPT_COMMIT"]
 
     here = os.path.dirname(os.path.abspath(__file__))
     try:
