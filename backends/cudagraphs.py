@@ -18,6 +18,9 @@ Contract (what a caller can rely on):
   replay; folded weights are refreshed (in place) before each replay when a weight changed;
   replacing a parameter object (new storage) is a new signature and is captured anew.
 - At most ``max_graphs`` signatures are captured; calls with further signatures run uncaptured.
+- A call that repeats the previous one (same parameter and input addresses, same signature, the
+  previous outputs released, no in-place change of a parameter that feeds folded constants) replays
+  the same capture after that one check; anything else takes the full path above.
 - Off where unsafe: training graphs, CPU inputs, graphs that write an input in place, ops that
   synchronize with the host or allocate data-dependent shapes; the reason is recorded in the report.
 - Measured, not assumed: after capturing a signature, replay (with its input and output copies)
