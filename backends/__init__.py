@@ -37,6 +37,21 @@ def _constants_refresher(gm: fx.GraphModule):
     return (lambda args: module(*[args[i] for i in idx])), idx
 
 
+def _decisions_cache(ctx, runnable: fx.GraphModule, baseline) -> tuple | None:
+    """Where the CUDA-graph runner keeps its replay decisions: the autotuning cache, keyed by the
+    code of the graphs it decides between (None with ``autotune_cache=False``)."""
+    import hashlib
+
+    from fxopt.autotune import AutotuneCache, default_cache_path, device_fingerprint
+
+    opt = ctx.options.autotune_cache
+    if opt is False:
+        return None
+    code = runnable.code + ("" if baseline is None else baseline.code)
+    cache = AutotuneCache(opt if isinstance(opt, str) else default_cache_path())
+    return cache, device_fingerprint("cuda"), hashlib.sha256(code.encode()).hexdigest()[:16]
+
+
 def lower(gm: fx.GraphModule, ctx, kind: str):
     """Returns (callable, info) where info has executor, cudagraphs and kernels."""
     executor = resolve_executor(ctx.options.executor, ctx.device_type, kind)
@@ -70,7 +85,8 @@ def lower(gm: fx.GraphModule, ctx, kind: str):
     refresh, folded_from = _constants_refresher(runnable)
     runner = CudaGraphRunner(runnable, static, refresh=refresh, versioned=folded_from,
                              max_graphs=ctx.options.cudagraph_max_signatures, watched=watched,
-                             baseline=baseline, baseline_watched=baseline_watched)
+                             baseline=baseline, baseline_watched=baseline_watched,
+                             decisions_cache=_decisions_cache(ctx, runnable, baseline))
     info["cudagraphs"] = f"on (up to {ctx.options.cudagraph_max_signatures} signatures)"
     info["baseline_check"] = baseline is not None
     info["cudagraph_runner"] = runner  # its decisions() say, per signature, replay vs plain timings

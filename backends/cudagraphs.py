@@ -26,6 +26,8 @@ Contract (what a caller can rely on):
 - Measured, not assumed: after capturing a signature, replay (with its input and output copies)
   and a plain run are timed a few times with CUDA events; if the plain run is faster (large
   activations, where the copies cost more than the launches saved), that signature runs uncaptured.
+  The decision is kept in the autotuning cache (keyed by both graphs' code, the signature and the
+  device): a later compile of the same graphs replays it without measuring.
 - Never slower than the unoptimized graph: with a ``baseline`` (the graph as AOTAutograd handed it
   over, before any pass: PyTorch's own kernels), that graph is captured too and timed in
   alternation with the optimized one; where it is faster by more than ``margin`` the signature
@@ -34,6 +36,7 @@ Contract (what a caller can rely on):
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -163,13 +166,17 @@ class CudaGraphRunner:
     def __init__(self, fn: Callable, static_indices: Sequence[int], refresh: Optional[Callable] = None,
                  max_graphs: int = 8, warmup: int = 2, watched: Optional[Sequence[int]] = None,
                  baseline: Optional[Callable] = None, baseline_watched: Optional[Sequence[int]] = None,
-                 margin: float = 0.03, max_instances: int = 3, versioned: Optional[Sequence[int]] = None):
+                 margin: float = 0.03, max_instances: int = 3, versioned: Optional[Sequence[int]] = None,
+                 decisions_cache: Optional[tuple] = None):
         """static_indices: parameter/buffer inputs (read in place, never copied); watched: those of
         them the graph reads (default all), checked on every call for replacement; versioned: those
         whose in-place changes ``refresh`` must see (default: all watched ones when there is a
         ``refresh``, none without). baseline: the unoptimized graph (same arguments), a candidate per
-        signature; baseline_watched: the parameters it reads."""
+        signature; baseline_watched: the parameters it reads. decisions_cache: (AutotuneCache, device,
+        graph key): a signature decided before (same graphs, same device) is not measured again, and
+        a losing baseline is then not even captured."""
         self.fn = fn
+        self.decisions_cache = decisions_cache
         self.baseline, self.margin = baseline, margin
         self.baseline_watched = (None if baseline_watched is None
                                  else sorted(set(baseline_watched) & set(static_indices)))
@@ -272,9 +279,11 @@ class CudaGraphRunner:
                 if len(self.graphs) >= self.max_graphs:
                     self.uncaptured_calls += 1
                     return self.fn(*args)
+                t0 = time.perf_counter()
                 entry = self.graphs[key] = _Entry(self.fn, self._capture(args, self.fn,
                                                                          direct=self._may_read_directly(args)))
                 self._decide(entry, args)
+                entry.timings["capture_and_decide_s"] = round(time.perf_counter() - t0, 3)
             self._last = (key, entry)
         if not entry.use_graph:
             return self.fn(*args)
@@ -314,20 +323,38 @@ class CudaGraphRunner:
         flat = type(inst.outputs) is tuple and all(isinstance(o, torch.Tensor) for o in inst.outputs)
         self._fast = (inst, key, ptr_list, indices, self.watch.versions if self.watch.version_indices else (), flat)
 
+    def _decision_key(self, args) -> Optional[str]:
+        if self.decisions_cache is None:
+            return None
+        sig = [(tuple(a.shape), a.stride(), str(a.dtype)) if isinstance(a, torch.Tensor) else repr(a)
+               for a in (args[i] for i in self.dynamic)]
+        return f"cudagraph_runner|{self.decisions_cache[2]}|baseline={self.baseline is not None}|{sig}"
+
     def _decide(self, entry: _Entry, args) -> None:
-        fns = {"graph_ms": lambda: self._replay(entry, args), "plain_ms": lambda: self.fn(*args)}
-        base = None
-        if self.baseline is not None:
-            direct = entry.instances[0].input_ptrs is not None
-            base = _Entry(self.baseline, self._capture(args, self.baseline, direct=direct))
-            fns["baseline_graph_ms"] = lambda: self._replay(base, args)
-        entry.timings = _alternating_medians(fns)
-        entry.runs = choose(entry.timings, self.margin)
+        key, base = self._decision_key(args), None
+        cached = self.decisions_cache[0].get(self.decisions_cache[1], key) if key else None
+        if cached is not None and cached.get("runs") in ("optimized graph", "optimized plain", "baseline graph"):
+            entry.timings, entry.runs = dict(cached["timings"], cached=True), cached["runs"]
+        else:
+            fns = {"graph_ms": lambda: self._replay(entry, args), "plain_ms": lambda: self.fn(*args)}
+            if self.baseline is not None:
+                base = self._capture_baseline(entry, args)
+                fns["baseline_graph_ms"] = lambda: self._replay(base, args)
+            entry.timings = _alternating_medians(fns)
+            entry.runs = choose(entry.timings, self.margin)
+            if key:
+                self.decisions_cache[0].put(self.decisions_cache[1], key,
+                                            {"runs": entry.runs, "timings": dict(entry.timings)})
         entry.use_graph = entry.runs != "optimized plain"
         if entry.runs == "baseline graph":
+            base = base or self._capture_baseline(entry, args)  # a cached decision: captured now
             entry.fn, entry.instances = base.fn, base.instances
             self._watch_baseline_params(args)
         # a losing baseline capture is dropped on return: its memory goes back to the pool
+
+    def _capture_baseline(self, entry: _Entry, args) -> _Entry:
+        direct = entry.instances[0].input_ptrs is not None
+        return _Entry(self.baseline, self._capture(args, self.baseline, direct=direct))
 
     def _watch_baseline_params(self, args) -> None:
         """The baseline reads parameters the optimized graph folded away (BatchNorm statistics...):

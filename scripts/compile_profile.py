@@ -27,6 +27,7 @@ def main():
     p.add_argument("--backend", default="fxopt")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--cprofile", type=int, default=0)
+    p.add_argument("--sort", default="cumulative", help="cProfile order: cumulative or tottime")
     a = p.parse_args()
     torch.backends.cudnn.benchmark = True
     dtype = getattr(torch, a.dtype)
@@ -70,9 +71,12 @@ def main():
         for k, v in g.executor_details.items():
             if k.endswith("_s") or k.endswith("_ms"):
                 print(f"    {k:28s} {v}")
+        runner = g.executor_details.get("cudagraph_runner")
+        if runner is not None:
+            print(f"    runner decisions            {runner.decisions()}")
     if prof:
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(a.cprofile)
+        pstats.Stats(prof, stream=s).sort_stats(a.sort).print_stats(a.cprofile)
         print("\n".join(line[:160] for line in s.getvalue().splitlines()))
 
 

@@ -217,6 +217,11 @@ def test_compile_many_keeps_order_and_raises():
     assert [k.name for k in out] == [n for n, _ in items]
     assert [k.source for k in out] == [s for _, s in items]
     assert nvrtc.compile_many([]) == []
+    name, src = unique_source()  # asked for three times (three nodes alike): compiled once
+    before = nvrtc.cache_stats().get("nvrtc_compiles", 0)
+    same = nvrtc.compile_many([(src, name)] * 3 + [(s, n) for n, s in items[:1]], arch=ARCH, max_workers=3)
+    assert nvrtc.cache_stats()["nvrtc_compiles"] == before + 1  # items[0] is in the memory cache already
+    assert same[0] is same[1] is same[2] and same[3].name == items[0][0]
     bad = [(s, n) for n, s in (unique_source() for _ in range(2))] + [("garbage(", "fx_bad")]
     with pytest.raises(nvrtc.CompileError):
         nvrtc.compile_many(bad, arch=ARCH)

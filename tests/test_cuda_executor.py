@@ -47,3 +47,16 @@ def test_plan_declines_without_epilogue_and_for_odd_layouts():
     assert r.kernels and all(k.name.startswith("fx_dconv3x3_c3x4") for k in r.kernels), [k.name for k in r.kernels]
     node = next(n for n in r.after.graph.nodes if n.op == "call_function" and n.target is fxopt.ops.FUSED_CONV)
     assert plan(node) is None  # not the runnable's target: only lowered graphs are planned
+
+
+def test_convs_with_the_same_epilogue_share_one_kernel_source():
+    from fxopt.backends import torch_ref
+    from fxopt.bench.models import build_model
+
+    model, shape = build_model("resnet18")
+    r = fxopt.explain(model.eval(), torch.randn(1, *shape), options={"executor": "torch", "layout": "channels_last"})
+    gm = torch_ref.lower(r.graphs[0].after)
+    plans = [p for p in (plan(n) for n in gm.graph.nodes) if p is not None]
+    sources = {(ks.name, ks.source) for p in plans for ks in p.sources.values()}
+    assert len(plans) == 20 and len(sources) <= 6  # relu / add+relu / none, two vector widths each
+    assert all("conv_epi_" in name and "convolution" not in name for name, _ in sources)

@@ -128,7 +128,9 @@ class _SimulatedGraph:
             out.copy_(new)
 
 
-def _simulated_runner(fn, static, **kw):
+def _simulated_runner(fn, static, real_decide=False, **kw):
+    """A runner whose captures are simulated; its replay-vs-plain decision is stubbed (the graph
+    wins) unless ``real_decide`` (then the test stubs the timing)."""
     from fxopt.backends.cudagraphs import CudaGraphRunner, _Instance
 
     class Simulated(CudaGraphRunner):
@@ -147,6 +149,8 @@ def _simulated_runner(fn, static, **kw):
         def _decide(self, entry, args):
             entry.timings = {"graph_ms": 0.0, "plain_ms": 1.0}
 
+    if real_decide:
+        del Simulated._decide
     runner = Simulated(fn, static, **kw)
     runner.captures = 0
     return runner
@@ -205,3 +209,46 @@ def test_only_parameters_feeding_folded_constants_are_watched_for_versions():
     r = CudaGraphRunner(fn, [0, 1, 2], refresh=lambda a: None, versioned=[1])
     assert r.watch.indices == [0, 1, 2] and r.watch.version_indices == [1]
     assert CudaGraphRunner(fn, [0, 1], refresh=lambda a: None).watch.version_indices == [0, 1]
+
+
+def test_replay_decisions_are_cached_and_a_losing_baseline_is_not_captured_again(monkeypatch):
+    from fxopt.autotune import AutotuneCache
+    from fxopt.backends import cudagraphs
+
+    measured = []
+
+    def fake_medians(fns, rounds=4, runs=3):
+        measured.append(sorted(fns))
+        return {"graph_ms": 1.0, "plain_ms": 2.0, "baseline_graph_ms": times["baseline"]}
+
+    monkeypatch.setattr(cudagraphs, "_alternating_medians", fake_medians)
+    cache, w, x = AutotuneCache(None), torch.randn(5, 3), torch.randn(2, 3)
+
+    def runner():
+        return _simulated_runner(lambda w, x: (x @ w.T,), [0], real_decide=True, baseline=lambda w, x: (x @ w.T,),
+                                 decisions_cache=(cache, "dev", "graphs-hash"))
+
+    times = {"baseline": 5.0}  # the optimized graph wins
+    first = runner()
+    torch.testing.assert_close(first(w, x)[0], x @ w.T)
+    assert first.captures == 2 and measured == [["baseline_graph_ms", "graph_ms", "plain_ms"]]
+    second = runner()  # same graphs, same signature: no measurement, no baseline capture
+    torch.testing.assert_close(second(w, x)[0], x @ w.T)
+    assert second.captures == 1 and len(measured) == 1
+    assert second.decisions()[0]["cached"] is True and second.decisions()[0]["runs"] == "optimized graph"
+    other = second(w, torch.randn(4, 3))  # a new signature is measured
+    assert len(measured) == 2 and other[0].shape == (4, 5)
+
+
+def test_a_cached_baseline_decision_captures_and_replays_the_baseline():
+    from fxopt.autotune import AutotuneCache
+
+    cache = AutotuneCache(None)
+    w, x = torch.randn(5, 3), torch.randn(2, 3)
+    r = _simulated_runner(lambda w, x: (x @ w.T,), [0], real_decide=True, baseline=lambda w, x: (x @ w.T + 0,),
+                          decisions_cache=(cache, "dev", "h"))
+    r.dynamic = [1]  # (set by the first call otherwise) to compute the key the call will use
+    cache.put("dev", r._decision_key([w, x]), {"runs": "baseline graph", "timings": {"graph_ms": 2.0}})
+    torch.testing.assert_close(r(w, x)[0], x @ w.T)
+    assert r.captures == 2 and r.decisions()[0]["runs"] == "baseline graph"
+    assert r.graphs[next(iter(r.graphs))].fn is r.baseline

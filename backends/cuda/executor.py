@@ -36,6 +36,7 @@ kernels are still generated and compiled with NVRTC and listed in the report; th
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -146,8 +147,13 @@ def plan(node: fx.Node) -> Optional[GeneratedEpilogue]:
     c = int(out.shape[1])
     hw = int(out.shape[2]) * int(out.shape[3])
     vec = max(v for v in (8, 4, 2, 1) if v * out.dtype.itemsize <= 16 and (c if layout == "nhwc" else hw) % v == 0)
-    return GeneratedEpilogue(f"conv_epi_{node.name}", out.dtype, layout, bias is not None, res is not None,
-                             node.args[8], node.args[9], vec)
+    # named by what it computes, not by the node: convs with the same epilogue share one kernel
+    # (one NVRTC compilation, see nvrtc.compile_many)
+    params = "_".join(f"{float(p):g}".replace("-", "m").replace(".", "p") for p in node.args[9])
+    name = (f"conv_epi_{'b' * (bias is not None)}{'r' * (res is not None)}_{node.args[8]}"
+            + (f"_{params}" if params else ""))
+    return GeneratedEpilogue(name, out.dtype, layout, bias is not None, res is not None, node.args[8],
+                             node.args[9], vec)
 
 
 def _real_args(node: fx.Node) -> list:
@@ -358,8 +364,10 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
         pair = plan_conv_maxpool(node)
         if pair is not None:
             pairs.append((node, *pair))
+    t0 = time.perf_counter()
     _compile([e for _, e, _ in planned if e is not None] + [r for _, _, rs in planned for r in rs]
              + [c for _, _, cs in pairs for c in cs], info)
+    info["nvrtc_s"] = round(time.perf_counter() - t0, 3)
     decisions = {}
     info["node_choices"] = decisions
     on_gpu = torch.cuda.is_available() and ctx.device_type == "cuda"
@@ -371,6 +379,7 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     cache = AutotuneCache(None if opt is False else (opt if isinstance(opt, str) else default_cache_path()))
     tuning = Tuning(cache, device_fingerprint("cuda"), ctx.options.cudagraphs is not False, ctx)
     changed = False
+    t0 = time.perf_counter()
     for node, epi, regions in planned:
         candidates = _candidates(node, epi, regions)
         if len(candidates) < 2:
@@ -381,6 +390,7 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
             changed = True
     for pool, conv, fused in pairs:  # after the per-node choices: the pair is measured against them
         changed |= _fuse_conv_maxpool(runnable, pool, conv, fused, tuning, decisions)
+    info["choose_s"] = round(time.perf_counter() - t0, 3)  # measurements, or autotuning-cache hits
     if changed:
         runnable.recompile()
     return runnable

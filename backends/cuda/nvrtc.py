@@ -424,9 +424,12 @@ def compile_many(items: Iterable, arch: str | None = None, options=(),
             jobs.append((it.source, it.name, getattr(it, "param_types", None)))
     if not jobs:
         return []
-    workers = max_workers or min(len(jobs), max(1, (os.cpu_count() or 2)))
-    if workers == 1 or len(jobs) == 1:
-        return [compile_kernel(s, n, arch, options, p) for s, n, p in jobs]
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fxopt-nvrtc") as ex:
-        futs = [ex.submit(compile_kernel, s, n, arch, options, p) for s, n, p in jobs]
-        return [f.result() for f in futs]
+    unique = list(dict.fromkeys(jobs))  # the same kernel asked for twice (two nodes alike): once
+    workers = max_workers or min(len(unique), max(1, (os.cpu_count() or 2)))
+    if workers == 1 or len(unique) == 1:
+        done = {job: compile_kernel(job[0], job[1], arch, options, job[2]) for job in unique}
+    else:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fxopt-nvrtc") as ex:
+            futs = {job: ex.submit(compile_kernel, job[0], job[1], arch, options, job[2]) for job in unique}
+            done = {job: f.result() for job, f in futs.items()}
+    return [done[job] for job in jobs]
