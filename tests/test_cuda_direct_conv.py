@@ -16,8 +16,8 @@ import fxopt.testing
 from fxopt.backends import torch_ref
 from fxopt.backends.cuda import executor as X
 from fxopt.backends.cuda.codegen import Epilogue
-from fxopt.backends.cuda.direct_conv import (DirectConv, cout_tile, generate_direct_conv2d, launch_direct_conv2d,
-                                             plan_conv_maxpool, plan_direct_conv)
+from fxopt.backends.cuda.direct_conv import (MAX_UNROLLED, DirectConv, cout_tile, generate_direct_conv2d,
+                                             launch_direct_conv2d, plan_conv_maxpool, plan_direct_conv)
 from fxopt.backends.cuda.nvrtc import compile_many, nvrtc_available
 from fxopt.ops import fused_conv_ref
 from fxopt.testing.models import SeedCNN
@@ -98,6 +98,10 @@ def test_cout_tile_keeps_enough_threads_and_fits_shared_memory():
     assert cout_tile(1 << 20, 64, 27) == 16           # plenty of pixels: the widest tile
     assert cout_tile(196, 6, 75) == 1                 # batch 1: one channel per thread
     assert cout_tile(1 << 20, 16, 512) * 512 <= 12288
+    assert cout_tile(1 << 20, 64, 147) * 147 <= MAX_UNROLLED  # a 7x7 stem: NVRTC-friendly unrolling
+    from fxopt.backends.cuda.direct_conv import _tiles
+    stem = {"cin": 3, "cout": 64, "k": (7, 7)}
+    assert all(t * 147 <= MAX_UNROLLED for t in _tiles(stem, torch.empty(1, 64, 112, 112)))
     with pytest.raises(ValueError):
         generate_direct_conv2d(16, 8, 3, epilogue=Epilogue(residual=True), pool=((2, 2), (2, 2), (0, 0)))
     with pytest.raises(ValueError):

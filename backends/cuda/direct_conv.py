@@ -42,14 +42,18 @@ _SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 MAX_REDUCTION = 512  # C_in * KH * KW
 MAX_CIN, MAX_COUT = 16, 128  # stems and small CNNs; wider convs are GEMMs that cuDNN runs better
 SMEM_FLOATS = 12288  # 48 KiB of weights per block
+#: multiply-adds a thread's fully unrolled reduction holds (tile x C_in x KH x KW): beyond this NVRTC
+#: takes seconds per kernel (a 7x7 stem: ~9 s with 16 channels per block, ~2.5 s with 8) for no measured gain
+MAX_UNROLLED = 600
 _MAX_GRID = 65535
 
 
 def cout_tile(pixels: int, cout: int, reduction: int) -> int:
     """Output channels per block: all of them (each input value read once per pixel) unless that
-    leaves too few threads to fill the GPU, at most 16 (registers), weights within shared memory."""
+    leaves too few threads to fill the GPU, at most 16 (registers), weights within shared memory and
+    the unrolled reduction within ``MAX_UNROLLED``."""
     tile = min(cout, 16)
-    while tile > 1 and (pixels * -(-cout // tile) < (1 << 17) or tile * reduction > SMEM_FLOATS):
+    while tile > 1 and (pixels * -(-cout // tile) < (1 << 17) or tile * reduction > min(SMEM_FLOATS, MAX_UNROLLED)):
         tile = -(-tile // 2)
     return tile
 
@@ -267,11 +271,12 @@ class DirectConv:
 
 
 def _tiles(spec: dict, out: torch.Tensor) -> list[int]:
-    """Two tile sizes to measure: the heuristic's (enough threads) and all channels (up to 16)."""
+    """Two tile sizes to measure: the heuristic's (enough threads) and all channels (up to 16, as
+    long as the unrolled reduction stays within ``MAX_UNROLLED``)."""
     n, _, oh, ow = (int(d) for d in out.shape)
     reduction = spec["cin"] * spec["k"][0] * spec["k"][1]
     full = min(spec["cout"], 16)
-    while full * reduction > SMEM_FLOATS:
+    while full > 1 and full * reduction > min(SMEM_FLOATS, MAX_UNROLLED):
         full = -(-full // 2)
     return sorted({cout_tile(n * oh * ow, spec["cout"], reduction), full})
 
