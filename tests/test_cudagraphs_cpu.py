@@ -146,21 +146,25 @@ def _simulated_runner(fn, static, real_decide=False, **kw):
             self.captures += 1
             return inst
 
-        def _decide(self, entry, args):
-            entry.timings = {"graph_ms": 0.0, "plain_ms": 1.0}
+    def graph_wins(self, entry, args):
+        entry.timings = {"graph_ms": 0.0, "plain_ms": 1.0}
 
-    if real_decide:
-        del Simulated._decide
+    if not real_decide:
+        Simulated._decide = graph_wins
     runner = Simulated(fn, static, **kw)
     runner.captures = 0
     return runner
 
 
-def test_repeated_calls_take_the_fast_path_and_see_new_input_values():
-    w = torch.randn(5, 3)
+def _matmul_runner():
+    """(runner of x @ w.T with w a parameter feeding folded constants, w, x, refresh calls)"""
     refreshed = []
     runner = _simulated_runner(lambda w, x: (x @ w.T,), [0], refresh=refreshed.append, versioned=[0])
-    x = torch.randn(2, 3)
+    return runner, torch.randn(5, 3), torch.randn(2, 3), refreshed
+
+
+def test_repeated_calls_take_the_fast_path_and_see_new_input_values():
+    runner, w, x, refreshed = _matmul_runner()
     first = runner(w, x)
     torch.testing.assert_close(first[0], x @ w.T)
     assert runner._fast is not None and runner.captures == 1 and len(refreshed) == 1
@@ -174,10 +178,7 @@ def test_repeated_calls_take_the_fast_path_and_see_new_input_values():
 
 
 def test_fast_path_declines_held_outputs_moved_inputs_and_changed_weights():
-    w = torch.randn(5, 3)
-    refreshed = []
-    runner = _simulated_runner(lambda w, x: (x @ w.T,), [0], refresh=refreshed.append, versioned=[0])
-    x = torch.randn(2, 3)
+    runner, w, x, refreshed = _matmul_runner()
     held = runner(w, x)
     snapshot = held[0].clone()
     again = runner(w, x)  # `held` is still referenced: a second (buffered) capture serves
