@@ -5,7 +5,7 @@
 Prints, in microseconds per call: the benchmark's CUDA-event measure (e2e), the host time of
 back-to-back calls (cpu), the same for fxopt's CUDA-graph runner called directly, whether the
 runner's fast path served the calls, and a cProfile of the compiled call (the functions with the
-most time of their own, per call).
+most time of their own, per call). ``--choices``: the executor's measured candidates per node.
 
 With ``--neighbour inductor-reduce-overhead`` (or another ``torch.compile`` mode) a copy of the
 model is also compiled that way in the same process, as the benchmark harness does, and the
@@ -65,6 +65,7 @@ def main():
     p.add_argument("configs", nargs="+")
     p.add_argument("--calls", type=int, default=3000)
     p.add_argument("--neighbour", default=None, help="e.g. inductor-reduce-overhead, inductor")
+    p.add_argument("--choices", action="store_true", help="print the executor's measured choices per node")
     a = p.parse_args()
     torch.backends.cudnn.benchmark = True
     for cfg in a.configs:
@@ -77,6 +78,10 @@ def main():
         with torch.no_grad():
             c(x)
         runner = graphs[0].executor_details.get("cudagraph_runner")
+        if a.choices:  # what the executor measured for each node (ms per candidate) and chose
+            for name, entry in graphs[0].executor_details.get("node_choices", {}).items():
+                ms = " ".join(f"{k}={v * 1e3:.2f}us" for k, v in sorted(entry.get("ms", {}).items(), key=lambda kv: kv[1]))
+                print(f"   {name}: {entry.get('choice')} | {ms}", flush=True)
         seen = {}
         real_call = type(runner).__call__
 

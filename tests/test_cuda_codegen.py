@@ -47,6 +47,7 @@ def compile_all(kernels):
     out = nvrtc.compile_many(kernels, arch=ARCH)
     assert [k.name for k in out] == [k.name for k in kernels]
     assert all(k.compiled and k.cubin and k.arch == ARCH for k in out)
+    assert all(k.pdl_safe for k in out), "a generated kernel must wait for its predecessor first"
     return out
 
 
@@ -241,6 +242,61 @@ def test_arg_conversion_and_empty_launch_is_noop():
     assert [type(a) for a in untyped[1:]] == [np.int64, np.float32, np.int32]
     ck.launch((0, 1, 1), 256, [t, t, 0, 0, 0.0])  # empty grid: returns before touching CUDA
     ck.launch(1, (0,), [t, t, 0, 0, 0.0])
+
+
+def test_pdl_safe_needs_the_wait_as_first_statement():
+    ok = 'extern "C" __global__ void __launch_bounds__(256)\nk(float* y) {\n  fx_pdl_begin();  // c\n  y[0] = 1.f;\n}'
+    late = 'extern "C" __global__ void k(float* y) {\n  y[0] = 1.f;\n  fx_pdl_begin();\n}'
+    assert nvrtc.CompiledKernel("k", ok, ARCH, b"x").pdl_safe
+    assert not nvrtc.CompiledKernel("k", late, ARCH, b"x").pdl_safe
+    assert not nvrtc.CompiledKernel("k", 'extern "C" __global__ void k() {}', ARCH, b"x").pdl_safe
+    from importlib import resources
+    tdir = resources.files(templates.__package__).joinpath("templates")
+    kernels = [p for p in tdir.iterdir() if p.name.endswith(".cu") and "__global__" in p.read_text()]
+    assert len(kernels) >= 9
+    for path in kernels:  # every kernel template opts in
+        assert nvrtc._PDL_FIRST.search(path.read_text()), path.name
+
+
+@pytest.mark.parametrize("env,capability,want", [(None, (9, 0), True), ("0", (9, 0), False),
+                                                 ("1", (8, 0), False), (None, (10, 0), True)])
+def test_programmatic_launch_switch(monkeypatch, env, capability, want):
+    if env is None:
+        monkeypatch.delenv("FXOPT_PDL", raising=False)
+    else:
+        monkeypatch.setenv("FXOPT_PDL", env)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(nvrtc, "_launch_config_has_pdl", lambda: True)
+    assert nvrtc.programmatic_launch_supported(0) is want
+
+
+def test_launch_sets_programmatic_serialization_only_when_asked(monkeypatch):
+    seen = []
+
+    class FakeCore:
+        class Stream:
+            @staticmethod
+            def from_handle(handle):
+                return ("stream", handle)
+
+        @staticmethod
+        def LaunchConfig(**kw):
+            return kw
+
+        @staticmethod
+        def launch(stream, cfg, kernel, *args):
+            seen.append((stream, cfg, kernel, args))
+
+    class FakeTorchStream:
+        cuda_stream = 12345
+
+    monkeypatch.setattr(nvrtc, "_core", lambda: FakeCore)
+    monkeypatch.setattr(nvrtc, "_STREAMS", {})
+    nvrtc._launch("kern", (1, 1, 1), (32, 1, 1), 0, FakeTorchStream(), [1], pdl=True)
+    nvrtc._launch("kern", (1, 1, 1), (32, 1, 1), 0, FakeTorchStream(), [1], pdl=False)
+    assert seen[0][1]["programmatic_stream_serialization"] is True
+    assert "programmatic_stream_serialization" not in seen[1][1]
+    assert seen[0][0] == ("stream", 12345) and seen[0][2] == "kern" and seen[0][3] == (1,)
 
 
 def test_default_arch():
@@ -585,3 +641,41 @@ def test_gpu_launch_on_current_stream_and_cuda_graph():
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(static_out, F.silu(x))
+
+
+@gpu
+def test_gpu_programmatic_launch_chain_keeps_stream_order():
+    """Twenty dependent kernels ping-ponging between two large buffers (each reads what the previous
+    one wrote and overwrites what it read), launched with programmatic dependent launch, eagerly
+    and replayed from a CUDA graph: the result is the sequential one."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    add = cg.generate_pointwise(PointwiseRegion("pdl_add", [TensorArg("x")],
+                                                [("y", PointwiseOp("add", ["x"], (1.0,)))], "y"), "nchw", 4)
+    mul = cg.generate_pointwise(PointwiseRegion("pdl_mul", [TensorArg("x")],
+                                                [("y", PointwiseOp("mul", ["x"], (0.5,)))], "y"), "nchw", 4)
+    ks = (add, mul)
+    cks = [k.compile() for k in ks]
+    for ck in cks:
+        ck.load()
+        assert ck.pdl_safe and ck._pdl[torch.cuda.current_device()] is nvrtc.programmatic_launch_enabled()
+    bufs = [torch.randn(1, 16, 1024, 1024, device="cuda"), torch.empty(1, 16, 1024, 1024, device="cuda")]
+
+    def chain():
+        for k in range(20):
+            L.launch_pointwise(ks[k % 2], {"x": bufs[k % 2]}, bufs[(k + 1) % 2], kernel=cks[k % 2])
+
+    def expected(x):
+        for k in range(20):
+            x = x + 1.0 if k % 2 == 0 else x * 0.5
+        return x
+
+    x0 = bufs[0].clone()
+    chain()
+    torch.testing.assert_close(bufs[0], expected(x0), rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    bufs[0].copy_(x0)
+    graph.replay()
+    torch.testing.assert_close(bufs[0], expected(x0), rtol=0, atol=0)

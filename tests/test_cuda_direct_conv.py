@@ -14,10 +14,11 @@ from hypothesis import strategies as st
 import fxopt
 import fxopt.testing
 from fxopt.backends import torch_ref
-from fxopt.backends.cuda import executor as X
+from fxopt.backends.cuda import executor as X, groups, measure
 from fxopt.backends.cuda.codegen import Epilogue
 from fxopt.backends.cuda.direct_conv import (MAX_UNROLLED, DirectConv, cout_tile, generate_direct_conv2d,
-                                             launch_direct_conv2d, plan_conv_maxpool, plan_direct_conv)
+                                             launch_direct_conv2d, plan_conv_maxpool, plan_direct_conv,
+                                             stage_fits)
 from fxopt.backends.cuda.nvrtc import compile_many, nvrtc_available
 from fxopt.ops import fused_conv_ref
 from fxopt.testing.models import SeedCNN
@@ -45,7 +46,11 @@ def test_plans_both_seedcnn_convs_and_both_conv_pool_pairs(layout):
     assert len(convs) == 2
     for node in convs:
         cands = plan_direct_conv(node)
-        assert 1 <= len(cands) <= 2 and len({c.label for c in cands}) == len(cands)
+        assert 2 <= len(cands) <= 3 and len({c.label for c in cands}) == len(cands)
+        staged = [c for c in cands if c.label.endswith("_staged")]
+        # batch 2: few pixels, so the smallest tile is also measured with its image staged in shared memory
+        assert len(staged) == 1 and staged[0].sources[0].meta["staged_hw"] == tuple(node.args[0].meta["val"].shape[2:])
+        assert staged[0].sources[0].meta["cout_tile"] == min(c.sources[0].meta["cout_tile"] for c in cands)
         for c in cands:
             assert c.spec["epilogue"] == Epilogue(True, False, ("relu", ()))
             assert c.spec["layout"] == ("nhwc" if layout == "channels_last" else "nchw")
@@ -110,6 +115,20 @@ def test_cout_tile_keeps_enough_threads_and_fits_shared_memory():
         generate_direct_conv2d(3, 8, 3, weight_layout="hwio")
 
 
+def test_staged_variants_only_for_few_pixels_and_images_that_fit():
+    from fxopt.backends.cuda.direct_conv import STAGE_MAX_PIXELS
+    gm = lowered(SeedCNN().eval(), torch.randn(64, 3, 32, 32))  # 64 x 28 x 28 outputs: many pixels
+    conv = next(n for n in gm.graph.nodes if n.target is fused_conv_ref)
+    assert 64 * 28 * 28 > STAGE_MAX_PIXELS and not any(c.label.endswith("staged") for c in plan_direct_conv(conv))
+    assert stage_fits(3, (32, 32), 16 * 75) and not stage_fits(3, (224, 224), 147)
+    with pytest.raises(ValueError, match="shared memory"):
+        generate_direct_conv2d(3, 8, 7, staged_hw=(224, 224))
+    ks = generate_direct_conv2d(3, 6, 5, epilogue=Epilogue(bias=True), staged_hw=(8, 8))
+    w, b = torch.randn(6, 3, 5, 5), torch.randn(6)
+    with pytest.raises(ValueError, match="staged"):  # another image size than the shared buffer's
+        launch_direct_conv2d(ks, torch.randn(1, 3, 9, 9), w, torch.empty(1, 6, 5, 5), b)
+
+
 def test_launch_checks_weight_and_channels_before_launching():
     ks = generate_direct_conv2d(3, 6, 5, epilogue=Epilogue(bias=True))
     x, out = torch.randn(1, 3, 8, 8), torch.empty(1, 6, 4, 4)
@@ -131,12 +150,17 @@ def test_launch_checks_weight_and_channels_before_launching():
        layout=st.sampled_from(["nchw", "nhwc"]), wl=st.sampled_from(["oihw", "ohwi"]),
        pool=st.sampled_from([None, ((2, 2), (2, 2), (0, 0)), ((3, 3), (2, 2), (1, 1))]),
        bias=st.booleans(), act=st.sampled_from([None, "relu", ("hardtanh", (0.0, 6.0)), "silu"]),
-       tile=st.integers(1, 16))
+       tile=st.integers(1, 16), staged=st.sampled_from([None, (14, 14), (32, 32)]))
 def test_every_variant_compiles_with_nvrtc(cin, cout, k, stride, padding, dilation, dtype, layout, wl, pool,
-                                           bias, act, tile):
+                                           bias, act, tile, staged):
+    tile = min(tile, cout)
+    if staged is not None and not stage_fits(cin, staged, tile * cin * k * k):
+        staged = None
     ks = generate_direct_conv2d(cin, cout, k, stride, padding, dilation, dtype, layout, Epilogue(bias, False, act),
-                                wl, pool, min(tile, cout))
+                                wl, pool, tile, staged_hw=staged)
+    assert ("xs[" in ks.source) == (staged is not None)
     (compiled,) = compile_many([ks])
+    assert compiled.pdl_safe
     assert compiled.compiled
 
 
@@ -155,16 +179,16 @@ def test_pair_rewrite_replaces_conv_and_pool_and_keeps_values(monkeypatch):
         gen = sorted(n for n in candidates if n != "reference")[0]
         return {"ms": {n: (1.0 if n == gen else 2.0) for n in candidates}, "errors": {}, "choice": gen}
 
-    monkeypatch.setattr(X, "_measure", fake_measure)
+    monkeypatch.setattr(measure, "measure", fake_measure)
     from fxopt.autotune import AutotuneCache
     decisions = {}
 
     class Ctx:
         measurements = 0
 
-    tuning = X.Tuning(AutotuneCache(None), "dev", True, Ctx)
+    tuning = measure.Tuning(AutotuneCache(None), "dev", True, Ctx)
     for pool, conv, cands in pairs:
-        assert X._fuse_conv_maxpool(gm, pool, conv, cands, tuning, decisions)
+        assert groups.fuse_conv_maxpool(gm, pool, conv, cands, tuning, decisions)
     gm.graph.lint()
     gm.recompile()
     assert aten.max_pool2d_with_indices.default not in targets(gm)
@@ -205,9 +229,9 @@ def _reference(x, w, b, res, stride, padding, dilation, act, pool):
        pool=st.sampled_from([None, ((2, 2), (2, 2), (0, 0), False), ((3, 3), (2, 2), (1, 1), False),
                              ((3, 3), (2, 2), (0, 0), True), ((2, 2), (1, 1), (0, 0), False)]),
        bias=st.booleans(), residual=st.booleans(), act=st.sampled_from([None, "relu", ("hardtanh", (0.0, 6.0)), "silu"]),
-       tile=st.integers(1, 16))
+       tile=st.integers(1, 16), staged=st.booleans())
 def test_kernels_match_pytorch_on_gpu(n, cin, cout, k, stride, padding, dilation, hw, dtype, layout, wl, pool,
-                                      bias, residual, act, tile):
+                                      bias, residual, act, tile, staged):
     from fxopt.backends.cuda.launch import pool2d_output_size
 
     ch = (hw + 2 * padding - dilation * (k - 1) - 1) // stride + 1
@@ -220,8 +244,10 @@ def test_kernels_match_pytorch_on_gpu(n, cin, cout, k, stride, padding, dilation
         memory_format=torch.channels_last if wl == "ohwi" else torch.contiguous_format)
     b = torch.randn(cout, device="cuda", dtype=dtype) if bias else None
     res = torch.randn(n, cout, ch, ch, device="cuda", dtype=dtype).contiguous(memory_format=mf) if residual else None
+    tile = min(tile, cout)
+    staged = (hw, hw) if staged and stage_fits(cin, (hw, hw), tile * cin * k * k) else None
     ks = generate_direct_conv2d(cin, cout, k, stride, padding, dilation, dtype, layout,
-                                Epilogue(bias, residual, act), wl, pool and pool[:3], min(tile, cout))
+                                Epilogue(bias, residual, act), wl, pool and pool[:3], tile, staged_hw=staged)
     oh = ch if pool is None else pool2d_output_size(ch, ch, *pool)[0]
     out = torch.empty(n, cout, oh, oh, device="cuda", dtype=dtype).contiguous(memory_format=mf)
     launch_direct_conv2d(ks, x, w, out, b, res, (ch, ch))
@@ -242,7 +268,7 @@ def test_compiled_seedcnn_matches_eager_and_measures_the_fused_pair(dtype, batch
         want = copy.deepcopy(m).double()(x.double())  # fp32 convs (eager's and cuDNN's here) may use TF32
         assert relative_error(c(x), want) <= (2e-3 if dtype == torch.float32 else 1e-2)
     choices = graphs[0].executor_details["node_choices"]
-    pairs = {k: v for k, v in choices.items() if "+" in k}
+    pairs = {k: v for k, v in choices.items() if "+" in k and "max_pool" in k}
     assert len(pairs) == 2, choices
     for entry in pairs.values():
         assert any(name.startswith("generated_directconv_maxpool") for name in entry["ms"]), entry

@@ -127,6 +127,7 @@ def test_every_variant_compiles_with_nvrtc(k, n, rows, dtype, bias, act, nw):
     ks = generate_linear(k, n, rows, dtype, Epilogue(bias, False, act), nw)
     assert f"linear, few rows" in ks.source and ks.meta["vec"] == vector_width(k, dtype)
     (compiled,) = compile_many([ks])
+    assert compiled.pdl_safe
     assert compiled.compiled
 
 

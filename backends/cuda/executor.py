@@ -21,21 +21,21 @@ A ``fused_linear`` over at most 16 rows (a classifier head at small batch) gets 
 kernel with bias and activation fused as a candidate (``generated_linear``, ``linear.py``) against
 cuBLAS followed by the activation.
 
-A max pool (indices unused) fed by such a conv that nothing else reads is then measured once more
-as one kernel, conv + epilogue + pool (``generated_directconv_maxpool_t<tile>``), against the conv
-and the pool as already chosen; where it wins, one node replaces the pair.
+After the per-node choices, groups of nodes are measured as one kernel against the group as already
+chosen, and one node replaces the group where it wins (``groups.py``): a max pool (indices unused)
+fed by such a conv that nothing else reads (conv + epilogue + pool,
+``generated_directconv_maxpool_t<tile>``).
 
 Max pooling whose indices are unused and global average pooling get a generated kernel as a
 candidate too (``regions.py``). Each node with more than one candidate is timed with every
 candidate once (CUDA events, median; replayed as a CUDA graph when the graph will run under
-CUDA graphs, so Python launch costs do not decide), the fastest is kept, and the decision is
-stored in the autotuning cache (a second compile measures nothing); ``report.executor_details
+CUDA graphs, so Python launch costs do not decide; ``measure.py``), the fastest is kept, and the
+decision is stored in the autotuning cache (a second compile measures nothing); ``report.executor_details
 ["node_choices"]`` lists them. Without a GPU (option ``executor="cuda"`` on CPU inputs) the
 kernels are still generated and compiled with NVRTC and listed in the report; the reference runs.
 """
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -43,8 +43,10 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from fxopt.backends.cuda.direct_conv import conv_maxpool_chain, plan_conv_maxpool, plan_direct_conv
+from fxopt.backends.cuda.direct_conv import plan_conv_maxpool, plan_direct_conv
+from fxopt.backends.cuda.groups import fuse_conv_maxpool
 from fxopt.backends.cuda.linear import plan_linear
+from fxopt.backends.cuda.measure import Tuning, cache_key, with_fallback
 from fxopt.backends.cuda.regions import PLANNERS as REGION_PLANNERS, layout_name
 from fxopt.ops import conv_by_algorithm, fused_conv_ref
 
@@ -156,81 +158,6 @@ def plan(node: fx.Node) -> Optional[GeneratedEpilogue]:
                              node.args[9], vec)
 
 
-def _real_args(node: fx.Node) -> list:
-    def real(v):
-        t = torch.randn(tuple(v.shape), device=v.device, dtype=v.dtype)
-        return t.contiguous(memory_format=torch.channels_last) if layout_name(v) == "nhwc" else t
-
-    conv = node.target is fused_conv_ref
-    args = []
-    for i, a in enumerate(node.args):
-        if isinstance(a, fx.Node):
-            t = real(a.meta["val"])
-            args.append(t * 0.05 if conv and i == 1 else t)
-        else:
-            args.append(a)
-    return args
-
-
-def _time_graphed_ms(fn, args, iters: int = 10, reps: int = 1) -> float:
-    """Median time of `fn(*args)` replayed as a CUDA graph: how it will run under cudagraphs,
-    without the per-launch Python cost that would otherwise dominate small kernels. The graph
-    holds `reps` back-to-back calls (the result is per call), so the graph launch latency and
-    event jitter, which are comparable to a small kernel's time, are spread over many calls."""
-    from fxopt.backends.cudagraphs import _median_ms
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(*args)
-        fn(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn(*args)
-    ms = _median_ms(graph.replay, runs=iters) / reps
-    del graph
-    return ms
-
-
-def _reps(out) -> int:
-    """Calls per timed graph: 10 for small outputs, fewer where 10 outputs would take > 256 MiB."""
-    nbytes = max(1, sum(t.numel() * t.element_size() for t in (out if isinstance(out, (tuple, list)) else [out])
-                        if isinstance(t, torch.Tensor)))
-    return max(1, min(10, (256 << 20) // nbytes))
-
-
-def _first(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def _measure(node: fx.Node, candidates: dict, graphed: bool) -> dict:
-    from fxopt.autotune import time_ms
-    from fxopt.tolerances import relative_error
-
-    args = _real_args(node)
-    xs = [args[0], torch.randn_like(args[0]), torch.randn_like(args[0])]
-    result = {"ms": {}, "errors": {}}
-    with torch.no_grad():
-        ref = _first(candidates["reference"](*args))
-        reps = _reps(ref)
-        for name, fn in candidates.items():
-            try:
-                err = relative_error(_first(fn(*args)), ref)
-                result["errors"][name] = err
-                if err > (1e-2 if ref.dtype != torch.float32 else 1e-3):
-                    continue
-                if graphed:
-                    result["ms"][name] = _time_graphed_ms(fn, args, reps=reps)
-                else:
-                    result["ms"][name] = time_ms(lambda x: fn(x, *args[1:]), xs, "cuda")
-            except Exception as e:  # noqa: BLE001 - a failing candidate is not chosen
-                result["errors"][name] = f"{type(e).__name__}: {e}"
-    result["choice"] = min(result["ms"], key=result["ms"].get) if result["ms"] else "reference"
-    return result
-
-
 def _compile(items: list, info: dict) -> None:
     """Compile every generated kernel of `items` (objects with .sources {variant: KernelSource}
     and .kernels, filled here) with NVRTC, in parallel; record each in the report."""
@@ -254,16 +181,6 @@ def _compile(items: list, info: dict) -> None:
         info["kernels"].append(KernelRecord(ks.name, ks.source, kernel.compiled))
 
 
-def _with_fallback(candidate, reference):
-    """The candidate, or the reference where the candidate declines (returns None) at run time."""
-    def run(*args):
-        out = candidate(*args)
-        return reference(*args) if out is None else out
-
-    run.__name__ = f"fx_{candidate.name}"
-    return run
-
-
 def _candidates(node: fx.Node, epi: Optional[GeneratedEpilogue], regions: list) -> dict:
     reference = node.target
     candidates = {"reference": reference}
@@ -274,82 +191,12 @@ def _candidates(node: fx.Node, epi: Optional[GeneratedEpilogue], regions: list) 
         candidates["cudnn_fused"] = cudnn_conv_relu
     for r in regions:
         if len(r.kernels) == len(r.sources):
-            candidates[f"generated_{getattr(r, 'label', type(r).__name__.lower())}"] = _with_fallback(r, reference)
+            candidates[f"generated_{getattr(r, 'label', type(r).__name__.lower())}"] = with_fallback(r, reference)
     return candidates
-
-
-def _cache_key(node: fx.Node, candidates: dict, graphed: bool) -> str:
-    metas = []
-    for a in node.args:
-        v = a.meta.get("val") if isinstance(a, fx.Node) else None
-        metas.append(f"{tuple(v.shape)}|{layout_name(v)}|{v.dtype}" if isinstance(v, torch.Tensor)
-                     else ("node" if isinstance(a, fx.Node) else repr(a)))
-    target = ("fused_conv" if node.target is fused_conv_ref
-              else node.target.__name__ if inspect.isfunction(node.target) else str(node.target))
-    return f"node|graphed={graphed}|{target}|{metas}|{sorted(candidates)}"
 
 
 def _as_list(planned) -> list:
     return [] if planned is None else (planned if isinstance(planned, list) else [planned])
-
-
-def _pool_args(pool: fx.Node) -> tuple:
-    """max_pool2d_with_indices arguments with the defaults filled in."""
-    args = list(pool.args) + [None] * (6 - len(pool.args))
-    return (args[1], args[2] or args[1], args[3] if args[3] is not None else 0,
-            args[4] if args[4] is not None else 1, bool(args[5]))
-
-
-@dataclass
-class Tuning:
-    """Where measured choices come from: the autotuning cache, else a measurement (stored)."""
-    cache: Any
-    device: str
-    graphed: bool
-    ctx: Any
-
-    def entry(self, node: fx.Node, candidates: dict, key: str) -> dict:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        entry = self.cache.get(self.device, key)
-        if entry is None:
-            with unset_fake_temporarily():
-                entry = _measure(node, candidates, self.graphed)
-            self.ctx.measurements += len(entry["ms"])
-            self.cache.put(self.device, key, entry)
-        return entry
-
-
-def _fuse_conv_maxpool(gm: fx.GraphModule, pool: fx.Node, conv: fx.Node, fused: list, tuning: Tuning,
-                       decisions: dict) -> bool:
-    """Measure conv + max pool as one generated kernel against the pair as chosen so far; where it
-    wins, one node replaces both (the pool's values are its only output in use)."""
-    reference = conv_maxpool_chain(conv.target, pool.target)
-    candidates = {"reference": reference}
-    for c in fused:
-        if len(c.kernels) == len(c.sources):
-            candidates[f"generated_{c.label}"] = _with_fallback(c, reference)
-    if len(candidates) < 2:
-        return False
-    g = gm.graph
-    conv_args = tuple(conv.args) + (None,) * (12 - len(conv.args))
-    with g.inserting_after(pool):
-        node = g.call_function(reference, conv_args + _pool_args(pool))
-    node.meta = dict(pool.meta)
-    node.meta["val"] = pool.meta["val"][0]
-    chosen = [decisions.get(n.name, {}).get("choice", "reference") for n in (conv, pool)]
-    key = _cache_key(node, candidates, tuning.graphed).replace("node|", f"conv_maxpool|{chosen}|", 1)
-    entry = decisions[f"{conv.name}+{pool.name}"] = tuning.entry(node, candidates, key)
-    if entry["choice"] not in candidates or entry["choice"] == "reference":
-        g.erase_node(node)
-        return False
-    node.target = candidates[entry["choice"]]
-    for user in list(pool.users):  # getitem(pool, 0): the values
-        user.replace_all_uses_with(node)
-        g.erase_node(user)
-    g.erase_node(pool)
-    g.erase_node(conv)
-    return True
 
 
 def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
@@ -384,12 +231,12 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
         candidates = _candidates(node, epi, regions)
         if len(candidates) < 2:
             continue
-        entry = decisions[node.name] = tuning.entry(node, candidates, _cache_key(node, candidates, tuning.graphed))
+        entry = decisions[node.name] = tuning.entry(node, candidates, cache_key(node, candidates, tuning.graphed))
         if entry["choice"] in candidates and entry["choice"] != "reference":
             node.target = candidates[entry["choice"]]
             changed = True
     for pool, conv, fused in pairs:  # after the per-node choices: the pair is measured against them
-        changed |= _fuse_conv_maxpool(runnable, pool, conv, fused, tuning, decisions)
+        changed |= fuse_conv_maxpool(runnable, pool, conv, fused, tuning, decisions)
     info["choose_s"] = round(time.perf_counter() - t0, 3)  # measurements, or autotuning-cache hits
     if changed:
         runnable.recompile()

@@ -91,6 +91,7 @@ class CompiledKernel:
     cache_source: str | None = None  # None: compiled now; "disk": read from the disk cache
     log: str = ""  # NVRTC warnings of a fresh compile
     _kernels: dict = field(default_factory=dict, repr=False)
+    _pdl: dict = field(default_factory=dict, repr=False)  # device -> launch with PDL
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -112,7 +113,14 @@ class CompiledKernel:
                     core.Device(dev).set_current()  # torch also uses the primary context
                     obj = core.ObjectCode.from_cubin(self.cubin)
                     k = self._kernels[dev] = obj.get_kernel(self.name)
+                    self._pdl[dev] = self.pdl_safe and programmatic_launch_supported(dev)
         return k
+
+    @property
+    def pdl_safe(self) -> bool:
+        """The kernel waits for the previous grid before touching memory (``fx_pdl_begin()`` in
+        the prelude), so it may be launched with programmatic dependent launch."""
+        return _PDL_FIRST.search(self.source) is not None
 
     def convert_args(self, args: Sequence[Any]) -> list:
         types = self.param_types
@@ -128,9 +136,10 @@ class CompiledKernel:
             return
         import torch
         kargs = self.convert_args(args)
-        kernel = self.load()
+        dev = torch.cuda.current_device()
+        kernel = self.load(dev)
         ts = torch.cuda.current_stream() if stream is None else stream
-        _launch(kernel, grid, block, int(shared_mem), ts, kargs)
+        _launch(kernel, grid, block, int(shared_mem), ts, kargs, self._pdl[dev])
 
 
 def _dim3(d) -> tuple[int, int, int]:
@@ -169,7 +178,35 @@ def _convert(a, ctype: str | None):
 _STREAMS: dict[int, Any] = {}
 
 
-def _launch(kernel, grid, block, shmem, torch_stream, kargs) -> None:
+# the kernel's first statement waits for the previous grid (prelude.cuh)
+_PDL_FIRST = re.compile(r"__global__[^{;]*\{\s*fx_pdl_begin\(\);")
+
+
+def programmatic_launch_enabled() -> bool:
+    """``FXOPT_PDL=0`` turns programmatic dependent launch off (read at each kernel load)."""
+    return os.environ.get("FXOPT_PDL", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_config_has_pdl() -> bool:
+    try:
+        _core().LaunchConfig(grid=1, block=1, programmatic_stream_serialization=True)
+        return True
+    except (TypeError, AttributeError):  # a cuda.core before the attribute
+        return False
+
+
+def programmatic_launch_supported(device: int) -> bool:
+    """Kernels that wait for their predecessor (``pdl_safe``) are launched with the
+    programmatic-stream-serialization attribute on sm_90 and newer, when cuda.core can set it and
+    ``FXOPT_PDL`` does not forbid it: the launch of the next kernel then overlaps the end of the
+    previous one (in CUDA graphs too: stream capture turns it into a programmatic edge)."""
+    import torch
+    return (programmatic_launch_enabled() and torch.cuda.get_device_capability(device) >= (9, 0)
+            and _launch_config_has_pdl())
+
+
+def _launch(kernel, grid, block, shmem, torch_stream, kargs, pdl: bool = False) -> None:
     core = _core()
     handle = int(torch_stream.cuda_stream)
     stream = _STREAMS.get(handle)
@@ -181,7 +218,8 @@ def _launch(kernel, grid, block, shmem, torch_stream, kargs) -> None:
         if len(_STREAMS) < 256:
             _STREAMS[handle] = stream
     if _new_launch_api(core):
-        cfg = core.LaunchConfig(grid=grid, block=block, shmem_size=shmem)
+        cfg = (core.LaunchConfig(grid=grid, block=block, shmem_size=shmem, programmatic_stream_serialization=True)
+               if pdl else core.LaunchConfig(grid=grid, block=block, shmem_size=shmem))
         core.launch(stream, cfg, kernel, *kargs)
     else:  # cuda.core 0.1/0.2: launch(kernel, config) with the stream in the config
         cfg = core.LaunchConfig(grid=grid, block=block, stream=stream, shmem_size=shmem)

@@ -2,6 +2,7 @@ $prelude
 // global average pool + flatten, NCHW: one warp per (n, c) row; block (32, 8)
 extern "C" __global__ void __launch_bounds__(256)
 $name(const $T* __restrict__ x, $T* __restrict__ y, long long N_, long long C_, long long HW_) {
+  fx_pdl_begin();  // before any memory access: see prelude.cuh
   typedef $idx idx_t;
   const idx_t rows = (idx_t)N_ * (idx_t)C_;
   const idx_t HW = (idx_t)HW_;

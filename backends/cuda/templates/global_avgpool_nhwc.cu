@@ -2,6 +2,7 @@ $prelude
 // global average pool + flatten, NHWC: x: channels of a block, y: 8 slices of HW; block (32, 8)
 extern "C" __global__ void __launch_bounds__(256)
 $name(const $T* __restrict__ x, $T* __restrict__ y, long long N_, long long C_, long long HW_) {
+  fx_pdl_begin();  // before any memory access: see prelude.cuh
   typedef $idx idx_t;
   __shared__ float part[8][33];
   const idx_t N = (idx_t)N_, C = (idx_t)C_, HW = (idx_t)HW_;

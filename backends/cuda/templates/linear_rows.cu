@@ -6,6 +6,7 @@ $prelude
 // read once from memory whatever M is; the rows of x stay in L1/L2.
 extern "C" __global__ void __launch_bounds__($block)
 $name(const $T* __restrict__ x, const $T* __restrict__ w$extra_params, $T* __restrict__ y, long long M_) {
+  fx_pdl_begin();  // before any memory access: see prelude.cuh
   typedef fx_vec<$T, $VEC> vec_t;
   const int M = (int)M_;
   const int lane = (int)(threadIdx.x & 31);

@@ -6,6 +6,7 @@ $body
 
 extern "C" __global__ void __launch_bounds__($block)
 $name($params, long long numel_, long long C_, long long HW_) {
+  fx_pdl_begin();  // before any memory access: see prelude.cuh
   typedef $idx idx_t;
   const idx_t numel = (idx_t)numel_;
   const idx_t C = (idx_t)C_;

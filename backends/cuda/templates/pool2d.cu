@@ -3,6 +3,7 @@ $prelude
 extern "C" __global__ void __launch_bounds__($block)
 $name(const $T* __restrict__ x, $T* __restrict__ y, long long N_, long long C_,
       long long H_, long long W_, long long OH_, long long OW_) {
+  fx_pdl_begin();  // before any memory access: see prelude.cuh
   typedef $idx idx_t;
   const idx_t C = (idx_t)C_, OH = (idx_t)OH_, OW = (idx_t)OW_;
   const int H = (int)H_, W = (int)W_;

@@ -4,6 +4,7 @@ $prelude
 extern "C" __global__ void __launch_bounds__($block)
 $name(const $T* __restrict__ x, $VT* __restrict__ V, long long N_, long long C_,
       long long H_, long long W_, long long TH_, long long TW_) {
+  fx_pdl_begin();  // before any memory access: see prelude.cuh
   typedef $idx idx_t;
   const idx_t C = (idx_t)C_, TH = (idx_t)TH_, TW = (idx_t)TW_;
   const int H = (int)H_, W = (int)W_;

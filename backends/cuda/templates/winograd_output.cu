@@ -4,6 +4,7 @@ $prelude
 extern "C" __global__ void __launch_bounds__($block)
 $name(const $MT* __restrict__ M$extra_params, $T* __restrict__ y, long long N_, long long K_,
       long long OH_, long long OW_, long long TH_, long long TW_) {
+  fx_pdl_begin();  // before any memory access: see prelude.cuh
   typedef $idx idx_t;
   const idx_t K = (idx_t)K_, TH = (idx_t)TH_, TW = (idx_t)TW_;
   const int OH = (int)OH_, OW = (int)OW_;

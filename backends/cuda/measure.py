@@ -1,0 +1,139 @@
+"""How the cuda executor decides between implementations of a node: measured, and remembered.
+
+- ``real_args``: random tensors shaped like the node's inputs (conv weights scaled down).
+- ``measure``: every candidate checked against the reference (relative error) and timed: replayed
+  as a CUDA graph when the graph will run under CUDA graphs (``time_graphed_ms``; Python launch
+  costs then do not decide), else with CUDA events; the fastest correct one is the choice.
+- ``Tuning.entry``: the choice from the autotuning cache, else measured and stored, so a second
+  compile measures nothing. ``cache_key`` names a node by what decides its choice: target, input
+  shapes/layouts/dtypes, constant arguments and the candidates.
+- ``with_fallback``: a candidate that may decline at run time (``None``) backed by the reference.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxopt.backends.cuda.regions import layout_name
+from fxopt.ops import fused_conv_ref
+
+
+def real_args(node: fx.Node) -> list:
+    """Random inputs for measuring ``node``'s candidates (CUDA, the layouts the graph has)."""
+    def real(v):
+        t = torch.randn(tuple(v.shape), device=v.device, dtype=v.dtype)
+        return t.contiguous(memory_format=torch.channels_last) if layout_name(v) == "nhwc" else t
+
+    conv = node.target is fused_conv_ref
+    args = []
+    for i, a in enumerate(node.args):
+        if isinstance(a, fx.Node):
+            t = real(a.meta["val"])
+            args.append(t * 0.05 if conv and i == 1 else t)
+        else:
+            args.append(a)
+    return args
+
+
+def time_graphed_ms(fn, args, iters: int = 10, reps: int = 1) -> float:
+    """Median time of `fn(*args)` replayed as a CUDA graph: how it will run under cudagraphs,
+    without the per-launch Python cost that would otherwise dominate small kernels. The graph
+    holds `reps` back-to-back calls (the result is per call), so the graph launch latency and
+    event jitter, which are comparable to a small kernel's time, are spread over many calls."""
+    from fxopt.backends.cudagraphs import _median_ms
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*args)
+        fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn(*args)
+    ms = _median_ms(graph.replay, runs=iters) / reps
+    del graph
+    return ms
+
+
+def _reps(out) -> int:
+    """Calls per timed graph: 10 for small outputs, fewer where 10 outputs would take > 256 MiB."""
+    nbytes = max(1, sum(t.numel() * t.element_size() for t in (out if isinstance(out, (tuple, list)) else [out])
+                        if isinstance(t, torch.Tensor)))
+    return max(1, min(10, (256 << 20) // nbytes))
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def measure(node: fx.Node, candidates: dict, graphed: bool) -> dict:
+    from fxopt.autotune import time_ms
+    from fxopt.tolerances import relative_error
+
+    args = real_args(node)
+    xs = [args[0], torch.randn_like(args[0]), torch.randn_like(args[0])]
+    result = {"ms": {}, "errors": {}}
+    with torch.no_grad():
+        ref = _first(candidates["reference"](*args))
+        reps = _reps(ref)
+        for name, fn in candidates.items():
+            try:
+                err = relative_error(_first(fn(*args)), ref)
+                result["errors"][name] = err
+                if err > (1e-2 if ref.dtype != torch.float32 else 1e-3):
+                    continue
+                if graphed:
+                    result["ms"][name] = time_graphed_ms(fn, args, reps=reps)
+                else:
+                    result["ms"][name] = time_ms(lambda x: fn(x, *args[1:]), xs, "cuda")
+            except Exception as e:  # noqa: BLE001 - a failing candidate is not chosen
+                result["errors"][name] = f"{type(e).__name__}: {e}"
+    result["choice"] = min(result["ms"], key=result["ms"].get) if result["ms"] else "reference"
+    return result
+
+
+def with_fallback(candidate, reference):
+    """The candidate, or the reference where the candidate declines (returns None) at run time."""
+    def run(*args):
+        out = candidate(*args)
+        return reference(*args) if out is None else out
+
+    run.__name__ = f"fx_{candidate.name}"
+    return run
+
+
+def cache_key(node: fx.Node, candidates: dict, graphed: bool) -> str:
+    metas = []
+    for a in node.args:
+        v = a.meta.get("val") if isinstance(a, fx.Node) else None
+        metas.append(f"{tuple(v.shape)}|{layout_name(v)}|{v.dtype}" if isinstance(v, torch.Tensor)
+                     else ("node" if isinstance(a, fx.Node) else repr(a)))
+    target = ("fused_conv" if node.target is fused_conv_ref
+              else node.target.__name__ if inspect.isfunction(node.target) else str(node.target))
+    return f"node|graphed={graphed}|{target}|{metas}|{sorted(candidates)}"
+
+
+@dataclass
+class Tuning:
+    """Where measured choices come from: the autotuning cache, else a measurement (stored)."""
+    cache: Any
+    device: str
+    graphed: bool
+    ctx: Any
+
+    def entry(self, node: fx.Node, candidates: dict, key: str) -> dict:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        entry = self.cache.get(self.device, key)
+        if entry is None:
+            with unset_fake_temporarily():
+                entry = measure(node, candidates, self.graphed)
+            self.ctx.measurements += len(entry["ms"])
+            self.cache.put(self.device, key, entry)
+        return entry
