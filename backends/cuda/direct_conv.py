@@ -83,10 +83,36 @@ def _pixels_and_image(staged: bool, CI: int) -> tuple[str, str]:
     return pixels, ""
 
 
+def _split_code(split: int, values: list[str]) -> dict:
+    """Template pieces for ``split`` lanes per output (1: one thread per output). The lanes of a
+    group are consecutive in a warp; each sums its share of the input channels, then xor shuffles
+    within the group give every lane the total, and lane 0 of the group stores."""
+    if split == 1:
+        return {"split_setup": "  const idx_t first = (idx_t)blockIdx.x * blockDim.x + threadIdx.x;\n"
+                               "  const idx_t step = (idx_t)gridDim.x * blockDim.x;",
+                "store_guard": "", "ci0": "0", "cistep": "1", "reduce": "", "split_desc": ""}
+    shuffles = [f"{v} += __shfl_xor_sync(group, {v}, o, {split});" for v in values]
+    reduce = "\n".join(["#pragma unroll", f"    for (int o = {split // 2}; o > 0; o >>= 1) {{"]
+                       + [f"      {line}" for line in shuffles] + ["    }"])
+    return {"split_setup": "\n".join([
+                f"  const int s = (int)(threadIdx.x % {split});  // this lane's share of the input channels",
+                f"  const unsigned group = ((1u << {split}) - 1u) << ((threadIdx.x & 31u) & ~{split - 1}u);",
+                f"  const idx_t first = ((idx_t)blockIdx.x * blockDim.x + threadIdx.x) / {split};",
+                f"  const idx_t step = (idx_t)gridDim.x * blockDim.x / {split};"]),
+            "store_guard": " && s == 0", "ci0": "s", "cistep": str(split), "reduce": reduce,
+            "split_desc": f" Each output's input channels are split over {split} lanes (a small batch's latency)."}
+
+
+def split_lanes(cin: int) -> int:
+    """Lanes per output of the split variant: the power of two covering C_in, at most 8."""
+    return min(8, 1 << max(0, int(cin) - 1).bit_length())
+
+
 def _loops(layout: str, CI: int, KH: int, KW: int, DH: int, DW: int, COT: int, CIKK: int,
-           staged: bool = False) -> str:
-    """The reduction loop nest: over C_in outermost for NCHW, innermost for NHWC (contiguous reads)."""
-    ci_loop = [f"for (int ci = 0; ci < {CI}; ++ci) {{"]
+           staged: bool = False, split: int = 1) -> str:
+    """The reduction loop nest: over C_in outermost for NCHW, innermost for NHWC (contiguous reads);
+    with ``split`` lanes per output, lane ``s`` of the group takes input channels s, s + split, ..."""
+    ci_loop = [f"for (int ci = {'s' if split > 1 else 0}; ci < {CI}; ci += {split}) {{"]
     kh_loop = ["#pragma unroll", f"for (int kh = 0; kh < {KH}; ++kh) {{",
                f"  const int ih = hs + kh * {DH};", "  if (ih < 0 || ih >= H) continue;"]
     kw_loop = ["#pragma unroll", f"for (int kw = 0; kw < {KW}; ++kw) {{",
@@ -113,12 +139,13 @@ def generate_direct_conv2d(cin: int, cout: int, k, stride=1, padding=0, dilation
                            epilogue: Epilogue | None = None, weight_layout: str = "oihw",
                            pool: Optional[tuple] = None, cout_tile_: int | None = None,
                            index64: bool = False, block: int = 128,
-                           staged_hw: Optional[tuple] = None) -> KernelSource:
+                           staged_hw: Optional[tuple] = None, split: int = 1) -> KernelSource:
     """Launch args: x, w, [bias], [res], y, N, H, W, CH, CW, OH, OW (CH, CW: conv output size;
     OH, OW: final output size, = CH, CW without pool). ``pool``: (k, stride, padding) of a max
     pool applied after the epilogue. ``staged_hw``: (H, W) of the input, whose images are then
-    staged in shared memory (one image per grid z; see ``stage_fits``). Grid: (pixel blocks,
-    ceil(C_out / tile)[, N]), see launch."""
+    staged in shared memory (one image per grid z; see ``stage_fits``). ``split`` (1, 2, 4 or 8):
+    lanes per output sharing its input channels. Grid: (pixel blocks, ceil(C_out / tile)[, N]),
+    see launch."""
     (KH, KW), (SH, SW), (PH, PW), (DH, DW) = _pair(k), _pair(stride), _pair(padding), _pair(dilation)
     CI, CO, CIKK = int(cin), int(cout), int(cin) * KH * KW
     if min(CI, CO, KH, KW, SH, SW, DH, DW) < 1 or min(PH, PW) < 0:
@@ -136,11 +163,14 @@ def generate_direct_conv2d(cin: int, cout: int, k, stride=1, padding=0, dilation
     if pool is not None and (epi.residual or PPH > PKH // 2 or PPW > PKW // 2):
         raise ValueError("direct conv + max pool: no residual, pool padding <= half the window")
     staged = staged_hw is not None
+    if split not in (1, 2, 4, 8):
+        raise ValueError(f"direct conv: split {split} must be 1, 2, 4 or 8 lanes")
     if staged and not stage_fits(CI, staged_hw, COT * CIKK):
         raise ValueError(f"direct conv: an image of {CI}x{staged_hw} does not fit shared memory")
     name = _uname(f"fx_dconv{KH}x{KW}_c{CI}x{CO}_{_SHORT[dtype]}_{lay}" + ("_maxpool" if pool else "")
-                  + ("_staged" if staged else ""),
-                  CI, CO, KH, KW, SH, SW, PH, PW, DH, DW, epi, weight_layout, pool, COT, index64, block, staged_hw)
+                  + ("_staged" if staged else "") + (f"_split{split}" if split > 1 else ""),
+                  CI, CO, KH, KW, SH, SW, PH, PW, DH, DW, epi, weight_layout, pool, COT, index64, block, staged_hw,
+                  split)
     out_at = ("((n * $CO + co) * OH + oh) * OW + ow" if lay == "nchw"
               else "((n * OH + oh) * OW + ow) * $CO + co").replace("$CO", str(CO))
     res_at = ("((n * $CO + co) * CH + ch) * CW + cw" if lay == "nchw"
@@ -157,16 +187,22 @@ def generate_direct_conv2d(cin: int, cout: int, k, stride=1, padding=0, dilation
     pixels, image = _pixels_and_image(staged, CI)
     if staged:
         pixels = pixels.replace("$XS_HW", str(staged_hw[0] * staged_hw[1]))
+    patch_values = [f"sum[{a}][{b}][{j}]" for a in range(PKH) for b in range(PKW) for j in range(COT)]
+    sp = _split_code(split, patch_values if body == "direct_conv2d_patch.cu" else [f"sum[{j}]" for j in range(COT)])
     src = Template(load("direct_conv2d.cu").safe_substitute(body=load(body).template)).substitute(
         R=(PKH - 1) * SH + (KH - 1) * DH + 1, C=(PKW - 1) * SW + (KW - 1) * DW + 1,
         xload=_xload(lay, CI, staged), pixels=pixels, image=image,
         stage_desc="The block's image is staged in shared memory." if staged else "",
+        split_desc=sp["split_desc"], split_setup=sp["split_setup"], store_guard=sp["store_guard"],
+        ci0=sp["ci0"], cistep=sp["cistep"],
+        reduce_patch=sp["reduce"] if body == "direct_conv2d_patch.cu" else "",
+        reduce_window=sp["reduce"].replace("\n", "\n    ").replace("#pragma", "#pragma") if body != "direct_conv2d_patch.cu" else "",
         prelude=prelude({dtype}), KH=KH, KW=KW, CI=CI, CO=CO, COT=COT, CIKK=CIKK, SH=SH, SW=SW, PH=PH, PW=PW,
         DH=DH, DW=DW, layout=lay, weight_layout=weight_layout, epi_desc=epi.describe(), pool_desc=pool_desc,
         block=block, name=name, T=ct, extra_params=epi.params(ct), idx=_idx(index64), w_at=w_at,
         best_init="(-__int_as_float(0x7f800000))" if pool else "0.f",
         PKH=PKH, PKW=PKW, PSH=PSH, PSW=PSW, PPH=PPH, PPW=PPW,
-        loops=_loops(lay, CI, KH, KW, DH, DW, COT, CIKK, staged),
+        loops=_loops(lay, CI, KH, KW, DH, DW, COT, CIKK, staged, split),
         epilogue=epilogue,
         combine="if (acc > best[j] || acc != acc) best[j] = acc;" if pool else "best[j] = acc;",
         out_at=out_at)
@@ -175,7 +211,7 @@ def generate_direct_conv2d(cin: int, cout: int, k, stride=1, padding=0, dilation
     params += [("y", f"{ct}*")] + [(n, "long long") for n in ("N", "H", "W", "CH", "CW", "OH", "OW")]
     meta = {"layout": lay, "cin": CI, "cout": CO, "k": (KH, KW), "stride": (SH, SW), "padding": (PH, PW),
             "dilation": (DH, DW), "epilogue": epi, "weight_layout": weight_layout, "pool": pool,
-            "cout_tile": COT, "staged_hw": staged_hw}
+            "cout_tile": COT, "staged_hw": staged_hw, "split": split}
     return KernelSource(name, src, tuple(params), "direct_conv2d", meta, (block, 1, 1), index64)
 
 
@@ -219,12 +255,13 @@ def launch_direct_conv2d(ks: KernelSource, x: torch.Tensor, w: torch.Tensor, out
         return out
     if not ks.index64 and needs_index64(max(x.numel(), out.numel(), N * CH * CW * m["cout"])):
         raise ValueError(f"{ks.name}: tensors need index64=True")
+    lanes = m.get("split", 1)  # threads per output
     if m["staged_hw"] is None:
-        grid = (min(-(-(N * OH * OW) // ks.block[0]), _MAX_GRID), -(-m["cout"] // m["cout_tile"]), 1)
+        grid = (min(-(-(N * OH * OW * lanes) // ks.block[0]), _MAX_GRID), -(-m["cout"] // m["cout_tile"]), 1)
     else:  # one image per grid z, staged in shared memory: exactly the size generated for
         if (H, W) != tuple(m["staged_hw"]) or N > _MAX_GRID:
             raise ValueError(f"{ks.name}: input {H}x{W} (batch {N}), generated for {m['staged_hw']} staged")
-        grid = (min(-(-(OH * OW) // ks.block[0]), _MAX_GRID), -(-m["cout"] // m["cout_tile"]), N)
+        grid = (min(-(-(OH * OW * lanes) // ks.block[0]), _MAX_GRID), -(-m["cout"] // m["cout_tile"]), N)
     args = [x, w] + [t for t in (bias, residual) if t is not None] + [out, N, H, W, CH, CW, OH, OW]
     _kernel(ks, kernel).launch(grid, ks.block, args)
     return out
@@ -281,15 +318,15 @@ class DirectConv:
     composite (``conv_maxpool_chain`` signature)."""
 
     def __init__(self, name: str, spec: dict, conv_size: tuple, tile: int, pool: Optional[tuple] = None,
-                 staged: bool = False):
-        stage = "_staged" if staged else ""
+                 staged: bool = False, split: int = 1):
+        stage = ("_staged" if staged else "") + (f"_split{split}" if split > 1 else "")
         self.name, self.spec, self.pool = f"{name}_t{tile}{stage}", spec, pool
         self.label = f"directconv{'_maxpool' if pool else ''}_t{tile}{stage}"
         self.conv_size = tuple(int(d) for d in conv_size)
         self.sources = {0: generate_direct_conv2d(
             spec["cin"], spec["cout"], spec["k"], spec["stride"], spec["padding"], spec["dilation"], spec["dtype"],
             spec["layout"], spec["epilogue"], spec["weight_layout"], pool, tile,
-            staged_hw=spec["x_shape"][1:] if staged else None)}
+            staged_hw=spec["x_shape"][1:] if staged else None, split=split)}
         self.kernels: dict = {}
 
     def run(self, x, weight, bias, residual):
@@ -330,15 +367,19 @@ def _tiles(spec: dict, out: torch.Tensor) -> list[int]:
     return sorted({cout_tile(n * oh * ow, spec["cout"], reduction), full})
 
 
-def _variants(spec: dict, out: torch.Tensor) -> list[tuple[int, bool]]:
-    """(tile, staged) candidates: each tile of ``_tiles``, and at small batch (few pixels: the
-    reduction's global-load latency is the time) the smallest tile (most threads) also with the
-    image staged in shared memory (with wider tiles it never won on an H200, seed CNN b1)."""
+def _variants(spec: dict, out: torch.Tensor) -> list[tuple[int, bool, int]]:
+    """(tile, staged, split) candidates: each tile of ``_tiles``; at small batch (few pixels: the
+    reduction's latency is the time) the smallest tile (most threads) also with the image staged in
+    shared memory (with wider tiles it never won on an H200, seed CNN b1) and with its input
+    channels split over ``split_lanes`` lanes."""
     tiles = _tiles(spec, out)
     n, _, oh, ow = (int(d) for d in out.shape)
     reduction = spec["cin"] * spec["k"][0] * spec["k"][1]
-    staged = n * oh * ow <= STAGE_MAX_PIXELS and stage_fits(spec["cin"], spec["x_shape"][1:], tiles[0] * reduction)
-    return [(t, False) for t in tiles] + [(tiles[0], True)] * staged
+    few = n * oh * ow <= STAGE_MAX_PIXELS
+    staged = few and stage_fits(spec["cin"], spec["x_shape"][1:], tiles[0] * reduction)
+    split = split_lanes(spec["cin"]) if few else 1
+    return ([(t, False, 1) for t in tiles] + [(tiles[0], True, 1)] * staged
+            + [(tiles[0], False, split)] * (split > 1))
 
 
 def plan_direct_conv(node: fx.Node) -> list[DirectConv]:
@@ -347,7 +388,8 @@ def plan_direct_conv(node: fx.Node) -> list[DirectConv]:
     if spec is None:
         return []
     out = node.meta["val"]
-    return [DirectConv(f"dconv_{node.name}", spec, out.shape[2:], t, staged=st) for t, st in _variants(spec, out)]
+    return [DirectConv(f"dconv_{node.name}", spec, out.shape[2:], t, staged=st, split=sp)
+            for t, st, sp in _variants(spec, out)]
 
 
 # ---------------------------------------------------------------------------- conv + max pool
@@ -396,5 +438,5 @@ def plan_conv_maxpool(pool: fx.Node) -> Optional[tuple[fx.Node, list[DirectConv]
     if out is None or out.dtype != spec["dtype"]:
         return None
     conv_size = conv.meta["val"].shape[2:]
-    return conv, [DirectConv(f"dconv_pool_{conv.name}", spec, conv_size, t, pool=pp, staged=st)
-                  for t, st in _variants(spec, out)]
+    return conv, [DirectConv(f"dconv_pool_{conv.name}", spec, conv_size, t, pool=pp, staged=st, split=sp)
+                  for t, st, sp in _variants(spec, out)]

@@ -2,7 +2,7 @@ $prelude
 // direct conv ${KH}x$KW, C_in $CI -> C_out $CO (tile $COT per block), stride ($SH, $SW) padding ($PH, $PW)
 // dilation ($DH, $DW), layout $layout, weight $weight_layout; epilogue: $epi_desc; then $pool_desc
 // One thread per output pixel and tile of output channels; the tile's weights live in shared
-// memory (every thread of a warp reads the same weight: a broadcast). $stage_desc
+// memory (every thread of a warp reads the same weight: a broadcast). $stage_desc$split_desc
 extern "C" __global__ void __launch_bounds__($block)
 $name(const $T* __restrict__ x, const $T* __restrict__ w$extra_params, $T* __restrict__ y,
       long long N_, long long H_, long long W_, long long CH_, long long CW_, long long OH_, long long OW_) {
@@ -19,8 +19,8 @@ $name(const $T* __restrict__ x, const $T* __restrict__ w$extra_params, $T* __res
   const idx_t OH = (idx_t)OH_, OW = (idx_t)OW_;
 $pixels
   __syncthreads();
-  const idx_t step = (idx_t)gridDim.x * blockDim.x;
-  for (idx_t p = (idx_t)blockIdx.x * blockDim.x + threadIdx.x; p < total; p += step) {
+$split_setup
+  for (idx_t p = first; p < total; p += step) {
     const int ow = (int)(p % OW);
     idx_t t = p / OW;
     const int oh = (int)(t % OH);
@@ -29,7 +29,7 @@ $body
 #pragma unroll
     for (int j = 0; j < $COT; ++j) {
       const int co = co0 + j;
-      if (co < $CO) y[$out_at] = fx_from<$T>(best[j]);
+      if (co < $CO$store_guard) y[$out_at] = fx_from<$T>(best[j]);
     }
   }
 }

@@ -9,7 +9,7 @@
       for (int b = 0; b < $PKW; ++b)
 #pragma unroll
         for (int j = 0; j < $COT; ++j) sum[a][b][j] = 0.f;
-    for (int ci = 0; ci < $CI; ++ci) {
+    for (int ci = $ci0; ci < $CI; ci += $cistep) {
       float xp[$R][$C];
 #pragma unroll
       for (int r = 0; r < $R; ++r) {
@@ -36,6 +36,7 @@
           }
         }
     }
+$reduce_patch
     float best[$COT];
 #pragma unroll
     for (int j = 0; j < $COT; ++j) best[j] = (-__int_as_float(0x7f800000));

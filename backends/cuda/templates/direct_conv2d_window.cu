@@ -12,6 +12,7 @@
         for (int j = 0; j < $COT; ++j) sum[j] = 0.f;
         const int hs = ch * $SH - $PH, wsx = cw * $SW - $PW;
 $loops
+$reduce_window
 #pragma unroll
         for (int j = 0; j < $COT; ++j) {
           const int co = co0 + j;
