@@ -13,7 +13,10 @@ at every position of the pool window and keeps the max), and writes only the fin
 - ``DirectConv`` / ``plan_direct_conv``: candidates (two output-channel tilings) for a
   ``fused_conv`` node with groups 1, algorithm ``direct``, C_in <= 16, C_out <= 128 and
   C_in*KH*KW <= 512 (stems and small CNNs: wider convs are GEMMs that cuDNN runs better, and each
-  candidate costs an NVRTC compilation and a measurement at compile time).
+  candidate costs an NVRTC compilation and a measurement at compile time). With few output pixels
+  (a small batch, where a thread's serial reduction is the time) the smallest tiling is also
+  offered with each output's input channels split over 2-8 lanes of a warp, summed by shuffles
+  (``split``), and with the block's image staged in shared memory (``staged_hw``).
 - ``ConvMaxPool`` / ``plan_conv_maxpool``: a candidate for a ``max_pool2d_with_indices`` node
   whose indices nobody reads and whose input is such a conv (without residual) used only there;
   the executor measures it against the conv and pool as they were chosen separately
