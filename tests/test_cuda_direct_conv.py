@@ -17,8 +17,7 @@ from fxopt.backends import torch_ref
 from fxopt.backends.cuda import executor as X, groups, measure
 from fxopt.backends.cuda.codegen import Epilogue
 from fxopt.backends.cuda.direct_conv import (MAX_UNROLLED, DirectConv, cout_tile, generate_direct_conv2d,
-                                             launch_direct_conv2d, plan_conv_maxpool, plan_direct_conv,
-                                             stage_fits)
+                                             launch_direct_conv2d, plan_conv_maxpool, plan_direct_conv)
 from fxopt.backends.cuda.nvrtc import compile_many, nvrtc_available
 from fxopt.ops import fused_conv_ref
 from fxopt.testing.models import SeedCNN
@@ -46,15 +45,13 @@ def test_plans_both_seedcnn_convs_and_both_conv_pool_pairs(layout):
     assert len(convs) == 2
     for node in convs:
         cands = plan_direct_conv(node)
-        assert 3 <= len(cands) <= 4 and len({c.label for c in cands}) == len(cands)
+        assert 2 <= len(cands) <= 3 and len({c.label for c in cands}) == len(cands)
         smallest = min(c.sources[0].meta["cout_tile"] for c in cands)
-        staged = [c.sources[0].meta for c in cands if c.label.endswith("_staged")]
         split = [c.sources[0].meta for c in cands if "_split" in c.label]
-        # batch 2: few pixels, so the smallest tile is also measured with its image staged in shared
-        # memory and with its input channels split over lanes (3 -> 4 lanes, 6 -> 8)
-        assert len(staged) == 1 and staged[0]["staged_hw"] == tuple(node.args[0].meta["val"].shape[2:])
+        # batch 2: few pixels, so the smallest tile is also measured with its input channels split
+        # over lanes (3 -> 4 lanes, 6 -> 8)
         assert len(split) == 1 and split[0]["split"] == {3: 4, 6: 8}[node.args[0].meta["val"].shape[1]]
-        assert staged[0]["cout_tile"] == split[0]["cout_tile"] == smallest
+        assert split[0]["cout_tile"] == smallest
         for c in cands:
             assert c.spec["epilogue"] == Epilogue(True, False, ("relu", ()))
             assert c.spec["layout"] == ("nhwc" if layout == "channels_last" else "nchw")
@@ -119,19 +116,11 @@ def test_cout_tile_keeps_enough_threads_and_fits_shared_memory():
         generate_direct_conv2d(3, 8, 3, weight_layout="hwio")
 
 
-def test_staged_and_split_variants_only_for_few_pixels():
-    from fxopt.backends.cuda.direct_conv import STAGE_MAX_PIXELS
+def test_split_variant_only_for_few_pixels():
+    from fxopt.backends.cuda.direct_conv import FEW_PIXELS
     gm = lowered(SeedCNN().eval(), torch.randn(64, 3, 32, 32))  # 64 x 28 x 28 outputs: many pixels
     conv = next(n for n in gm.graph.nodes if n.target is fused_conv_ref)
-    assert 64 * 28 * 28 > STAGE_MAX_PIXELS
-    assert not any("staged" in c.label or "split" in c.label for c in plan_direct_conv(conv))
-    assert stage_fits(3, (32, 32), 16 * 75) and not stage_fits(3, (224, 224), 147)
-    with pytest.raises(ValueError, match="shared memory"):
-        generate_direct_conv2d(3, 8, 7, staged_hw=(224, 224))
-    ks = generate_direct_conv2d(3, 6, 5, epilogue=Epilogue(bias=True), staged_hw=(8, 8))
-    w, b = torch.randn(6, 3, 5, 5), torch.randn(6)
-    with pytest.raises(ValueError, match="staged"):  # another image size than the shared buffer's
-        launch_direct_conv2d(ks, torch.randn(1, 3, 9, 9), w, torch.empty(1, 6, 5, 5), b)
+    assert 64 * 28 * 28 > FEW_PIXELS and not any("split" in c.label for c in plan_direct_conv(conv))
     with pytest.raises(ValueError, match="split"):
         generate_direct_conv2d(3, 6, 5, split=3)
     from fxopt.backends.cuda.direct_conv import split_lanes
@@ -159,16 +148,11 @@ def test_launch_checks_weight_and_channels_before_launching():
        layout=st.sampled_from(["nchw", "nhwc"]), wl=st.sampled_from(["oihw", "ohwi"]),
        pool=st.sampled_from([None, ((2, 2), (2, 2), (0, 0)), ((3, 3), (2, 2), (1, 1))]),
        bias=st.booleans(), act=st.sampled_from([None, "relu", ("hardtanh", (0.0, 6.0)), "silu"]),
-       tile=st.integers(1, 16), staged=st.sampled_from([None, (14, 14), (32, 32)]),
-       split=st.sampled_from([1, 2, 4, 8]))
+       tile=st.integers(1, 16), split=st.sampled_from([1, 2, 4, 8]))
 def test_every_variant_compiles_with_nvrtc(cin, cout, k, stride, padding, dilation, dtype, layout, wl, pool,
-                                           bias, act, tile, staged, split):
-    tile = min(tile, cout)
-    if staged is not None and not stage_fits(cin, staged, tile * cin * k * k):
-        staged = None
+                                           bias, act, tile, split):
     ks = generate_direct_conv2d(cin, cout, k, stride, padding, dilation, dtype, layout, Epilogue(bias, False, act),
-                                wl, pool, tile, staged_hw=staged, split=split)
-    assert ("xs[" in ks.source) == (staged is not None)
+                                wl, pool, min(tile, cout), split=split)
     assert ("__shfl_xor_sync" in ks.source) == (split > 1)
     (compiled,) = compile_many([ks])
     assert compiled.pdl_safe
@@ -240,9 +224,9 @@ def _reference(x, w, b, res, stride, padding, dilation, act, pool):
        pool=st.sampled_from([None, ((2, 2), (2, 2), (0, 0), False), ((3, 3), (2, 2), (1, 1), False),
                              ((3, 3), (2, 2), (0, 0), True), ((2, 2), (1, 1), (0, 0), False)]),
        bias=st.booleans(), residual=st.booleans(), act=st.sampled_from([None, "relu", ("hardtanh", (0.0, 6.0)), "silu"]),
-       tile=st.integers(1, 16), staged=st.booleans(), split=st.sampled_from([1, 2, 4, 8]))
+       tile=st.integers(1, 16), split=st.sampled_from([1, 2, 4, 8]))
 def test_kernels_match_pytorch_on_gpu(n, cin, cout, k, stride, padding, dilation, hw, dtype, layout, wl, pool,
-                                      bias, residual, act, tile, staged, split):
+                                      bias, residual, act, tile, split):
     from fxopt.backends.cuda.launch import pool2d_output_size
 
     ch = (hw + 2 * padding - dilation * (k - 1) - 1) // stride + 1
@@ -255,11 +239,8 @@ def test_kernels_match_pytorch_on_gpu(n, cin, cout, k, stride, padding, dilation
         memory_format=torch.channels_last if wl == "ohwi" else torch.contiguous_format)
     b = torch.randn(cout, device="cuda", dtype=dtype) if bias else None
     res = torch.randn(n, cout, ch, ch, device="cuda", dtype=dtype).contiguous(memory_format=mf) if residual else None
-    tile = min(tile, cout)
-    staged = (hw, hw) if staged and stage_fits(cin, (hw, hw), tile * cin * k * k) else None
     ks = generate_direct_conv2d(cin, cout, k, stride, padding, dilation, dtype, layout,
-                                Epilogue(bias, residual, act), wl, pool and pool[:3], tile, staged_hw=staged,
-                                split=split)
+                                Epilogue(bias, residual, act), wl, pool and pool[:3], min(tile, cout), split=split)
     oh = ch if pool is None else pool2d_output_size(ch, ch, *pool)[0]
     out = torch.empty(n, cout, oh, oh, device="cuda", dtype=dtype).contiguous(memory_format=mf)
     launch_direct_conv2d(ks, x, w, out, b, res, (ch, ch))

@@ -16,7 +16,7 @@ at every position of the pool window and keeps the max), and writes only the fin
   candidate costs an NVRTC compilation and a measurement at compile time). With few output pixels
   (a small batch, where a thread's serial reduction is the time) the smallest tiling is also
   offered with each output's input channels split over 2-8 lanes of a warp, summed by shuffles
-  (``split``), and with the block's image staged in shared memory (``staged_hw``).
+  (``split``).
 - ``ConvMaxPool`` / ``plan_conv_maxpool``: a candidate for a ``max_pool2d_with_indices`` node
   whose indices nobody reads and whose input is such a conv (without residual) used only there;
   the executor measures it against the conv and pool as they were chosen separately
@@ -49,9 +49,9 @@ SMEM_FLOATS = 12288  # 48 KiB of weights per block
 #: takes seconds per kernel (a 7x7 stem: ~9 s with 16 channels per block, ~2.5 s with 8) for no measured gain
 MAX_UNROLLED = 600
 _MAX_GRID = 65535
-#: outputs (batch x pixels) up to which a staged-input variant is measured too: beyond, the grid is
-#: wide enough to hide load latency and every block re-reading its whole image costs more
-STAGE_MAX_PIXELS = 1 << 14
+#: outputs (batch x pixels) up to which the split-channel variant is measured too: beyond, the grid
+#: has enough threads to hide a thread's serial reduction, and the variant costs compile time
+FEW_PIXELS = 1 << 14
 
 
 def cout_tile(pixels: int, cout: int, reduction: int) -> int:
@@ -64,26 +64,8 @@ def cout_tile(pixels: int, cout: int, reduction: int) -> int:
     return tile
 
 
-def _xload(layout: str, CI: int, staged: bool) -> str:
-    """One input value as float: from global memory, or from the image staged in shared memory."""
-    if staged:
-        return f"xs[(ci * H + ih) * W + iw]" if layout == "nchw" else f"xs[(ih * W + iw) * {CI} + ci]"
-    x_at = f"((n * {CI} + ci) * H + ih) * W + iw" if layout == "nchw" else f"((n * H + ih) * W + iw) * {CI} + ci"
-    return f"fx_to_f32(x[{x_at}])"
-
-
-def _pixels_and_image(staged: bool, CI: int) -> tuple[str, str]:
-    """Which pixels the grid covers and where image ``n`` comes from. Staged: blockIdx.z is the
-    image, whose C_in x H x W values (contiguous in either layout) the block copies to shared memory
-    once, so that the reduction reads shared memory instead of waiting on global loads."""
-    if not staged:
-        return "  const idx_t total = (idx_t)N_ * OH * OW;", "    const idx_t n = t / OH;"
-    pixels = "\n".join([
-        "  const idx_t n = (idx_t)blockIdx.z;",
-        f"  __shared__ float xs[{CI} * $XS_HW];",
-        f"  for (int i = threadIdx.x; i < {CI} * H * W; i += blockDim.x) xs[i] = fx_to_f32(x[n * {CI} * H * W + i]);",
-        "  const idx_t total = OH * OW;"])
-    return pixels, ""
+def _x_at(layout: str, CI: int) -> str:
+    return f"((n * {CI} + ci) * H + ih) * W + iw" if layout == "nchw" else f"((n * H + ih) * W + iw) * {CI} + ci"
 
 
 def _split_code(split: int, values: list[str]) -> dict:
@@ -112,7 +94,7 @@ def split_lanes(cin: int) -> int:
 
 
 def _loops(layout: str, CI: int, KH: int, KW: int, DH: int, DW: int, COT: int, CIKK: int,
-           staged: bool = False, split: int = 1) -> str:
+           split: int = 1) -> str:
     """The reduction loop nest: over C_in outermost for NCHW, innermost for NHWC (contiguous reads);
     with ``split`` lanes per output, lane ``s`` of the group takes input channels s, s + split, ..."""
     ci_loop = [f"for (int ci = {'s' if split > 1 else 0}; ci < {CI}; ci += {split}) {{"]
@@ -120,7 +102,7 @@ def _loops(layout: str, CI: int, KH: int, KW: int, DH: int, DW: int, COT: int, C
                f"  const int ih = hs + kh * {DH};", "  if (ih < 0 || ih >= H) continue;"]
     kw_loop = ["#pragma unroll", f"for (int kw = 0; kw < {KW}; ++kw) {{",
                f"  const int iw = wsx + kw * {DW};", "  if (iw < 0 || iw >= W) continue;"]
-    body = [f"const float xv = {_xload(layout, CI, staged)};",
+    body = [f"const float xv = fx_to_f32(x[{_x_at(layout, CI)}]);",
             f"const float* wr = ws + (ci * {KH} + kh) * {KW} + kw;",
             "#pragma unroll", f"for (int j = 0; j < {COT}; ++j) sum[j] += xv * wr[j * {CIKK}];"]
     nest = [ci_loop, kh_loop, kw_loop] if layout == "nchw" else [kh_loop, kw_loop, ci_loop]
@@ -141,14 +123,11 @@ def generate_direct_conv2d(cin: int, cout: int, k, stride=1, padding=0, dilation
                            dtype: torch.dtype = torch.float32, layout: str = "nchw",
                            epilogue: Epilogue | None = None, weight_layout: str = "oihw",
                            pool: Optional[tuple] = None, cout_tile_: int | None = None,
-                           index64: bool = False, block: int = 128,
-                           staged_hw: Optional[tuple] = None, split: int = 1) -> KernelSource:
+                           index64: bool = False, block: int = 128, split: int = 1) -> KernelSource:
     """Launch args: x, w, [bias], [res], y, N, H, W, CH, CW, OH, OW (CH, CW: conv output size;
     OH, OW: final output size, = CH, CW without pool). ``pool``: (k, stride, padding) of a max
-    pool applied after the epilogue. ``staged_hw``: (H, W) of the input, whose images are then
-    staged in shared memory (one image per grid z; see ``stage_fits``). ``split`` (1, 2, 4 or 8):
-    lanes per output sharing its input channels. Grid: (pixel blocks, ceil(C_out / tile)[, N]),
-    see launch."""
+    pool applied after the epilogue. ``split`` (1, 2, 4 or 8): lanes per output sharing its input
+    channels. Grid: (pixel blocks, ceil(C_out / tile)), see launch."""
     (KH, KW), (SH, SW), (PH, PW), (DH, DW) = _pair(k), _pair(stride), _pair(padding), _pair(dilation)
     CI, CO, CIKK = int(cin), int(cout), int(cin) * KH * KW
     if min(CI, CO, KH, KW, SH, SW, DH, DW) < 1 or min(PH, PW) < 0:
@@ -165,15 +144,11 @@ def generate_direct_conv2d(cin: int, cout: int, k, stride=1, padding=0, dilation
         _pair(pool[0]), _pair(pool[1]), _pair(pool[2]))
     if pool is not None and (epi.residual or PPH > PKH // 2 or PPW > PKW // 2):
         raise ValueError("direct conv + max pool: no residual, pool padding <= half the window")
-    staged = staged_hw is not None
     if split not in (1, 2, 4, 8):
         raise ValueError(f"direct conv: split {split} must be 1, 2, 4 or 8 lanes")
-    if staged and not stage_fits(CI, staged_hw, COT * CIKK):
-        raise ValueError(f"direct conv: an image of {CI}x{staged_hw} does not fit shared memory")
     name = _uname(f"fx_dconv{KH}x{KW}_c{CI}x{CO}_{_SHORT[dtype]}_{lay}" + ("_maxpool" if pool else "")
-                  + ("_staged" if staged else "") + (f"_split{split}" if split > 1 else ""),
-                  CI, CO, KH, KW, SH, SW, PH, PW, DH, DW, epi, weight_layout, pool, COT, index64, block, staged_hw,
-                  split)
+                  + (f"_split{split}" if split > 1 else ""),
+                  CI, CO, KH, KW, SH, SW, PH, PW, DH, DW, epi, weight_layout, pool, COT, index64, block, split)
     out_at = ("((n * $CO + co) * OH + oh) * OW + ow" if lay == "nchw"
               else "((n * OH + oh) * OW + ow) * $CO + co").replace("$CO", str(CO))
     res_at = ("((n * $CO + co) * CH + ch) * CW + cw" if lay == "nchw"
@@ -187,25 +162,20 @@ def generate_direct_conv2d(cin: int, cout: int, k, stride=1, padding=0, dilation
     epilogue = epi.code(" " * 10, "fx_to_f32(bias[co])", f"fx_to_f32(res[{res_at}])")
     # a pool window whose input patch fits in registers loads it once per input channel
     body = "direct_conv2d_patch.cu" if pool is not None and patch <= MAX_PATCH else "direct_conv2d_window.cu"
-    pixels, image = _pixels_and_image(staged, CI)
-    if staged:
-        pixels = pixels.replace("$XS_HW", str(staged_hw[0] * staged_hw[1]))
     patch_values = [f"sum[{a}][{b}][{j}]" for a in range(PKH) for b in range(PKW) for j in range(COT)]
     sp = _split_code(split, patch_values if body == "direct_conv2d_patch.cu" else [f"sum[{j}]" for j in range(COT)])
     src = Template(load("direct_conv2d.cu").safe_substitute(body=load(body).template)).substitute(
         R=(PKH - 1) * SH + (KH - 1) * DH + 1, C=(PKW - 1) * SW + (KW - 1) * DW + 1,
-        xload=_xload(lay, CI, staged), pixels=pixels, image=image,
-        stage_desc="The block's image is staged in shared memory." if staged else "",
-        split_desc=sp["split_desc"], split_setup=sp["split_setup"], store_guard=sp["store_guard"],
-        ci0=sp["ci0"], cistep=sp["cistep"],
+        x_at=_x_at(lay, CI), split_desc=sp["split_desc"], split_setup=sp["split_setup"],
+        store_guard=sp["store_guard"], ci0=sp["ci0"], cistep=sp["cistep"],
         reduce_patch=sp["reduce"] if body == "direct_conv2d_patch.cu" else "",
-        reduce_window=sp["reduce"].replace("\n", "\n    ").replace("#pragma", "#pragma") if body != "direct_conv2d_patch.cu" else "",
+        reduce_window=sp["reduce"].replace("\n", "\n    ") if body != "direct_conv2d_patch.cu" else "",
         prelude=prelude({dtype}), KH=KH, KW=KW, CI=CI, CO=CO, COT=COT, CIKK=CIKK, SH=SH, SW=SW, PH=PH, PW=PW,
         DH=DH, DW=DW, layout=lay, weight_layout=weight_layout, epi_desc=epi.describe(), pool_desc=pool_desc,
         block=block, name=name, T=ct, extra_params=epi.params(ct), idx=_idx(index64), w_at=w_at,
         best_init="(-__int_as_float(0x7f800000))" if pool else "0.f",
         PKH=PKH, PKW=PKW, PSH=PSH, PSW=PSW, PPH=PPH, PPW=PPW,
-        loops=_loops(lay, CI, KH, KW, DH, DW, COT, CIKK, staged, split),
+        loops=_loops(lay, CI, KH, KW, DH, DW, COT, CIKK, split),
         epilogue=epilogue,
         combine="if (acc > best[j] || acc != acc) best[j] = acc;" if pool else "best[j] = acc;",
         out_at=out_at)
@@ -214,13 +184,8 @@ def generate_direct_conv2d(cin: int, cout: int, k, stride=1, padding=0, dilation
     params += [("y", f"{ct}*")] + [(n, "long long") for n in ("N", "H", "W", "CH", "CW", "OH", "OW")]
     meta = {"layout": lay, "cin": CI, "cout": CO, "k": (KH, KW), "stride": (SH, SW), "padding": (PH, PW),
             "dilation": (DH, DW), "epilogue": epi, "weight_layout": weight_layout, "pool": pool,
-            "cout_tile": COT, "staged_hw": staged_hw, "split": split}
+            "cout_tile": COT, "split": split}
     return KernelSource(name, src, tuple(params), "direct_conv2d", meta, (block, 1, 1), index64)
-
-
-def stage_fits(cin: int, hw: tuple, weight_floats: int) -> bool:
-    """An image (C_in x H x W floats) and the block's weights within the shared memory budget."""
-    return cin * int(hw[0]) * int(hw[1]) + weight_floats <= SMEM_FLOATS
 
 
 def weight_layout_of(w: torch.Tensor) -> Optional[str]:
@@ -258,13 +223,8 @@ def launch_direct_conv2d(ks: KernelSource, x: torch.Tensor, w: torch.Tensor, out
         return out
     if not ks.index64 and needs_index64(max(x.numel(), out.numel(), N * CH * CW * m["cout"])):
         raise ValueError(f"{ks.name}: tensors need index64=True")
-    lanes = m.get("split", 1)  # threads per output
-    if m["staged_hw"] is None:
-        grid = (min(-(-(N * OH * OW * lanes) // ks.block[0]), _MAX_GRID), -(-m["cout"] // m["cout_tile"]), 1)
-    else:  # one image per grid z, staged in shared memory: exactly the size generated for
-        if (H, W) != tuple(m["staged_hw"]) or N > _MAX_GRID:
-            raise ValueError(f"{ks.name}: input {H}x{W} (batch {N}), generated for {m['staged_hw']} staged")
-        grid = (min(-(-(OH * OW * lanes) // ks.block[0]), _MAX_GRID), -(-m["cout"] // m["cout_tile"]), N)
+    threads = N * OH * OW * m["split"]  # split: lanes per output
+    grid = (min(-(-threads // ks.block[0]), _MAX_GRID), -(-m["cout"] // m["cout_tile"]), 1)
     args = [x, w] + [t for t in (bias, residual) if t is not None] + [out, N, H, W, CH, CW, OH, OW]
     _kernel(ks, kernel).launch(grid, ks.block, args)
     return out
@@ -321,15 +281,14 @@ class DirectConv:
     composite (``conv_maxpool_chain`` signature)."""
 
     def __init__(self, name: str, spec: dict, conv_size: tuple, tile: int, pool: Optional[tuple] = None,
-                 staged: bool = False, split: int = 1):
-        stage = ("_staged" if staged else "") + (f"_split{split}" if split > 1 else "")
-        self.name, self.spec, self.pool = f"{name}_t{tile}{stage}", spec, pool
-        self.label = f"directconv{'_maxpool' if pool else ''}_t{tile}{stage}"
+                 split: int = 1):
+        lanes = f"_split{split}" if split > 1 else ""
+        self.name, self.spec, self.pool = f"{name}_t{tile}{lanes}", spec, pool
+        self.label = f"directconv{'_maxpool' if pool else ''}_t{tile}{lanes}"
         self.conv_size = tuple(int(d) for d in conv_size)
         self.sources = {0: generate_direct_conv2d(
             spec["cin"], spec["cout"], spec["k"], spec["stride"], spec["padding"], spec["dilation"], spec["dtype"],
-            spec["layout"], spec["epilogue"], spec["weight_layout"], pool, tile,
-            staged_hw=spec["x_shape"][1:] if staged else None, split=split)}
+            spec["layout"], spec["epilogue"], spec["weight_layout"], pool, tile, split=split)}
         self.kernels: dict = {}
 
     def run(self, x, weight, bias, residual):
@@ -350,8 +309,6 @@ class DirectConv:
         out = torch.empty_strided(shape, _strides(s["layout"], shape), dtype=x.dtype, device=x.device)
         if needs_index64(max(x.numel(), out.numel(), x.shape[0] * s["cout"] * ch * cw)):
             return None
-        if ks.meta["staged_hw"] is not None and x.shape[0] > _MAX_GRID:
-            return None
         return launch_direct_conv2d(ks, x, weight, out, bias, residual, (ch, cw), kernel)
 
     def __call__(self, x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
@@ -370,29 +327,23 @@ def _tiles(spec: dict, out: torch.Tensor) -> list[int]:
     return sorted({cout_tile(n * oh * ow, spec["cout"], reduction), full})
 
 
-def _variants(spec: dict, out: torch.Tensor) -> list[tuple[int, bool, int]]:
-    """(tile, staged, split) candidates: each tile of ``_tiles``; at small batch (few pixels: the
-    reduction's latency is the time) the smallest tile (most threads) also with the image staged in
-    shared memory (with wider tiles it never won on an H200, seed CNN b1) and with its input
+def _variants(spec: dict, out: torch.Tensor) -> list[tuple[int, int]]:
+    """(tile, split) candidates: each tile of ``_tiles``; with few output pixels (a small batch: a
+    thread's serial reduction is the time) the smallest tile (most threads) also with its input
     channels split over ``split_lanes`` lanes."""
     tiles = _tiles(spec, out)
     n, _, oh, ow = (int(d) for d in out.shape)
-    reduction = spec["cin"] * spec["k"][0] * spec["k"][1]
-    few = n * oh * ow <= STAGE_MAX_PIXELS
-    staged = few and stage_fits(spec["cin"], spec["x_shape"][1:], tiles[0] * reduction)
-    split = split_lanes(spec["cin"]) if few else 1
-    return ([(t, False, 1) for t in tiles] + [(tiles[0], True, 1)] * staged
-            + [(tiles[0], False, split)] * (split > 1))
+    split = split_lanes(spec["cin"]) if n * oh * ow <= FEW_PIXELS else 1
+    return [(t, 1) for t in tiles] + [(tiles[0], split)] * (split > 1)
 
 
 def plan_direct_conv(node: fx.Node) -> list[DirectConv]:
-    """Direct-conv candidates (per tile size, staged or not) for a fused_conv node; [] where none applies."""
+    """Direct-conv candidates (the variants of ``_variants``) for a fused_conv node; [] where none applies."""
     spec = _conv_spec(node)
     if spec is None:
         return []
     out = node.meta["val"]
-    return [DirectConv(f"dconv_{node.name}", spec, out.shape[2:], t, staged=st, split=sp)
-            for t, st, sp in _variants(spec, out)]
+    return [DirectConv(f"dconv_{node.name}", spec, out.shape[2:], t, split=sp) for t, sp in _variants(spec, out)]
 
 
 # ---------------------------------------------------------------------------- conv + max pool
@@ -441,5 +392,5 @@ def plan_conv_maxpool(pool: fx.Node) -> Optional[tuple[fx.Node, list[DirectConv]
     if out is None or out.dtype != spec["dtype"]:
         return None
     conv_size = conv.meta["val"].shape[2:]
-    return conv, [DirectConv(f"dconv_pool_{conv.name}", spec, conv_size, t, pool=pp, staged=st, split=sp)
-                  for t, st, sp in _variants(spec, out)]
+    return conv, [DirectConv(f"dconv_pool_{conv.name}", spec, conv_size, t, pool=pp, split=sp)
+                  for t, sp in _variants(spec, out)]

@@ -15,9 +15,8 @@ activation. Candidates per convolution:
   the whole epilogue fused (``regions.py``);
 - ``generated_directconv_t<tile>``: for convs with few input channels (C_in <= 16, C_out <= 128,
   C_in*KH*KW <= 512, groups 1: stems, small CNNs), one generated direct-convolution kernel with the
-  epilogue fused (``direct_conv.py``), in two output-channel tilings; at small batch also with the
-  image staged in shared memory (``_staged``) and with each output's input channels split over
-  lanes (``_split<lanes>``).
+  epilogue fused (``direct_conv.py``), in two output-channel tilings; at small batch also with each
+  output's input channels split over lanes (``_split<lanes>``).
 
 A ``fused_linear`` over at most 16 rows (a classifier head at small batch) gets one generated
 kernel with bias and activation fused as a candidate (``generated_linear``, ``linear.py``) against

@@ -2,7 +2,7 @@ $prelude
 // direct conv ${KH}x$KW, C_in $CI -> C_out $CO (tile $COT per block), stride ($SH, $SW) padding ($PH, $PW)
 // dilation ($DH, $DW), layout $layout, weight $weight_layout; epilogue: $epi_desc; then $pool_desc
 // One thread per output pixel and tile of output channels; the tile's weights live in shared
-// memory (every thread of a warp reads the same weight: a broadcast). $stage_desc$split_desc
+// memory (every thread of a warp reads the same weight: a broadcast).$split_desc
 extern "C" __global__ void __launch_bounds__($block)
 $name(const $T* __restrict__ x, const $T* __restrict__ w$extra_params, $T* __restrict__ y,
       long long N_, long long H_, long long W_, long long CH_, long long CW_, long long OH_, long long OW_) {
@@ -17,14 +17,14 @@ $name(const $T* __restrict__ x, const $T* __restrict__ w$extra_params, $T* __res
   }
   const int H = (int)H_, W = (int)W_, CH = (int)CH_, CW = (int)CW_;
   const idx_t OH = (idx_t)OH_, OW = (idx_t)OW_;
-$pixels
+  const idx_t total = (idx_t)N_ * OH * OW;
   __syncthreads();
 $split_setup
   for (idx_t p = first; p < total; p += step) {
     const int ow = (int)(p % OW);
     idx_t t = p / OW;
     const int oh = (int)(t % OH);
-$image
+    const idx_t n = t / OH;
 $body
 #pragma unroll
     for (int j = 0; j < $COT; ++j) {

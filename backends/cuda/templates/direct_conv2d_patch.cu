@@ -18,7 +18,7 @@
 #pragma unroll
         for (int c = 0; c < $C; ++c) {
           const int iw = iw0 + c;
-          xp[r][c] = rok && iw >= 0 && iw < W ? $xload : 0.f;
+          xp[r][c] = rok && iw >= 0 && iw < W ? fx_to_f32(x[$x_at]) : 0.f;
         }
       }
 #pragma unroll
