@@ -147,6 +147,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if progress is not None:
             progress.update(1)
         ctx.conv_algorithms[qual] = choice
+        node.meta["fxopt_conv_algorithm_how"] = choice.how  # forced, measured, cached, heuristic...
         if choice.algorithm != node.args[ARG_ALGORITHM] or choice.algorithm != "direct":
             rewrite(gm, node, choice)
             changed = changed or choice.algorithm != "direct"

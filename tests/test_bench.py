@@ -231,12 +231,34 @@ def test_rounds_interleave_live_backends_without_recompiling(monkeypatch, tiny_m
         c = by[be]
         assert c["status"] == "ok" and c["rounds"] == 3 and c["n"] == 9, c  # 3 rounds of ceil(7/3)
         assert len(c["samples_ms"]) == 9 and c["max_rel_err"] <= 1e-4
+        # one median per round (of that round's 3 samples) and the host speed measured before it
+        assert len(c["round_medians_ms"]) == 3 and len(c["round_host_us"]) == 3
+        assert all(h > 0 for h in c["round_host_us"])
+        assert c["round_medians_ms"][1] == sorted(c["samples_ms"][3:6])[1]
     assert by["broken"]["status"] == "error"
     # the rounds alternate: a's calls come in three separate runs, each followed by b's
     runs = [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k]
     assert runs == ["a", "b"] * 4  # preparation and warm-up, then 3 rounds
     # inductor and fxopt stayed compiled through the rounds: one Dynamo frame compile each
     assert counters["frames"]["ok"] == 2, dict(counters["frames"])
+
+
+def test_paired_speedup_compares_rounds_of_the_same_host_state():
+    from fxopt.bench import report as REP
+    # a host that halves its speed in rounds 2 and 3: the pooled medians compare different mixes,
+    # the paired ratio compares round by round
+    peer = {"round_medians_ms": [0.060, 0.064, 0.062, 0.058, 0.060]}
+    fx = {"round_medians_ms": [0.045, 0.080, 0.078, 0.044, 0.046]}
+    assert REP.paired_ratio(peer, fx) == pytest.approx(0.060 / 0.046)
+    assert REP.paired_ratio(peer, {"round_medians_ms": [0.05, 0.05]}) is None  # rounds differ
+    assert REP.paired_ratio({"round_medians_ms": [1, 1]}, {"round_medians_ms": [1, 1]}) is None  # < 3
+    cell = {"model": "m", "batch": 1, "dtype": "float32", "status": "ok"}
+    results = {"cells": [dict(cell, backend="onnxruntime-cudagraph", median_ms=0.060, **peer),
+                         dict(cell, backend="fxopt", median_ms=0.046, round_host_us=[25, 50, 49, 24, 26], **fx)]}
+    s = REP.speedups(results)[("m", 1, "float32")]["fxopt"]["fxopt"]
+    assert s["paired_over_best"] == pytest.approx(0.060 / 0.046)
+    lines = REP._rounds_lines(results)
+    assert lines[0] == "## Rounds" and "paired speed-up 1.30×" in lines[-2] and "45/60 @25" in lines[-2]
 
 
 def test_parse_rounds_defaults():

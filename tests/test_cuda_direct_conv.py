@@ -85,6 +85,21 @@ def test_declines_what_the_template_does_not_cover():
     assert all(plan_conv_maxpool(n) is None for n in by_name.values())
 
 
+def test_a_forced_algorithm_is_kept_and_an_automatic_one_is_measured_against():
+    gm = lowered(SeedCNN().eval(), torch.randn(2, 3, 32, 32), {"conv_algorithm": "gemm"})
+    convs = [n for n in gm.graph.nodes if n.target is fused_conv_ref]
+    assert [(c.args[10], c.meta["fxopt_conv_algorithm_how"]) for c in convs] == [("gemm", "forced")] * 2
+    pools = [n for n in gm.graph.nodes if n.target is aten.max_pool2d_with_indices.default]
+    assert not any(plan_direct_conv(c) for c in convs)  # the user asked for gemm: nothing competes
+    assert all(plan_conv_maxpool(p) is None for p in pools)
+    for c in convs:  # the same choice made by measuring: the generated kernels are candidates
+        c.meta["fxopt_conv_algorithm_how"] = "measured"
+    assert all(len(plan_direct_conv(c)) >= 2 for c in convs)
+    assert [plan_conv_maxpool(p)[0] for p in pools] == convs
+    del convs[0].meta["fxopt_conv_algorithm_how"]  # a graph that never went through the pass
+    assert not plan_direct_conv(convs[0]) and plan_conv_maxpool(pools[0]) is None
+
+
 def test_a_conv_with_a_residual_gets_no_pool_fusion():
     class Res(nn.Module):
         def __init__(self):

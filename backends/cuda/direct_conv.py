@@ -11,7 +11,8 @@ at every position of the pool window and keeps the max), and writes only the fin
 - ``generate_direct_conv2d``: the kernel source (NCHW or NHWC, fp32/fp16/bf16 with fp32
   accumulation, weights (C_out, C_in, KH, KW) or channels_last (C_out, KH, KW, C_in)).
 - ``DirectConv`` / ``plan_direct_conv``: candidates (two output-channel tilings) for a
-  ``fused_conv`` node with groups 1, algorithm ``direct``, C_in <= 16, C_out <= 128 and
+  ``fused_conv`` node with groups 1, algorithm ``direct`` or one chosen automatically (measured
+  against it; never where the user forced an algorithm), C_in <= 16, C_out <= 128 and
   C_in*KH*KW <= 512 (stems and small CNNs: wider convs are GEMMs that cuDNN runs better, and each
   candidate costs an NVRTC compilation and a measurement at compile time). With few output pixels
   (a small batch, where a thread's serial reduction is the time) the smallest tiling is also
@@ -255,8 +256,10 @@ def _conv_spec(node: fx.Node) -> Optional[dict]:
         return None  # only 2-D convolutions in fp32/fp16/bf16
     if not all(isinstance(d, int) for d in (*x.shape, *w.shape, *out.shape)):
         return None  # symbolic sizes
-    if node.args[7] != 1 or node.args[10] != "direct" or w.dtype != x.dtype or out.dtype != x.dtype:
-        return None  # grouped, another algorithm, or mixed dtypes
+    if node.args[7] != 1 or w.dtype != x.dtype or out.dtype != x.dtype:
+        return None  # grouped or mixed dtypes
+    if node.args[10] != "direct" and node.meta.get("fxopt_conv_algorithm_how", "forced").startswith("forced"):
+        return None  # an algorithm the user asked for; one chosen automatically is measured against
     k, stride, padding, dilation = _ints(w.shape[2:]), _ints(node.args[4]), _ints(node.args[5]), _ints(node.args[6])
     if None in (k, stride, padding, dilation):
         return None

@@ -49,6 +49,17 @@ def _ok(c: Optional[Dict[str, Any]]) -> bool:
     return bool(c) and c.get("status") == "ok" and c.get("median_ms") is not None
 
 
+def paired_ratio(peer: Dict[str, Any], fx: Dict[str, Any]) -> Optional[float]:
+    """Median over rounds of peer round median / fxopt round median. The backends of a row take
+    turns round by round, so round r of each ran in about the same host state: a drifting host
+    (a host-bound cell moves with it) shifts both sides of each ratio alike. None with < 3 rounds."""
+    a, b = peer.get("round_medians_ms") or [], fx.get("round_medians_ms") or []
+    if len(a) != len(b) or len(a) < 3:
+        return None
+    r = sorted(x / y for x, y in zip(a, b) if y > 0)
+    return r[len(r) // 2] if len(r) % 2 else (r[len(r) // 2 - 1] + r[len(r) // 2]) / 2
+
+
 def speedups(results: Dict[str, Any]) -> Dict[RowKey, Dict[str, Any]]:
     """Per row: best peer (fastest non-fxopt backend) and, per fxopt variant,
     its speed-up over the best peer and over each peer."""
@@ -64,6 +75,7 @@ def speedups(results: Dict[str, Any]) -> Dict[RowKey, Dict[str, Any]]:
                 entry["fxopt"][b] = {
                     "over_best": (peers[best] / c["median_ms"]) if best else None,
                     "over_peer": {p: ms / c["median_ms"] for p, ms in peers.items()},
+                    "paired_over_best": paired_ratio(cells[best], c) if best else None,
                 }
         out[key] = entry
     return out
@@ -232,6 +244,30 @@ def _checks_lines(results: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def _rounds_lines(results: Dict[str, Any]) -> List[str]:
+    """Per row and fxopt variant: each round's median next to the best peer's and the host speed
+    measured before fxopt's round (rounds interleave the backends, so round r is one host state)."""
+    lines: List[str] = []
+    cells_by_row = _cells_by_row(results)
+    for key, s in speedups(results).items():
+        best = s.get("best_peer")
+        for b, fx in s.get("fxopt", {}).items():
+            c, p = cells_by_row[key][b], cells_by_row[key].get(best, {}) if best else {}
+            a, q = c.get("round_medians_ms") or [], p.get("round_medians_ms") or []
+            if fx.get("paired_over_best") is None:
+                continue
+            host = c.get("round_host_us") or []
+            rows = " · ".join(f"{x * 1e3:.0f}/{y * 1e3:.0f}" + (f" @{h:.0f}" if i < len(host) else "")
+                              for i, (x, y, h) in enumerate(zip(a, q, host + [0.0] * len(a))))
+            lines.append(f"- {key[0]} b{key[1]} {key[2]} {b} vs {best}: paired speed-up "
+                         f"{fx['paired_over_best']:.2f}× (µs per round, fxopt/{best} @ host-speed µs: {rows})")
+    if lines:
+        lines = ["## Rounds", "", "Paired speed-up = median over rounds of (best peer's round median / "
+                 "fxopt's round median); host speed = a fixed Python workload timed before fxopt's "
+                 "round (larger = slower host).", ""] + lines + [""]
+    return lines
+
+
 def render_summary(results: Dict[str, Any]) -> str:
     """Header and summary table (the table last)."""
     return "\n".join(_header(results) + ["## Summary", ""] + _summary_table(results)) + "\n"
@@ -240,6 +276,7 @@ def render_summary(results: Dict[str, Any]) -> str:
 def render_markdown(results: Dict[str, Any]) -> str:
     lines = _header(results) + ["## Summary", ""] + _summary_table(results) + [""]
     lines += _checks_lines(results)
+    lines += _rounds_lines(results)
     lines += ["## Details", ""] + _details_table(results)
     return "\n".join(lines) + "\n"
 

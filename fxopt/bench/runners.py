@@ -105,6 +105,28 @@ def time_calls(fn: Callable, x: torch.Tensor, device: str, iters: int) -> List[f
     return out
 
 
+def _python_workload() -> int:
+    d, acc = {}, 0
+    for i in range(300):
+        d[i & 31] = i
+        acc += d.get(i & 15, 0) ^ i
+    return acc
+
+
+def host_speed_us(reps: int = 25) -> float:
+    """Median time of a fixed pure-Python workload (no torch, ~20-50 us): the host's speed at this
+    moment. On the lent GPU machines it moves between levels over seconds (a factor up to ~2,
+    whichever core the process is pinned to), and host-bound cells move with it; recorded per
+    round so that rounds can be compared in the same host state."""
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        _python_workload()
+        ts.append(time.perf_counter_ns() - t0)
+    ts.sort()
+    return ts[len(ts) // 2] / 1e3
+
+
 def host_ms_per_call(fn: Callable, x: torch.Tensor, calls: int = 20) -> float:
     """Host (CPU) time to issue one call, back to back without synchronizing: close to the CUDA
     time, the cell is bound by Python/launch overhead and moves with the host's speed."""
@@ -405,6 +427,8 @@ class LiveCell:
     prepared: Optional[Prepared]
     model: Optional[nn.Module]
     samples: List[float] = dataclasses.field(default_factory=list)
+    round_medians: List[float] = dataclasses.field(default_factory=list)  # per round, ms
+    round_host_us: List[float] = dataclasses.field(default_factory=list)  # host_speed_us() before each
 
 
 def _fail(cell: Dict[str, Any], exc: BaseException, backend: str, error_log: Optional[List[str]]) -> None:
@@ -476,7 +500,11 @@ def time_round(live: LiveCell, device: str, iters: int, rewarm: int = 0,
             warnings.simplefilter("ignore")  # reported once, at preparation
             for _ in range(rewarm):
                 live.prepared.fn(live.prepared.inputs)
-            live.samples += time_calls(live.prepared.fn, live.prepared.inputs, device, iters)
+            host_us = host_speed_us()
+            got = time_calls(live.prepared.fn, live.prepared.inputs, device, iters)
+            live.samples += got
+            live.round_medians.append(_percentile(sorted(got), 50))
+            live.round_host_us.append(host_us)
     except KeyboardInterrupt:
         raise
     except Exception as exc:
@@ -498,6 +526,8 @@ def finish_cell(live: LiveCell, device: str, rounds: int = 1) -> Dict[str, Any]:
             cell["n"] = st["n"]
             cell["rounds"] = rounds
             cell["samples_ms"] = [round(s, 5) for s in live.samples]
+            cell["round_medians_ms"] = [round(s, 5) for s in live.round_medians]
+            cell["round_host_us"] = [round(s, 2) for s in live.round_host_us]
     except KeyboardInterrupt:
         raise
     except Exception as exc:
