@@ -25,7 +25,9 @@ cuBLAS followed by the activation.
 After the per-node choices, groups of nodes are measured as one kernel against the group as already
 chosen, and one node replaces the group where it wins (``groups.py``): a max pool (indices unused)
 fed by such a conv that nothing else reads (conv + epilogue + pool,
-``generated_directconv_maxpool_t<tile>``).
+``generated_directconv_maxpool_t<tile>``); a chain of such linear layers, each reading only the
+previous one's output (the whole head in one thread block, ``generated_linear_chain``,
+``linear_chain.py``).
 
 Max pooling whose indices are unused and global average pooling get a generated kernel as a
 candidate too (``regions.py``). Each node with more than one candidate is timed with every
@@ -45,7 +47,8 @@ import torch
 import torch.fx as fx
 
 from fxopt.backends.cuda.direct_conv import plan_conv_maxpool, plan_direct_conv
-from fxopt.backends.cuda.groups import fuse_conv_maxpool
+from fxopt.backends.cuda.groups import fuse_conv_maxpool, fuse_linear_chain
+from fxopt.backends.cuda.linear_chain import plan_linear_chains
 from fxopt.backends.cuda.linear import plan_linear
 from fxopt.backends.cuda.measure import Tuning, cache_key, with_fallback
 from fxopt.backends.cuda.regions import PLANNERS as REGION_PLANNERS, layout_name
@@ -212,9 +215,10 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
         pair = plan_conv_maxpool(node)
         if pair is not None:
             pairs.append((node, *pair))
+    chains = plan_linear_chains(runnable.graph)
     t0 = time.perf_counter()
     _compile([e for _, e, _ in planned if e is not None] + [r for _, _, rs in planned for r in rs]
-             + [c for _, _, cs in pairs for c in cs], info)
+             + [c for _, _, cs in pairs for c in cs] + [c for _, c in chains], info)
     info["nvrtc_s"] = round(time.perf_counter() - t0, 3)
     decisions = {}
     info["node_choices"] = decisions
@@ -238,6 +242,8 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
             changed = True
     for pool, conv, fused in pairs:  # after the per-node choices: the pair is measured against them
         changed |= fuse_conv_maxpool(runnable, pool, conv, fused, tuning, decisions)
+    for chain, candidate in chains:  # likewise a classifier head against its layers as chosen
+        changed |= fuse_linear_chain(runnable, chain, candidate, tuning, decisions)
     info["choose_s"] = round(time.perf_counter() - t0, 3)  # measurements, or autotuning-cache hits
     if changed:
         runnable.recompile()

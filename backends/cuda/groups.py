@@ -1,13 +1,15 @@
 """Nodes the cuda executor fuses after choosing each node's implementation: a candidate for a
 group of nodes is measured against the group as already chosen, and one node replaces the group
-where it wins (``measure.Tuning``, so the decision is cached like every other). Today's group:
-conv + max pool (``direct_conv.plan_conv_maxpool``), conv, epilogue and pool in one kernel.
+where it wins (``measure.Tuning``, so the decision is cached like every other). Groups: conv +
+max pool (``direct_conv.plan_conv_maxpool``: conv, epilogue and pool in one kernel) and chains of
+linear layers (``linear_chain.plan_linear_chains``: a classifier head in one block).
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
 from fxopt.backends.cuda.direct_conv import conv_maxpool_chain
+from fxopt.backends.cuda.linear_chain import LinearChain, linear_chain_of
 from fxopt.backends.cuda.measure import Tuning, cache_key, with_fallback
 
 
@@ -49,3 +51,29 @@ def fuse_conv_maxpool(gm: fx.GraphModule, pool: fx.Node, conv: fx.Node, fused: l
     g.erase_node(conv)
     return True
 
+
+
+def fuse_linear_chain(gm: fx.GraphModule, chain: list, candidate: LinearChain, tuning: Tuning,
+                      decisions: dict) -> bool:
+    """Measure the chain of linear layers as one generated kernel against the layers as chosen so
+    far; where it wins, one node replaces the chain (only the last layer's output is used)."""
+    if len(candidate.kernels) != len(candidate.sources):
+        return False
+    reference = linear_chain_of([n.target for n in chain])
+    candidates = {"reference": reference, "generated_linear_chain": with_fallback(candidate, reference)}
+    g = gm.graph
+    flat = (chain[0].args[0],) + tuple(a for n in chain for a in n.args[1:5])
+    with g.inserting_after(chain[-1]):
+        node = g.call_function(reference, flat)
+    node.meta = dict(chain[-1].meta)
+    chosen = [decisions.get(n.name, {}).get("choice", "reference") for n in chain]
+    key = cache_key(node, candidates, tuning.graphed).replace("node|", f"linear_chain|{chosen}|", 1)
+    entry = decisions["+".join(n.name for n in chain)] = tuning.entry(node, candidates, key)
+    if entry["choice"] != "generated_linear_chain":
+        g.erase_node(node)
+        return False
+    node.target = candidates["generated_linear_chain"]
+    chain[-1].replace_all_uses_with(node)
+    for n in reversed(chain):
+        g.erase_node(n)
+    return True

@@ -29,10 +29,13 @@ def real_args(node: fx.Node) -> list:
         return t.contiguous(memory_format=torch.channels_last) if layout_name(v) == "nhwc" else t
 
     conv = node.target is fused_conv_ref
+    weights = getattr(node.target, "weight_arg_indices", ())  # (K,) rows: scaled to keep values O(1)
     args = []
     for i, a in enumerate(node.args):
         if isinstance(a, fx.Node):
             t = real(a.meta["val"])
+            if i in weights:
+                t = t * t.shape[-1] ** -0.5
             args.append(t * 0.05 if conv and i == 1 else t)
         else:
             args.append(a)
