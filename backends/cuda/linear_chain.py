@@ -5,8 +5,8 @@ matrix-vector product of a microsecond or two, and in a CUDA graph each kernel b
 costs the GPU a launch and a drain. One block can run the whole head: every warp takes output
 features of a layer in turn, the activations between layers stay in shared memory, and
 ``__syncthreads()`` separates the layers. One SM reads all the weights, so this only pays for
-small heads; the executor measures it against the layers as already chosen and keeps it only
-where it is faster.
+small heads (tens of KiB of weights); the executor measures it against the layers as already
+chosen and keeps it only where it is faster.
 
 Matches (``plan_linear_chains``): two or more ``fused_linear`` nodes, each the only user of the
 previous one's output and taking it as its input (not as weight or bias); 2-D inputs of the same
@@ -34,7 +34,10 @@ from .codegen import Epilogue, KernelSource, _uname
 from .linear import _DTYPES, _SHORT, MAX_ROWS, _aligned, row_capacity, vector_width
 from .templates import ctype, load, prelude
 
-MAX_WEIGHT_BYTES = 1 << 19   # 512 KiB of weights: beyond that one SM reading them all loses
+# One SM reads every weight: on the H100 (fxopt 3a90c74, batch 1, graphed medians) the chain won
+# for heads of 9-41 KiB of weights (2.67 vs 2.82 us, 3.26 vs 3.88) and lost from 66 KiB on (3.80 vs
+# 3.04; the seed CNN's 192 KiB head 8.98 vs 4.36 for three kernels)
+MAX_WEIGHT_BYTES = 64 << 10
 MAX_LAYERS = 8
 _SMEM_FLOATS = 6144          # two activation buffers of MR x N floats: 48 KiB static shared memory
 BLOCK = 1024
@@ -82,7 +85,7 @@ def generate_linear_chain(layers: list, rows: int, dtype: torch.dtype = torch.fl
     src = Template(load("linear_chain.cu").template).substitute(
         prelude=prelude({dtype}), L=len(layers), last=last, K0=layers[0][0], NLAST=layers[-1][1], MR=rows,
         NMAX=nmax, block=block, name=name, T=ct, desc=desc,
-        params="".join(f", const {t} __restrict__ {p}" for p, t in params), layers="\n".join(body))
+        params="".join(f", {t} __restrict__ {p}" for p, t in params), layers="\n".join(body))
     params = [("x", f"const {ct}*")] + params + [("y", f"{ct}*"), ("M", "long long")]
     meta = {"layers": tuple(layers), "rows": rows, "dtype": dtype, "vec0": vector_width(layers[0][0], dtype)}
     return KernelSource(name, src, tuple(params), "linear_chain", meta, (block, 1, 1), False)
@@ -127,7 +130,7 @@ class LinearChain:
             if b is not None and (b.dtype != dt or tuple(b.shape) != (n,) or not b.is_contiguous()):
                 return None
             args += [w] + ([b] if b is not None else [])
-        if not _aligned(x, s["vec0"] * x.element_size()):
+        if not _aligned(x, ks.meta["vec0"] * x.element_size()):
             return None
         y = torch.empty((x.shape[0], layers[-1][1]), dtype=dt, device=x.device)
         _kernel(ks, kernel).launch((1, 1, 1), ks.block, args + [y, int(x.shape[0])])
