@@ -100,6 +100,20 @@ def test_a_forced_algorithm_is_kept_and_an_automatic_one_is_measured_against():
     assert not plan_direct_conv(convs[0]) and plan_conv_maxpool(pools[0]) is None
 
 
+@pytest.mark.parametrize("algorithm", ["fft", "gemm"])
+def test_measuring_inputs_prepack_the_random_weight(algorithm):
+    """A conv with a prepacked weight is measured with the prepacking of the random weight it is
+    given, so the reference and the generated candidates compute the same convolution."""
+    gm = lowered(SeedCNN().eval(), torch.randn(2, 3, 32, 32), {"conv_algorithm": algorithm})
+    conv = next(n for n in gm.graph.nodes if n.target is fused_conv_ref)
+    assert conv.args[10] == algorithm
+    args = measure.real_args(conv)
+    with torch.no_grad():
+        got = fused_conv_ref(*args)
+        want = fused_conv_ref(*args[:10], "direct", None)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_conv_with_a_residual_gets_no_pool_fusion():
     class Res(nn.Module):
         def __init__(self):

@@ -39,6 +39,13 @@ def real_args(node: fx.Node) -> list:
             args.append(t * 0.05 if conv and i == 1 else t)
         else:
             args.append(a)
+    if conv and len(args) > 11 and args[10] != "direct" and isinstance(args[11], torch.Tensor):
+        # the algorithm's prepacked weight, of THIS random weight (a random one would make the
+        # reference compute another convolution than the candidates)
+        from fxopt.backends.conv_algorithms import get_algorithm
+        from fxopt.ops import conv_sig_of
+
+        args[11] = get_algorithm(args[10]).prepare(args[1], conv_sig_of(args[0], args[1], *args[4:8]))
     return args
 
 
