@@ -86,7 +86,7 @@ if [ "${GPU_CHECK_MEMCHECK:-0}" = "1" ]; then
     if command -v compute-sanitizer >/dev/null 2>&1; then
         timeout "${GPU_CHECK_TEST_TIMEOUT:-0}" compute-sanitizer --tool memcheck --report-api-errors no \
             --error-exitcode 3 "$PY" -m pytest -q -m gpu tests/test_cuda_codegen.py tests/test_gpu.py \
-            tests/test_cuda_direct_conv.py tests/test_cuda_linear.py \
+            tests/test_cuda_direct_conv.py tests/test_cuda_linear.py tests/test_cuda_linear_chain.py \
             tests/test_cuda_regions.py -p no:cacheprovider >"$LOGDIR/memcheck.log" 2>&1
         rc=$?
         tail -4 "$LOGDIR/memcheck.log" >&2
