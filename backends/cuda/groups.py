@@ -52,7 +52,6 @@ def fuse_conv_maxpool(gm: fx.GraphModule, pool: fx.Node, conv: fx.Node, fused: l
     return True
 
 
-
 def fuse_linear_chain(gm: fx.GraphModule, chain: list, candidate: LinearChain, tuning: Tuning,
                       decisions: dict) -> bool:
     """Measure the chain of linear layers as one generated kernel against the layers as chosen so

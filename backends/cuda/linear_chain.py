@@ -49,7 +49,7 @@ def generate_linear_chain(layers: list, rows: int, dtype: torch.dtype = torch.fl
     y, M (M <= rows). Grid: one block."""
     if not 2 <= len(layers) <= MAX_LAYERS:
         raise ValueError(f"linear chain: {len(layers)} layers, the template takes 2..{MAX_LAYERS}")
-    if not 1 <= rows <= MAX_ROWS or rows > 32:
+    if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"linear chain: {rows} rows, at most {MAX_ROWS}")
     if block % 32 or not 32 <= block <= 1024:
         raise ValueError("linear chain: block must be a multiple of 32, at most 1024")
