@@ -15,6 +15,8 @@ import statistics
 import subprocess
 import time
 
+from fxopt.bench.runners import host_speed_us
+
 
 def sh(cmd: str) -> str:
     try:
@@ -28,21 +30,9 @@ def current_cpu() -> int:
         return int(f.read().rsplit(")", 1)[1].split()[36])
 
 
-def workload() -> int:
-    d, acc = {}, 0
-    for i in range(300):
-        d[i & 31] = i
-        acc += d.get(i & 15, 0) ^ i
-    return acc
-
-
 def block_us(reps: int = 200) -> tuple:
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        workload()
-        ts.append(time.perf_counter_ns() - t0)
-    return statistics.median(ts) / 1e3, current_cpu()
+    """(median µs of the benchmark's fixed Python workload, the core it ran on)."""
+    return host_speed_us(reps), current_cpu()
 
 
 def facts() -> None:
@@ -85,7 +75,7 @@ def per_core(cpus) -> dict:
 def model_rounds(spec: str, cores: dict, all_cpus) -> None:
     import torch
     from fxopt.bench.models import build_model
-    from fxopt.bench.runners import time_calls, host_ms_per_call
+    from fxopt.bench.runners import host_ms_per_call, time_calls
     from fxopt.testing import compile_with_fxopt
     name, dtype, batch = spec.split(":")
     model, shape = build_model(name)
