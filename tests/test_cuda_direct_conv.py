@@ -16,7 +16,7 @@ import fxopt.testing
 from fxopt.backends import torch_ref
 from fxopt.backends.cuda import executor as X, groups, measure
 from fxopt.backends.cuda.codegen import Epilogue
-from fxopt.backends.cuda.direct_conv import (MAX_UNROLLED, DirectConv, cout_tile, generate_direct_conv2d,
+from fxopt.backends.cuda.direct_conv import (MAX_UNROLLED, cout_tile, generate_direct_conv2d,
                                              launch_direct_conv2d, plan_conv_maxpool, plan_direct_conv)
 from fxopt.backends.cuda.nvrtc import compile_many, nvrtc_available
 from fxopt.ops import fused_conv_ref
