@@ -42,13 +42,13 @@ def _decisions_cache(ctx, runnable: fx.GraphModule, baseline) -> tuple | None:
     code of the graphs it decides between (None with ``autotune_cache=False``)."""
     import hashlib
 
-    from fxopt.autotune import AutotuneCache, default_cache_path, device_fingerprint
+    from fxopt.autotune import AutotuneCache, device_fingerprint
 
     opt = ctx.options.autotune_cache
     if opt is False:
         return None
     code = runnable.code + ("" if baseline is None else baseline.code)
-    cache = AutotuneCache(opt if isinstance(opt, str) else default_cache_path())
+    cache = AutotuneCache.for_option(opt)
     return cache, device_fingerprint("cuda"), hashlib.sha256(code.encode()).hexdigest()[:16]
 
 

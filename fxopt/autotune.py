@@ -77,6 +77,12 @@ class AutotuneCache:
         self.path = path
         self._data: Optional[dict] = None
 
+    @classmethod
+    def for_option(cls, opt) -> "AutotuneCache":
+        """The cache the ``autotune_cache`` option names: False = in memory only, a path, else the
+        default file."""
+        return cls(None if opt is False else (opt if isinstance(opt, str) else default_cache_path()))
+
     def _load(self) -> dict:
         if self._data is not None:
             return self._data

@@ -31,7 +31,7 @@ import math
 import torch
 import torch.fx as fx
 
-from fxopt.autotune import AutotuneCache, ConvChoice, default_cache_path, device_fingerprint, measure
+from fxopt.autotune import AutotuneCache, ConvChoice, device_fingerprint, measure
 from fxopt.ops import FUSED_CONV, PREPACK, conv_sig_of
 from fxopt.passinfra import PassContext, PassResult, is_call, module_path, val
 
@@ -130,7 +130,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         ctx.note("skipped: training graph keeps direct convolutions")
         return PassResult(gm, False)
     opt = ctx.options.autotune_cache
-    cache = AutotuneCache(None if opt is False else (opt if isinstance(opt, str) else default_cache_path()))
+    cache = AutotuneCache.for_option(opt)
     changed = False
     seen: dict[str, int] = {}
     progress = None

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -225,10 +225,10 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     on_gpu = torch.cuda.is_available() and ctx.device_type == "cuda"
     if not on_gpu:
         return runnable
-    from fxopt.autotune import AutotuneCache, default_cache_path, device_fingerprint
+    from fxopt.autotune import AutotuneCache, device_fingerprint
 
     opt = ctx.options.autotune_cache
-    cache = AutotuneCache(None if opt is False else (opt if isinstance(opt, str) else default_cache_path()))
+    cache = AutotuneCache.for_option(opt)
     tuning = Tuning(cache, device_fingerprint("cuda"), ctx.options.cudagraphs is not False, ctx)
     changed = False
     t0 = time.perf_counter()

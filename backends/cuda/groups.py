@@ -20,35 +20,47 @@ def _pool_args(pool: fx.Node) -> tuple:
             args[4] if args[4] is not None else 1, bool(args[5]))
 
 
+def _measured_group(gm: fx.GraphModule, group: list, kind: str, reference, generated: list, args: tuple,
+                    meta: dict, tuning: Tuning, decisions: dict):
+    """One node computing ``group`` (``reference``: the group as chosen so far, over ``args``),
+    inserted after its last node and measured against the ``generated`` candidates (those whose
+    kernels compiled); the node with the winner as target, or None (nothing changed) where the
+    reference stays."""
+    candidates = {"reference": reference}
+    for c in generated:
+        if len(c.kernels) == len(c.sources):
+            candidates[f"generated_{c.label}"] = with_fallback(c, reference)
+    if len(candidates) < 2:
+        return None
+    g = gm.graph
+    with g.inserting_after(group[-1]):
+        node = g.call_function(reference, args)
+    node.meta = meta
+    chosen = [decisions.get(n.name, {}).get("choice", "reference") for n in group]
+    key = cache_key(node, candidates, tuning.graphed).replace("node|", f"{kind}|{chosen}|", 1)
+    entry = decisions["+".join(n.name for n in group)] = tuning.entry(node, candidates, key)
+    if entry["choice"] not in candidates or entry["choice"] == "reference":
+        g.erase_node(node)
+        return None
+    node.target = candidates[entry["choice"]]
+    return node
+
+
 def fuse_conv_maxpool(gm: fx.GraphModule, pool: fx.Node, conv: fx.Node, fused: list, tuning: Tuning,
                       decisions: dict) -> bool:
     """Measure conv + max pool as one generated kernel against the pair as chosen so far; where it
     wins, one node replaces both (the pool's values are its only output in use)."""
-    reference = conv_maxpool_chain(conv.target, pool.target)
-    candidates = {"reference": reference}
-    for c in fused:
-        if len(c.kernels) == len(c.sources):
-            candidates[f"generated_{c.label}"] = with_fallback(c, reference)
-    if len(candidates) < 2:
-        return False
-    g = gm.graph
     conv_args = tuple(conv.args) + (None,) * (12 - len(conv.args))
-    with g.inserting_after(pool):
-        node = g.call_function(reference, conv_args + _pool_args(pool))
-    node.meta = dict(pool.meta)
-    node.meta["val"] = pool.meta["val"][0]
-    chosen = [decisions.get(n.name, {}).get("choice", "reference") for n in (conv, pool)]
-    key = cache_key(node, candidates, tuning.graphed).replace("node|", f"conv_maxpool|{chosen}|", 1)
-    entry = decisions[f"{conv.name}+{pool.name}"] = tuning.entry(node, candidates, key)
-    if entry["choice"] not in candidates or entry["choice"] == "reference":
-        g.erase_node(node)
+    meta = dict(pool.meta, val=pool.meta["val"][0])
+    node = _measured_group(gm, [conv, pool], "conv_maxpool", conv_maxpool_chain(conv.target, pool.target), fused,
+                           conv_args + _pool_args(pool), meta, tuning, decisions)
+    if node is None:
         return False
-    node.target = candidates[entry["choice"]]
     for user in list(pool.users):  # getitem(pool, 0): the values
         user.replace_all_uses_with(node)
-        g.erase_node(user)
-    g.erase_node(pool)
-    g.erase_node(conv)
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(pool)
+    gm.graph.erase_node(conv)
     return True
 
 
@@ -56,23 +68,12 @@ def fuse_linear_chain(gm: fx.GraphModule, chain: list, candidate: LinearChain, t
                       decisions: dict) -> bool:
     """Measure the chain of linear layers as one generated kernel against the layers as chosen so
     far; where it wins, one node replaces the chain (only the last layer's output is used)."""
-    if len(candidate.kernels) != len(candidate.sources):
-        return False
-    reference = linear_chain_of([n.target for n in chain])
-    candidates = {"reference": reference, "generated_linear_chain": with_fallback(candidate, reference)}
-    g = gm.graph
     flat = (chain[0].args[0],) + tuple(a for n in chain for a in n.args[1:5])
-    with g.inserting_after(chain[-1]):
-        node = g.call_function(reference, flat)
-    node.meta = dict(chain[-1].meta)
-    chosen = [decisions.get(n.name, {}).get("choice", "reference") for n in chain]
-    key = cache_key(node, candidates, tuning.graphed).replace("node|", f"linear_chain|{chosen}|", 1)
-    entry = decisions["+".join(n.name for n in chain)] = tuning.entry(node, candidates, key)
-    if entry["choice"] != "generated_linear_chain":
-        g.erase_node(node)
+    node = _measured_group(gm, chain, "linear_chain", linear_chain_of([n.target for n in chain]), [candidate],
+                           flat, dict(chain[-1].meta), tuning, decisions)
+    if node is None:
         return False
-    node.target = candidates["generated_linear_chain"]
     chain[-1].replace_all_uses_with(node)
     for n in reversed(chain):
-        g.erase_node(n)
+        gm.graph.erase_node(n)
     return True
