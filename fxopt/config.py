@@ -30,6 +30,10 @@ class Options:
     #: None (auto on CUDA, heuristic on CPU) | "auto" | "heuristic" | an algorithm name
     #: | {qualified conv name, glob or "*": one of those}
     conv_algorithm: Union[str, dict, None] = None
+    #: in "auto" conv_algorithm mode, measure only the candidates whose cost-model estimate is within
+    #: this factor of the best estimate (direct is always a candidate; where it is the only one left
+    #: nothing is measured); 0 or None = measure every legal candidate
+    conv_prune: Optional[float] = 4.0
     #: autotuning cache file; None = default under the user cache dir; False = no cache
     autotune_cache: Union[str, bool, None] = None
     #: CUDA graphs for CUDA inference (None = on when legal)
@@ -89,6 +93,10 @@ class Options:
         for c in choices:
             if c is not None and c not in allowed:
                 raise ValueError(f"fxopt: conv_algorithm must be one of {sorted(allowed)} (or a dict of them), got {c!r}")
+        if self.conv_prune is not None and not (isinstance(self.conv_prune, (int, float))
+                                                and not isinstance(self.conv_prune, bool)
+                                                and (self.conv_prune == 0 or self.conv_prune >= 1)):
+            raise ValueError(f"fxopt: conv_prune must be 0, None or a factor >= 1, got {self.conv_prune!r}")
         if self.dump_dir is None:
             self.dump_dir = os.environ.get("FXOPT_DUMP_DIR") or None
 

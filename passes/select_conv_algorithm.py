@@ -14,10 +14,16 @@ with weight-only work, a ``fxopt::prepack_conv_weight`` node as its
 ``prepacked`` argument (folded to a constant by ``fold_constants``).
 
 Modes (option ``conv_algorithm``, or a dict keyed by the module's qualified name
-with ``"*"`` as default): ``"auto"`` measures every legal candidate (default on
+with ``"*"`` as default): ``"auto"`` measures the legal candidates (default on
 CUDA; results cached, see ``fxopt.autotune``); ``"heuristic"`` uses the cost
 model, no measurement (default on CPU); an algorithm name forces it where legal
 (``direct`` elsewhere).
+
+Pruning (option ``conv_prune``, default 4): in ``"auto"`` mode a candidate whose
+cost-model estimate exceeds that factor times the best estimate is not measured
+(recorded as rejected, with both estimates); ``direct`` always stays. Where only
+``direct`` is left the conv takes it without measuring (``how="pruned"``): measuring
+costs a float64 reference and warm-up runs per candidate, most of a cold compile.
 
 Illegal: training graphs (direct only: the backward graph is cuDNN's anyway);
 each algorithm's own legality (``ConvAlgorithm.legal``); a candidate whose
@@ -68,6 +74,24 @@ def heuristic(sig, batch: int, legal: list[str]) -> ConvChoice:
     return ConvChoice(algorithm=min(ok, key=ok.get) if ok else "direct", candidates=est, how="heuristic")
 
 
+def prune(sig, batch: int, legal: list[str], factor) -> tuple[list[str], dict]:
+    """The candidates worth measuring, and a reason for each one left out: those whose estimate
+    is more than ``factor`` times the best one (``direct`` always stays; no factor: all stay)."""
+    from fxopt.backends.conv_algorithms import get_algorithm
+
+    if not factor:
+        return list(legal), {}
+    est = {name: get_algorithm(name).estimate_ms(sig, batch) for name in legal}
+    best = min(est.values())
+    keep, left_out = [], {}
+    for name in legal:
+        if name == "direct" or est[name] <= factor * best:
+            keep.append(name)
+        else:
+            left_out[name] = f"pruned: estimate {est[name]:.3g} ms > {factor:g} x best estimate {best:.3g} ms"
+    return keep, left_out
+
+
 def choose(ctx: PassContext, node: fx.Node, qualname: str, cache: AutotuneCache) -> ConvChoice:
     from fxopt.backends.conv_algorithms import ALGORITHMS, legal_algorithms
 
@@ -91,7 +115,11 @@ def choose(ctx: PassContext, node: fx.Node, qualname: str, cache: AutotuneCache)
         choice = heuristic(sig, batch, legal)
         choice.shape_str = shape
         return choice
-    key = f"{sig.key()}|n={batch}"
+    factor = ctx.options.conv_prune
+    keep, left_out = prune(sig, batch, legal, factor)
+    if keep == ["direct"]:
+        return ConvChoice("direct", {n: None for n in legal}, rejected=left_out, how="pruned", shape_str=shape)
+    key = f"{sig.key()}|n={batch}" + (f"|prune={factor:g}" if factor else "")
     device = device_fingerprint(sig.device_type)
     hit = cache.get(device, key)
     if hit is not None and hit.get("algorithm") in legal:
@@ -100,9 +128,11 @@ def choose(ctx: PassContext, node: fx.Node, qualname: str, cache: AutotuneCache)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
-        choice = measure(sig, batch, legal, torch.device(sig.device_type, 0) if sig.device_type == "cuda"
+        choice = measure(sig, batch, keep, torch.device(sig.device_type, 0) if sig.device_type == "cuda"
                          else torch.device("cpu"))
     ctx.measurements += sum(1 for v in choice.candidates.values() if v is not None)
+    choice.candidates = {n: choice.candidates.get(n) for n in legal}  # pruned ones: None
+    choice.rejected.update(left_out)
     choice.shape_str = shape
     cache.put(device, key, choice.to_json())
     return choice
@@ -147,7 +177,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if progress is not None:
             progress.update(1)
         ctx.conv_algorithms[qual] = choice
-        node.meta["fxopt_conv_algorithm_how"] = choice.how  # forced, measured, cached, heuristic...
+        node.meta["fxopt_conv_algorithm_how"] = choice.how  # forced, measured, cached, pruned, heuristic...
         if choice.algorithm != node.args[ARG_ALGORITHM] or choice.algorithm != "direct":
             rewrite(gm, node, choice)
             changed = changed or choice.algorithm != "direct"

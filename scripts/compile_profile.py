@@ -1,6 +1,6 @@
 """Where does compile time go? One model, compile + first call, in this (fresh) process.
 
-    python3 scripts/compile_profile.py resnet50 --dtype float16 --batch 1 --backend fxopt [--cprofile 30]
+    python3 scripts/compile_profile.py resnet50 --dtype float16 --batch 1 --backend fxopt [--cprofile 30] [--options JSON]
 
 Prints the first-call time and, for fxopt, the time of each pass, of lowering and of the first
 replay decisions (from the report); with ``--cprofile N`` the N functions with the largest
@@ -11,6 +11,7 @@ configuration in a fresh interpreter: the first compile in a process pays one-of
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import time
 
@@ -28,6 +29,7 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--cprofile", type=int, default=0)
     p.add_argument("--sort", default="cumulative", help="cProfile order: cumulative or tottime")
+    p.add_argument("--options", default="{}", help="fxopt options as JSON, e.g. '{\"conv_prune\": 0}'")
     a = p.parse_args()
     torch.backends.cudnn.benchmark = True
     dtype = getattr(torch, a.dtype)
@@ -43,7 +45,7 @@ def main():
     graphs: list = []
     if a.backend == "fxopt":
         from fxopt.testing import compile_with_fxopt
-        fn = compile_with_fxopt(model, {}, graphs)
+        fn = compile_with_fxopt(model, json.loads(a.options), graphs)
     else:
         fn = torch.compile(model, backend=a.backend)
     prof = cProfile.Profile() if a.cprofile else None

@@ -25,7 +25,7 @@ def test_auto_measures_once_then_hits_the_cache(tmp_path):
     r1 = fxopt.explain(m, x, options=opts)
     assert r1.measurements > 0
     hows = [c.how for c in r1.conv_algorithms.values()]
-    assert "measured" in hows and set(hows) <= {"measured", "cached", "only-direct"}  # same-shape convs share
+    assert "measured" in hows and set(hows) <= {"measured", "cached", "pruned", "only-direct"}  # same-shape convs share
     r2 = fxopt.explain(m, x, options=opts)
     assert r2.measurements == 0
     assert {k: c.algorithm for k, c in r1.conv_algorithms.items()} == {k: c.algorithm for k, c in r2.conv_algorithms.items()}
@@ -101,3 +101,95 @@ def test_large_kernel_1d_fft_forced_matches():
     compiled = torch.compile(conv, backend="fxopt", options={"conv_algorithm": "fft"})
     with torch.no_grad():
         assert relative_error(compiled(x), conv(x)) <= 1e-4
+
+
+# ---- pruning candidates with the cost model (option conv_prune) -----------------------------
+def _sig(x_shape, w_shape, padding=0, groups=1, dtype=torch.float16):
+    from fxopt.backends.conv_algorithms import ConvSig
+
+    return ConvSig(x_shape, w_shape, 1, padding, 1, groups, dtype, "cuda", channels_last=True)
+
+
+def test_prune_keeps_direct_and_candidates_near_the_best_estimate():
+    from fxopt.backends.conv_algorithms import ALGORITHMS, legal_algorithms
+    from fxopt.passes.select_conv_algorithm import prune
+
+    sig = _sig((1, 64, 56, 56), (64, 64, 3, 3), padding=1)  # a ResNet 3x3 layer at batch 1
+    legal = legal_algorithms(sig)
+    est = {n: ALGORITHMS[n].estimate_ms(sig, 1) for n in legal}
+    keep, left_out = prune(sig, 1, legal, 4.0)
+    best = min(est.values())
+    assert "direct" in keep and set(keep) | set(left_out) == set(legal) and not set(keep) & set(left_out)
+    assert all(est[n] <= 4 * best for n in keep if n != "direct")
+    assert left_out and all(est[n] > 4 * best for n in left_out)
+    assert all(r.startswith("pruned: estimate") and "4 x best estimate" in r for r in left_out.values())
+    assert prune(sig, 1, legal, 0) == (legal, {}) and prune(sig, 1, legal, None) == (legal, {})
+
+
+def test_prune_keeps_fft_where_it_wins():
+    """The measured FFT wins (31x31 depthwise, 1024-tap 1-D: BENCHMARKS.md) survive the default factor."""
+    from fxopt.backends.conv_algorithms import ConvSig, legal_algorithms
+    from fxopt.passes.select_conv_algorithm import prune
+
+    dw31 = _sig((32, 128, 56, 56), (128, 1, 31, 31), padding=15, groups=128, dtype=torch.float32)
+    taps = ConvSig((8, 64, 16384), (64, 64, 1024), 1, 512, 1, 1, torch.float32, "cuda")
+    for sig in (dw31, taps):
+        keep, _ = prune(sig, sig.x_shape[0], legal_algorithms(sig), 4.0)
+        assert "fft" in keep and "direct" in keep
+
+
+def test_pruned_convs_are_not_measured_and_say_why():
+    m, x = SmallResNet().eval(), torch.randn(2, 3, 32, 32)
+    everything = fxopt.explain(m, x, options={"conv_algorithm": "auto", "autotune_cache": False, "conv_prune": 0})
+    assert "pruned" not in {c.how for c in everything.conv_algorithms.values()}
+    assert not any(r.startswith("pruned") for c in everything.conv_algorithms.values() for r in c.rejected.values())
+    pruned = fxopt.explain(m, x, options={"conv_algorithm": "auto", "autotune_cache": False, "conv_prune": 1})
+    recs = pruned.conv_algorithms.values()
+    assert any(r.startswith("pruned: estimate") for c in recs for r in c.rejected.values())
+    assert pruned.measurements < everything.measurements
+    for c in recs:
+        for name, reason in c.rejected.items():
+            if reason.startswith("pruned"):
+                assert c.candidates[name] is None and name != "direct"
+        if c.how == "pruned":
+            assert c.algorithm == "direct" and all(v is None for v in c.candidates.values())
+    with torch.no_grad():
+        compiled = torch.compile(m, backend="fxopt", options={"conv_algorithm": "auto", "conv_prune": 1,
+                                                                 "autotune_cache": False})
+        torch.testing.assert_close(compiled(x), m(x), rtol=1e-4, atol=1e-4)
+
+
+def test_a_cached_pruned_choice_is_not_reused_without_pruning(tmp_path):
+    opts = {"conv_algorithm": "auto", "autotune_cache": str(tmp_path / "tune.json")}
+    m, x = SeedCNN2().eval(), torch.randn(1, 3, 32, 32)
+    fxopt.explain(m, x, options={**opts, "conv_prune": 1.5})
+    r = fxopt.explain(m, x, options={**opts, "conv_prune": 0})
+    assert r.measurements > 0 and "cached" not in {c.how for c in r.conv_algorithms.values()}
+    assert fxopt.explain(m, x, options={**opts, "conv_prune": 0}).measurements == 0
+
+
+@pytest.mark.parametrize("bad", [0.5, -1, True, "4"])
+def test_conv_prune_option_is_checked(bad):
+    with pytest.raises(ValueError, match="conv_prune"):
+        fxopt.Options.from_any({"conv_prune": bad})
+
+
+def test_accuracy_is_checked_on_a_few_images_of_a_large_batch(monkeypatch):
+    """The float64 reference and each candidate's accuracy run on CHECK_BATCH images; timing uses
+    the whole batch."""
+    from fxopt.autotune import CHECK_BATCH, measure
+    from fxopt.backends.conv_algorithms import ALGORITHMS
+
+    seen = []
+    for name in ("direct", "gemm"):
+        algo = ALGORITHMS[name]
+        monkeypatch.setattr(algo, "run", (lambda run, n: lambda x, *a: seen.append((n, x.dtype, x.shape[0])) or
+                                          run(x, *a))(algo.run, name))
+    sig = _sig((None, 8, 12, 12), (8, 8, 3, 3), padding=1, dtype=torch.float32)
+    import dataclasses
+    sig = dataclasses.replace(sig, device_type="cpu", channels_last=False)
+    choice = measure(sig, 16, ["direct", "gemm"], torch.device("cpu"))
+    assert choice.candidates["direct"] is not None and choice.candidates["gemm"] is not None
+    assert choice.errors["gemm"] < 1e-3
+    assert [b for n, dt, b in seen if dt == torch.float64] == [CHECK_BATCH]
+    assert ("gemm", torch.float32, CHECK_BATCH) in seen and ("gemm", torch.float32, 16) in seen
