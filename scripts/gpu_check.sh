@@ -84,13 +84,19 @@ fi
 if [ "${GPU_CHECK_MEMCHECK:-0}" = "1" ]; then
     step "CUDA kernel tests under compute-sanitizer memcheck"
     if command -v compute-sanitizer >/dev/null 2>&1; then
-        timeout "${GPU_CHECK_TEST_TIMEOUT:-0}" compute-sanitizer --tool memcheck --report-api-errors no \
-            --error-exitcode 3 "$PY" -m pytest -q -m gpu tests/test_cuda_codegen.py tests/test_gpu.py \
-            tests/test_cuda_direct_conv.py tests/test_cuda_linear.py tests/test_cuda_linear_chain.py \
-            tests/test_cuda_regions.py -p no:cacheprovider >"$LOGDIR/memcheck.log" 2>&1
-        rc=$?
-        tail -4 "$LOGDIR/memcheck.log" >&2
-        [ "$rc" -ne 0 ] && FAILED+=("memcheck (rc=$rc)")
+        # one sanitizer process per test file: each gets its own summary, and a slow file (the
+        # whole-model tests take minutes under memcheck) cannot hide the others' results
+        : > "$LOGDIR/memcheck.log"
+        for f in tests/test_cuda_codegen.py tests/test_cuda_regions.py tests/test_cuda_linear.py \
+                 tests/test_cuda_linear_chain.py tests/test_cuda_direct_conv.py tests/test_gpu.py tests/test_onnx.py; do
+            echo "--- $f" >>"$LOGDIR/memcheck.log"
+            timeout "${GPU_CHECK_TEST_TIMEOUT:-0}" compute-sanitizer --tool memcheck --report-api-errors no \
+                --error-exitcode 3 "$PY" -m pytest -q -m gpu "$f" -p no:cacheprovider >>"$LOGDIR/memcheck.log" 2>&1
+            rc=$?
+            printf '%s: %s\n' "$f" "$(grep -E 'passed|failed|skipped' "$LOGDIR/memcheck.log" | tail -1)" >&2
+            [ "$rc" -ne 0 ] && FAILED+=("memcheck $f (rc=$rc)")
+        done
+        grep "ERROR SUMMARY" "$LOGDIR/memcheck.log" >&2
     else
         echo "compute-sanitizer not on PATH" >&2
         FAILED+=("memcheck (no compute-sanitizer)")
