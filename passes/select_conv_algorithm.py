@@ -22,8 +22,8 @@ model, no measurement (default on CPU); an algorithm name forces it where legal
 Pruning (option ``conv_prune``, default 4): in ``"auto"`` mode a candidate whose
 cost-model estimate exceeds that factor times the best estimate is not measured
 (recorded as rejected, with both estimates); ``direct`` always stays. Where only
-``direct`` is left the conv takes it without measuring (``how="pruned"``): measuring
-costs a float64 reference and warm-up runs per candidate, most of a cold compile.
+``direct`` is left the conv takes it without measuring (``how="pruned"``): each
+measured candidate costs a float64 reference check, warm-up and timed runs.
 
 Illegal: training graphs (direct only: the backward graph is cuDNN's anyway);
 each algorithm's own legality (``ConvAlgorithm.legal``); a candidate whose
