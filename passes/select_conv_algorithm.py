@@ -66,10 +66,15 @@ def _batch_hint(v: torch.Tensor) -> tuple[int, bool]:
     return (int(hint) if hint is not None else 1), True
 
 
-def heuristic(sig, batch: int, legal: list[str]) -> ConvChoice:
+def estimates(sig, batch: int, legal: list[str]) -> dict:
+    """The cost model's time (ms) of every legal algorithm for this conv."""
     from fxopt.backends.conv_algorithms import get_algorithm
 
-    est = {name: get_algorithm(name).estimate_ms(sig, batch) for name in legal}
+    return {name: get_algorithm(name).estimate_ms(sig, batch) for name in legal}
+
+
+def heuristic(sig, batch: int, legal: list[str]) -> ConvChoice:
+    est = estimates(sig, batch, legal)
     ok = {k: v for k, v in est.items() if v is not None and math.isfinite(v)}
     return ConvChoice(algorithm=min(ok, key=ok.get) if ok else "direct", candidates=est, how="heuristic")
 
@@ -77,11 +82,9 @@ def heuristic(sig, batch: int, legal: list[str]) -> ConvChoice:
 def prune(sig, batch: int, legal: list[str], factor) -> tuple[list[str], dict]:
     """The candidates worth measuring, and a reason for each one left out: those whose estimate
     is more than ``factor`` times the best one (``direct`` always stays; no factor: all stay)."""
-    from fxopt.backends.conv_algorithms import get_algorithm
-
     if not factor:
         return list(legal), {}
-    est = {name: get_algorithm(name).estimate_ms(sig, batch) for name in legal}
+    est = estimates(sig, batch, legal)
     best = min(est.values())
     keep, left_out = [], {}
     for name in legal:
