@@ -55,12 +55,27 @@ class CachedFakeTensorProp(FakeTensorProp):
         super().__init__(module, mode)
         self.cache = cache
         self.hits = 0
+        self._value_keys: dict = {}  # node -> meta_key of its value (or _Uncacheable), this pass
+
+    def _value_key(self, a: fx.Node, value_of) -> Any:
+        """meta_key of a node's value, computed once per propagation (values are read by every
+        user's key)."""
+        k = self._value_keys.get(a)
+        if k is None:
+            try:
+                k = ("N", meta_key(value_of(a)))
+            except _Uncacheable:
+                k = _Uncacheable
+            self._value_keys[a] = k
+        if k is _Uncacheable:
+            raise _Uncacheable
+        return k
 
     def _key(self, n: fx.Node, value_of=None) -> Optional[tuple]:
         value_of = value_of or self.env.__getitem__
 
         def leaf(a):
-            return ("N", meta_key(value_of(a))) if isinstance(a, fx.Node) else meta_key(a)
+            return self._value_key(a, value_of) if isinstance(a, fx.Node) else meta_key(a)
 
         try:
             return (n.op, n.target, map_aggregate(n.args, leaf), map_aggregate(n.kwargs, leaf))
@@ -81,6 +96,7 @@ class CachedFakeTensorProp(FakeTensorProp):
                 except _Uncacheable:
                     continue
                 self.cache[n] = (key, val, val)
+        self._value_keys.clear()  # keyed on recorded values; propagation computes its own
 
     def run_node(self, n: fx.Node) -> Any:
         key = self._key(n) if n.op in _CACHED_OPS else None

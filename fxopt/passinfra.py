@@ -55,20 +55,32 @@ class PassContext:
     #: fake results of the last propagation, reused where nothing they depend on changed
     fake_cache: dict = field(default_factory=dict, repr=False)
 
-    def refresh_meta(self, gm: fx.GraphModule) -> None:
-        """Re-run FakeTensor propagation so every node's meta['val'] is current."""
-        if self.fake_inputs is None:
-            return
+    def _fake_prop(self, gm: fx.GraphModule):
         from torch._guards import detect_fake_mode
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from fxopt.fakeprop import CachedFakeTensorProp
 
         mode = detect_fake_mode(self.fake_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
-        prop = CachedFakeTensorProp(gm, mode, self.fake_cache)
+        return CachedFakeTensorProp(gm, mode, self.fake_cache), mode
+
+    def seed_meta(self, gm: fx.GraphModule) -> None:
+        """Remember the fake results the graph carries before any pass, so that the first
+        re-propagation recomputes only what that pass changed (and what depends on it)."""
+        if self.fake_inputs is not None and not self.fake_cache:
+            self._fake_prop(gm)[0].seed()
+
+    def refresh_meta(self, gm: fx.GraphModule) -> None:
+        """Re-run FakeTensor propagation so every node's meta['val'] is current."""
+        if self.fake_inputs is None:
+            return
+        prop, mode = self._fake_prop(gm)
         if not self.fake_cache:
             prop.seed()
-        with mode:
+        # AOTAutograd traces an inference graph with grad off: propagating the same way keeps the
+        # results' requires_grad as recorded, so unchanged nodes downstream of a rewrite stay cached
+        grad = self.mode != "inference"
+        with mode, torch.set_grad_enabled(grad):
             prop.propagate_dont_convert_inputs(*self.fake_inputs)
 
     def note(self, line: str) -> None:

@@ -109,6 +109,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, dump_prefix: str = ""):
         reference = _run_real(original, ctx.example_inputs)
     if opts.dump_dir:
         _dump(gm, opts.dump_dir, 0, "input", dump_prefix)
+    ctx.seed_meta(gm)
     for index, (name, fn) in enumerate(PIPELINE, start=1):
         if not opts.pass_enabled(name):
             records.append(PassRecord(name=name, status="disabled"))

@@ -63,6 +63,16 @@ class FoldedConstants(torch.nn.Module):
             self.evaluations += 1
         return self._values
 
+    def remember_fake(self, inputs: list, outputs: list) -> None:
+        """The fake results the folded nodes already carry, for inputs with this metadata: the
+        next metadata propagation need not trace the weight-only graph again."""
+        from fxopt.fakeprop import fake_inputs_key
+
+        if all(isinstance(t, FakeTensor) for t in list(inputs) + list(outputs)):
+            key = fake_inputs_key(inputs)
+            if key is not None:
+                self._fake = (key, tuple(outputs))
+
     def _fake_forward(self, tensors):
         """Fake outputs depend only on the inputs' metadata: reuse them while it is unchanged."""
         from fxopt.fakeprop import fake_inputs_key
@@ -129,7 +139,9 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         env[n] = sub.node_copy(n, lambda a: env[a])
     sub.output(tuple(env[n] for n in frontier))
     sub_gm = fx.GraphModule(gm, sub, class_name="WeightOnlyGraph")
-    gm.add_submodule(MODULE_NAME, FoldedConstants(sub_gm, [a.name for a in inputs]))
+    module = FoldedConstants(sub_gm, [a.name for a in inputs])
+    module.remember_fake([a.meta.get("val") for a in inputs], [n.meta.get("val") for n in frontier])
+    gm.add_submodule(MODULE_NAME, module)
 
     last_input = max(inputs, key=lambda n: list(gm.graph.nodes).index(n))
     with gm.graph.inserting_after(last_input):

@@ -106,7 +106,8 @@ def to_channels_last(gm: fx.GraphModule, cache: dict) -> int:
         args = list(node.args)
         for i in (0, 1, 3):  # input, weight, residual
             a = args[i]
-            if isinstance(a, fx.Node) and val(a) is not None and format_of(val(a)) is not CL:
+            # not where the strides already are channels_last (a 1x1 weight is both formats)
+            if isinstance(a, fx.Node) and val(a) is not None and not is_format(val(a), CL):
                 args[i] = _convert(g, a, CL, cache)
         node.args = tuple(args)
         n_conv += 1

@@ -681,3 +681,32 @@ def test_gpu_programmatic_launch_chain_keeps_stream_order():
     bufs[0].copy_(x0)
     graph.replay()
     torch.testing.assert_close(bufs[0], expected(x0), rtol=0, atol=0)
+
+
+@needs_nvrtc
+def test_pending_kernels_overlap_and_isolate_a_failure():
+    """The executor's background compilation: an item's kernels are filled when that item is
+    asked for (the others may still compile); a kernel that fails leaves its item without any
+    kernel, the other items keep theirs, and the report records every kernel in order, the bad
+    one with its NVRTC log."""
+    from types import SimpleNamespace
+
+    from fxopt.backends.cuda.executor import PendingKernels
+
+    def item(*sources):
+        return SimpleNamespace(sources={i: cg.KernelSource(n, s, (), "test") for i, (n, s) in enumerate(sources)},
+                               kernels={})
+
+    good1, good2 = item(unique_source(), unique_source()), item(unique_source())
+    bad = item(unique_source(), ("fx_bad_kernel", 'extern "C" __global__ void fx_bad_kernel() { garbage( }'))
+    info = {"kernels": []}
+    pending = PendingKernels([good1, bad, good2], info)
+    pending.ready([good2])
+    assert len(good2.kernels) == 1 and good2.kernels[0].compiled
+    assert good1.kernels == {} and info["kernels"] == []  # not asked for yet, nothing recorded yet
+    pending.finish()
+    assert len(good1.kernels) == 2 and bad.kernels == {}
+    names = [ks.name for it in (good1, bad, good2) for ks in it.sources.values()]
+    assert [k.name for k in info["kernels"]] == names
+    assert [k.compiled for k in info["kernels"]] == [True, True, True, False, True]
+    assert "garbage" in info["kernels"][3].error and pending.compile_s > 0

@@ -97,3 +97,57 @@ def test_pipeline_metadata_equals_a_fresh_propagation(case):
         with mode:
             FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
         assert _meta(gm) == cached
+
+
+def test_the_first_pass_recomputes_only_what_it_rewrote():
+    """The cache is seeded from the graph as AOTAutograd handed it over, before any pass, and an
+    inference graph is propagated with grad off as it was traced: after BatchNorm folding the
+    ReLUs (same input metadata, new producer) are not recomputed."""
+    import fxopt.fakeprop as fp
+
+    runs = []
+    real_run_node = CachedFakeTensorProp.run_node
+
+    def spy(self, n):
+        if not runs or runs[-1][0] is not self:
+            runs.append((self, []))
+        before = self.hits
+        out = real_run_node(self, n)
+        if n.op == "call_function" and self.hits == before:
+            runs[-1][1].append(n.target)
+        return out
+
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                            torch.nn.Conv2d(8, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU()).eval()
+    import fxopt
+    fp.CachedFakeTensorProp.run_node = spy
+    try:
+        fxopt.explain(m, torch.randn(1, 3, 12, 12))
+    finally:
+        fp.CachedFakeTensorProp.run_node = real_run_node
+    first = runs[0][1]  # the propagation after fold_batchnorm
+    assert aten.convolution.default in first  # the rewritten convs (folded weights)
+    assert aten.relu.default not in first
+
+
+def test_folded_constants_reuse_the_recorded_fake_results():
+    """fold_constants hands the module the fake results its folded nodes carried: propagating
+    metadata afterwards does not trace the weight-only graph again (inputs of other metadata do)."""
+    from fxopt.passes.fold_constants import FoldedConstants
+
+    class Boom(torch.nn.Module):
+        calls = 0
+
+        def forward(self, *a):
+            Boom.calls += 1
+            return (a[0] * 2,)
+
+    mode = FakeTensorMode()
+    w = mode.from_tensor(torch.randn(4, 3))
+    out = mode.from_tensor(torch.randn(4, 3))
+    folded = FoldedConstants(Boom(), ["w"])
+    folded.remember_fake([w], [out])
+    with mode:
+        assert folded(mode.from_tensor(torch.randn(4, 3)))[0] is out and Boom.calls == 0
+        other = folded(mode.from_tensor(torch.randn(5, 3)))
+    assert Boom.calls == 1 and tuple(other[0].shape) == (5, 3)

@@ -207,6 +207,24 @@ def test_layout_channels_last_gives_eager_strides():
     assert got.stride() == want.stride()
 
 
+def test_layout_converts_only_what_is_not_channels_last_already():
+    """A 1x1 weight (and any tensor whose strides are both formats) gets no conversion inserted,
+    rather than one that ``drop_redundant`` removes again (its users' metadata would have to be
+    recomputed twice)."""
+    from fxopt.passes.layout import to_channels_last
+
+    m = nn.Sequential(nn.Conv2d(8, 16, 3), nn.ReLU(), nn.Conv2d(16, 16, 1), nn.ReLU()).eval()
+    r = fxopt.explain(m, torch.randn(2, 8, 10, 10), options={"layout": "contiguous"})
+    gm = r.after
+    convs = calls(gm, FUSED_CONV)
+    before = [c.args[1] for c in convs]
+    assert to_channels_last(gm, {}) == 2
+    assert convs[1].args[1] is before[1]  # 1x1 weight: already channels_last-contiguous
+    assert convs[0].args[1] is not before[0] and convs[0].args[1].kwargs["memory_format"] is torch.channels_last
+    assert all(c.args[0].target is torch.ops.aten.clone.default for c in convs)  # NCHW activations
+    gm.graph.lint()
+
+
 def test_layout_auto_skips_small_cnns_and_takes_conv_heavy_ones_on_cuda():
     from fxopt.config import Options
     from fxopt.passes.layout import should_run

@@ -34,7 +34,10 @@ candidate too (``regions.py``). Each node with more than one candidate is timed 
 candidate once (CUDA events, median; replayed as a CUDA graph when the graph will run under
 CUDA graphs, so Python launch costs do not decide; ``measure.py``), the fastest is kept, and the
 decision is stored in the autotuning cache (a second compile measures nothing); ``report.executor_details
-["node_choices"]`` lists them. Without a GPU (option ``executor="cuda"`` on CPU inputs) the
+["node_choices"]`` lists them. All planned kernels start compiling at once on worker threads (NVRTC
+releases the GIL); each node is measured as soon as its own kernels are ready, so measuring the
+first nodes overlaps compiling the rest, and a kernel that fails to compile only withdraws its own
+candidate (the report keeps its NVRTC log). Without a GPU (option ``executor="cuda"`` on CPU inputs) the
 kernels are still generated and compiled with NVRTC and listed in the report; the reference runs.
 """
 from __future__ import annotations
@@ -162,27 +165,56 @@ def plan(node: fx.Node) -> Optional[GeneratedEpilogue]:
                              node.args[9], vec)
 
 
-def _compile(items: list, info: dict) -> None:
-    """Compile every generated kernel of `items` (objects with .sources {variant: KernelSource}
-    and .kernels, filled here) with NVRTC, in parallel; record each in the report."""
-    from fxopt.backends.cuda.nvrtc import CompileError, compile_many, nvrtc_available
+class PendingKernels:
+    """The generated kernels of `items` (objects with .sources {variant: KernelSource} and
+    .kernels, filled here) compiling with NVRTC in the background: ``ready(some)`` waits for those
+    items only, so measuring the first nodes overlaps compiling the rest; ``finish()`` waits for
+    all and records every kernel in the report in order. An item with a kernel that failed to
+    compile gets none (its candidate is not offered); the others are unaffected."""
 
-    sources = [(e, v, ks) for e in items for v, ks in e.sources.items()]
-    if not sources:
-        return
-    if not nvrtc_available():
-        info["kernels"].extend(KernelRecord(ks.name, ks.source, False, "NVRTC unavailable") for _, _, ks in sources)
-        return
-    try:
-        compiled = compile_many([ks for _, _, ks in sources])
-    except CompileError as e:  # one bad kernel: record it, the reference runs everywhere
-        info["kernels"].extend(KernelRecord(ks.name, ks.source, False, str(e)) for _, _, ks in sources)
-        for e_ in items:
-            e_.kernels.clear()
-        return
-    for (item, vec, ks), kernel in zip(sources, compiled):
-        item.kernels[vec] = kernel
-        info["kernels"].append(KernelRecord(ks.name, ks.source, kernel.compiled))
+    def __init__(self, items: list, info: dict):
+        from fxopt.backends.cuda.nvrtc import nvrtc_available, submit_many
+
+        self.info = info
+        self.t0 = time.perf_counter()
+        self.sources = [(e, v, ks) for e in items for v, ks in e.sources.items()]
+        self.available = bool(self.sources) and nvrtc_available()
+        self.futures = submit_many([ks for _, _, ks in self.sources]) if self.available else []
+        self._done: set = set()  # ids of items whose kernels were filled in
+        self.compile_s = 0.0  # from submitting until the last kernel asked for was ready
+
+    def ready(self, items) -> None:
+        want = {id(e) for e in items} - self._done
+        if not want or not self.available:
+            return
+        failed = set()
+        for (item, vec, _), fut in zip(self.sources, self.futures):
+            if id(item) in want:
+                if fut.exception() is None:
+                    item.kernels[vec] = fut.result()
+                else:  # recorded by finish(); the item offers no candidate
+                    failed.add(id(item))
+        for item, _, _ in self.sources:
+            if id(item) in failed:
+                item.kernels.clear()
+        self._done |= want
+        self.compile_s = max(self.compile_s, time.perf_counter() - self.t0)
+
+    def finish(self) -> None:
+        self.ready([e for e, _, _ in self.sources])
+        if not self.available:
+            self.info["kernels"].extend(KernelRecord(ks.name, ks.source, False, "NVRTC unavailable")
+                                        for _, _, ks in self.sources)
+            return
+        for (_, _, ks), fut in zip(self.sources, self.futures):
+            err = fut.exception()
+            self.info["kernels"].append(KernelRecord(ks.name, ks.source, err is None and fut.result().compiled,
+                                                     None if err is None else str(err)))
+
+
+def _compile(items: list, info: dict) -> None:
+    """Compile every generated kernel of `items` now (in parallel) and record each in the report."""
+    PendingKernels(items, info).finish()
 
 
 def _candidates(node: fx.Node, epi: Optional[GeneratedEpilogue], regions: list) -> dict:
@@ -216,14 +248,14 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
         if pair is not None:
             pairs.append((node, *pair))
     chains = plan_linear_chains(runnable.graph)
-    t0 = time.perf_counter()
-    _compile([e for _, e, _ in planned if e is not None] + [r for _, _, rs in planned for r in rs]
-             + [c for _, _, cs in pairs for c in cs] + [c for _, c in chains], info)
-    info["nvrtc_s"] = round(time.perf_counter() - t0, 3)
+    pending = PendingKernels([e for _, e, _ in planned if e is not None] + [r for _, _, rs in planned for r in rs]
+                             + [c for _, _, cs in pairs for c in cs] + [c for _, c in chains], info)
     decisions = {}
     info["node_choices"] = decisions
     on_gpu = torch.cuda.is_available() and ctx.device_type == "cuda"
     if not on_gpu:
+        pending.finish()
+        info["nvrtc_s"] = round(pending.compile_s, 3)
         return runnable
     from fxopt.autotune import AutotuneCache, device_fingerprint
 
@@ -232,7 +264,8 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     tuning = Tuning(cache, device_fingerprint("cuda"), ctx.options.cudagraphs is not False, ctx)
     changed = False
     t0 = time.perf_counter()
-    for node, epi, regions in planned:
+    for node, epi, regions in planned:  # measured as soon as its own kernels are compiled
+        pending.ready(([epi] if epi is not None else []) + regions)
         candidates = _candidates(node, epi, regions)
         if len(candidates) < 2:
             continue
@@ -240,6 +273,8 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
         if entry["choice"] in candidates and entry["choice"] != "reference":
             node.target = candidates[entry["choice"]]
             changed = True
+    pending.finish()
+    info["nvrtc_s"] = round(pending.compile_s, 3)  # overlapping the measuring that follows it
     for pool, conv, fused in pairs:  # after the per-node choices: the pair is measured against them
         changed |= fuse_conv_maxpool(runnable, pool, conv, fused, tuning, decisions)
     for chain, candidate in chains:  # likewise a classifier head against its layers as chosen

@@ -25,13 +25,13 @@ import re
 import tempfile
 import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 __all__ = [
-    "CompileError", "CompiledKernel", "compile_kernel", "compile_many", "nvrtc_available",
+    "CompileError", "CompiledKernel", "compile_kernel", "compile_many", "submit_many", "nvrtc_available",
     "nvrtc_version", "cuda_include_dirs", "cache_dir", "cache_stats", "reset_cache_stats",
     "clear_memory_cache", "default_arch",
 ]
@@ -445,6 +445,37 @@ def compile_kernel(source: str, name: str, arch: str | None = None, options=(),
     return ck
 
 
+def _jobs(items: Iterable) -> list[tuple]:
+    jobs = []
+    for it in items:
+        if isinstance(it, tuple):
+            src, nm, *rest = it
+            jobs.append((src, nm, rest[0] if rest else None))
+        else:
+            jobs.append((it.source, it.name, getattr(it, "param_types", None)))
+    return jobs
+
+
+def submit_many(items: Iterable, arch: str | None = None, options=(),
+                max_workers: int | None = None) -> list[Future]:
+    """Start compiling independent kernels on worker threads and return one future per item, in
+    input order (a failure is the future's CompileError). NVRTC releases the GIL, so the caller
+    can go on (measuring kernels that are ready) while the rest compile; by default one core is
+    left to it. Kernels are submitted in order, so the first items finish first."""
+    jobs = _jobs(items)
+    if not jobs:
+        return []
+    arch = default_arch(arch)
+    unique = list(dict.fromkeys(jobs))  # the same kernel asked for twice (two nodes alike): once
+    workers = max_workers or min(len(unique), max(1, (os.cpu_count() or 2) - 1))
+    ex = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fxopt-nvrtc")
+    try:
+        futs = {job: ex.submit(compile_kernel, job[0], job[1], arch, options, job[2]) for job in unique}
+    finally:
+        ex.shutdown(wait=False)  # submitted work still runs; the threads end with it
+    return [futs[job] for job in jobs]
+
+
 def compile_many(items: Iterable, arch: str | None = None, options=(),
                  max_workers: int | None = None) -> list[CompiledKernel]:
     """Compile independent kernels in parallel; results in input order.
@@ -453,21 +484,10 @@ def compile_many(items: Iterable, arch: str | None = None, options=(),
     ``.source``, ``.name`` and ``.param_types`` (codegen's KernelSource). The first failure
     is raised (as CompileError) after all compilations finished.
     """
-    jobs = []
-    for it in items:
-        if isinstance(it, tuple):
-            src, nm, *rest = it
-            jobs.append((src, nm, rest[0] if rest else None))
-        else:
-            jobs.append((it.source, it.name, getattr(it, "param_types", None)))
-    if not jobs:
-        return []
-    unique = list(dict.fromkeys(jobs))  # the same kernel asked for twice (two nodes alike): once
-    workers = max_workers or min(len(unique), max(1, (os.cpu_count() or 2)))
-    if workers == 1 or len(unique) == 1:
-        done = {job: compile_kernel(job[0], job[1], arch, options, job[2]) for job in unique}
-    else:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fxopt-nvrtc") as ex:
-            futs = {job: ex.submit(compile_kernel, job[0], job[1], arch, options, job[2]) for job in unique}
-            done = {job: f.result() for job, f in futs.items()}
-    return [done[job] for job in jobs]
+    jobs = _jobs(items)
+    if len(set(jobs)) <= 1 or max_workers == 1:
+        done = {job: compile_kernel(job[0], job[1], arch, options, job[2]) for job in dict.fromkeys(jobs)}
+        return [done[job] for job in jobs]
+    futs = submit_many(items, arch, options, max_workers or min(len(set(jobs)), os.cpu_count() or 2))
+    wait(futs)
+    return [f.result() for f in futs]
