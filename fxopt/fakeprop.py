@@ -4,9 +4,10 @@ After every pass that modified the graph, the pipeline re-propagates FakeTensors
 ``meta["val"]`` is current. A fake result depends on nothing but the node's op, its non-tensor
 arguments and the metadata (shape, strides, offset, dtype, device) of its tensor inputs, so a node
 whose op and arguments are unchanged and whose inputs' metadata is unchanged gets its previous
-result back instead of running the op's fake kernel again. Kept out: symbolic sizes (comparing
-them would add guards), placeholders and outputs, ``call_module`` / ``get_attr`` (their target can
-change behind the same name), and results that are not plain tensors, numbers or tuples of them.
+result back instead of running the op's fake kernel again. A placeholder fed the very same fake
+input object as last time keeps its recorded value. Kept out: symbolic sizes (comparing them would
+add guards), outputs, ``call_module`` / ``get_attr`` (their target can change behind the same name),
+and results that are not plain tensors, numbers or tuples of them.
 """
 from __future__ import annotations
 
@@ -98,7 +99,27 @@ class CachedFakeTensorProp(FakeTensorProp):
                 self.cache[n] = (key, val, val)
         self._value_keys.clear()  # keyed on recorded values; propagation computes its own
 
+    def propagate_dont_convert_inputs(self, *args):
+        self._inputs, self._next_input = args, 0
+        return super().propagate_dont_convert_inputs(*args)
+
+    def _placeholder(self, n: fx.Node) -> Any:
+        """A placeholder whose input is the very tensor of the last propagation keeps its recorded
+        value (FakeTensorProp would snapshot it anew, for every placeholder, every time)."""
+        i, self._next_input = self._next_input, self._next_input + 1
+        hit = self.cache.get(n)
+        if (hit is not None and hit[0] == "placeholder" and not str(n.target).startswith("*")
+                and i < len(self._inputs) and hit[1] is self._inputs[i]):
+            n.meta["val"] = hit[2]
+            return next(self.args_iter)
+        result = super().run_node(n)
+        if isinstance(result, torch.Tensor) and n.meta.get("val") is not None:
+            self.cache[n] = ("placeholder", result, n.meta["val"])
+        return result
+
     def run_node(self, n: fx.Node) -> Any:
+        if n.op == "placeholder":
+            return self._placeholder(n)
         key = self._key(n) if n.op in _CACHED_OPS else None
         if key is not None:
             hit = self.cache.get(n)

@@ -151,3 +151,21 @@ def test_folded_constants_reuse_the_recorded_fake_results():
         assert folded(mode.from_tensor(torch.randn(4, 3)))[0] is out and Boom.calls == 0
         other = folded(mode.from_tensor(torch.randn(5, 3)))
     assert Boom.calls == 1 and tuple(other[0].shape) == (5, 3)
+
+
+def test_placeholders_keep_their_value_for_the_same_input_object():
+    gm = _traced()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(torch.randn(2, 3, 8, 8)), mode.from_tensor(torch.randn(4, 3, 3, 3))]
+    cache = {}
+    x_node = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    with mode:
+        CachedFakeTensorProp(gm, mode, cache).propagate_dont_convert_inputs(*fakes)
+        recorded = x_node.meta["val"]
+        CachedFakeTensorProp(gm, mode, cache).propagate_dont_convert_inputs(*fakes)
+        assert x_node.meta["val"] is recorded  # not snapshotted again
+        other = mode.from_tensor(torch.randn(2, 3, 10, 10))
+        CachedFakeTensorProp(gm, mode, cache).propagate_dont_convert_inputs(other, fakes[1])
+    assert x_node.meta["val"] is not recorded and tuple(x_node.meta["val"].shape) == (2, 3, 10, 10)
+    conv = next(n for n in gm.graph.nodes if n.target is aten.convolution.default)
+    assert tuple(conv.meta["val"].shape) == (2, 4, 10, 10)  # downstream recomputed for the new input
