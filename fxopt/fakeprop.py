@@ -57,6 +57,7 @@ class CachedFakeTensorProp(FakeTensorProp):
         self.cache = cache
         self.hits = 0
         self._value_keys: dict = {}  # node -> meta_key of its value (or _Uncacheable), this pass
+        self._inputs, self._next_input = (), 0  # this propagation's inputs, the next placeholder's index
 
     def _value_key(self, a: fx.Node, value_of) -> Any:
         """meta_key of a node's value, computed once per propagation (values are read by every

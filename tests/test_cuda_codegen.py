@@ -214,7 +214,7 @@ def test_corrupt_cache_file_is_ignored_and_rewritten(damage):
 @needs_nvrtc
 def test_compile_many_keeps_order_and_raises():
     items = [unique_source() for _ in range(6)]
-    out = nvrtc.compile_many([(s, n) for n, s in items], arch=ARCH, max_workers=3)
+    out = nvrtc.compile_many(((s, n) for n, s in items), arch=ARCH, max_workers=3)  # any iterable
     assert [k.name for k in out] == [n for n, _ in items]
     assert [k.source for k in out] == [s for _, s in items]
     assert nvrtc.compile_many([]) == []

@@ -488,6 +488,6 @@ def compile_many(items: Iterable, arch: str | None = None, options=(),
     if len(set(jobs)) <= 1 or max_workers == 1:
         done = {job: compile_kernel(job[0], job[1], arch, options, job[2]) for job in dict.fromkeys(jobs)}
         return [done[job] for job in jobs]
-    futs = submit_many(items, arch, options, max_workers or min(len(set(jobs)), os.cpu_count() or 2))
+    futs = submit_many(jobs, arch, options, max_workers or min(len(set(jobs)), os.cpu_count() or 2))
     wait(futs)
     return [f.result() for f in futs]
