@@ -261,6 +261,29 @@ def test_paired_speedup_compares_rounds_of_the_same_host_state():
     assert lines[0] == "## Rounds" and "paired speed-up 1.30×" in lines[-2] and "45/60 @25" in lines[-2]
 
 
+def test_floor_rows_are_shown_but_are_not_peers():
+    cell = {"model": "m", "batch": 1, "dtype": "float32", "status": "ok"}
+    results = {"cells": [dict(cell, backend="eager", median_ms=0.200),
+                         dict(cell, backend="floor-dynamo-entry", median_ms=0.020),
+                         dict(cell, backend="floor-dynamo-eager", median_ms=0.210),
+                         dict(cell, backend="fxopt", median_ms=0.100)]}
+    s = RP.speedups(results)[("m", 1, "float32")]
+    assert s["best_peer"] == "eager" and s["fxopt"]["fxopt"]["over_best"] == pytest.approx(2.0)
+    assert set(s["fxopt"]["fxopt"]["over_peer"]) == {"eager"}
+    table = "\n".join(RP._summary_table(results))
+    assert "floor-dynamo-entry ms" in table and "not a peer" in table
+    assert all(not R.BACKENDS[b].default and not R.BACKENDS[b].is_fxopt
+               for b in ("floor-dynamo-eager", "floor-aot-eager", "floor-dynamo-entry"))
+
+
+@pytest.mark.parametrize("backend", ["floor-dynamo-eager", "floor-aot-eager", "floor-dynamo-entry"])
+def test_floor_backends_run_the_model_through_torch_compile(tiny_model, backend):
+    torch._dynamo.reset()
+    cell = _run_cell(backend, tiny_model)
+    assert cell["status"] == "ok", cell
+    assert cell["max_rel_err"] < 1e-5 and "torch.compile" in cell["note"]
+
+
 def test_parse_rounds_defaults():
     assert B.parse_args(["--device", "cpu"]).rounds == 1
     assert B.parse_args(["--device", "cuda", "--quick"]).rounds == 1

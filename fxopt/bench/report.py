@@ -24,6 +24,16 @@ def _is_fxopt(backend: str) -> bool:
     return backend == "fxopt" or backend.startswith("fxopt-")
 
 
+def _is_floor(backend: str) -> bool:
+    """``floor-*`` rows: what torch.compile itself costs (no optimizing backend), shown beside the
+    others but neither a peer nor fxopt."""
+    return backend.startswith("floor-")
+
+
+def _is_peer(backend: str) -> bool:
+    return not _is_fxopt(backend) and not _is_floor(backend)
+
+
 def row_keys(results: Dict[str, Any]) -> List[RowKey]:
     seen: Dict[RowKey, None] = {}
     for c in results.get("cells", []):
@@ -61,11 +71,11 @@ def paired_ratio(peer: Dict[str, Any], fx: Dict[str, Any]) -> Optional[float]:
 
 
 def speedups(results: Dict[str, Any]) -> Dict[RowKey, Dict[str, Any]]:
-    """Per row: best peer (fastest non-fxopt backend) and, per fxopt variant,
+    """Per row: best peer (fastest backend that is neither fxopt nor a floor row) and, per fxopt variant,
     its speed-up over the best peer and over each peer."""
     out: Dict[RowKey, Dict[str, Any]] = {}
     for key, cells in _cells_by_row(results).items():
-        peers = {b: c["median_ms"] for b, c in cells.items() if not _is_fxopt(b) and _ok(c)}
+        peers = {b: c["median_ms"] for b, c in cells.items() if _is_peer(b) and _ok(c)}
         best = min(peers, key=peers.get) if peers else None
         entry: Dict[str, Any] = {"best_peer": best,
                                  "best_peer_ms": peers.get(best) if best else None,
@@ -207,7 +217,9 @@ def _summary_table(results: Dict[str, Any]) -> List[str]:
     fb = any(c.get("fallback") for c in results.get("cells", []))
     lines.append("Times in ms (median ±IQR); speed-up = best peer median / fxopt median (>1: fxopt faster)"
                  + ("; (fallback) = the backend warned that it fell back (see Details)" if fb else "")
-                 + ("; ⚠ = failed the accuracy check" if bad else "") + ".")
+                 + ("; ⚠ = failed the accuracy check" if bad else "")
+                 + ("; floor-* = torch.compile with a non-optimizing backend (what every backend pays; not a peer)"
+                    if any(_is_floor(b) for b in backends) else "") + ".")
     return lines
 
 
@@ -305,7 +317,7 @@ def write_plot(results: Dict[str, Any], path: str) -> str:
     if fx_name is None:
         fx_name = next((b for s in sp.values() for b in s["fxopt"]), None)
     groups = [k for k in keys if fx_name and fx_name in sp[k]["fxopt"]]
-    peers = [b for b in _backends(results) if not _is_fxopt(b)
+    peers = [b for b in _backends(results) if _is_peer(b)
              and any(b in sp[k]["fxopt"][fx_name]["over_peer"] for k in groups)]
     fig, ax = plt.subplots(figsize=(min(24.0, max(6.0, 0.35 * len(groups) * max(1, len(peers)) + 2)), 4.8))
     if not groups or not peers:

@@ -288,6 +288,34 @@ def _fxopt(extra: Dict[str, Any]) -> PrepareFn:
     return prepare
 
 
+def _torch_compile_floor(backend: str) -> PrepareFn:
+    """``torch.compile`` with one of PyTorch's non-optimizing backends (``eager``: Dynamo alone;
+    ``aot_eager``: Dynamo + AOTAutograd, as fxopt uses them): the compile time and per-call cost
+    below which no ``torch.compile`` backend can go."""
+    def prepare(model, x, device, dtype, options) -> Prepared:
+        return Prepared(torch.compile(model, backend=backend), x, note=f"torch.compile(backend={backend!r})")
+
+    return prepare
+
+
+def _entry_floor(model, x, device, dtype, options) -> Prepared:
+    """``torch.compile`` with a backend whose compiled function computes nothing: it returns the
+    outputs the captured graph gave on the example input (so the accuracy check holds for that
+    input only). Its time per call is torch.compile's own entry (frame hook, guards, passing the
+    parameters) on this host at this moment, the floor of any backend's latency."""
+    def backend(gm, example_inputs):
+        with torch.no_grad():
+            result = gm(*example_inputs)
+
+        def call(*args):
+            return result
+
+        return call
+
+    return Prepared(torch.compile(model, backend=backend), x,
+                    note="torch.compile entry only: returns the outputs of the example input")
+
+
 _ORT_NP = {torch.float32: "float32", torch.float16: "float16"}
 
 
@@ -383,6 +411,10 @@ BACKENDS: Dict[str, BackendSpec] = {s.name: s for s in [
     BackendSpec("fxopt-no-cudagraphs", _fxopt({"cudagraphs": False}), is_fxopt=True),
     BackendSpec("fxopt-direct", _fxopt({"conv_algorithm": "direct"}), is_fxopt=True, default=False),
     BackendSpec("fxopt-onnxruntime", _fxopt({"executor": "onnxruntime"}), is_fxopt=True, default=False),
+    # floors (not peers): what torch.compile costs before any optimizing backend does anything
+    BackendSpec("floor-dynamo-eager", _torch_compile_floor("eager"), default=False),
+    BackendSpec("floor-aot-eager", _torch_compile_floor("aot_eager"), default=False),
+    BackendSpec("floor-dynamo-entry", _entry_floor, default=False),
 ]}
 
 DEFAULT_BACKENDS: List[str] = [n for n, s in BACKENDS.items() if s.default]
