@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from fxopt.backends import torch_ref
 from fxopt.backends.cudagraphs import CudaGraphRunner, unsafe_reason
+from fxopt.ops import cudnn_heuristics
 
 
 def resolve_executor(choice: str, device_type: str, kind: str) -> str:
@@ -83,9 +84,12 @@ def lower(gm: fx.GraphModule, ctx, kind: str):
         read = [n.name for n in baseline.graph.nodes if n.op == "placeholder" and n.users]
         baseline_watched = _placeholder_indices(baseline, [p for p in ctx.param_placeholders if p in read])
     refresh, folded_from = _constants_refresher(runnable)
-    runner = CudaGraphRunner(runnable, static, refresh=refresh, versioned=folded_from,
+    # cuDNN picks algorithms by its heuristics in both graphs (fxopt.ops.cudnn_heuristics): its
+    # exhaustive search would otherwise run on the first warm-up of every convolution shape
+    runner = CudaGraphRunner(cudnn_heuristics(runnable), static, refresh=refresh, versioned=folded_from,
                              max_graphs=ctx.options.cudagraph_max_signatures, watched=watched,
-                             baseline=baseline, baseline_watched=baseline_watched,
+                             baseline=None if baseline is None else cudnn_heuristics(baseline),
+                             baseline_watched=baseline_watched,
                              decisions_cache=_decisions_cache(ctx, runnable, baseline))
     info["cudagraphs"] = f"on (up to {ctx.options.cudagraph_max_signatures} signatures)"
     info["baseline_check"] = baseline is not None

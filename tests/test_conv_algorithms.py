@@ -328,3 +328,71 @@ def test_prepacked_shape_and_dtype_do_not_depend_on_the_device(dtype):
         a, b = (ALGORITHMS[name].prepare(w, ConvSig((None, 4, 9, 9), (6, 2, 3, 3), 1, 1, 1, 2, dtype, dev))
                 for dev in ("cpu", "cuda"))
         assert a.shape == b.shape and a.dtype == b.dtype, name
+
+
+# --------------------------------------------------------------------------
+# cuDNN algorithm choice: heuristics, whatever torch.backends.cudnn.benchmark says
+# --------------------------------------------------------------------------
+class _SeeBenchmarkFlag(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records torch.backends.cudnn.benchmark at each convolution; answers cuDNN-only ops with an
+    empty tensor (so their wrappers can be checked on the CPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name == "convolution" or name.startswith("cudnn_"):
+            self.seen.append((name, torch.backends.cudnn.benchmark))
+        if name.startswith("cudnn_"):
+            return torch.empty(0)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def benchmark_on():
+    old = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    yield
+    torch.backends.cudnn.benchmark = old
+
+
+def test_cudnn_heuristics_turns_the_search_off_for_the_call_only(benchmark_on):
+    from fxopt.ops import cudnn_heuristics
+
+    seen = []
+
+    def f(fail=False):
+        seen.append(torch.backends.cudnn.benchmark)
+        if fail:
+            raise ValueError("boom")
+        return 1
+
+    g = cudnn_heuristics(f)
+    assert g() == 1 and seen == [False] and torch.backends.cudnn.benchmark is True
+    with pytest.raises(ValueError):
+        g(fail=True)
+    assert torch.backends.cudnn.benchmark is True  # restored after an exception too
+    torch.backends.cudnn.benchmark = False
+    assert g() == 1 and seen[-1] is False and torch.backends.cudnn.benchmark is False  # no-op when off
+    assert g.__name__ == "f"
+
+
+def test_every_cudnn_convolution_of_fxopt_runs_by_heuristics(benchmark_on):
+    from fxopt.backends.cuda.executor import cudnn_conv_relu
+    from fxopt.ops import conv_sig_of, direct_conv, fused_conv_ref
+
+    x, w, b = torch.randn(1, 3, 8, 8), torch.randn(4, 3, 3, 3), torch.randn(4)
+    sig = conv_sig_of(x, w, (1, 1), (1, 1), (1, 1), 1)
+    with _SeeBenchmarkFlag() as mode:
+        direct_conv(x, w, b, (1, 1), (1, 1), (1, 1), 1)
+        fused_conv_ref(x, w, b, None, [1, 1], [1, 1], [1, 1], 1, "relu", [], "direct", None)
+        get_algorithm("direct").run(x, w, None, b, sig)
+        cudnn_conv_relu(x, w, b, None, [1, 1], [1, 1], [1, 1], 1, "relu", [])
+        cudnn_conv_relu(x, w, b, torch.randn(1, 4, 8, 8), [1, 1], [1, 1], [1, 1], 1, "relu", [])
+        F.conv2d(x, w, b, 1, 1)  # PyTorch's own call, outside fxopt: the user's setting
+    names = [n for n, _ in mode.seen]
+    assert names.count("convolution") == 4 and "cudnn_convolution_relu" in names and "cudnn_convolution_add_relu" in names
+    assert all(flag is False for _, flag in mode.seen[:-1]), mode.seen
+    assert mode.seen[-1][1] is True and torch.backends.cudnn.benchmark is True
