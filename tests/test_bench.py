@@ -392,7 +392,13 @@ def test_cold_compile_subprocess(tmp_path):
     a = B.parse_args(["--quick", "--device", "cpu", "--out", str(tmp_path)])
     res = B._cold_compile("seedcnn", 2, "float32", "eager", a)
     assert "cold_compile_s" in res, res
-    assert res["cold_compile_s"] >= 0
+    assert res["cold_compile_s"] >= 0 and res["cudnn_benchmark"] is False
+    old = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True  # the run's setting reaches the fresh interpreter
+    try:
+        assert B._cold_compile("seedcnn", 2, "float32", "eager", a)["cudnn_benchmark"] is True
+    finally:
+        torch.backends.cudnn.benchmark = old
     assert "warm_cache_compile_s" not in res  # only fxopt has its own caches to keep warm
 
 

@@ -194,8 +194,12 @@ def _cold_compile(model: str, batch: int, dtype: str, backend: str, a) -> Dict[s
     second fresh interpreter then reuses that first one's fxopt caches (NVRTC cubins, autotuning
     choices; Inductor/Triton caches stay empty): ``warm_cache_compile_s``."""
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import torch
+    # the fresh interpreter measures under the run's cuDNN setting (on CUDA: benchmark on for every
+    # backend): where cuDNN searches its algorithms, the first call of each backend pays the search
     spec = {"model": model, "batch": batch, "dtype": dtype, "backend": backend,
-            "device": a.device, "seed": a.seed, "fxopt_options": a.fxopt_options}
+            "device": a.device, "seed": a.seed, "fxopt_options": a.fxopt_options,
+            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark)}
     with tempfile.TemporaryDirectory(prefix="fxopt_bench_cold_") as td:
         env = dict(os.environ)
         for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("FXOPT_CACHE_DIR", "fxopt"),
@@ -231,7 +235,8 @@ def _cold_child(spec_json: str) -> int:
     from . import models as M
     from . import runners as R
     s = json.loads(spec_json)
-    res: Dict[str, Any] = {}
+    torch.backends.cudnn.benchmark = bool(s.get("cudnn_benchmark", False))
+    res: Dict[str, Any] = {"cudnn_benchmark": torch.backends.cudnn.benchmark}
     try:
         model, shape = M.build_model(s["model"], s["seed"])
         dtype = getattr(torch, s["dtype"])
