@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from fxopt.backends import torch_ref
 from fxopt.backends.cudagraphs import CudaGraphRunner, unsafe_reason
-from fxopt.ops import cudnn_heuristics
+from fxopt.ops import cudnn_choice
 
 
 def resolve_executor(choice: str, device_type: str, kind: str) -> str:
@@ -68,12 +68,13 @@ def lower(gm: fx.GraphModule, ctx, kind: str):
         runnable = attach_kernels(runnable, ctx, info)
     want = ctx.options.cudagraphs
     reason = unsafe_reason(gm, kind, ctx.device_type)
+    uncaptured = cudnn_choice(runnable, ctx.options.cudnn_search)
     if want is False:
         info["cudagraphs"] = "off (option cudagraphs=False)"
-        return runnable, info
+        return uncaptured, info
     if reason:
         info["cudagraphs"] = f"off ({reason})"
-        return runnable, info
+        return uncaptured, info
     static = _placeholder_indices(gm, ctx.param_placeholders)
     # parameters nothing reads (e.g. BatchNorm's num_batches_tracked in eval) need no per-call check
     read = [n.name for n in runnable.graph.nodes if n.op == "placeholder" and n.users]
@@ -84,11 +85,12 @@ def lower(gm: fx.GraphModule, ctx, kind: str):
         read = [n.name for n in baseline.graph.nodes if n.op == "placeholder" and n.users]
         baseline_watched = _placeholder_indices(baseline, [p for p in ctx.param_placeholders if p in read])
     refresh, folded_from = _constants_refresher(runnable)
-    # cuDNN picks algorithms by its heuristics in both graphs (fxopt.ops.cudnn_heuristics): its
-    # exhaustive search would otherwise run on the first warm-up of every convolution shape
-    runner = CudaGraphRunner(cudnn_heuristics(runnable), static, refresh=refresh, versioned=folded_from,
+    # cuDNN picks algorithms by its heuristics in both graphs unless the option cudnn_search says
+    # otherwise (fxopt.ops.cudnn_choice): its search would run on the first warm-up of every shape
+    search = ctx.options.cudnn_search
+    runner = CudaGraphRunner(cudnn_choice(runnable, search), static, refresh=refresh, versioned=folded_from,
                              max_graphs=ctx.options.cudagraph_max_signatures, watched=watched,
-                             baseline=None if baseline is None else cudnn_heuristics(baseline),
+                             baseline=None if baseline is None else cudnn_choice(baseline, search),
                              baseline_watched=baseline_watched,
                              decisions_cache=_decisions_cache(ctx, runnable, baseline))
     info["cudagraphs"] = f"on (up to {ctx.options.cudagraph_max_signatures} signatures)"

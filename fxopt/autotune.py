@@ -57,10 +57,13 @@ def device_fingerprint(device_type: str) -> str:
     torch_v = torch.__version__.split("+")[0]
     if device_type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        # "-heuristics": times taken with cuDNN choosing its algorithms by heuristics
-        # (fxopt.ops.cudnn_heuristics); entries measured with its exhaustive search do not apply
+        # how cuDNN chose its algorithms when the times were taken: by heuristics (the default,
+        # fxopt.ops.cudnn_heuristics) or, with the option cudnn_search, as cudnn.benchmark says
+        from fxopt.ops import CUDNN_SEARCH
+
+        choice = f"search{int(torch.backends.cudnn.benchmark)}" if CUDNN_SEARCH.get() else "heuristics"
         return (f"{props.name}|sm{props.major}{props.minor}|torch{torch_v}|cuda{torch.version.cuda}"
-                f"|cudnn{torch.backends.cudnn.version()}-heuristics")
+                f"|cudnn{torch.backends.cudnn.version()}-{choice}")
     return f"cpu|{platform.machine()}|{platform.processor() or 'unknown'}|torch{torch_v}|threads{torch.get_num_threads()}"
 
 

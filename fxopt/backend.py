@@ -25,6 +25,7 @@ import torch.fx as fx
 from functorch.compile import make_boxed_func
 
 from fxopt.config import Options
+from fxopt.ops import CUDNN_SEARCH
 from fxopt.passinfra import PassContext, written_in_place
 from fxopt.pipeline import FxoptFallbackWarning, PassFailure, copy_graph_module, run_pipeline
 from fxopt.report import GraphReport
@@ -144,17 +145,22 @@ class FxoptCompiler:
         mode = "inference" if kind == "inference" else "training"
         ctx = self._context(gm, fake_args, mode)
         before = copy_graph_module(gm)
-        optimized, records, fallback = run_pipeline(gm, ctx, dump_prefix=f"{kind}_")
-        ctx.unoptimized = before if fallback is None else None
+        token = CUDNN_SEARCH.set(self.options.cudnn_search)  # how the convolutions measured now use cuDNN
         try:
-            compiled, executor_info = lower(optimized, ctx, kind)
-        except Exception as e:  # noqa: BLE001 - lowering failures fall back too
-            if self.options.strict:
-                raise PassFailure("lowering", f"{type(e).__name__}: {e}") from e
-            warnings.warn(f"fxopt: lowering failed ({type(e).__name__}: {e}); running the unoptimized graph",
-                          FxoptFallbackWarning, stacklevel=2)
-            fallback = f"lowering failed: {type(e).__name__}: {e}"
-            optimized, compiled, executor_info = before, before, {"executor": "torch", "cudagraphs": "off (fallback)"}
+            optimized, records, fallback = run_pipeline(gm, ctx, dump_prefix=f"{kind}_")
+            ctx.unoptimized = before if fallback is None else None
+            try:
+                compiled, executor_info = lower(optimized, ctx, kind)
+            except Exception as e:  # noqa: BLE001 - lowering failures fall back too
+                if self.options.strict:
+                    raise PassFailure("lowering", f"{type(e).__name__}: {e}") from e
+                warnings.warn(f"fxopt: lowering failed ({type(e).__name__}: {e}); running the unoptimized graph",
+                              FxoptFallbackWarning, stacklevel=2)
+                fallback = f"lowering failed: {type(e).__name__}: {e}"
+                optimized, compiled, executor_info = before, before, {"executor": "torch",
+                                                                      "cudagraphs": "off (fallback)"}
+        finally:
+            CUDNN_SEARCH.reset(token)
         report = GraphReport(
             kind=kind, before=before, after=optimized, passes=records, conv_algorithms=dict(ctx.conv_algorithms),
             kernels=executor_info.get("kernels", []), fallback=fallback, executor=executor_info["executor"],

@@ -46,6 +46,10 @@ class Options:
     direct_call: bool = True
     #: maximum number of captured CUDA graphs (input signatures) per compiled graph
     cudagraph_max_signatures: int = 8
+    #: let cuDNN search its algorithms inside fxopt's convolutions where ``torch.backends.cudnn.benchmark``
+    #: is on; False (default): cuDNN's heuristics choose (fxopt measures its own candidates; the search
+    #: costs seconds on first use and chose no faster kernels on the H100: BENCHMARKS.md)
+    cudnn_search: bool = False
     #: "auto" (channels_last for conv-heavy graphs on CUDA), "channels_last", "contiguous"
     layout: str = "auto"
     #: treat parameters and buffers as constants in inference (weights refolded when they change)
@@ -97,6 +101,8 @@ class Options:
                                                 and not isinstance(self.conv_prune, bool)
                                                 and (self.conv_prune == 0 or self.conv_prune >= 1)):
             raise ValueError(f"fxopt: conv_prune must be 0, None or a factor >= 1, got {self.conv_prune!r}")
+        if not isinstance(self.cudnn_search, bool):
+            raise ValueError(f"fxopt: cudnn_search must be True or False, got {self.cudnn_search!r}")
         if self.dump_dir is None:
             self.dump_dir = os.environ.get("FXOPT_DUMP_DIR") or None
 

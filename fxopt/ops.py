@@ -33,6 +33,7 @@ BENCHMARKS.md has the other networks).
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 from typing import Callable, Optional, Sequence
 
@@ -55,22 +56,45 @@ ACTIVATIONS = {
     "tanh": (lambda x, p: torch.tanh(x), 0),
 }
 
+#: True while fxopt compiles or runs a graph with the option ``cudnn_search``: its convolutions then
+#: leave ``torch.backends.cudnn.benchmark`` as the user set it
+CUDNN_SEARCH: contextvars.ContextVar = contextvars.ContextVar("fxopt_cudnn_search", default=False)
+
+
 def cudnn_heuristics(fn: Callable) -> Callable:
     """``fn`` with ``torch.backends.cudnn.benchmark`` off while it runs (restored after): cuDNN
     chooses the algorithm of each convolution by its heuristics instead of timing all of them on
-    first use. The flag is process-wide, so a convolution another thread starts meanwhile also
-    uses heuristics; and cuDNN plans are cached per shape for the process whichever way they were
-    chosen, so a shape fxopt ran first is not searched later by PyTorch either (and vice versa)."""
+    first use (unless ``CUDNN_SEARCH`` is set). The flag is process-wide, so a convolution another
+    thread starts meanwhile also uses heuristics; and cuDNN plans are cached per shape for the
+    process whichever way they were chosen, so a shape fxopt ran first is not searched later by
+    PyTorch either (and vice versa)."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
         cudnn = torch.backends.cudnn
-        if not cudnn.benchmark:
+        if not cudnn.benchmark or CUDNN_SEARCH.get():
             return fn(*args, **kwargs)
         cudnn.benchmark = False
         try:
             return fn(*args, **kwargs)
         finally:
             cudnn.benchmark = True
+
+    return run
+
+
+def cudnn_choice(fn: Callable, search: bool) -> Callable:
+    """``fn`` (a compiled graph) as the option ``cudnn_search`` says: with heuristics, or with
+    ``CUDNN_SEARCH`` set while it runs (cuDNN then searches where the user turned the search on)."""
+    if not search:
+        return cudnn_heuristics(fn)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        token = CUDNN_SEARCH.set(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            CUDNN_SEARCH.reset(token)
 
     return run
 

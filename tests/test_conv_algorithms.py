@@ -396,3 +396,29 @@ def test_every_cudnn_convolution_of_fxopt_runs_by_heuristics(benchmark_on):
     assert names.count("convolution") == 4 and "cudnn_convolution_relu" in names and "cudnn_convolution_add_relu" in names
     assert all(flag is False for _, flag in mode.seen[:-1]), mode.seen
     assert mode.seen[-1][1] is True and torch.backends.cudnn.benchmark is True
+
+
+def test_option_cudnn_search_leaves_the_users_setting_to_cudnn(benchmark_on, monkeypatch):
+    import fxopt.ops as ops
+    from fxopt.config import Options
+    from fxopt.testing import compile_with_fxopt
+
+    seen = []
+
+    def spy(*args):
+        seen.append(torch.backends.cudnn.benchmark)
+        return F.conv2d(*args)
+
+    monkeypatch.setitem(ops.CONV, 2, ops.cudnn_heuristics(spy))
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    for search in (False, True):
+        torch._dynamo.reset()
+        seen.clear()
+        fn = compile_with_fxopt(model, {"cudnn_search": search})
+        with torch.no_grad():
+            torch.testing.assert_close(fn(x), model(x))
+        assert seen and set(seen) == {search}, (search, seen)
+        assert torch.backends.cudnn.benchmark is True and ops.CUDNN_SEARCH.get() is False
+    with pytest.raises(ValueError, match="cudnn_search"):
+        Options.from_any({"cudnn_search": "yes"})
