@@ -68,7 +68,7 @@ def cudnn_heuristics(fn: Callable) -> Callable:
     thread starts meanwhile also uses heuristics; and cuDNN plans are cached per shape for the
     process whichever way they were chosen, so a shape fxopt ran first is not searched later by
     PyTorch either (and vice versa)."""
-    @functools.wraps(fn)
+    @functools.wraps(fn, updated=())  # a graph module's __dict__ stays its own
     def run(*args, **kwargs):
         cudnn = torch.backends.cudnn
         if not cudnn.benchmark or CUDNN_SEARCH.get():
@@ -88,7 +88,7 @@ def cudnn_choice(fn: Callable, search: bool) -> Callable:
     if not search:
         return cudnn_heuristics(fn)
 
-    @functools.wraps(fn)
+    @functools.wraps(fn, updated=())  # a graph module's __dict__ stays its own
     def run(*args, **kwargs):
         token = CUDNN_SEARCH.set(True)
         try:
