@@ -159,12 +159,19 @@ def restore_formats(gm: fx.GraphModule, ctx: PassContext, cache: dict) -> int:
 
 
 def drop_redundant(gm: fx.GraphModule) -> int:
-    """Remove layout conversions whose input already has the wanted format."""
+    """Remove layout conversions whose input already has the wanted format. A conversion that is a
+    graph output stays unless its input has exactly the strides it would give: a format ignores
+    the strides of size-1 dimensions (an NHWC ``(n, c, 1, 1)`` is also contiguous), eager's outputs
+    do not."""
     dropped = 0
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
     for node in list(gm.graph.nodes):
         if not is_call(node, aten.clone.default) or "memory_format" not in node.kwargs:
             continue
-        src = val(node.args[0])
+        src, converted = val(node.args[0]), val(node)
+        if (out_node in node.users and src is not None and converted is not None
+                and src.stride() != converted.stride()):
+            continue
         if src is not None and is_format(src, node.kwargs["memory_format"]) and node.meta.get("fxopt_layout"):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)

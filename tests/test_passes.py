@@ -254,6 +254,34 @@ def test_layout_returns_conv_output_with_eager_strides():
         torch.compiler.reset()
 
 
+def test_layout_keeps_the_output_conversion_where_only_size_one_strides_differ():
+    """A pooled NHWC output (1, c, 1, 1) is contiguous too, but its strides are not eager's: the
+    conversion before the output stays (found by the thorough hypothesis profile); a conversion
+    before a non-output consumer (the flatten of a classifier head) is still dropped."""
+    def conversions(gm):
+        return [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default
+                and n.kwargs.get("memory_format") is torch.contiguous_format]
+
+    pooled = nn.Sequential(nn.Conv2d(2, 2, 1, stride=2, bias=False), nn.GELU(), nn.Conv2d(2, 2, 1, bias=False),
+                           nn.GELU(), nn.MaxPool2d(2)).eval()
+    x = torch.randn(1, 2, 6, 6)
+    r = fxopt.explain(pooled, x, options={"layout": "channels_last"})
+    (conv,) = conversions(r.after)
+    assert conv in next(n for n in r.after.graph.nodes if n.op == "output").args[0]
+    compiled = torch.compile(pooled, backend="fxopt", options={"layout": "channels_last"})
+    with torch.no_grad():
+        got, want = compiled(x), pooled(x)
+    torch.testing.assert_close(got, want)
+    assert got.stride() == want.stride() == (2, 1, 1, 1)
+    torch.compiler.reset()
+
+    head = nn.Sequential(nn.Conv2d(2, 4, 1), nn.ReLU(), nn.Conv2d(4, 4, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(4, 3)).eval()
+    r = fxopt.explain(head, x, options={"layout": "channels_last"})
+    assert not conversions(r.after)  # (1, 4, 1, 1) before flatten: strides of size-1 dims do not matter
+    r.after.graph.lint()
+
+
 def test_fold_constants_evaluates_once_and_refolds_on_change():
     m = ConvBN(act=nn.ReLU()).eval()
     x = torch.randn(2, 4, 6, 6)
