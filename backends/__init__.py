@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from fxopt.backends import torch_ref
 from fxopt.backends.cudagraphs import CudaGraphRunner, unsafe_reason
-from fxopt.ops import cudnn_choice
+from fxopt.autotune import cudnn_choice
 
 
 def resolve_executor(choice: str, device_type: str, kind: str) -> str:
@@ -86,7 +86,7 @@ def lower(gm: fx.GraphModule, ctx, kind: str):
         baseline_watched = _placeholder_indices(baseline, [p for p in ctx.param_placeholders if p in read])
     refresh, folded_from = _constants_refresher(runnable)
     # cuDNN picks algorithms by its heuristics in both graphs unless the option cudnn_search says
-    # otherwise (fxopt.ops.cudnn_choice): its search would run on the first warm-up of every shape
+    # otherwise (fxopt.autotune.cudnn_choice): its search would run on the first warm-up of every shape
     search = ctx.options.cudnn_search
     runner = CudaGraphRunner(cudnn_choice(runnable, search), static, refresh=refresh, versioned=folded_from,
                              max_graphs=ctx.options.cudagraph_max_signatures, watched=watched,

@@ -36,8 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fxopt.ops import CONV
-
 from .fft_conv import fft_conv, fft_kernel_spectrum, fft_sizes
 from .winograd import winograd_conv2d, winograd_filter_transform, winograd_matrices
 
@@ -46,6 +44,7 @@ __all__ = ["ConvSig", "ConvAlgorithm", "ALGORITHMS", "get_algorithm", "legal_alg
 
 FFT_MAX_SPECTRUM_BYTES = 512 * 2**20
 _DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
 def _tup(v, n: int) -> tuple:
@@ -240,7 +239,7 @@ class Direct(_Base):
         return _basic_reason(sig)
 
     def run(self, x, weight, prepacked, bias, sig):
-        return CONV[sig.ndim](x, weight, bias, sig.stride, sig.padding, sig.dilation, sig.groups)
+        return _CONV[sig.ndim](x, weight, bias, sig.stride, sig.padding, sig.dilation, sig.groups)
 
     def _estimate(self, sig, batch):
         n, c, oc, g, cg, xs, os_, ks = _sizes(sig, batch)

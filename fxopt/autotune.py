@@ -9,14 +9,28 @@ the first ``CHECK_BATCH`` images of the batch) is rejected.
 The cache is a readable JSON file (``autotune_cache`` option; default
 ``<user cache dir>/fxopt/autotune.json``) keyed by a device fingerprint (GPU
 name, compute capability, torch / cuDNN / CUDA versions; or CPU model and
-thread count) and the convolution's full signature. It can be copied to another
+thread count, and how cuDNN chose its algorithms) and the convolution's full signature. It can be copied to another
 machine with the same GPU and software and gives the same choices there. A
 corrupt file is ignored with a warning and rewritten; writes are atomic
 (temporary file + ``os.replace``), so concurrent processes never corrupt it.
+
+cuDNN's own choice: while fxopt compiles a graph (measuring candidates) and while
+the compiled graph runs outside a CUDA-graph replay, ``torch.backends.cudnn.benchmark``
+is off (``cudnn_choosing`` / ``cudnn_choice``) unless the option ``cudnn_search``
+is set: cuDNN then picks each convolution's algorithm by its heuristics. fxopt
+measures its own candidates per convolution anyway, and cuDNN's exhaustive search
+on each shape's first use cost seconds per network while choosing no faster kernels
+on the H100 (ResNet-50 fp16 batch 1 channels_last: first call 3.60 s with the search
+vs 0.33 s, replay 0.942 vs 0.880 ms; BENCHMARKS.md has the other networks). The flag
+is process-wide, so a convolution another thread starts meanwhile also uses
+heuristics; and cuDNN caches one plan per shape for the process however it was
+chosen, so a shape fxopt ran first is not searched by PyTorch later either.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -57,14 +71,46 @@ def device_fingerprint(device_type: str) -> str:
     torch_v = torch.__version__.split("+")[0]
     if device_type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        # how cuDNN chose its algorithms when the times were taken: by heuristics (the default,
-        # fxopt.ops.cudnn_heuristics) or, with the option cudnn_search, as cudnn.benchmark says
-        from fxopt.ops import CUDNN_SEARCH
-
-        choice = f"search{int(torch.backends.cudnn.benchmark)}" if CUDNN_SEARCH.get() else "heuristics"
+        # how cuDNN chooses its algorithms while these times are taken (see cudnn_choosing)
+        choice = "search" if torch.backends.cudnn.benchmark else "heuristics"
         return (f"{props.name}|sm{props.major}{props.minor}|torch{torch_v}|cuda{torch.version.cuda}"
                 f"|cudnn{torch.backends.cudnn.version()}-{choice}")
     return f"cpu|{platform.machine()}|{platform.processor() or 'unknown'}|torch{torch_v}|threads{torch.get_num_threads()}"
+
+
+@contextlib.contextmanager
+def cudnn_choosing(search: bool):
+    """``torch.backends.cudnn.benchmark`` off inside (restored after) unless ``search``: cuDNN
+    picks its algorithms by heuristics while fxopt compiles and measures."""
+    cudnn = torch.backends.cudnn
+    if search or not cudnn.benchmark:
+        yield
+        return
+    cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        cudnn.benchmark = True
+
+
+def cudnn_choice(fn, search: bool):
+    """``fn`` (a compiled graph, called outside a CUDA-graph replay: warm-up, capture, plain runs)
+    with cuDNN choosing as ``cudnn_choosing(search)`` says."""
+    if search:
+        return fn
+
+    @functools.wraps(fn, updated=())  # a graph module's __dict__ stays its own
+    def run(*args, **kwargs):
+        cudnn = torch.backends.cudnn
+        if not cudnn.benchmark:
+            return fn(*args, **kwargs)
+        cudnn.benchmark = False
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            cudnn.benchmark = True
+
+    return run
 
 
 def default_cache_path() -> str:

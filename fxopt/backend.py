@@ -25,7 +25,7 @@ import torch.fx as fx
 from functorch.compile import make_boxed_func
 
 from fxopt.config import Options
-from fxopt.ops import CUDNN_SEARCH
+from fxopt.autotune import cudnn_choosing
 from fxopt.passinfra import PassContext, written_in_place
 from fxopt.pipeline import FxoptFallbackWarning, PassFailure, copy_graph_module, run_pipeline
 from fxopt.report import GraphReport
@@ -145,8 +145,7 @@ class FxoptCompiler:
         mode = "inference" if kind == "inference" else "training"
         ctx = self._context(gm, fake_args, mode)
         before = copy_graph_module(gm)
-        token = CUDNN_SEARCH.set(self.options.cudnn_search)  # how the convolutions measured now use cuDNN
-        try:
+        with cudnn_choosing(self.options.cudnn_search):  # how the convolutions measured now use cuDNN
             optimized, records, fallback = run_pipeline(gm, ctx, dump_prefix=f"{kind}_")
             ctx.unoptimized = before if fallback is None else None
             try:
@@ -159,8 +158,6 @@ class FxoptCompiler:
                 fallback = f"lowering failed: {type(e).__name__}: {e}"
                 optimized, compiled, executor_info = before, before, {"executor": "torch",
                                                                       "cudagraphs": "off (fallback)"}
-        finally:
-            CUDNN_SEARCH.reset(token)
         report = GraphReport(
             kind=kind, before=before, after=optimized, passes=records, conv_algorithms=dict(ctx.conv_algorithms),
             kernels=executor_info.get("kernels", []), fallback=fallback, executor=executor_info["executor"],

@@ -22,20 +22,10 @@ weights, so under freezing it is evaluated once at compile time.
 The reference implementations here run anywhere (CPU, CUDA) with plain torch
 operators; the executors in ``fxopt.backends`` may replace them with faster
 kernels, but never change what they compute.
-
-fxopt's cuDNN convolutions pick their algorithm by cuDNN's heuristics, whatever
-``torch.backends.cudnn.benchmark`` says (``cudnn_heuristics``): fxopt measures its
-own candidates per convolution (direct, Winograd, FFT, GEMM, generated kernels),
-and cuDNN's exhaustive search on first use costs seconds per network while
-choosing no faster kernels on the H100 (ResNet-50 fp16 batch 1, channels_last:
-first call 3.60 s with the search vs 0.33 s, CUDA-graph replay 0.942 vs 0.880 ms;
-BENCHMARKS.md has the other networks).
 """
 from __future__ import annotations
 
-import contextvars
-import functools
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -56,51 +46,7 @@ ACTIVATIONS = {
     "tanh": (lambda x, p: torch.tanh(x), 0),
 }
 
-#: True while fxopt compiles or runs a graph with the option ``cudnn_search``: its convolutions then
-#: leave ``torch.backends.cudnn.benchmark`` as the user set it
-CUDNN_SEARCH: contextvars.ContextVar = contextvars.ContextVar("fxopt_cudnn_search", default=False)
-
-
-def cudnn_heuristics(fn: Callable) -> Callable:
-    """``fn`` with ``torch.backends.cudnn.benchmark`` off while it runs (restored after): cuDNN
-    chooses the algorithm of each convolution by its heuristics instead of timing all of them on
-    first use (unless ``CUDNN_SEARCH`` is set). The flag is process-wide, so a convolution another
-    thread starts meanwhile also uses heuristics; and cuDNN plans are cached per shape for the
-    process whichever way they were chosen, so a shape fxopt ran first is not searched later by
-    PyTorch either (and vice versa)."""
-    @functools.wraps(fn, updated=())  # a graph module's __dict__ stays its own
-    def run(*args, **kwargs):
-        cudnn = torch.backends.cudnn
-        if not cudnn.benchmark or CUDNN_SEARCH.get():
-            return fn(*args, **kwargs)
-        cudnn.benchmark = False
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            cudnn.benchmark = True
-
-    return run
-
-
-def cudnn_choice(fn: Callable, search: bool) -> Callable:
-    """``fn`` (a compiled graph) as the option ``cudnn_search`` says: with heuristics, or with
-    ``CUDNN_SEARCH`` set while it runs (cuDNN then searches where the user turned the search on)."""
-    if not search:
-        return cudnn_heuristics(fn)
-
-    @functools.wraps(fn, updated=())  # a graph module's __dict__ stays its own
-    def run(*args, **kwargs):
-        token = CUDNN_SEARCH.set(True)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            CUDNN_SEARCH.reset(token)
-
-    return run
-
-
-#: the direct convolutions (cuDNN on CUDA), with cuDNN's heuristic algorithm choice
-CONV = {1: cudnn_heuristics(F.conv1d), 2: cudnn_heuristics(F.conv2d), 3: cudnn_heuristics(F.conv3d)}
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
 def apply_activation(y: Tensor, activation: str, act_params: Sequence[float]) -> Tensor:
@@ -112,7 +58,7 @@ def apply_activation(y: Tensor, activation: str, act_params: Sequence[float]) ->
 
 def direct_conv(x, weight, bias, stride, padding, dilation, groups):
     ndim = weight.dim() - 2
-    return CONV[ndim](x, weight, bias, stride, padding, dilation, groups)
+    return _CONV[ndim](x, weight, bias, stride, padding, dilation, groups)
 
 
 def conv_by_algorithm(x, weight, bias, stride, padding, dilation, groups, algorithm, prepacked):

@@ -331,25 +331,8 @@ def test_prepacked_shape_and_dtype_do_not_depend_on_the_device(dtype):
 
 
 # --------------------------------------------------------------------------
-# cuDNN algorithm choice: heuristics, whatever torch.backends.cudnn.benchmark says
+# cuDNN algorithm choice: heuristics while fxopt compiles and runs, unless cudnn_search
 # --------------------------------------------------------------------------
-class _SeeBenchmarkFlag(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records torch.backends.cudnn.benchmark at each convolution; answers cuDNN-only ops with an
-    empty tensor (so their wrappers can be checked on the CPU)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name == "convolution" or name.startswith("cudnn_"):
-            self.seen.append((name, torch.backends.cudnn.benchmark))
-        if name.startswith("cudnn_"):
-            return torch.empty(0)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.fixture
 def benchmark_on():
     old = torch.backends.cudnn.benchmark
@@ -358,67 +341,59 @@ def benchmark_on():
     torch.backends.cudnn.benchmark = old
 
 
-def test_cudnn_heuristics_turns_the_search_off_for_the_call_only(benchmark_on):
-    from fxopt.ops import cudnn_heuristics
+def test_cudnn_choosing_turns_the_search_off_inside_only(benchmark_on):
+    from fxopt.autotune import cudnn_choice, cudnn_choosing
 
-    seen = []
-
-    def f(fail=False):
-        seen.append(torch.backends.cudnn.benchmark)
-        if fail:
-            raise ValueError("boom")
-        return 1
-
-    g = cudnn_heuristics(f)
-    assert g() == 1 and seen == [False] and torch.backends.cudnn.benchmark is True
+    with cudnn_choosing(False):
+        assert torch.backends.cudnn.benchmark is False
+    assert torch.backends.cudnn.benchmark is True
     with pytest.raises(ValueError):
-        g(fail=True)
+        with cudnn_choosing(False):
+            raise ValueError("boom")
     assert torch.backends.cudnn.benchmark is True  # restored after an exception too
-    torch.backends.cudnn.benchmark = False
-    assert g() == 1 and seen[-1] is False and torch.backends.cudnn.benchmark is False  # no-op when off
-    assert g.__name__ == "f"
+    with cudnn_choosing(True):
+        assert torch.backends.cudnn.benchmark is True
+
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    seen = []
+    gm.register_forward_pre_hook(lambda m, a: seen.append(torch.backends.cudnn.benchmark))
+    heuristics, search = cudnn_choice(gm, False), cudnn_choice(gm, True)
+    torch.testing.assert_close(heuristics(-torch.ones(2)), torch.zeros(2))
+    search(torch.ones(2))
+    assert seen == [False, True] and torch.backends.cudnn.benchmark is True
+    assert search is gm and not hasattr(heuristics, "graph")  # the module's own state is not copied
 
 
-def test_every_cudnn_convolution_of_fxopt_runs_by_heuristics(benchmark_on):
-    from fxopt.backends.cuda.executor import cudnn_conv_relu
-    from fxopt.ops import conv_sig_of, direct_conv, fused_conv_ref
-
-    x, w, b = torch.randn(1, 3, 8, 8), torch.randn(4, 3, 3, 3), torch.randn(4)
-    sig = conv_sig_of(x, w, (1, 1), (1, 1), (1, 1), 1)
-    with _SeeBenchmarkFlag() as mode:
-        direct_conv(x, w, b, (1, 1), (1, 1), (1, 1), 1)
-        fused_conv_ref(x, w, b, None, [1, 1], [1, 1], [1, 1], 1, "relu", [], "direct", None)
-        get_algorithm("direct").run(x, w, None, b, sig)
-        cudnn_conv_relu(x, w, b, None, [1, 1], [1, 1], [1, 1], 1, "relu", [])
-        cudnn_conv_relu(x, w, b, torch.randn(1, 4, 8, 8), [1, 1], [1, 1], [1, 1], 1, "relu", [])
-        F.conv2d(x, w, b, 1, 1)  # PyTorch's own call, outside fxopt: the user's setting
-    names = [n for n, _ in mode.seen]
-    assert names.count("convolution") == 4 and "cudnn_convolution_relu" in names and "cudnn_convolution_add_relu" in names
-    assert all(flag is False for _, flag in mode.seen[:-1]), mode.seen
-    assert mode.seen[-1][1] is True and torch.backends.cudnn.benchmark is True
-
-
-def test_option_cudnn_search_leaves_the_users_setting_to_cudnn(benchmark_on, monkeypatch):
+def test_option_cudnn_search_decides_how_cudnn_chooses(benchmark_on, monkeypatch):
+    import fxopt.backends
     import fxopt.ops as ops
     from fxopt.config import Options
     from fxopt.testing import compile_with_fxopt
 
-    seen = []
+    at_run, at_compile = [], []
 
     def spy(*args):
-        seen.append(torch.backends.cudnn.benchmark)
+        at_run.append(torch.backends.cudnn.benchmark)
         return F.conv2d(*args)
 
-    monkeypatch.setitem(ops.CONV, 2, ops.cudnn_heuristics(spy))
+    real_lower = fxopt.backends.lower
+
+    def lower(*args, **kwargs):
+        at_compile.append(torch.backends.cudnn.benchmark)
+        return real_lower(*args, **kwargs)
+
+    monkeypatch.setitem(ops._CONV, 2, spy)
+    monkeypatch.setattr(fxopt.backends, "lower", lower)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU()).eval()
     x = torch.randn(2, 3, 8, 8)
     for search in (False, True):
         torch._dynamo.reset()
-        seen.clear()
+        at_run.clear()
+        at_compile.clear()
         fn = compile_with_fxopt(model, {"cudnn_search": search})
         with torch.no_grad():
             torch.testing.assert_close(fn(x), model(x))
-        assert seen and set(seen) == {search}, (search, seen)
-        assert torch.backends.cudnn.benchmark is True and ops.CUDNN_SEARCH.get() is False
+        assert at_compile == [search] and at_run and set(at_run) == {search}, (search, at_compile, at_run)
+        assert torch.backends.cudnn.benchmark is True
     with pytest.raises(ValueError, match="cudnn_search"):
         Options.from_any({"cudnn_search": "yes"})

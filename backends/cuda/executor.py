@@ -55,7 +55,7 @@ from fxopt.backends.cuda.linear_chain import plan_linear_chains
 from fxopt.backends.cuda.linear import plan_linear
 from fxopt.backends.cuda.measure import Tuning, cache_key, with_fallback
 from fxopt.backends.cuda.regions import PLANNERS as REGION_PLANNERS, layout_name
-from fxopt.ops import conv_by_algorithm, cudnn_heuristics, fused_conv_ref
+from fxopt.ops import conv_by_algorithm, fused_conv_ref
 
 
 PLANNERS = REGION_PLANNERS + (plan_direct_conv, plan_linear)
@@ -69,11 +69,9 @@ class KernelRecord:
     error: Optional[str] = None
 
 
-@cudnn_heuristics
 def cudnn_conv_relu(x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
                     algorithm="direct", prepacked=None):
-    """fused_conv with a ReLU epilogue, as one cuDNN fused operator (algorithm by cuDNN's heuristics,
-    as every cuDNN convolution of fxopt's: ``fxopt.ops.cudnn_heuristics``)."""
+    """fused_conv with a ReLU epilogue, as one cuDNN fused operator."""
     if residual is None:
         return torch.ops.aten.cudnn_convolution_relu(x, weight, bias, stride, padding, dilation, groups)
     return torch.ops.aten.cudnn_convolution_add_relu(x, weight, residual, 1.0, bias, stride, padding, dilation,
