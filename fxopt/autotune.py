@@ -8,9 +8,10 @@ the first ``CHECK_BATCH`` images of the batch) is rejected.
 
 The cache is a readable JSON file (``autotune_cache`` option; default
 ``<user cache dir>/fxopt/autotune.json``) keyed by a device fingerprint (GPU
-name, compute capability, torch / cuDNN / CUDA versions; or CPU model and
-thread count, and how cuDNN chose its algorithms) and the convolution's full signature. It can be copied to another
-machine with the same GPU and software and gives the same choices there. A
+name, compute capability, torch / cuDNN / CUDA versions and how cuDNN chose its
+algorithms; or CPU model and thread count) and the convolution's full signature.
+It can be copied to another machine with the same GPU and software and gives
+the same choices there. A
 corrupt file is ignored with a warning and rewritten; writes are atomic
 (temporary file + ``os.replace``), so concurrent processes never corrupt it.
 
@@ -28,7 +29,6 @@ chosen, so a shape fxopt ran first is not searched by PyTorch later either.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -78,19 +78,22 @@ def device_fingerprint(device_type: str) -> str:
     return f"cpu|{platform.machine()}|{platform.processor() or 'unknown'}|torch{torch_v}|threads{torch.get_num_threads()}"
 
 
-@contextlib.contextmanager
-def cudnn_choosing(search: bool):
-    """``torch.backends.cudnn.benchmark`` off inside (restored after) unless ``search``: cuDNN
-    picks its algorithms by heuristics while fxopt compiles and measures."""
-    cudnn = torch.backends.cudnn
-    if search or not cudnn.benchmark:
-        yield
-        return
-    cudnn.benchmark = False
-    try:
-        yield
-    finally:
-        cudnn.benchmark = True
+class cudnn_choosing:
+    """Context: ``torch.backends.cudnn.benchmark`` off inside (restored after) unless ``search``,
+    so that cuDNN picks its algorithms by heuristics while fxopt compiles, measures and runs."""
+
+    def __init__(self, search: bool):
+        self.search, self.turned_off = search, False
+
+    def __enter__(self):
+        self.turned_off = not self.search and torch.backends.cudnn.benchmark
+        if self.turned_off:
+            torch.backends.cudnn.benchmark = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.turned_off:
+            torch.backends.cudnn.benchmark = True
 
 
 def cudnn_choice(fn, search: bool):
@@ -101,14 +104,8 @@ def cudnn_choice(fn, search: bool):
 
     @functools.wraps(fn, updated=())  # a graph module's __dict__ stays its own
     def run(*args, **kwargs):
-        cudnn = torch.backends.cudnn
-        if not cudnn.benchmark:
+        with cudnn_choosing(False):
             return fn(*args, **kwargs)
-        cudnn.benchmark = False
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            cudnn.benchmark = True
 
     return run
 
