@@ -141,8 +141,31 @@ def _basic_reason(sig: ConvSig) -> str | None:
 
 
 def _restore_format(y: Tensor, x: Tensor) -> Tensor:
-    cl = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
-    return y.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+    """``y`` in the memory format F.conv gives for ``x``, with exactly F.conv's strides. An input
+    that is both contiguous and channels_last (one channel, or 1x1 spatial) counts as channels_last
+    when its strides are channels_last's own. ``contiguous()`` keeps whatever strides size-1
+    dimensions had; F.conv's output has those of ``empty(..., memory_format)``: where only those
+    differ, a view over the same memory gives them (no copy)."""
+    fmt = torch.channels_last if _channels_last_input(x) else torch.contiguous_format
+    y = y.contiguous(memory_format=fmt)
+    if 1 in y.shape:
+        want = _canonical_strides(y.shape, fmt)
+        if y.stride() != want:
+            y = y.as_strided(y.shape, want)
+    return y
+
+
+def _canonical_strides(shape, fmt) -> tuple:
+    return torch.empty(shape, device="meta", memory_format=fmt).stride()
+
+
+def _channels_last_input(x: Tensor) -> bool:
+    if x.dim() != 4 or not x.is_contiguous(memory_format=torch.channels_last):
+        return False
+    if not x.is_contiguous():
+        return True
+    return (x.stride() == _canonical_strides(x.shape, torch.channels_last)
+            and x.stride() != _canonical_strides(x.shape, torch.contiguous_format))
 
 
 # ---------------------------------------------------------------- cost model
@@ -274,7 +297,7 @@ class Winograd(_Base):
     def run(self, x, weight, prepacked, bias, sig):
         cd = compute_dtype(x.dtype, x.device.type)
         u = prepacked if prepacked is not None else winograd_filter_transform(weight, self.m, sig.groups, cd)
-        return winograd_conv2d(x, u, bias, sig.padding, sig.groups, self.m, cd)
+        return _restore_format(winograd_conv2d(x, u, bias, sig.padding, sig.groups, self.m, cd), x)
 
     def _estimate(self, sig, batch):
         if self.m >= 4 and sig.dtype in (torch.float16, torch.bfloat16):

@@ -321,6 +321,41 @@ def test_property_fft(nd, k, p, extra, g, cg, ocg, dtype):
     check("fft", x, w, b, padding=p, groups=g)
 
 
+@settings(max_examples=_examples(40), deadline=None)
+@given(case=conv_cases(), cl=st.booleans(), seed=st.integers(0, 99))
+def test_property_fused_conv_gives_the_direct_convolutions_strides(case, cl, seed):
+    """Whatever the algorithm, the fused convolution's output has the strides of F.conv, also where
+    they only differ in size-1 dimensions (found by the thorough hypothesis profile: gemm returned
+    (4, 1, 1) where F.conv gives (4, 4, 1))."""
+    from fxopt.ops import conv_by_algorithm
+
+    xs, ws, s, p, d, g = case
+    x, w, b = make(xs, ws, torch.float32, seed)
+    if cl and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    sig = ConvSig.from_tensors(x, w, s, p, d, g)
+    ref = CONV[sig.ndim](x, w, b, sig.stride, sig.padding, sig.dilation, g)
+    for name in legal_algorithms(sig):
+        algo = get_algorithm(name)
+        y = conv_by_algorithm(x, w, b, sig.stride, sig.padding, sig.dilation, g, name, algo.prepare(w, sig))
+        assert y.stride() == ref.stride(), (name, sig.key(), y.stride(), ref.stride())
+        torch.testing.assert_close(y, ref, rtol=algo.tolerance(x.dtype)[0], atol=algo.tolerance(x.dtype)[1])
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 8), (1, 1, 3, 3), (2, 1, 1, 1), (1, 3, 1, 5)])
+def test_fused_conv_strides_for_size_one_dims(shape):
+    from fxopt.ops import conv_by_algorithm
+
+    x, w, b = make(shape, (2, shape[1], *[1] * (len(shape) - 2)), torch.float32, seed=3)
+    for xi in ((x, x.contiguous(memory_format=torch.channels_last)) if x.dim() == 4 else (x,)):
+        sig = ConvSig.from_tensors(xi, w, 1, 0, 1, 1)
+        ref = CONV[sig.ndim](xi, w, b, sig.stride, sig.padding, sig.dilation, 1)
+        for name in legal_algorithms(sig):
+            y = conv_by_algorithm(xi, w, b, sig.stride, sig.padding, sig.dilation, 1, name, None)
+            assert y.stride() == ref.stride(), (name, shape, y.stride(), ref.stride())
+            torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_prepacked_shape_and_dtype_do_not_depend_on_the_device(dtype):
     w = torch.randn(6, 2, 3, 3).to(dtype)
