@@ -28,6 +28,7 @@ for ranking and pruning candidates before autotuning, not for absolute predictio
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -155,7 +156,9 @@ def _restore_format(y: Tensor, x: Tensor) -> Tensor:
     return y
 
 
-def _canonical_strides(shape, fmt) -> tuple:
+@functools.lru_cache(maxsize=1024)
+def _canonical_strides(shape: tuple, fmt) -> tuple:
+    """The strides ``empty(shape, memory_format=fmt)`` has (memoized: called per convolution)."""
     return torch.empty(shape, device="meta", memory_format=fmt).stride()
 
 
