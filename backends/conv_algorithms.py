@@ -163,6 +163,9 @@ def _canonical_strides(shape: tuple, fmt) -> tuple:
 
 
 def _channels_last_input(x: Tensor) -> bool:
+    """Whether F.conv answers ``x`` in channels_last: a different question from ``ConvSig``'s
+    ``channels_last`` (the memory order of the input, where an input that is both counts as
+    contiguous; their memory is the same)."""
     if x.dim() != 4 or not x.is_contiguous(memory_format=torch.channels_last):
         return False
     if not x.is_contiguous():
