@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from fxopt.backends import torch_ref
-from fxopt.backends.cudagraphs import CudaGraphRunner, unsafe_reason
+from fxopt.backends.cuda.runtime.cudagraphs import CudaGraphRunner, unsafe_reason
 from fxopt.autotune import cudnn_choice
 
 
@@ -63,7 +63,7 @@ def lower(gm: fx.GraphModule, ctx, kind: str):
         return lower_onnxruntime(gm, ctx, kind, info)
     runnable = torch_ref.lower(gm)
     if executor == "cuda":
-        from fxopt.backends.cuda.executor import attach_kernels
+        from fxopt.backends.cuda.runtime.executor import attach_kernels
 
         runnable = attach_kernels(runnable, ctx, info)
     want = ctx.options.cudagraphs

@@ -1,5 +1,5 @@
 """Noticing that parameters changed: the one per-call check shared by the CUDA-graph runner
-(``backends/cudagraphs.py``) and folded constants (``passes/fold_constants.py``)."""
+(``backends/cuda/runtime/cudagraphs.py``) and folded constants (``passes/fold_constants.py``)."""
 from __future__ import annotations
 
 import operator

@@ -59,7 +59,7 @@ def main():
     a = p.parse_args()
     torch.backends.cudnn.benchmark = True
     import fxopt.autotune as autotune
-    import fxopt.backends.cuda.measure as exec_measure
+    import fxopt.backends.cuda.runtime.measure as exec_measure
     import fxopt.passes.select_conv_algorithm as sca
     from fxopt.backends.conv_algorithms import ALGORITHMS
 

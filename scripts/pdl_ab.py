@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from fxopt.backends.cuda import nvrtc
+from fxopt.backends.cuda import compiler as nvrtc
 from fxopt.bench.models import build_model
 from fxopt.bench.runners import time_calls
 from fxopt.testing import compile_with_fxopt

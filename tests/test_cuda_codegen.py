@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from fxopt.backends.cuda import codegen as cg, launch as L, nvrtc, templates
+from fxopt.backends.cuda import codegen as cg, compiler as nvrtc
+from fxopt.backends.cuda.codegen import templates
+from fxopt.backends.cuda.runtime import launch as L
 from fxopt.backends.cuda.codegen import Epilogue, PointwiseOp, PointwiseRegion, TensorArg
 
 DTYPES = cg.SUPPORTED_DTYPES
@@ -691,7 +693,7 @@ def test_pending_kernels_overlap_and_isolate_a_failure():
     one with its NVRTC log."""
     from types import SimpleNamespace
 
-    from fxopt.backends.cuda.executor import PendingKernels
+    from fxopt.backends.cuda.runtime.executor import PendingKernels
 
     def item(*sources):
         return SimpleNamespace(sources={i: cg.KernelSource(n, s, (), "test") for i, (n, s) in enumerate(sources)},

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import fxopt
-from fxopt.backends.cuda.executor import GeneratedEpilogue, plan
-from fxopt.backends.cuda.nvrtc import nvrtc_available
+from fxopt.backends.cuda.compiler import nvrtc_available
+from fxopt.backends.cuda.schedule.conv import GeneratedEpilogue, plan_conv_epilogue as plan
 from fxopt.ops import ACTIVATIONS, apply_activation
 from fxopt.testing import SmallResNet
 

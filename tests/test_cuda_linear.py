@@ -1,4 +1,4 @@
-"""Linear layers over few rows (backends/cuda/linear.py): which fused_linear nodes get a
+"""Linear layers over few rows (backends/cuda/schedule/linear.py, codegen/linear.py): which fused_linear nodes get a
 candidate and which are declined, that every generated variant compiles with NVRTC (CPU), the
 launch checks (CPU), and that the kernel computes what PyTorch computes (GPU, hypothesis over
 sizes, dtypes, rows and epilogues; the compiled seed CNN picks it where it is faster)."""
@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 import fxopt
 from fxopt.backends import torch_ref
 from fxopt.backends.cuda.codegen import Epilogue
-from fxopt.backends.cuda.linear import (MAX_ROWS, LinearRows, generate_linear, launch_linear, plan_linear,
-                                        row_capacity, vector_width)
-from fxopt.backends.cuda.nvrtc import compile_many, nvrtc_available
+from fxopt.backends.cuda.codegen.linear import MAX_ROWS, generate_linear, row_capacity, vector_width
+from fxopt.backends.cuda.compiler import compile_many, nvrtc_available
+from fxopt.backends.cuda.runtime.launch import launch_linear
+from fxopt.backends.cuda.schedule.linear import LinearRows, plan_linear
 from fxopt.ops import fused_linear_ref
 from fxopt.testing.models import SeedCNN
 from fxopt.tolerances import relative_error

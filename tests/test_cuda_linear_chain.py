@@ -1,4 +1,4 @@
-"""Linear chains in one block (backends/cuda/linear_chain.py): which chains of fused_linear nodes
+"""Linear chains in one block (backends/cuda/schedule/linear.py, codegen/linear.py): which chains of fused_linear nodes
 are planned and which are declined, that generated chains compile with NVRTC (CPU, hypothesis),
 the executor's chain rewrite with the measurement stubbed (CPU: structure, lint, values), and that
 the kernel computes what the layers compute (GPU, hypothesis over sizes, rows, dtypes, epilogues)."""
@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 import fxopt
 import fxopt.testing
 from fxopt.backends import torch_ref
-from fxopt.backends.cuda import executor as X, groups, measure
+from fxopt.backends.cuda.runtime import executor as X, measure
+from fxopt.backends.cuda.schedule import groups
 from fxopt.backends.cuda.codegen import Epilogue
-from fxopt.backends.cuda.linear import MAX_ROWS, row_capacity
-from fxopt.backends.cuda.linear_chain import (LinearChain, generate_linear_chain, linear_chain_of,
-                                              plan_linear_chains)
-from fxopt.backends.cuda.nvrtc import compile_many, nvrtc_available
+from fxopt.backends.cuda.codegen.linear import MAX_ROWS, generate_linear_chain, row_capacity
+from fxopt.backends.cuda.compiler import compile_many, nvrtc_available
+from fxopt.backends.cuda.schedule.linear import LinearChain, linear_chain_of, plan_linear_chains
 from fxopt.ops import fused_linear_ref
 from fxopt.testing.models import SeedCNN
 from fxopt.tolerances import relative_error

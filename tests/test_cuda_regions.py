@@ -1,5 +1,5 @@
 """Generated-kernel candidates for depthwise convs, max pooling and global average pooling
-(backends/cuda/regions.py): which nodes they take and decline, that their kernels compile with
+(backends/cuda/schedule/conv.py, schedule/pool.py): which nodes they take and decline, that their kernels compile with
 NVRTC (CPU), and that they compute what the node computes (GPU, hypothesis over shapes)."""
 import pytest
 import torch
@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 import fxopt
 import fxopt.testing
 from fxopt.backends import torch_ref
-from fxopt.backends.cuda.nvrtc import nvrtc_available
-from fxopt.backends.cuda.regions import (DepthwiseConv, GlobalAvgPool, MaxPool, plan_depthwise,
-                                         plan_global_avgpool, plan_maxpool)
+from fxopt.backends.cuda.compiler import nvrtc_available
+from fxopt.backends.cuda.schedule.conv import DepthwiseConv, plan_depthwise
+from fxopt.backends.cuda.schedule.pool import GlobalAvgPool, MaxPool, plan_global_avgpool, plan_maxpool
 from fxopt.tolerances import relative_error
 
 needs_nvrtc = pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (cuda-core) not importable")
@@ -137,7 +137,7 @@ def _check_on_gpu(model, x, layout, dtype, tol):
     if layout == "channels_last":
         model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
     gm = lowered(model, x, {"layout": layout})
-    from fxopt.backends.cuda.executor import _compile
+    from fxopt.backends.cuda.runtime.executor import _compile
     p = planned(gm)
     cands = [c for v in p.values() for _, c in v]
     info = {"kernels": []}

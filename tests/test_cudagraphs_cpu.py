@@ -3,7 +3,7 @@ watch that decides whether folded constants are refreshed and whether a new grap
 import torch
 
 import fxopt
-from fxopt.backends.cudagraphs import unsafe_reason
+from fxopt.backends.cuda.runtime.cudagraphs import unsafe_reason
 from fxopt.weights import WeightWatch
 from fxopt.testing import SmallResNet
 
@@ -42,7 +42,7 @@ def test_cudagraphs_refused_on_cpu_and_in_training_with_reasons():
 
 
 def test_choose_keeps_the_optimized_graph_unless_the_baseline_clearly_wins():
-    from fxopt.backends.cudagraphs import choose
+    from fxopt.backends.cuda.runtime.cudagraphs import choose
 
     assert choose({"graph_ms": 1.0, "plain_ms": 2.0}, 0.03) == "optimized graph"
     assert choose({"graph_ms": 2.0, "plain_ms": 1.0}, 0.03) == "optimized plain"
@@ -61,7 +61,7 @@ def test_baseline_check_is_an_option():
 
 
 def test_lent_outputs_are_busy_while_the_caller_holds_them_or_a_view():
-    from fxopt.backends.cudagraphs import _Instance, _lend
+    from fxopt.backends.cuda.runtime.cudagraphs import _Instance, _lend
 
     x = torch.randn(4, 8)
     outs = (torch.randn(4, 10), torch.randn(4))
@@ -75,14 +75,14 @@ def test_lent_outputs_are_busy_while_the_caller_holds_them_or_a_view():
     assert not inst.free()
     del first_row
     assert inst.free()
-    from fxopt.backends.cudagraphs import _copy_out
+    from fxopt.backends.cuda.runtime.cudagraphs import _copy_out
     copied = _copy_out([outs[0], (outs[1], None)])  # nested outputs keep their structure
     assert isinstance(copied, list) and copied[1][1] is None
     assert copied[0].data_ptr() != outs[0].data_ptr() and torch.equal(copied[1][0], outs[1])
 
 
 def test_outputs_sharing_memory_are_never_lent():
-    from fxopt.backends.cudagraphs import _Instance
+    from fxopt.backends.cuda.runtime.cudagraphs import _Instance
 
     x, base = torch.randn(4, 8), torch.randn(8)
     assert not _Instance(None, {}, None, (base[:4], base[4:]), [x]).lendable  # two views of one buffer
@@ -91,7 +91,7 @@ def test_outputs_sharing_memory_are_never_lent():
 
 
 def test_direct_captures_serve_only_calls_with_inputs_where_they_read_them():
-    from fxopt.backends.cudagraphs import _Instance
+    from fxopt.backends.cuda.runtime.cudagraphs import _Instance
 
     x, other = torch.randn(4, 8), torch.randn(4, 8)
     w = torch.randn(8)
@@ -131,7 +131,7 @@ class _SimulatedGraph:
 def _simulated_runner(fn, static, real_decide=False, **kw):
     """A runner whose captures are simulated; its replay-vs-plain decision is stubbed (the graph
     wins) unless ``real_decide`` (then the test stubs the timing)."""
-    from fxopt.backends.cudagraphs import CudaGraphRunner, _Instance
+    from fxopt.backends.cuda.runtime.cudagraphs import CudaGraphRunner, _Instance
 
     class Simulated(CudaGraphRunner):
         def _capture(self, args, fn, lend=True, direct=False):
@@ -203,7 +203,7 @@ def test_fast_path_declines_held_outputs_moved_inputs_and_changed_weights():
 
 
 def test_only_parameters_feeding_folded_constants_are_watched_for_versions():
-    from fxopt.backends.cudagraphs import CudaGraphRunner
+    from fxopt.backends.cuda.runtime.cudagraphs import CudaGraphRunner
 
     fn = lambda *a: a  # noqa: E731
     assert CudaGraphRunner(fn, [0, 1, 2]).watch.version_indices == []  # no refresh: reads in place
@@ -214,7 +214,7 @@ def test_only_parameters_feeding_folded_constants_are_watched_for_versions():
 
 def test_replay_decisions_are_cached_and_a_losing_baseline_is_not_captured_again(monkeypatch):
     from fxopt.autotune import AutotuneCache
-    from fxopt.backends import cudagraphs
+    from fxopt.backends.cuda.runtime import cudagraphs
 
     measured = []
 

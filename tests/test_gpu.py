@@ -104,7 +104,7 @@ class _Slow(nn.Module):
 
 
 def test_cudagraph_runner_replays_the_baseline_where_it_is_faster():
-    from fxopt.backends.cudagraphs import CudaGraphRunner
+    from fxopt.backends.cuda.runtime.cudagraphs import CudaGraphRunner
 
     w = torch.randn(8, 8, device="cuda")
     fast = lambda x, w: torch.relu(x @ w)  # noqa: E731

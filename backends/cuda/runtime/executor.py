@@ -49,16 +49,17 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from fxopt.backends.cuda.direct_conv import plan_conv_maxpool, plan_direct_conv
-from fxopt.backends.cuda.groups import fuse_conv_maxpool, fuse_linear_chain
-from fxopt.backends.cuda.linear_chain import plan_linear_chains
-from fxopt.backends.cuda.linear import plan_linear
-from fxopt.backends.cuda.measure import Tuning, cache_key, with_fallback
-from fxopt.backends.cuda.regions import PLANNERS as REGION_PLANNERS, layout_name
-from fxopt.ops import conv_by_algorithm, fused_conv_ref
+from fxopt.backends.cuda.runtime.measure import Tuning, cache_key, with_fallback
+from fxopt.backends.cuda.schedule.conv import (GeneratedEpilogue, cudnn_conv_relu, plan_conv_epilogue,
+                                               plan_conv_maxpool, plan_depthwise, plan_direct_conv,
+                                               with_generated_epilogue)
+from fxopt.backends.cuda.schedule.groups import fuse_conv_maxpool, fuse_linear_chain
+from fxopt.backends.cuda.schedule.linear import plan_linear, plan_linear_chains
+from fxopt.backends.cuda.schedule.pool import plan_global_avgpool, plan_maxpool
+from fxopt.ops import fused_conv_ref
 
 
-PLANNERS = REGION_PLANNERS + (plan_direct_conv, plan_linear)
+PLANNERS = (plan_depthwise, plan_maxpool, plan_global_avgpool, plan_direct_conv, plan_linear)
 
 
 @dataclass
@@ -69,102 +70,6 @@ class KernelRecord:
     error: Optional[str] = None
 
 
-def cudnn_conv_relu(x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
-                    algorithm="direct", prepacked=None):
-    """fused_conv with a ReLU epilogue, as one cuDNN fused operator."""
-    if residual is None:
-        return torch.ops.aten.cudnn_convolution_relu(x, weight, bias, stride, padding, dilation, groups)
-    return torch.ops.aten.cudnn_convolution_add_relu(x, weight, residual, 1.0, bias, stride, padding, dilation,
-                                                     groups)
-
-
-class GeneratedEpilogue:
-    """conv without bias, then one generated kernel: out = act(y + bias[c] + residual), in place."""
-
-    def __init__(self, name: str, dtype: torch.dtype, layout: str, has_bias: bool, has_residual: bool,
-                 activation: str, act_params, vector_width: int):
-        from fxopt.backends.cuda.codegen import PointwiseOp, PointwiseRegion, TensorArg, generate_pointwise
-
-        inputs, ops, cur = [TensorArg("y", dtype, "full")], [], "y"
-        if has_bias:
-            inputs.append(TensorArg("bias", dtype, "channel"))
-            ops.append(("t_bias", PointwiseOp("add", [cur, "bias"])))
-            cur = "t_bias"
-        if has_residual:
-            inputs.append(TensorArg("res", dtype, "full"))
-            ops.append(("t_res", PointwiseOp("add", [cur, "res"])))
-            cur = "t_res"
-        if activation != "none":
-            ops.append(("t_act", PointwiseOp(activation, [cur], tuple(act_params))))
-            cur = "t_act"
-        if not ops:
-            ops.append(("t_id", PointwiseOp("identity", [cur])))
-            cur = "t_id"
-        self.region = PointwiseRegion(name, inputs, ops, cur, dtype)
-        self.layout = layout
-        widths = sorted({vector_width, 1}, reverse=True)
-        self.sources = {v: generate_pointwise(self.region, layout, v) for v in widths}
-        self.kernels: dict = {}
-
-    def __call__(self, y, bias, residual):
-        from fxopt.backends.cuda.launch import launch_pointwise, memory_layout_ok, vector_width_ok
-
-        tensors = {"y": y}
-        if bias is not None:
-            tensors["bias"] = bias
-        if residual is not None:
-            tensors["res"] = residual
-        if not all(memory_layout_ok(t, self.layout) for k, t in tensors.items() if k != "bias"):
-            return None  # unexpected layout at run time: the caller runs the reference
-        ptrs = {k: t.data_ptr() for k, t in tensors.items()}
-        for vec, ks in self.sources.items():
-            if vec == 1 or vector_width_ok(self.region, self.layout, vec, y.shape, ptrs, y.data_ptr()):
-                return launch_pointwise(ks, tensors, y, kernel=self.kernels.get(vec))
-        return None
-
-
-def with_generated_epilogue(epilogue: GeneratedEpilogue):
-    def fused_conv_generated(x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
-                             algorithm="direct", prepacked=None):
-        y = conv_by_algorithm(x, weight, None, stride, padding, dilation, groups, algorithm, prepacked)
-        out = epilogue(y, bias, residual)
-        if out is None:
-            return fused_conv_ref(x, weight, bias, residual, stride, padding, dilation, groups, activation,
-                                  act_params, algorithm, prepacked)
-        return out
-
-    fused_conv_generated.__name__ = f"fused_conv_{epilogue.region.name}"
-    return fused_conv_generated
-
-
-def plan(node: fx.Node) -> Optional[GeneratedEpilogue]:
-    """A generated epilogue for this fused conv node, or None when it does not apply."""
-    if node.op != "call_function" or node.target is not fused_conv_ref:
-        return None
-    out, x = node.meta.get("val"), node.args[0].meta.get("val")
-    bias, res = node.args[2], node.args[3]
-    if out is None or x is None or out.dim() != 4 or out.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return None
-    layout = layout_name(out)
-    if layout is None or not isinstance(out.shape[0], int):
-        return None
-    for t in (bias, res):
-        if t is not None and (t.meta.get("val") is None or t.meta["val"].dtype != out.dtype):
-            return None
-    if bias is None and res is None and node.args[8] == "none":
-        return None  # nothing to fuse
-    c = int(out.shape[1])
-    hw = int(out.shape[2]) * int(out.shape[3])
-    vec = max(v for v in (8, 4, 2, 1) if v * out.dtype.itemsize <= 16 and (c if layout == "nhwc" else hw) % v == 0)
-    # named by what it computes, not by the node: convs with the same epilogue share one kernel
-    # (one NVRTC compilation, see nvrtc.compile_many)
-    params = "_".join(f"{float(p):g}".replace("-", "m").replace(".", "p") for p in node.args[9])
-    name = (f"conv_epi_{'b' * (bias is not None)}{'r' * (res is not None)}_{node.args[8]}"
-            + (f"_{params}" if params else ""))
-    return GeneratedEpilogue(name, out.dtype, layout, bias is not None, res is not None, node.args[8],
-                             node.args[9], vec)
-
-
 class PendingKernels:
     """The generated kernels of `items` (objects with .sources {variant: KernelSource} and
     .kernels, filled here) compiling with NVRTC in the background: ``ready(some)`` waits for those
@@ -173,7 +78,7 @@ class PendingKernels:
     compile gets none (its candidate is not offered); the others are unaffected."""
 
     def __init__(self, items: list, info: dict):
-        from fxopt.backends.cuda.nvrtc import nvrtc_available, submit_many
+        from fxopt.backends.cuda.compiler import nvrtc_available, submit_many
 
         self.info = info
         self.t0 = time.perf_counter()
@@ -240,7 +145,7 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     pooling; on a GPU, keep the fastest implementation of each node (measured, cached)."""
     planned, pairs = [], []
     for node in runnable.graph.nodes:
-        epi = plan(node)
+        epi = plan_conv_epilogue(node)
         regions = [r for p in PLANNERS for r in _as_list(p(node))]
         if epi is not None or regions:
             planned.append((node, epi, regions))

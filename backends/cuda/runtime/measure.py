@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxopt.backends.cuda.regions import layout_name
+from fxopt.backends.cuda.codegen import layout_name
 from fxopt.ops import fused_conv_ref
 
 
@@ -54,7 +54,7 @@ def time_graphed_ms(fn, args, iters: int = 10, reps: int = 1) -> float:
     without the per-launch Python cost that would otherwise dominate small kernels. The graph
     holds `reps` back-to-back calls (the result is per call), so the graph launch latency and
     event jitter, which are comparable to a small kernel's time, are spread over many calls."""
-    from fxopt.backends.cudagraphs import _median_ms
+    from fxopt.backends.cuda.runtime.cudagraphs import _median_ms
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -1,8 +1,8 @@
-"""CUDA source generation from a small explicit IR (fused pointwise regions) and from
+"""CUDA source generation (the codegen stage) from a small explicit IR (fused pointwise regions) and from
 parameterised templates (pooling, global average pool, depthwise conv, Winograd F(2x2,3x3)).
 
 Everything here is pure Python (no GPU needed); ``KernelSource.compile()`` hands the source
-to nvrtc.py.  Launch-side helpers (argument packing, shape checks) live in launch.py.
+to ``compiler.py``.  Launch-side helpers (argument packing, shape checks) live in ``runtime/launch.py``.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from .templates import (BINARY_OPS, UNARY_OPS, WINO_AT, WINO_BT, WINO_G, act_lin
                         wino_decompose as _wino_decompose)
 
 __all__ = [
-    "TensorArg", "PointwiseOp", "PointwiseRegion", "Epilogue", "KernelSource",
+    "layout_name", "TensorArg", "PointwiseOp", "PointwiseRegion", "Epilogue", "KernelSource",
     "generate_pointwise", "generate_pool2d", "generate_global_avgpool",
     "generate_depthwise_conv2d", "generate_winograd_input_transform",
     "generate_winograd_output_transform", "winograd_tiles", "needs_index64",
@@ -43,6 +43,14 @@ def _ident(s: str) -> str:
 
 def _comment(s) -> str:
     return re.sub(r"[\r\n]", " ", str(s))
+
+
+def layout_name(v) -> str | None:
+    """The codegen layout name ("nchw" / "nhwc") of a value's memory format (the layout pass's
+    notion of it), or None (other strides, not a tensor)."""
+    from fxopt.passes.layout import CL, NCHW, format_of
+
+    return {NCHW: "nchw", CL: "nhwc"}.get(format_of(v)) if isinstance(v, torch.Tensor) else None
 
 
 def _layout(layout: str) -> str:
@@ -234,7 +242,7 @@ class KernelSource:
         return (min(-(-units // self.block[0]), _MAX_BLOCKS), 1, 1), self.block
 
     def compile(self, arch: str | None = None, options=()):
-        from .nvrtc import compile_kernel
+        from fxopt.backends.cuda.compiler import compile_kernel
         return compile_kernel(self.source, self.name, arch, options, self.param_types)
 
 

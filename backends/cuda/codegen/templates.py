@@ -9,7 +9,7 @@ Conventions shared by every kernel:
 * math is in ``float``: ``fx_to_f32(x)`` widens an element, ``fx_from<T>(v)`` narrows
   (round to nearest even) on store;
 * ``fx_half`` / ``fx_bf16`` are ``__half`` / ``__nv_bfloat16`` from cuda_fp16.h /
-  cuda_bf16.h when nvrtc.py found an include directory for them; otherwise it defines
+  cuda_bf16.h when compiler.py found an include directory for them; otherwise it defines
   ``FXOPT_NO_CUDA_HEADERS`` and a header-free bit-level definition is used;
 * ``idx_t`` is ``int`` or ``long long`` (64-bit indexing for >= 2**31 elements);
 * sizes arrive as ``long long`` parameters; every kernel runs a grid-stride loop.

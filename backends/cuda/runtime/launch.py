@@ -4,25 +4,25 @@ Winograd F(2x2,3x3) pipeline.  Everything up to ``CompiledKernel.launch`` is pla
 so the checks run (and are tested) without a GPU.  Empty outputs never launch.
 
 Each ``launch_*`` takes the KernelSource and optionally its CompiledKernel (``kernel``);
-without it ``ks.compile()`` is used (memoised by nvrtc.py).
+without it ``ks.compile()`` is used (memoised by ``compiler.py``).
 """
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 
-from .codegen import KernelSource, PointwiseRegion, winograd_tiles
-from .templates import WINO_AT, WINO_BT, WINO_G
+from fxopt.backends.cuda.codegen import KernelSource, PointwiseRegion, needs_index64, winograd_tiles
+from fxopt.backends.cuda.codegen.templates import WINO_AT, WINO_BT, WINO_G
 
 __all__ = [
     "memory_layout_ok", "pointwise_sizes", "vector_width_ok", "choose_vector_width",
     "launch_pointwise", "pool2d_output_size", "launch_pool2d", "launch_global_avgpool",
     "prepare_depthwise_weight", "check_conv_args", "launch_depthwise_conv2d", "winograd_filter_transform",
     "launch_winograd_input", "winograd_gemm", "launch_winograd_output", "winograd_conv2d",
-    "winograd_conv2d_reference",
+    "winograd_conv2d_reference", "weight_layout_of", "weight_fits", "launch_direct_conv2d", "launch_linear",
 ]
 
 
@@ -265,3 +265,85 @@ def winograd_conv2d_reference(x: torch.Tensor, w: torch.Tensor, padding: int = 1
     M = torch.einsum("nchwij,kcij->nkhwij", V, U)
     Y = AT @ M @ AT.T  # N, K, TH, TW, 2, 2
     return Y.permute(0, 1, 2, 4, 3, 5).reshape(N, -1, 2 * TH, 2 * TW)[:, :, :OH, :OW]
+
+
+# ---------------------------------------------------------------------------- direct conv
+_MAX_GRID_Y = 65535
+
+
+def weight_layout_of(w: torch.Tensor) -> Optional[str]:
+    """"oihw" (contiguous), "ohwi" (channels_last) or None for other strides."""
+    if w.is_contiguous():
+        return "oihw"
+    if w.is_contiguous(memory_format=torch.channels_last):
+        return "ohwi"
+    return None
+
+
+def weight_fits(w: torch.Tensor, weight_layout: str) -> bool:
+    """The weight's memory is dense in the kernel's weight layout (a weight with 1x1 taps or one
+    input channel is both)."""
+    return w.is_contiguous(memory_format=torch.channels_last if weight_layout == "ohwi" else torch.contiguous_format)
+
+
+def launch_direct_conv2d(ks: KernelSource, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                         bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                         conv_size: tuple | None = None, kernel=None) -> torch.Tensor:
+    """``out``: the final (pooled) output; ``conv_size``: (CH, CW) before the pool (default:
+    out's size)."""
+    m = ks.meta
+    check_conv_args(ks, x, out, bias, residual)
+    if tuple(w.shape) != (m["cout"], m["cin"], *m["k"]) or not weight_fits(w, m["weight_layout"]):
+        raise ValueError(f"{ks.name}: weight {tuple(w.shape)} / strides {w.stride()} do not match the kernel")
+    if x.shape[1] != m["cin"] or out.shape[1] != m["cout"]:
+        raise ValueError(f"{ks.name}: channels {x.shape[1]} -> {out.shape[1]}, kernel {m['cin']} -> {m['cout']}")
+    N, _, H, W = x.shape
+    OH, OW = out.shape[2:]
+    CH, CW = conv_size or (OH, OW)
+    if out.numel() == 0:
+        return out
+    if not ks.index64 and needs_index64(max(x.numel(), out.numel(), N * CH * CW * m["cout"])):
+        raise ValueError(f"{ks.name}: tensors need index64=True")
+    threads = N * OH * OW * m["split"]  # split: lanes per output
+    grid = (min(-(-threads // ks.block[0]), _MAX_GRID_Y), -(-m["cout"] // m["cout_tile"]), 1)
+    args = [x, w] + [t for t in (bias, residual) if t is not None] + [out, N, H, W, CH, CW, OH, OW]
+    _kernel(ks, kernel).launch(grid, ks.block, args)
+    return out
+
+
+# ---------------------------------------------------------------------------- linear rows
+_MAX_GRID = 2 ** 31 - 1
+
+
+def _aligned(t: torch.Tensor, nbytes: int) -> bool:
+    return t.data_ptr() % nbytes == 0
+
+
+def launch_linear(ks: KernelSource, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                  bias: torch.Tensor | None = None, kernel=None) -> torch.Tensor:
+    """``out`` (M, N) = act(x @ w.T + bias); checks sizes, dtypes, contiguity and alignment."""
+    m = ks.meta
+    K, N, dt = m["k"], m["n"], m["dtype"]
+    if x.dim() != 2 or x.shape[1] != K or tuple(w.shape) != (N, K) or tuple(out.shape) != (x.shape[0], N):
+        raise ValueError(f"{ks.name}: x {tuple(x.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)} "
+                         f"do not match K={K}, N={N}")
+    if x.shape[0] > m["rows"]:
+        raise ValueError(f"{ks.name}: {x.shape[0]} rows, generated for at most {m['rows']}")
+    if (bias is not None) != m["epilogue"].bias:
+        raise ValueError(f"{ks.name}: bias {'missing' if bias is None else 'unexpected'}")
+    tensors = [("x", x), ("w", w), ("out", out)] + ([("bias", bias)] if bias is not None else [])
+    for what, t in tensors:
+        if t.dtype != dt or not t.is_contiguous():
+            raise ValueError(f"{ks.name}: {what} must be a contiguous {dt} tensor")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"{ks.name}: bias of shape {tuple(bias.shape)}, expected ({N},)")
+    vbytes = m["vec"] * x.element_size()
+    if not (_aligned(x, vbytes) and _aligned(w, vbytes)):
+        raise ValueError(f"{ks.name}: x and w must be {vbytes}-byte aligned")
+    if out.numel() == 0:
+        return out
+    per_block = ks.block[0] // 32 * m["features_per_warp"]
+    grid = (min(-(-N // per_block), _MAX_GRID), 1, 1)
+    args = [x, w] + ([bias] if bias is not None else []) + [out, int(x.shape[0])]
+    _kernel(ks, kernel).launch(grid, ks.block, args)
+    return out

@@ -1,0 +1,1 @@
+"""The runtime stage: launching generated kernels, measuring candidates, choosing per node, CUDA graphs."""

@@ -1,0 +1,190 @@
+"""Generated-kernel candidates for ``fxopt::fused_linear`` nodes over few rows (a classifier head
+at small batch).
+
+Why: at batch 1..16 a ``fused_linear`` (``act(x @ w.T + bias)``) is a matrix-vector product: the
+time is reading the weight once. cuBLAS runs it as a GEMM or GEMV kernel and the bias/activation
+as another kernel, so a three-layer head is five or six launches, each a few microseconds of
+latency that a CUDA graph still pays on the GPU.
+
+- ``plan_linear`` -> ``LinearRows``: a ``fused_linear`` whose input is 2-D with at most
+  ``MAX_ROWS`` static rows, weight (N, K) in the input's dtype: one generated kernel per layer
+  (``codegen/linear.py``). Larger batches are GEMMs that cuBLAS runs better, and each candidate
+  costs an NVRTC compilation and a measurement.
+- ``plan_linear_chains`` -> ``LinearChain``: two or more such layers, each the only user of the
+  previous one's output and taking it as its input (not as weight or bias), same static rows and
+  dtype: the whole head as one kernel of one thread block. One SM reads all the weights, so this
+  only pays for small heads: chains whose weights exceed ``MAX_WEIGHT_BYTES`` or whose activations
+  would not fit shared memory are declined. ``linear_chain_of`` is the reference with the same
+  flattened signature ``(x, w0, b0, act0, params0, w1, ...)`` (the chosen implementation of each
+  layer, in order); ``groups.fuse_linear_chain`` measures the chain against it.
+
+Candidates return ``None`` (the reference runs) when run-time tensors differ from what they were
+generated for: other sizes, dtypes, non-contiguous or misaligned memory.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from fxopt.backends.cuda.codegen import Epilogue
+from fxopt.backends.cuda.codegen.linear import (_DTYPES, _SMEM_FLOATS, MAX_LAYERS, MAX_ROWS, generate_linear,
+                                                generate_linear_chain, row_capacity, vector_width)
+from fxopt.backends.cuda.runtime.launch import _kernel, launch_linear
+from fxopt.ops import fused_linear_ref
+
+
+def _val(a):
+    return a.meta.get("val") if isinstance(a, fx.Node) else None
+
+
+def _aligned(t: torch.Tensor, nbytes: int) -> bool:
+    return t.data_ptr() % nbytes == 0
+
+
+class LinearRows:
+    """Candidate for a fused_linear node (same signature)."""
+
+    def __init__(self, name: str, spec: dict):
+        self.name, self.spec, self.label = name, spec, "linear"
+        self.sources = {0: generate_linear(spec["k"], spec["n"], spec["rows"], spec["dtype"], spec["epilogue"])}
+        self.kernels: dict = {}
+
+    def __call__(self, x, weight, bias, activation, act_params):
+        s, ks, kernel = self.spec, self.sources[0], self.kernels.get(0)
+        if kernel is None or not x.is_cuda or x.dim() != 2 or x.shape[0] > s["rows"] or x.shape[1] != s["k"]:
+            return None
+        if x.dtype != s["dtype"] or weight.dtype != x.dtype or tuple(weight.shape) != (s["n"], s["k"]):
+            return None
+        if not (x.is_contiguous() and weight.is_contiguous()):
+            return None
+        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+            return None
+        vbytes = ks.meta["vec"] * x.element_size()
+        if not (_aligned(x, vbytes) and _aligned(weight, vbytes)):
+            return None
+        out = torch.empty((x.shape[0], s["n"]), dtype=x.dtype, device=x.device)
+        return launch_linear(ks, x, weight, out, bias, kernel)
+
+
+def plan_linear(node: fx.Node) -> Optional[LinearRows]:
+    """A candidate for a fused_linear node over at most MAX_ROWS rows; None where none applies."""
+    if node.op != "call_function" or node.target is not fused_linear_ref or len(node.args) != 5:
+        return None
+    x, w, out = _val(node.args[0]), _val(node.args[1]), node.meta.get("val")
+    if x is None or w is None or out is None or x.dim() != 2 or w.dim() != 2 or x.dtype not in _DTYPES:
+        return None  # batched (3-D) inputs, or another dtype
+    if not all(isinstance(d, int) for d in (*x.shape, *w.shape)):
+        return None  # symbolic sizes
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        return None  # a real GEMM: cuBLAS
+    if w.dtype != x.dtype or out.dtype != x.dtype or not x.is_contiguous() or not w.is_contiguous():
+        return None
+    bias, act, act_params = node.args[2], node.args[3], node.args[4]
+    if bias is not None and (_val(bias) is None or _val(bias).dtype != x.dtype or _val(bias).dim() != 1):
+        return None
+    spec = {"k": int(x.shape[1]), "n": int(w.shape[0]), "rows": row_capacity(int(x.shape[0])), "dtype": x.dtype,
+            "epilogue": Epilogue(bias is not None, False, None if act == "none" else (act, tuple(act_params)))}
+    return LinearRows(f"linear_{node.name}", spec)
+
+
+# One SM reads every weight: on the H100 (fxopt 3a90c74, batch 1, graphed medians) the chain won
+# for heads of 9-41 KiB of weights (2.67 vs 2.82 us, 3.26 vs 3.88) and lost from 66 KiB on (3.80 vs
+# 3.04; the seed CNN's 192 KiB head 8.98 vs 4.36 for three kernels)
+MAX_WEIGHT_BYTES = 64 << 10
+
+
+def linear_chain_of(targets: list) -> Callable:
+    """The reference: each layer's chosen implementation in turn, over the flattened arguments."""
+    def linear_chain(x, *flat):
+        for i, t in enumerate(targets):
+            w, b, act, p = flat[4 * i: 4 * i + 4]
+            x = t(x, w, b, act, p)
+        return x
+
+    linear_chain.weight_arg_indices = tuple(1 + 4 * i for i in range(len(targets)))
+    return linear_chain
+
+
+class LinearChain:
+    """Candidate for a linear chain node (the flattened signature of ``linear_chain_of``)."""
+
+    def __init__(self, name: str, spec: dict):
+        self.name, self.spec, self.label = name, spec, "linear_chain"
+        self.sources = {0: generate_linear_chain(spec["layers"], spec["rows"], spec["dtype"])}
+        self.kernels: dict = {}
+
+    def __call__(self, x, *flat):
+        s, ks, kernel = self.spec, self.sources[0], self.kernels.get(0)
+        layers, dt = s["layers"], s["dtype"]
+        if kernel is None or not x.is_cuda or x.dim() != 2 or not 1 <= x.shape[0] <= s["rows"]:
+            return None
+        if x.shape[1] != layers[0][0] or x.dtype != dt or not x.is_contiguous():
+            return None
+        args = [x]
+        for i, (k, n, epi) in enumerate(layers):
+            w, b = flat[4 * i], flat[4 * i + 1]
+            if w.dtype != dt or tuple(w.shape) != (n, k) or not w.is_contiguous():
+                return None
+            if not _aligned(w, vector_width(k, dt) * w.element_size()) or (b is not None) != epi.bias:
+                return None
+            if b is not None and (b.dtype != dt or tuple(b.shape) != (n,) or not b.is_contiguous()):
+                return None
+            args += [w] + ([b] if b is not None else [])
+        if not _aligned(x, ks.meta["vec0"] * x.element_size()):
+            return None
+        y = torch.empty((x.shape[0], layers[-1][1]), dtype=dt, device=x.device)
+        _kernel(ks, kernel).launch((1, 1, 1), ks.block, args + [y, int(x.shape[0])])
+        return y
+
+
+def _layer(node: fx.Node, rows: Optional[int], dtype) -> Optional[tuple]:
+    """(K, N, Epilogue) of an eligible fused_linear node, else None."""
+    if node.op != "call_function" or node.target is not fused_linear_ref or len(node.args) != 5:
+        return None
+    x, w, out = _val(node.args[0]), _val(node.args[1]), node.meta.get("val")
+    if x is None or w is None or out is None or x.dim() != 2 or w.dim() != 2 or x.dtype not in _DTYPES:
+        return None
+    if not all(isinstance(d, int) for d in (*x.shape, *w.shape)) or not 1 <= x.shape[0] <= MAX_ROWS:
+        return None  # symbolic sizes, or a real GEMM
+    if (rows is not None and x.shape[0] != rows) or (dtype is not None and x.dtype != dtype):
+        return None
+    if w.dtype != x.dtype or out.dtype != x.dtype or not x.is_contiguous() or not w.is_contiguous():
+        return None
+    bias, act, act_params = node.args[2], node.args[3], node.args[4]
+    if bias is not None and (_val(bias) is None or _val(bias).dtype != x.dtype or _val(bias).dim() != 1):
+        return None
+    return int(x.shape[1]), int(w.shape[0]), Epilogue(bias is not None, False,
+                                                        None if act == "none" else (act, tuple(act_params)))
+
+
+def plan_linear_chains(graph: fx.Graph) -> list[tuple[list[fx.Node], LinearChain]]:
+    """Maximal chains of eligible fused_linear nodes (each the only user of the previous output,
+    taking it as input), with their candidate."""
+    out, taken = [], set()
+    for head in graph.nodes:
+        first = _layer(head, None, None) if head not in taken else None
+        if first is None:
+            continue
+        x = _val(head.args[0])
+        chain, layers = [head], [first]
+        while len(chain) < MAX_LAYERS and len(chain[-1].users) == 1:
+            nxt = next(iter(chain[-1].users))
+            if nxt.args[0] is not chain[-1] or chain[-1] in nxt.args[1:]:
+                break  # used as a weight or bias, not as the input
+            layer = _layer(nxt, int(x.shape[0]), x.dtype)
+            if layer is None:
+                break
+            chain.append(nxt)
+            layers.append(layer)
+        taken.update(chain)
+        if len(chain) < 2:
+            continue
+        weight_bytes = sum(k * n for k, n, _ in layers) * x.element_size()
+        rows = row_capacity(int(x.shape[0]))
+        if weight_bytes > MAX_WEIGHT_BYTES or 2 * rows * max(n for _, n, _ in layers[:-1]) > _SMEM_FLOATS:
+            continue  # one SM would read too much, or the activations do not fit shared memory
+        out.append((chain, LinearChain(f"linear_chain_{chain[0].name}",
+                                       {"layers": layers, "rows": rows, "dtype": x.dtype})))
+    return out
