@@ -52,6 +52,9 @@ class Options:
     cudnn_search: bool = False
     #: "auto" (channels_last for conv-heavy graphs on CUDA), "channels_last", "contiguous"
     layout: str = "auto"
+    #: cuda executor: group pointwise, reduction and data-movement ops into generated kernels
+    #: (the fusion scheduler); False runs them one ATen op at a time
+    fusion: bool = True
     #: treat parameters and buffers as constants in inference (weights refolded when they change)
     freezing: bool = True
     #: directory for per-pass readable graph dumps (default: $FXOPT_DUMP_DIR)
@@ -101,6 +104,8 @@ class Options:
                                                 and not isinstance(self.conv_prune, bool)
                                                 and (self.conv_prune == 0 or self.conv_prune >= 1)):
             raise ValueError(f"fxopt: conv_prune must be 0, None or a factor >= 1, got {self.conv_prune!r}")
+        if not isinstance(self.fusion, bool):
+            raise ValueError(f"fxopt: fusion must be True or False, got {self.fusion!r}")
         if not isinstance(self.cudnn_search, bool):
             raise ValueError(f"fxopt: cudnn_search must be True or False, got {self.cudnn_search!r}")
         if self.dump_dir is None:

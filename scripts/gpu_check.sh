@@ -88,7 +88,8 @@ if [ "${GPU_CHECK_MEMCHECK:-0}" = "1" ]; then
         # whole-model tests take minutes under memcheck) cannot hide the others' results
         : > "$LOGDIR/memcheck.log"
         for f in tests/test_cuda_codegen.py tests/test_cuda_regions.py tests/test_cuda_linear.py \
-                 tests/test_cuda_linear_chain.py tests/test_cuda_direct_conv.py tests/test_gpu.py tests/test_onnx.py; do
+                 tests/test_cuda_linear_chain.py tests/test_cuda_direct_conv.py tests/test_gpu_fusion.py tests/test_gpu.py \
+                 tests/test_onnx.py; do
             echo "--- $f" >>"$LOGDIR/memcheck.log"
             timeout "${GPU_CHECK_TEST_TIMEOUT:-0}" compute-sanitizer --tool memcheck --report-api-errors no \
                 --error-exitcode 3 "$PY" -m pytest -q -m gpu "$f" -p no:cacheprovider >>"$LOGDIR/memcheck.log" 2>&1

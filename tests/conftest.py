@@ -25,6 +25,7 @@ def _isolated_caches(tmp_path, monkeypatch):
 
 
 def pytest_terminal_summary(terminalreporter):
-    from fxopt.testing import strategies
+    from fxopt.testing import fusion, strategies
 
     terminalreporter.write_line(f"fxopt: generated graphs checked for equivalence: {strategies.GRAPHS_CHECKED}")
+    terminalreporter.write_line(f"fxopt: fused regions checked against their ATen ops: {fusion.REGIONS_CHECKED}")

@@ -103,7 +103,8 @@ def _torchvision(name: str) -> Callable[[], nn.Module]:
             raise ModelUnavailable(
                 f"torchvision is not importable ({type(exc).__name__})"
             ) from exc
-        return getattr(tvm, name)(weights=None)
+        kwargs = {"init_weights": True} if name in ("googlenet", "inception_v3") else {}
+        return getattr(tvm, name)(weights=None, **kwargs)
 
     factory.__name__ = f"torchvision_{name}"
     return factory
@@ -129,6 +130,13 @@ MODELS: Dict[str, ModelSpec] = {
     "convnext_tiny": ModelSpec(
         _torchvision("convnext_tiny"), _IMAGENET, "torchvision convnext_tiny"
     ),
+    # CNNs whose time is outside their convolutions: concatenations (densenet121, googlenet,
+    # squeezenet1_1), channel shuffle / split (shufflenet_v2_x1_0), squeeze-excite gates
+    # (regnet_y_1_6gf, efficientnet_v2_s), grouped convs (resnext50_32x4d), inverted residuals
+    # (mnasnet1_0), LayerNorm + Linear blocks (convnext_tiny)
+    **{name: ModelSpec(_torchvision(name), _IMAGENET, f"torchvision {name}") for name in (
+        "densenet121", "googlenet", "shufflenet_v2_x1_0", "squeezenet1_1", "mnasnet1_0", "regnet_y_1_6gf",
+        "resnext50_32x4d", "efficientnet_v2_s")},
     "replknet_block": ModelSpec(
         lambda: RepLKBlock(128, 31), (128, 56, 56),
         "RepLKNet-style block, 128 ch, 31x31 depthwise, 56x56",

@@ -252,6 +252,24 @@ def _freezing_ctx() -> ContextManager:
     return inductor_config.patch(freezing=True)
 
 
+def _cudnn_default_ctx(*inner: Callable[[], ContextManager]) -> Callable[[], ContextManager]:
+    """PyTorch's default cuDNN setting (``cudnn.benchmark`` off: heuristics choose) around a
+    peer's compile and calls, plus ``inner`` contexts: every peer is timed with the search on (the
+    harness's setting) and off, and counts at its faster one."""
+    @contextlib.contextmanager
+    def ctx():
+        old = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = False
+        try:
+            with contextlib.ExitStack() as stack:
+                for c in inner:
+                    stack.enter_context(c())
+                yield
+        finally:
+            torch.backends.cudnn.benchmark = old
+    return ctx
+
+
 def fxopt_available() -> Tuple[bool, str]:
     """(True, '') when torch.compile(backend='fxopt') can be resolved."""
     try:
@@ -405,11 +423,17 @@ BACKENDS: Dict[str, BackendSpec] = {s.name: s for s in [
     BackendSpec("inductor-freezing-reduce-overhead", _inductor("reduce-overhead"),
                 context=_freezing_ctx),
     BackendSpec("inductor-max-autotune", _inductor("max-autotune"), default=False),
+    # the same peers with cuDNN's default (no algorithm search)
+    BackendSpec("eager-cudnn-default", _eager, context=_cudnn_default_ctx()),
+    BackendSpec("inductor-reduce-overhead-cudnn-default", _inductor("reduce-overhead"), context=_cudnn_default_ctx()),
+    BackendSpec("inductor-freezing-reduce-overhead-cudnn-default", _inductor("reduce-overhead"),
+                context=_cudnn_default_ctx(_freezing_ctx)),
     BackendSpec("onnxruntime", _onnxruntime(False)),
     BackendSpec("onnxruntime-cudagraph", _onnxruntime(True), needs_cuda=True),
     BackendSpec("fxopt", _fxopt({}), is_fxopt=True),
     BackendSpec("fxopt-no-cudagraphs", _fxopt({"cudagraphs": False}), is_fxopt=True),
     BackendSpec("fxopt-direct", _fxopt({"conv_algorithm": "direct"}), is_fxopt=True, default=False),
+    BackendSpec("fxopt-no-fusion", _fxopt({"fusion": False}), is_fxopt=True, default=False),
     BackendSpec("fxopt-onnxruntime", _fxopt({"executor": "onnxruntime"}), is_fxopt=True, default=False),
     # floors (not peers): what torch.compile costs before any optimizing backend does anything
     BackendSpec("floor-dynamo-eager", _torch_compile_floor("eager"), default=False),

@@ -1,55 +1,48 @@
-"""The cuda executor's lowering: which implementation each node of the graph runs on the GPU.
+"""The cuda executor's lowering: what runs on the GPU for each part of the optimized graph.
 
-A ``fused_conv`` computes ``act(conv(x, w) + bias (+ residual))``. Run as PyTorch
-would, the bias add after cuDNN is a broadcasting elementwise kernel (slow on
-channels_last outputs) and each further step is one more pass over the
-activation. Candidates per convolution:
+First the fusion scheduler (``schedule/fusion.py``) groups every pointwise, reduction and
+data-movement op it has a rule for into regions, each one generated kernel
+(``codegen/kernel.py``), and replaces each region by one node. A region's candidates: its
+``reference`` (its ATen ops as PyTorch runs them), ``generated`` (the kernel), and for a region that
+is exactly one max pool or global average pool the older template kernels (``schedule/pool.py``).
 
-- ``reference``: the torch implementation (conv with bias, then the epilogue ops);
-- ``generated``: conv without bias, then ONE generated kernel (``codegen.generate_pointwise``,
-  NVRTC-compiled, 16-byte vector loads where alignment allows) applying bias, residual and
-  activation in place on the conv output;
-- ``cudnn_fused``: ``aten.cudnn_convolution_relu`` / ``cudnn_convolution_add_relu`` for ReLU
-  epilogues;
-- ``generated_depthwiseconv``: for depthwise convs, one generated direct-convolution kernel with
-  the whole epilogue fused (``regions.py``);
-- ``generated_directconv_t<tile>``: for convs with few input channels (C_in <= 16, C_out <= 128,
-  C_in*KH*KW <= 512, groups 1: stems, small CNNs), one generated direct-convolution kernel with the
-  epilogue fused (``direct_conv.py``), in two output-channel tilings; at small batch also with each
-  output's input channels split over lanes (``_split<lanes>``).
+Library nodes keep their own candidates (``schedule/conv.py``, ``schedule/linear.py``). For a
+``fused_conv`` (``act(conv(x, w) + bias (+ residual))``): ``reference`` (cuDNN with bias, then
+the epilogue ops), ``generated`` (conv without bias, then one generated bias/residual/activation
+kernel in place), ``cudnn_fused`` (cuDNN's conv + ReLU (+ add)), ``generated_depthwiseconv``
+(depthwise convs, k <= 7: one direct kernel with the epilogue fused) and
+``generated_directconv_t<tile>[_split<lanes>]`` (few input channels: stems, small CNNs). A
+``fused_linear`` over at most 16 rows gets ``generated_linear`` (bias and activation fused)
+against cuBLAS followed by the activation.
 
-A ``fused_linear`` over at most 16 rows (a classifier head at small batch) gets one generated
-kernel with bias and activation fused as a candidate (``generated_linear``, ``linear.py``) against
-cuBLAS followed by the activation.
+After the per-node choices, groups of nodes are measured as one kernel against the group as
+already chosen (``schedule/groups.py``): a max pool fed by such a conv that nothing else reads
+(left out of the fusion scheduler for that purpose: conv + epilogue + pool in one kernel), and a
+chain of small linear layers (a classifier head in one thread block).
 
-After the per-node choices, groups of nodes are measured as one kernel against the group as already
-chosen, and one node replaces the group where it wins (``groups.py``): a max pool (indices unused)
-fed by such a conv that nothing else reads (conv + epilogue + pool,
-``generated_directconv_maxpool_t<tile>``); a chain of such linear layers, each reading only the
-previous one's output (the whole head in one thread block, ``generated_linear_chain``,
-``linear_chain.py``).
-
-Max pooling whose indices are unused and global average pooling get a generated kernel as a
-candidate too (``regions.py``). Each node with more than one candidate is timed with every
-candidate once (CUDA events, median; replayed as a CUDA graph when the graph will run under
-CUDA graphs, so Python launch costs do not decide; ``measure.py``), the fastest is kept, and the
-decision is stored in the autotuning cache (a second compile measures nothing); ``report.executor_details
-["node_choices"]`` lists them. All planned kernels start compiling at once on worker threads (NVRTC
-releases the GIL); each node is measured as soon as its own kernels are ready, so measuring the
-first nodes overlaps compiling the rest, and a kernel that fails to compile only withdraws its own
-candidate (the report keeps its NVRTC log). Without a GPU (option ``executor="cuda"`` on CPU inputs) the
-kernels are still generated and compiled with NVRTC and listed in the report; the reference runs.
+Every node or region with more than one candidate is timed with each candidate once (CUDA events,
+median; replayed as a CUDA graph when the graph will run under CUDA graphs, so Python launch
+costs do not decide; ``measure.py``), after checking it against the reference; the fastest correct
+one is kept and stored in the autotuning cache (a second compile measures nothing);
+``report.executor_details["node_choices"]`` lists them, ``["unfused"]`` says which ops run as
+PyTorch runs them and why, and every generated kernel is in ``report.kernels`` with the ops it
+covers. All kernels start compiling at once on worker threads (NVRTC releases the GIL); each node is
+measured as soon as its own kernels are ready, and a kernel that fails to compile only withdraws
+its own candidate (the report keeps its NVRTC log). Without a GPU (option ``executor="cuda"`` on
+CPU inputs) the kernels are still generated, compiled with NVRTC and listed; the reference runs.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.fx as fx
 
-from fxopt.backends.cuda.runtime.measure import Tuning, cache_key, with_fallback
+from fxopt.backends.cuda.runtime.measure import Tuning, cache_key, region_key, with_fallback
+from fxopt.backends.cuda.schedule.fusion import schedule, rewrite
+from fxopt.backends.cuda.schedule.generated import GeneratedRegion, RegionReference, template_candidates
 from fxopt.backends.cuda.schedule.conv import (GeneratedEpilogue, cudnn_conv_relu, plan_conv_epilogue,
                                                plan_conv_maxpool, plan_depthwise, plan_direct_conv,
                                                with_generated_epilogue)
@@ -59,6 +52,7 @@ from fxopt.backends.cuda.schedule.pool import plan_global_avgpool, plan_maxpool
 from fxopt.ops import fused_conv_ref
 
 
+#: per-node candidates of library nodes (and of pools the fusion scheduler left alone)
 PLANNERS = (plan_depthwise, plan_maxpool, plan_global_avgpool, plan_direct_conv, plan_linear)
 
 
@@ -68,6 +62,8 @@ class KernelRecord:
     source: str
     compiled: bool
     error: Optional[str] = None
+    #: the ATen ops a generated region kernel covers (empty for template kernels of one node)
+    ops: list = field(default_factory=list)
 
 
 class PendingKernels:
@@ -108,13 +104,18 @@ class PendingKernels:
     def finish(self) -> None:
         self.ready([e for e, _, _ in self.sources])
         if not self.available:
-            self.info["kernels"].extend(KernelRecord(ks.name, ks.source, False, "NVRTC unavailable")
+            self.info["kernels"].extend(KernelRecord(ks.name, ks.source, False, "NVRTC unavailable", _ops(ks))
                                         for _, _, ks in self.sources)
             return
         for (_, _, ks), fut in zip(self.sources, self.futures):
             err = fut.exception()
             self.info["kernels"].append(KernelRecord(ks.name, ks.source, err is None and fut.result().compiled,
-                                                     None if err is None else str(err)))
+                                                     None if err is None else str(err), _ops(ks)))
+
+
+def _ops(ks) -> list:
+    k = ks.meta.get("kernel") if isinstance(ks.meta, dict) else None
+    return list(getattr(k, "ops", []) or [])
 
 
 def _compile(items: list, info: dict) -> None:
@@ -140,20 +141,72 @@ def _as_list(planned) -> list:
     return [] if planned is None else (planned if isinstance(planned, list) else [planned])
 
 
+@dataclass
+class _PlannedRegion:
+    node: fx.Node                 # the region's node in the graph (its target: the reference)
+    generated: GeneratedRegion
+    reference: RegionReference
+    templates: dict               # name -> (candidate, callable over the region's inputs)
+
+    def candidates(self) -> dict:
+        out = {"reference": self.reference}
+        if len(self.generated.kernels) == len(self.generated.sources):
+            out["generated"] = with_fallback(self.generated, self.reference)
+        for name, (cand, call) in self.templates.items():
+            if len(cand.kernels) == len(cand.sources):
+                out[name] = _fallback_call(call, self.reference, name)
+        return out
+
+
+def _fallback_call(call, reference, name):
+    def run(*args):
+        out = call(*args)
+        return reference(*args) if out is None else out
+
+    run.__name__ = name
+    return run
+
+
+def fuse_regions(runnable: fx.GraphModule, info: dict, skip: set, strict: bool = False) -> list:
+    """Schedule ``runnable`` into regions and put one node per region in the graph (target: its
+    reference, until a measurement chooses otherwise)."""
+    sched = schedule(runnable, skip, strict=strict)
+    info["unfused"] = sched.unfused
+    if not sched.regions:
+        return []
+    planned = []
+    refs, gens, tmpls = [], [], []
+    for r in sched.regions:
+        refs.append(RegionReference(runnable, r))
+        gens.append(GeneratedRegion(r))
+        tmpls.append(template_candidates(r))
+    nodes = rewrite(runnable, sched.regions, refs)
+    for node, ref, gen, tm in zip(nodes, refs, gens, tmpls):
+        planned.append(_PlannedRegion(node, gen, ref, tm))
+    info["regions"] = {p.node.name: {"kernel": p.generated.name, "ops": p.generated.ops,
+                                     "inputs": [a.name for a in p.node.args]} for p in planned}
+    return planned
+
+
 def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
-    """Generate kernels for fused-conv epilogues, depthwise convs, pooling and global average
-    pooling; on a GPU, keep the fastest implementation of each node (measured, cached)."""
-    planned, pairs = [], []
+    """Fuse regions into generated kernels and plan the library nodes' candidates; on a GPU,
+    keep the fastest implementation of each (measured, cached)."""
+    pairs = []
     for node in runnable.graph.nodes:
-        epi = plan_conv_epilogue(node)
-        regions = [r for p in PLANNERS for r in _as_list(p(node))]
-        if epi is not None or regions:
-            planned.append((node, epi, regions))
         pair = plan_conv_maxpool(node)
         if pair is not None:
             pairs.append((node, *pair))
+    skip = {pool for pool, _, _ in pairs} | {u for pool, _, _ in pairs for u in pool.users}
+    regions = fuse_regions(runnable, info, skip, ctx.options.strict) if ctx.options.fusion else []
+    planned = []
+    for node in runnable.graph.nodes:
+        epi = plan_conv_epilogue(node)
+        cands = [r for p in PLANNERS for r in _as_list(p(node))]
+        if epi is not None or cands:
+            planned.append((node, epi, cands))
     chains = plan_linear_chains(runnable.graph)
-    pending = PendingKernels([e for _, e, _ in planned if e is not None] + [r for _, _, rs in planned for r in rs]
+    pending = PendingKernels([p.generated for p in regions] + [c for p in regions for c, _ in p.templates.values()]
+                             + [e for _, e, _ in planned if e is not None] + [r for _, _, rs in planned for r in rs]
                              + [c for _, _, cs in pairs for c in cs] + [c for _, c in chains], info)
     decisions = {}
     info["node_choices"] = decisions
@@ -167,11 +220,20 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     opt = ctx.options.autotune_cache
     cache = AutotuneCache.for_option(opt)
     tuning = Tuning(cache, device_fingerprint("cuda"), ctx.options.cudagraphs is not False, ctx)
-    changed = False
+    changed = bool(regions)
     t0 = time.perf_counter()
-    for node, epi, regions in planned:  # measured as soon as its own kernels are compiled
-        pending.ready(([epi] if epi is not None else []) + regions)
-        candidates = _candidates(node, epi, regions)
+    for p in regions:  # measured as soon as its own kernels are compiled
+        pending.ready([p.generated] + [c for c, _ in p.templates.values()])
+        candidates = p.candidates()
+        if len(candidates) < 2:
+            continue
+        entry = decisions[p.node.name] = tuning.entry(p.node, candidates, region_key(p.node, p.generated,
+                                                                                       candidates, tuning.graphed))
+        if entry["choice"] in candidates and entry["choice"] != "reference":
+            p.node.target = candidates[entry["choice"]]
+    for node, epi, cands in planned:
+        pending.ready(([epi] if epi is not None else []) + cands)
+        candidates = _candidates(node, epi, cands)
         if len(candidates) < 2:
             continue
         entry = decisions[node.name] = tuning.entry(node, candidates, cache_key(node, candidates, tuning.graphed))

@@ -347,3 +347,39 @@ def launch_linear(ks: KernelSource, x: torch.Tensor, w: torch.Tensor, out: torch
     args = [x, w] + ([bias] if bias is not None else []) + [out, int(x.shape[0])]
     _kernel(ks, kernel).launch(grid, ks.block, args)
     return out
+
+
+# ---------------------------------------------------------------------------- fused regions
+def buffer_fits(t: torch.Tensor, shape: tuple, strides: tuple, dtype: torch.dtype) -> bool:
+    """``t`` has the shape, dtype and (for dims of size > 1) strides a generated kernel expects."""
+    if t.dtype != dtype or tuple(t.shape) != shape:
+        return False
+    return all(n == 1 or s == e for n, s, e in zip(shape, t.stride(), strides))
+
+
+def launch_fused(ks: KernelSource, inputs, outputs, kernel=None) -> None:
+    """Launch a kernel generated from the loop-level IR (``codegen/kernel.py``): its inputs and
+    outputs in the order of the kernel's buffers; sizes are compiled in."""
+    k = ks.meta["kernel"]
+    if len(inputs) != len(k.inputs) or len(outputs) != len(k.outputs):
+        raise ValueError(f"{ks.name}: {len(inputs)} inputs / {len(outputs)} outputs, "
+                         f"expected {len(k.inputs)} / {len(k.outputs)}")
+    for t, b in zip(list(inputs) + list(outputs), k.inputs + k.outputs):
+        if not buffer_fits(t, b.shape, b.strides, b.dtype):
+            raise ValueError(f"{ks.name}: {b.name} is {tuple(t.shape)} {t.stride()} {t.dtype}, the kernel was "
+                             f"generated for {b.shape} {b.strides} {b.dtype}")
+    if not vector_aligned(ks, inputs, outputs):
+        raise ValueError(f"{ks.name}: a vector-accessed tensor is not aligned")
+    if any(b.numel == 0 for b in k.outputs) or ks.meta.get("work", 1) == 0:
+        return
+    _kernel(ks, kernel).launch(ks.meta["grid"], ks.block, list(inputs) + list(outputs))
+
+
+def vector_aligned(ks: KernelSource, inputs, outputs) -> bool:
+    """The tensors a vector variant reads or writes 16 bytes (at most) at a time are aligned."""
+    vec = ks.meta.get("vec", 1)
+    for kind, i in ks.meta.get("aligned", ()):
+        t = inputs[i] if kind == "in" else outputs[i]
+        if t.data_ptr() % min(16, vec * t.element_size()):
+            return False
+    return True

@@ -82,21 +82,38 @@ def _first(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _tensors(out) -> list:
+    return [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
+
+
+def _error(out, ref) -> float:
+    """The largest relative error over the tensors a candidate returns (regions return several)."""
+    from fxopt.tolerances import relative_error
+
+    got, want = _tensors(out), _tensors(ref)
+    if len(got) != len(want):
+        raise ValueError(f"{len(got)} outputs, the reference has {len(want)}")
+    for g, w in zip(got, want):  # what downstream views assume: same shape and strides
+        if g.shape != w.shape or any(n != 1 and a != b for n, a, b in zip(g.shape, g.stride(), w.stride())):
+            return float("inf")
+    return max((relative_error(g, w) for g, w in zip(got, want)), default=0.0)
+
+
 def measure(node: fx.Node, candidates: dict, graphed: bool) -> dict:
     from fxopt.autotune import time_ms
-    from fxopt.tolerances import relative_error
 
     args = real_args(node)
     xs = [args[0], torch.randn_like(args[0]), torch.randn_like(args[0])]
     result = {"ms": {}, "errors": {}}
     with torch.no_grad():
-        ref = _first(candidates["reference"](*args))
+        ref = candidates["reference"](*args)
         reps = _reps(ref)
+        low = any(t.dtype != torch.float32 for t in _tensors(ref))
         for name, fn in candidates.items():
             try:
-                err = relative_error(_first(fn(*args)), ref)
+                err = _error(fn(*args), ref)
                 result["errors"][name] = err
-                if err > (1e-2 if ref.dtype != torch.float32 else 1e-3):
+                if not err <= (1e-2 if low else 1e-3):  # NaN fails too
                     continue
                 if graphed:
                     result["ms"][name] = time_graphed_ms(fn, args, reps=reps)
@@ -127,6 +144,15 @@ def cache_key(node: fx.Node, candidates: dict, graphed: bool) -> str:
     target = ("fused_conv" if node.target is fused_conv_ref
               else node.target.__name__ if inspect.isfunction(node.target) else str(node.target))
     return f"node|graphed={graphed}|{target}|{metas}|{sorted(candidates)}"
+
+
+def region_key(node: fx.Node, generated, candidates: dict, graphed: bool) -> str:
+    """A fused region by what decides its choice: the generated sources (shapes, strides, dtypes
+    and ops are all in them) and the candidates."""
+    import hashlib
+
+    src = "\n".join(sorted(ks.source for ks in generated.sources.values()))
+    return f"region|graphed={graphed}|{hashlib.sha256(src.encode()).hexdigest()[:24]}|{sorted(candidates)}"
 
 
 @dataclass

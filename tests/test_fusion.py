@@ -1,0 +1,263 @@
+"""The fusion scheduler (backends/cuda/schedule/{ir,lowering,fusion}.py, codegen/kernel.py) on the CPU:
+index algebra, which nodes form which regions (and which do not), the IR semantics of every region
+against its ATen ops, the graph rewrite, NVRTC compilation of the generated sources, and hypothesis
+properties over random blocks (fxopt.testing.block_cases / cnn_cases)."""
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+
+from fxopt.backends import torch_ref
+from fxopt.backends.cuda.compiler import nvrtc_available
+from fxopt.backends.cuda.schedule import ir
+from fxopt.backends.cuda.schedule.fusion import rewrite, schedule, view_root
+from fxopt.backends.cuda.schedule.generated import RegionReference
+from fxopt.backends.cuda.schedule.ir import FloorDiv, Ix, Mod, Var
+from fxopt.testing import block_cases, check_fusion, cnn_cases
+from fxopt.testing.fusion import capture
+
+needs_nvrtc = pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (cuda-core) not importable")
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------------------- index algebra
+def test_floordiv_and_mod_fold_dense_views_back_to_plain_indices():
+    i, j = Var("i", 4), Var("j", 8)
+    flat = Ix.of(i) * 8 + j
+    assert flat.floordiv(8) == Ix.of(i)
+    assert flat.mod(8) == Ix.of(j)
+    assert (flat * 3 + 5).floordiv(3) == flat + 1  # (3*flat + 5) // 3 with 5 = 3 + 2
+    assert Ix.of(j).floordiv(8) == Ix()  # j < 8
+    # a permuted view of a (4, 8) tensor unravelled and raveled again is the identity
+    back = ir.unravel(Ix.of(j) * 4 + i, (8, 4), (4, 1))
+    assert back == [Ix.of(j), Ix.of(i)]
+
+
+def test_floordiv_that_does_not_fold_keeps_an_atom_with_its_bounds():
+    i = Var("i", 10)
+    q = Ix.of(i).floordiv(3)
+    assert len(q.terms) == 1 and isinstance(q.terms[0][0], FloorDiv)
+    assert q.bounds() == (0, 3)
+    r = (Ix.of(i) + 7).mod(5)
+    assert isinstance(r.terms[0][0], Mod) and r.bounds() == (0, 4)
+    # a possibly negative index: split so that the atom's argument is non-negative (C's division
+    # truncates), and equal to floor division at every point
+    q = (Ix.of(i) - 3).floordiv(4)
+    assert all(a.arg.bounds()[0] >= 0 for a, _ in q.terms if not isinstance(a, Var))
+    env = {i: torch.arange(10)}
+    assert torch.equal(ir._eval_ix(q, env), torch.div(torch.arange(10) - 3, 4, rounding_mode="floor"))
+    with pytest.raises(ValueError):
+        (Ix.of(i) * -1).mod(4)  # no non-negative form
+
+
+def test_evaluate_runs_a_handwritten_kernel_with_the_generated_codes_offsets():
+    x = torch.arange(24.0).reshape(2, 3, 4)
+    i, j, k = Var("i", 2), Var("j", 4), Var("k", 3)  # output (2, 4, 3) = x.permute(0, 2, 1) * 2
+    load = ir.Load(0, ir.strided([Ix.of(i), Ix.of(k), Ix.of(j)], x.shape, x.stride()))
+    out_buf = ir.Buffer("out", (2, 4, 3), (12, 3, 1), torch.float32)
+    kern = ir.PointwiseKernel("k", [i, j, k], [ir.Buffer("x", (2, 3, 4), x.stride(), torch.float32)], [out_buf],
+                              [ir.Store(0, ir.strided([Ix.of(i), Ix.of(j), Ix.of(k)], (2, 4, 3), (12, 3, 1)),
+                                        ir.op("mul", load, 2.0))])
+    out = torch.empty(2, 4, 3)
+    ir.evaluate(kern, [x], [out])
+    torch.testing.assert_close(out, x.permute(0, 2, 1) * 2)
+
+
+# ---------------------------------------------------------------------------- structure
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, c=8):
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.ln = nn.LayerNorm(c)
+        self.fc1, self.fc2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+        self.gamma = nn.Parameter(torch.rand(c) + 0.5)
+
+    def forward(self, x):
+        y = self.dw(x).permute(0, 2, 3, 1)
+        y = self.fc2(F.gelu(self.fc1(self.ln(y))))
+        return x + (self.gamma * y).permute(0, 3, 1, 2)
+
+
+def _schedule_of(model, x, **opts):
+    (report, example), = capture(model, (x,), {"executor": "torch", **opts})
+    gm = torch_ref.lower(report.after)
+    return gm, example, schedule(gm, strict=True)
+
+
+def _regions_by_ops(sched):
+    return [sorted(r.ops) for r in sched.regions]
+
+
+def test_convnext_block_layernorm_is_one_kernel_with_the_permute_and_the_residual_is_one_kernel():
+    _, _, sched = _schedule_of(ConvNeXtBlock().eval(), torch.randn(2, 8, 6, 6))
+    ops = _regions_by_ops(sched)
+    (ln,) = [r for r in sched.regions if "aten.native_layer_norm.default" in r.ops]
+    # the conv's output is read through the permute's strides (a view torch makes for free)
+    assert [n.target for n in ln.inputs if n.op == "call_function"] == [aten.permute.default]
+    assert any("aten.gelu.default" in o for o in ops)
+    residual = [o for o in ops if "aten.add.Tensor" in o]
+    assert len(residual) == 1 and "aten.mul.Tensor" in residual[0] and "aten.permute.default" in residual[0]
+    assert all(isinstance(r.kernel, (ir.PointwiseKernel, ir.ReductionKernel)) for r in sched.regions)
+
+
+class DenseLayer(nn.Module):
+    def __init__(self, c=6, g=4):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, c, 3, padding=1), nn.Conv2d(3, g, 1)
+        self.bn = nn.BatchNorm2d(c + g)
+        self.conv = nn.Conv2d(c + g, 8, 1)
+
+    def forward(self, x):
+        return self.conv(F.relu(self.bn(torch.cat([self.a(x), self.b(x)], 1))))
+
+
+def test_concatenation_batchnorm_and_relu_before_a_conv_are_one_kernel_that_writes_once():
+    gm, _, sched = _schedule_of(DenseLayer().eval(), torch.randn(2, 3, 5, 5))
+    (region,) = sched.regions
+    assert {"aten.cat.default", "aten.relu.default", "aten._native_batch_norm_legit_no_training.default"} <= set(
+        region.ops)
+    assert isinstance(region.kernel, ir.PointwiseKernel) and len(region.outputs) == 1
+
+
+class ShuffleBlock(nn.Module):
+    def forward(self, x):
+        a, b = x.chunk(2, dim=1)
+        y = torch.cat([a, torch.relu(b)], 1)
+        n, c, h, w = y.shape
+        return y.reshape(n, 2, c // 2, h, w).transpose(1, 2).reshape(n, c, h, w) * 2.0
+
+
+def test_split_concatenation_and_channel_shuffle_are_index_arithmetic_in_one_kernel():
+    _, _, sched = _schedule_of(ShuffleBlock().eval(), torch.randn(2, 8, 3, 3))
+    (region,) = sched.regions
+    assert {"aten.cat.default", "aten.transpose.int", "aten.mul.Tensor"} <= set(region.ops)
+    # the chunks of the graph input are read in place (views torch makes for free): no copies
+    assert {view_root(n).op for n in region.inputs} == {"placeholder"}
+
+
+class SoftmaxGate(nn.Module):
+    def forward(self, x):
+        return torch.softmax(x, dim=1) * x.amax((2, 3), keepdim=True)
+
+
+def test_softmax_is_one_reduction_kernel_and_a_reduction_feeding_a_pointwise_op_is_stored_once():
+    _, _, sched = _schedule_of(SoftmaxGate().eval(), torch.randn(2, 4, 3, 5))
+    kinds = sorted(type(r.kernel).__name__ for r in sched.regions)
+    assert kinds == ["PointwiseKernel", "ReductionKernel", "ReductionKernel"]
+    soft = next(r for r in sched.regions if "aten._softmax.default" in r.ops)
+    assert len(soft.kernel.phases) == 2 and soft.kernel.row_stores  # max, then sum of exp; then the output
+
+
+def test_a_graph_with_in_place_ops_is_not_fused():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.randn(4, 4)
+    y = g.call_function(aten.relu.default, (x,))
+    y.meta["val"] = torch.randn(4, 4)
+    z = g.call_function(aten.add_.Tensor, (y, x))
+    z.meta["val"] = torch.randn(4, 4)
+    g.output((z,))
+    sched = schedule(fx.GraphModule(torch.nn.Module(), g))
+    assert sched.regions == [] and all("in place" in why for why in sched.unfused.values()) and sched.unfused
+
+
+def test_integer_tensors_are_left_to_pytorch_with_a_reason():
+    class M(nn.Module):
+        def forward(self, x):
+            return (x.long() + 1).float() * 2
+
+    _, _, sched = _schedule_of(M().eval(), torch.randn(3, 4))
+    assert any("int64" in why or "conversion" in why for why in sched.unfused.values())
+
+
+def test_scheduling_a_rewritten_graph_again_changes_nothing():
+    gm, example, sched = _schedule_of(ConvNeXtBlock().eval(), torch.randn(1, 8, 4, 4))
+    rewrite(gm, sched.regions, [RegionReference(gm, r) for r in sched.regions])
+    again = schedule(gm, strict=True)
+    assert again.regions == []
+    gm.graph.lint()
+
+
+# ---------------------------------------------------------------------------- numerics
+@pytest.mark.parametrize("model,shape", [(ConvNeXtBlock(), (2, 8, 5, 7)), (DenseLayer(), (2, 3, 6, 4)),
+                                         (ShuffleBlock(), (3, 8, 2, 5)), (SoftmaxGate(), (2, 6, 4, 3))],
+                         ids=["convnext", "dense", "shuffle", "softmax"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_region_computes_what_its_aten_ops_compute(model, shape, dtype):
+    from fxopt.testing.strategies import CNNCase
+
+    case = CNNCase(model.eval().to(dtype), (torch.randn(shape).to(dtype),), dtype)
+    sched = check_fusion(case)
+    assert sched and sched[0].regions
+
+
+@needs_nvrtc
+def test_generated_sources_compile_for_sm90():
+    from fxopt.testing.strategies import CNNCase
+
+    for model, shape in ((ConvNeXtBlock(), (2, 8, 5, 7)), (DenseLayer(), (2, 3, 6, 4)), (SoftmaxGate(), (2, 6, 4, 3))):
+        for dtype in (torch.float32, torch.bfloat16):
+            check_fusion(CNNCase(model.eval().to(dtype), (torch.randn(shape).to(dtype),), dtype),
+                         compile_kernels=True)
+
+
+def test_compiled_model_with_the_cuda_executor_on_cpu_runs_the_region_references_and_reports_kernels():
+    model = ConvNeXtBlock().eval()
+    x = torch.randn(2, 8, 5, 5)
+    graphs = []
+    from fxopt.testing import compile_with_fxopt
+
+    fast = compile_with_fxopt(model, {"executor": "cuda"}, graphs)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
+    (g,) = graphs
+    regions = g.executor_details["regions"]
+    assert regions and all(r["ops"] for r in regions.values())
+    covered = {op for r in regions.values() for op in r["ops"]}
+    assert "aten.native_layer_norm.default" in covered
+    if nvrtc_available():
+        fused = [k for k in g.kernels if k.ops]
+        assert fused and all(k.compiled for k in fused)
+        assert any("native_layer_norm" in " ".join(k.ops) for k in fused)
+
+
+def test_option_fusion_false_leaves_the_graph_one_op_at_a_time():
+    graphs = []
+    from fxopt.testing import compile_with_fxopt
+
+    fast = compile_with_fxopt(ConvNeXtBlock().eval(), {"executor": "cuda", "fusion": False}, graphs)
+    with torch.no_grad():
+        fast(torch.randn(1, 8, 4, 4))
+    assert "regions" not in graphs[0].executor_details
+
+
+# ---------------------------------------------------------------------------- properties
+@given(block_cases(dtypes=(torch.float32, torch.float16, torch.bfloat16)))
+def test_property_every_region_of_random_blocks_matches_its_aten_ops(case):
+    check_fusion(case)
+
+
+@given(cnn_cases(ndims=(1, 2), dtypes=(torch.float32, torch.float16)))
+def test_property_every_region_of_random_cnns_matches_its_aten_ops(case):
+    check_fusion(case)
+
+
+@needs_nvrtc
+@given(block_cases(max_layers=3))
+@settings(max_examples=8)
+def test_property_regions_of_random_blocks_compile(case):
+    check_fusion(case, compile_kernels=True)
+
+
+def test_getitem_of_rewritten_regions_carry_the_outputs_metadata():
+    gm, _, sched = _schedule_of(SoftmaxGate().eval(), torch.randn(2, 4, 3, 5))
+    metas = {o.name: o.meta["val"].shape for r in sched.regions for o in r.outputs}
+    nodes = rewrite(gm, sched.regions, [RegionReference(gm, r) for r in sched.regions])
+    for node in nodes:
+        items = [u for u in node.users if u.target is operator.getitem]
+        assert items and all(isinstance(u.meta.get("val"), torch.Tensor) for u in items)
+    assert metas
