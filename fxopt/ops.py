@@ -107,6 +107,17 @@ def fused_conv_ref(x, weight, bias, residual, stride, padding, dilation, groups,
     return apply_activation(y, activation, act_params)
 
 
+def conv_epilogue_ref(y, bias, residual, activation, act_params):
+    """The epilogue of ``fused_conv`` on its own: ``act(y + bias[c] (+ residual))``. The cuda
+    executor splits a fused conv into the convolution and this where every consumer of its output
+    is a generated kernel, which then computes the epilogue where it reads the value."""
+    if bias is not None:
+        y = y + bias.reshape((1, -1) + (1,) * (y.dim() - 2))
+    if residual is not None:
+        y = y + residual
+    return apply_activation(y, activation, act_params)
+
+
 def fused_linear_ref(x, weight, bias, activation, act_params):
     return apply_activation(F.linear(x, weight, bias), activation, act_params)
 

@@ -152,6 +152,40 @@ def test_softmax_is_one_reduction_kernel_and_a_reduction_feeding_a_pointwise_op_
     assert len(soft.kernel.phases) == 2 and soft.kernel.row_stores  # max, then sum of exp; then the output
 
 
+class SqueezeExcite(nn.Module):
+    def __init__(self, c=8):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.fc1, self.fc2 = nn.Conv2d(c, c // 2, 1), nn.Conv2d(c // 2, c, 1)
+        self.out = nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        y = F.silu(self.conv(x))
+        s = torch.sigmoid(self.fc2(F.relu(self.fc1(y.mean((2, 3), keepdim=True)))))
+        return self.out(y * s)
+
+
+def test_a_conv_epilogue_read_only_by_generated_kernels_moves_into_them():
+    from fxopt.backends.cuda.schedule.fusion import split_conv_epilogues
+    from fxopt.ops import conv_epilogue_ref, fused_conv_ref
+
+    (report, _), = capture(SqueezeExcite().eval(), (torch.randn(2, 8, 6, 6),), {"executor": "torch"})
+    gm = torch_ref.lower(report.after)
+    # the SiLU conv (read by the mean and the multiply) and the sigmoid gate conv (read by the multiply)
+    assert split_conv_epilogues(gm) == 2
+    epis = {n.args[3]: n for n in gm.graph.nodes if n.target is conv_epilogue_ref}
+    assert set(epis) == {"silu", "sigmoid"}
+    epi = epis["silu"]
+    assert epi.args[0].target is fused_conv_ref and epi.args[0].args[8] == "none" and epi.args[0].args[2] is None
+    sched = schedule(gm, strict=True)
+    inlined = [r for r in sched.regions if "conv_epilogue_ref" in r.ops]
+    assert {type(r.kernel).__name__ for r in inlined} == {"PointwiseKernel", "ReductionKernel"}
+    assert epi not in {o for r in sched.regions for o in r.outputs}  # computed where read, never stored
+    # the first gate conv (read by a conv) and the last conv (the output) keep their epilogues
+    assert sum(n.target is fused_conv_ref and (n.args[2] is not None or n.args[8] != "none")
+               for n in gm.graph.nodes) == 2
+
+
 def test_a_graph_with_in_place_ops_is_not_fused():
     g = fx.Graph()
     x = g.placeholder("x")
@@ -184,8 +218,9 @@ def test_scheduling_a_rewritten_graph_again_changes_nothing():
 
 # ---------------------------------------------------------------------------- numerics
 @pytest.mark.parametrize("model,shape", [(ConvNeXtBlock(), (2, 8, 5, 7)), (DenseLayer(), (2, 3, 6, 4)),
-                                         (ShuffleBlock(), (3, 8, 2, 5)), (SoftmaxGate(), (2, 6, 4, 3))],
-                         ids=["convnext", "dense", "shuffle", "softmax"])
+                                         (ShuffleBlock(), (3, 8, 2, 5)), (SoftmaxGate(), (2, 6, 4, 3)),
+                                         (SqueezeExcite(), (2, 8, 5, 5))],
+                         ids=["convnext", "dense", "shuffle", "softmax", "squeeze_excite"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_every_region_computes_what_its_aten_ops_compute(model, shape, dtype):
     from fxopt.testing.strategies import CNNCase

@@ -61,7 +61,7 @@ def check_fusion(case, options=None, compile_kernels: bool = False) -> list:
     global REGIONS_CHECKED
     from fxopt.backends import torch_ref
     from fxopt.backends.cuda.schedule import ir
-    from fxopt.backends.cuda.schedule.fusion import reference_module, rewrite, schedule
+    from fxopt.backends.cuda.schedule.fusion import reference_module, rewrite, schedule, split_conv_epilogues
     from fxopt.backends.cuda.schedule.generated import RegionReference
 
     rtol, atol = tolerance(case.dtype)
@@ -72,6 +72,7 @@ def check_fusion(case, options=None, compile_kernels: bool = False) -> list:
         if report.fallback is not None:
             raise AssertionError(f"fxopt fell back: {report.fallback}")
         gm = torch_ref.lower(report.after)
+        split_conv_epilogues(gm)  # as the cuda executor does
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(example):
             continue  # AOTAutograd changed the inputs: no real values to check with
@@ -95,6 +96,7 @@ def check_fusion(case, options=None, compile_kernels: bool = False) -> list:
             REGIONS_CHECKED += 1
         expected = [vals[n] for n in _outputs(gm)]
         rewritten = torch_ref.lower(report.after)
+        split_conv_epilogues(rewritten)
         regions = schedule(rewritten, strict=True).regions
         rewrite(rewritten, regions, [RegionReference(rewritten, r) for r in regions])
         rewritten.graph.lint()

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from fxopt.backends.cuda.schedule import ir
-from fxopt.backends.cuda.schedule.ir import (Cast, Const, FloorDiv, InRange, Ix, Load, Mod, Op, PointwiseKernel,
+from fxopt.backends.cuda.schedule.ir import (BoolConst, Cast, Const, FloorDiv, InRange, Ix, Load, Op, PointwiseKernel,
                                              Red, ReductionKernel, Var, Where)
 
 from . import KernelSource, needs_index64
@@ -128,7 +128,7 @@ class _Emitter:
             for e in ir.walk(r, seen):
                 order.append(e)
         for e in order:
-            if e in hoist and e not in self.names and not isinstance(e, (Const, Red)):
+            if e in hoist and e not in self.names and not isinstance(e, (Const, BoolConst, Red)):
                 self.names[e] = self._temp(self.code(e), e.kind)
         return [self.names.get(r) or self.code(r) for r in roots]
 
@@ -143,6 +143,8 @@ class _Emitter:
             return f"fx_to_f32(in{e.buf}[{ix_c(e.offset)}])"
         if isinstance(e, Const):
             return lit(e.value)
+        if isinstance(e, BoolConst):
+            return "true" if e.value else "false"
         if isinstance(e, Red):
             return f"red_{e.name}"
         if isinstance(e, InRange):
@@ -216,13 +218,16 @@ def _uname(k, variant: str) -> str:
 
 
 def _stores(k) -> tuple:
-    stores = k.stores if isinstance(k, PointwiseKernel) else k.row_stores + k.outer_stores
+    if isinstance(k, PointwiseKernel):
+        stores = [s for p in k.parts for s in p.stores] if k.parts else k.stores
+    else:
+        stores = k.row_stores + k.outer_stores
     return tuple((s.buf, s.offset) for s in stores)
 
 
 def _loops(k) -> tuple:
     if isinstance(k, PointwiseKernel):
-        return tuple(k.vars)
+        return tuple(tuple(p.vars) for p in k.parts) if k.parts else tuple(k.vars)
     return (tuple(k.outer), tuple(k.reduced), k.strategy)
 
 
@@ -247,44 +252,41 @@ def _vector_plan(k: PointwiseKernel, vec: int):
     return loads, stores
 
 
-def generate_pointwise_kernel(k: PointwiseKernel, vec: int = 1, block: int = POINTWISE_BLOCK) -> KernelSource:
+def _pointwise_loop(k: PointwiseKernel, vec: int, block: int, ind: str) -> tuple:
+    """(lines, aligned accesses, work items) of the grid-stride loop of one (sub-)kernel."""
     plan = _vector_plan(k, vec)
     vec = vec if plan is not None else 1
-    index64 = _index64(k)
-    name = _uname(k, f"v{vec}")
-    ps = _params(k)
-    lines = _header(k, name, block, ps, index64)
     work = k.numel // vec
-    lines.append(f"  for (idx_t w_ = (idx_t)blockIdx.x * {block} + threadIdx.x; w_ < {work}; "
-                 f"w_ += (idx_t)gridDim.x * {block}) {{")
-    ind = "    "
+    lines = [f"{ind}for (idx_t w_ = (idx_t)blockIdx.x * {block} + threadIdx.x; w_ < {work}; "
+             f"w_ += (idx_t)gridDim.x * {block}) {{"]
+    ind2 = ind + "  "
     vars_ = list(k.vars)
     aligned = []
     if vec == 1:
-        lines += _decompose(vars_, "w_", ind)
-        em = _Emitter(k, ind, {})
+        lines += _decompose(vars_, "w_", ind2)
+        em = _Emitter(k, ind2, {})
         vals = em.emit([s.value for s in k.stores])
         lines += em.lines
         for s, v in zip(k.stores, vals):
-            lines.append(f"{ind}out{s.buf}[{ix_c(s.offset)}] = fx_from<{ctype(k.outputs[s.buf].dtype)}>({v});")
+            lines.append(f"{ind2}out{s.buf}[{ix_c(s.offset)}] = fx_from<{ctype(k.outputs[s.buf].dtype)}>({v});")
     else:
         loads, vstores = plan
         inner = vars_[-1]
         chunk = Var(inner.name, inner.size // vec)
-        lines += _decompose(vars_[:-1] + [chunk], "w_", ind)
+        lines += _decompose(vars_[:-1] + [chunk], "w_", ind2)
         first = Var(f"{inner.name}_v", inner.size)  # the first element of this item's vector
-        lines.append(f"{ind}const idx_t {first.name} = {inner.name} * {vec};")
+        lines.append(f"{ind2}const idx_t {first.name} = {inner.name} * {vec};")
         base = {inner: Ix.of(first)}
         alias = {}
         for j, ld in enumerate(loads):
             t = ctype(k.inputs[ld.buf].dtype)
             off = ld.offset.substitute(base)
-            lines.append(f"{ind}const fx_vec<{t}, {vec}> vl{j} = "
+            lines.append(f"{ind2}const fx_vec<{t}, {vec}> vl{j} = "
                          f"*reinterpret_cast<const fx_vec<{t}, {vec}>*>(in{ld.buf} + {ix_c(off)});")
             for lane in range(vec):
                 alias[Load(ld.buf, off + lane)] = f"fx_to_f32(vl{j}.v[{lane}])"
-            aligned.append(("in", ld.buf))
-        em = _Emitter(k, ind, {}, alias)
+            aligned.append(("in", ld.buf, min(16, vec * k.inputs[ld.buf].dtype.itemsize)))
+        em = _Emitter(k, ind2, {}, alias)
         lane_vals = []
         for lane in range(vec):
             sub = {inner: Ix.of(first) + lane}
@@ -295,18 +297,43 @@ def generate_pointwise_kernel(k: PointwiseKernel, vec: int = 1, block: int = POI
             t = ctype(k.outputs[s.buf].dtype)
             if j in vstores:
                 off = lane_vals[0][0][j].offset
-                lines.append(f"{ind}{{ fx_vec<{t}, {vec}> vs_;")
+                lines.append(f"{ind2}{{ fx_vec<{t}, {vec}> vs_;")
                 for lane in range(vec):
-                    lines.append(f"{ind}  vs_.v[{lane}] = fx_from<{t}>({lane_vals[lane][1][j]});")
-                lines.append(f"{ind}  *reinterpret_cast<fx_vec<{t}, {vec}>*>(out{s.buf} + {ix_c(off)}) = vs_; }}")
-                aligned.append(("out", s.buf))
+                    lines.append(f"{ind2}  vs_.v[{lane}] = fx_from<{t}>({lane_vals[lane][1][j]});")
+                lines.append(f"{ind2}  *reinterpret_cast<fx_vec<{t}, {vec}>*>(out{s.buf} + {ix_c(off)}) = vs_; }}")
+                aligned.append(("out", s.buf, min(16, vec * k.outputs[s.buf].dtype.itemsize)))
             else:
                 for lane in range(vec):
                     st, vals = lane_vals[lane]
-                    lines.append(f"{ind}out{s.buf}[{ix_c(st[j].offset)}] = fx_from<{t}>({vals[j]});")
-    lines += ["  }", "}"]
-    grid = max(1, min(-(-work // block), _MAX_GRID))
-    meta = {"kernel": k, "vec": vec, "aligned": sorted(set(aligned)), "grid": (grid, 1, 1), "work": work}
+                    lines.append(f"{ind2}out{s.buf}[{ix_c(st[j].offset)}] = fx_from<{t}>({vals[j]});")
+    lines.append(f"{ind}}}")
+    return lines, aligned, work
+
+
+def generate_pointwise_kernel(k: PointwiseKernel, vec: int = 1, block: int = POINTWISE_BLOCK) -> KernelSource:
+    """``vec``: the widest vector any loop may use (each (sub-)kernel uses the widest its own
+    accesses allow, up to this)."""
+    index64 = _index64(k)
+    name = _uname(k, f"v{vec}")
+    ps = _params(k)
+    lines = _header(k, name, block, ps, index64)
+    aligned, works = [], []
+    if k.parts:
+        lines.append("  switch (blockIdx.y) {")
+        for i, part in enumerate(k.parts):
+            body, al, work = _pointwise_loop(part, min(vec, vector_width(part)) if vec > 1 else 1, block, "    ")
+            lines += [f"  case {i}: {{"] + body + ["    break;", "  }"]
+            aligned += al
+            works.append(work)
+        lines.append("  }")
+    else:
+        body, aligned, work = _pointwise_loop(k, vec, block, "  ")
+        lines += body
+        works.append(work)
+    lines.append("}")
+    grid = max(1, min(-(-max(works) // block), _MAX_GRID))
+    meta = {"kernel": k, "vec": vec, "aligned": sorted(set(aligned)), "grid": (grid, max(1, len(k.parts)), 1),
+            "work": sum(works)}
     return KernelSource(name, "\n".join(lines) + "\n", tuple(ps), "fused_pointwise", meta, (block, 1, 1), index64)
 
 
@@ -437,7 +464,9 @@ def generate_kernel(k, vec: int = 1) -> KernelSource:
 
 def vector_width(k) -> int:
     """The widest vector (at most 16 bytes per output element group) the kernel's innermost loop
-    allows, or 1."""
+    allows (of a split kernel: the widest any of its parts allows), or 1."""
+    if isinstance(k, PointwiseKernel) and k.parts:
+        return max(vector_width(p) for p in k.parts)
     if not isinstance(k, PointwiseKernel) or not k.vars:
         return 1
     size = max(b.dtype.itemsize for b in k.outputs)

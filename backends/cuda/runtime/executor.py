@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 
 from fxopt.backends.cuda.runtime.measure import Tuning, cache_key, region_key, with_fallback
-from fxopt.backends.cuda.schedule.fusion import schedule, rewrite
+from fxopt.backends.cuda.schedule.fusion import rewrite, schedule, split_conv_epilogues
 from fxopt.backends.cuda.schedule.generated import GeneratedRegion, RegionReference, template_candidates
 from fxopt.backends.cuda.schedule.conv import (GeneratedEpilogue, cudnn_conv_relu, plan_conv_epilogue,
                                                plan_conv_maxpool, plan_depthwise, plan_direct_conv,
@@ -170,8 +170,10 @@ def _fallback_call(call, reference, name):
 def fuse_regions(runnable: fx.GraphModule, info: dict, skip: set, strict: bool = False) -> list:
     """Schedule ``runnable`` into regions and put one node per region in the graph (target: its
     reference, until a measurement chooses otherwise)."""
+    split = split_conv_epilogues(runnable, skip)
     sched = schedule(runnable, skip, strict=strict)
     info["unfused"] = sched.unfused
+    info["conv_epilogues_moved"] = split
     if not sched.regions:
         return []
     planned = []

@@ -377,9 +377,8 @@ def launch_fused(ks: KernelSource, inputs, outputs, kernel=None) -> None:
 
 def vector_aligned(ks: KernelSource, inputs, outputs) -> bool:
     """The tensors a vector variant reads or writes 16 bytes (at most) at a time are aligned."""
-    vec = ks.meta.get("vec", 1)
-    for kind, i in ks.meta.get("aligned", ()):
+    for kind, i, nbytes in ks.meta.get("aligned", ()):
         t = inputs[i] if kind == "in" else outputs[i]
-        if t.data_ptr() % min(16, vec * t.element_size()):
+        if t.data_ptr() % nbytes:
             return False
     return True

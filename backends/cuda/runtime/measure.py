@@ -23,10 +23,17 @@ from fxopt.ops import fused_conv_ref
 
 
 def real_args(node: fx.Node) -> list:
-    """Random inputs for measuring ``node``'s candidates (CUDA, the layouts the graph has)."""
+    """Random inputs for measuring ``node``'s candidates: on the device, with the exact strides and
+    storage offsets the graph's values have (a generated kernel only accepts those); vectors
+    (per-channel scales, biases, BatchNorm statistics) positive, so a variance is one."""
     def real(v):
-        t = torch.randn(tuple(v.shape), device=v.device, dtype=v.dtype)
-        return t.contiguous(memory_format=torch.channels_last) if layout_name(v) == "nhwc" else t
+        shape, stride = tuple(int(d) for d in v.shape), tuple(int(s) for s in v.stride())
+        span = int(v.storage_offset()) + 1 + sum((n - 1) * abs(st) for n, st in zip(shape, stride) if n > 0)
+        if v.dim() == 1 and v.is_floating_point():
+            base = torch.rand(span, device=v.device, dtype=torch.float32) + 0.5
+        else:
+            base = torch.randn(span, device=v.device, dtype=torch.float32)
+        return base.to(v.dtype).as_strided(shape, stride, int(v.storage_offset()))
 
     conv = node.target is fused_conv_ref
     weights = getattr(node.target, "weight_arg_indices", ())  # (K,) rows: scaled to keep values O(1)
@@ -90,9 +97,15 @@ def _error(out, ref) -> float:
     """The largest relative error over the tensors a candidate returns (regions return several)."""
     from fxopt.tolerances import relative_error
 
-    got, want = _tensors(out), _tensors(ref)
-    if len(got) != len(want):
-        raise ValueError(f"{len(got)} outputs, the reference has {len(want)}")
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    refs = list(ref) if isinstance(ref, (tuple, list)) else [ref]
+    if len(outs) != len(refs):
+        raise ValueError(f"{len(outs)} outputs, the reference has {len(refs)}")
+    # a candidate may leave outputs nobody reads unset (a max pool's indices): compare the others
+    pairs = [(g, w) for g, w in zip(outs, refs) if isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor)]
+    if not pairs:
+        raise ValueError("no tensor output to compare")
+    got, want = [g for g, _ in pairs], [w for _, w in pairs]
     for g, w in zip(got, want):  # what downstream views assume: same shape and strides
         if g.shape != w.shape or any(n != 1 and a != b for n, a, b in zip(g.shape, g.stride(), w.stride())):
             return float("inf")

@@ -203,22 +203,39 @@ class _Plan:
         return owners
 
 
-def _leaf_inputs(n: fx.Node, cls: dict, realized: set, seen=None) -> set:
-    seen = set() if seen is None else seen
-    out = set()
-    for a in n.all_input_nodes:
-        if a in seen:
-            continue
-        seen.add(a)
+def _window(n: fx.Node) -> int:
+    """Elements of its input a window op reads per output element (1 for other ops)."""
+    src = n.args[0] if n.target is operator.getitem and isinstance(n.args[0], fx.Node) else n
+    if src.op != "call_function" or src.target not in (aten.max_pool2d_with_indices.default,
+                                                       aten.avg_pool2d.default, aten._adaptive_avg_pool2d.default):
+        return 1
+    out, x = meta(n), meta(src.args[0])
+    if src.target is aten._adaptive_avg_pool2d.default:
+        return max(1, x.numel() // max(1, out.numel())) if out is not None and x is not None else 1
+    k = src.args[1]
+    k = list(k) if isinstance(k, (list, tuple)) else [k]
+    return int(k[0]) * int(k[-1])
+
+
+def _loads(n: fx.Node, cls: dict, realized: set, memo: dict) -> int:
+    """Loads from memory per element that computing ``n`` inline costs (window ops count their
+    window; each input tensor of an inline subtree counts once per use)."""
+    if n in memo:
+        return memo[n]
+    total = 0
+    for a in dict.fromkeys(n.all_input_nodes):
         if cls[a] in ("fusible", "view", "container") and a not in realized:
-            out |= _leaf_inputs(a, cls, realized, seen)
+            total += _loads(a, cls, realized, memo)
         else:
-            out.add(a)
-    return out
+            total += 1
+    memo[n] = total * _window(n)
+    return memo[n]
 
 
 def _cheaper_to_store(n: fx.Node, k: int, cls: dict, realized: set) -> bool:
-    loads = len(_leaf_inputs(n, cls, realized))
+    """``k`` kernels computing ``n`` inline read ``k * L`` elements per element of ``n``; storing it
+    costs ``L`` reads, one write and ``k`` reads."""
+    loads = _loads(n, cls, realized, {})
     return loads + 1 + k < k * loads
 
 
@@ -436,13 +453,82 @@ def _rename(k, vs_lists: list) -> None:
     return mapping
 
 
+#: at most this many sub-kernels when a loop nest is split at concatenation / padding boundaries
+MAX_PARTS = 64
+
+
+def _split_points(k: PointwiseKernel) -> dict:
+    """Per loop variable, the values where a range test on it (``v + c`` in [lo, hi)) flips."""
+    pts: dict = {}
+    for e in ir.kernel_exprs(k):
+        for node in ir.walk(e):
+            if isinstance(node, ir.InRange) and len(node.index.terms) == 1:
+                v, coef = node.index.terms[0]
+                if isinstance(v, Var) and coef == 1:
+                    for b in (node.lo - node.index.const, node.hi - node.index.const):
+                        if 0 < b < v.size:
+                            pts.setdefault(v, set()).add(b)
+    return pts
+
+
+def split(k: PointwiseKernel) -> list:
+    """Sub-kernels of ``k`` over boxes of its loop nest cut at the points where its range tests
+    flip, each with the tests decided: a concatenation becomes one plain copy per input, padding
+    an unconditional interior and thin borders. [] when nothing is worth splitting."""
+    pts = _split_points(k)
+    if not pts:
+        return []
+    chosen, parts = [], 1
+    for v in sorted(pts, key=lambda v: len(pts[v])):
+        n = len(pts[v]) + 1
+        if parts * n <= MAX_PARTS:
+            chosen.append(v)
+            parts *= n
+    if not chosen:
+        return []
+    segments = []
+    for v in chosen:
+        edges = [0] + sorted(pts[v]) + [v.size]
+        segments.append([(v, a, b) for a, b in zip(edges, edges[1:])])
+    out = []
+    for box in _product(segments):
+        mapping, new_vars = {}, {}
+        for v, a, b in box:
+            nv = Var(f"{v.name}p{a}", b - a) if b - a > 1 else None
+            mapping[v] = (Ix.of(nv) if nv is not None else Ix()) + a
+            new_vars[v] = nv
+        memo: dict = {}
+        stores = [Store(s.buf, s.offset.substitute(mapping), ir.simplify(ir.substitute(s.value, mapping, memo)))
+                  for s in k.stores]
+        vs = [new_vars.get(v, v) for v in k.vars]
+        out.append(PointwiseKernel(f"{k.name}_p{len(out)}", [v for v in vs if v is not None], k.inputs, k.outputs,
+                                   stores, k.ops))
+    return out
+
+
+def _product(lists: list) -> list:
+    out = [[]]
+    for options in lists:
+        out = [acc + [o] for acc in out for o in options]
+    return out
+
+
+def _arrange_pointwise(k: PointwiseKernel) -> None:
+    vs = _order(k.vars, k.stores[0].offset)
+    vs = _merge_run(vs, k, "m")
+    mapping = _rename(k, [(vs, "x")])
+    k.vars = [mapping[v] for v in vs]
+
+
 def arrange(k) -> None:
-    """Order the loops of ``k`` by memory order and merge the contiguous ones (in place)."""
+    """Order the loops of ``k`` by memory order and merge the contiguous ones (in place); split a
+    pointwise loop nest at concatenation / padding boundaries first."""
     if isinstance(k, PointwiseKernel):
-        vs = _order(k.vars, k.stores[0].offset)
-        vs = _merge_run(vs, k, "m")
-        mapping = _rename(k, [(vs, "x")])
-        k.vars = [mapping[v] for v in vs]
+        k.parts = split(k)
+        for part in k.parts:
+            _arrange_pointwise(part)
+        if not k.parts:
+            _arrange_pointwise(k)
         return
     main = _main_load(k)
     key = main.offset if main is not None else (k.row_stores or k.outer_stores)[0].offset
@@ -514,6 +600,55 @@ def schedule(gm: fx.GraphModule, skip: set = frozenset(), max_rounds: int = 50, 
     unfused = {n.name: w for n, w in classes.why.items() if classes.cls[n] == "library"}
     return Schedule(regions, unfused)
 
+
+
+# ---------------------------------------------------------------------------- conv epilogues
+def _only_fusible_readers(node: fx.Node, skip: set) -> bool:
+    """Every reader of ``node`` (through views) is an op a generated kernel computes."""
+    if not node.users:
+        return False
+    for u in node.users:
+        if u in skip or u.op != "call_function":
+            return False
+        if is_view(u) or u.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int):
+            if not _only_fusible_readers(u, skip):
+                return False
+        elif value_rule(u) is None and reduction_rule(u) is None:
+            items = _container_items(u)
+            if items is None or any(value_rule(i) is None for i in items):
+                return False
+    return True
+
+
+def split_conv_epilogues(gm: fx.GraphModule, skip: set = frozenset()) -> int:
+    """Split each fused conv with an epilogue (bias, residual, activation) whose readers are all
+    generated kernels into the bare convolution and ``conv_epilogue_ref``: the scheduler then
+    computes the epilogue inside those kernels, where they read the conv's output, instead of in a
+    pass of its own over the whole activation (one write and one read less; a squeeze-excite block
+    reads a SiLU conv's output twice and writes it never)."""
+    from fxopt.ops import conv_epilogue_ref, fused_conv_ref
+
+    g, count = gm.graph, 0
+    for node in list(g.nodes):
+        if node.op != "call_function" or node.target is not fused_conv_ref or len(node.args) < 10:
+            continue
+        args = list(node.args)
+        bias, res, act, params = args[2], args[3], args[8], args[9]
+        if bias is None and res is None and act == "none":
+            continue  # nothing to move
+        if meta(node) is None or not _only_fusible_readers(node, skip):
+            continue
+        with g.inserting_before(node):
+            conv = g.call_function(fused_conv_ref, tuple(args[:2] + [None, None] + args[4:8] + ["none", []] + args[10:]))
+            epi = g.call_function(conv_epilogue_ref, (conv, bias, res, act, list(params)))
+        conv.meta = dict(node.meta)
+        epi.meta = dict(node.meta)
+        node.replace_all_uses_with(epi)
+        g.erase_node(node)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
 
 
 # ---------------------------------------------------------------------------- graph rewrite

@@ -71,12 +71,11 @@ def _aligned_by_metadata(ks, region: Region) -> bool:
     not aligned at run time after all runs the reference.)"""
     from fxopt.backends.cuda.schedule.lowering import meta
 
-    vec = ks.meta.get("vec", 1)
-    for kind, i in ks.meta.get("aligned", ()):
+    for kind, i, nbytes in ks.meta.get("aligned", ()):
         if kind != "in":
             continue
         t = meta(region.inputs[i])
-        if t is None or (t.storage_offset() * t.element_size()) % min(16, vec * t.element_size()):
+        if t is None or (t.storage_offset() * t.element_size()) % nbytes:
             return False
     return True
 

@@ -277,6 +277,15 @@ class InRange(Expr):
 
 
 @dataclass(frozen=True)
+class BoolConst(Expr):
+    value: bool
+    kind = "bool"
+
+
+TRUE, FALSE = BoolConst(True), BoolConst(False)
+
+
+@dataclass(frozen=True)
 class Cast(Expr):
     """Round through ``dtype`` (an explicit conversion in the graph), keep computing in float."""
     arg: Expr
@@ -389,6 +398,9 @@ class PointwiseKernel:
     outputs: list         # Buffer
     stores: list          # Store
     ops: list = field(default_factory=list)  # the ATen ops this kernel covers (report)
+    #: the loop nest split where concatenation / padding boundaries fall: sub-kernels over the
+    #: same buffers, each with its conditions decided (one launch runs them all); empty: unsplit
+    parts: list = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -480,8 +492,47 @@ def substitute(e: Expr, mapping: dict, memo: Optional[dict] = None) -> Expr:
     return out
 
 
+def simplify(e: Expr, memo: Optional[dict] = None) -> Expr:
+    """Decide range tests the loop bounds already answer and drop the branches they exclude (the
+    concatenation inputs and padding a split loop nest never reaches)."""
+    memo = {} if memo is None else memo
+    hit = memo.get(e)
+    if hit is not None:
+        return hit
+    if isinstance(e, InRange):
+        lo, hi = e.index.bounds()
+        out = TRUE if lo >= e.lo and hi < e.hi else FALSE if hi < e.lo or lo >= e.hi else e
+    elif isinstance(e, Where):
+        c = simplify(e.cond, memo)
+        out = (simplify(e.a, memo) if c is TRUE else simplify(e.b, memo) if c is FALSE
+               else Where(c, simplify(e.a, memo), simplify(e.b, memo)))
+    elif isinstance(e, Op) and e.op in ("and", "or"):
+        args = [simplify(a, memo) for a in e.args]
+        absorbing, neutral = (FALSE, TRUE) if e.op == "and" else (TRUE, FALSE)
+        if any(a is absorbing for a in args):
+            out = absorbing
+        else:
+            rest = [a for a in args if a is not neutral]
+            out = neutral if not rest else rest[0] if len(rest) == 1 else Op(e.op, tuple(rest), e.params)
+    elif isinstance(e, Op) and e.op == "not":
+        a = simplify(e.args[0], memo)
+        out = FALSE if a is TRUE else TRUE if a is FALSE else Op("not", (a,))
+    elif isinstance(e, Op):
+        args = [simplify(a, memo) for a in e.args]
+        args = [Const(1.0 if a.value else 0.0) if isinstance(a, BoolConst) else a for a in args]
+        out = op(e.op, *args, params=e.params)
+    elif isinstance(e, Cast):
+        out = Cast(simplify(e.arg, memo), e.dtype)
+    else:
+        out = e
+    memo[e] = out
+    return out
+
+
 def kernel_exprs(k) -> list:
     if isinstance(k, PointwiseKernel):
+        if k.parts:
+            return [s.value for p in k.parts for s in p.stores]
         return [s.value for s in k.stores]
     return [p.value for p in k.phases] + [s.value for s in k.row_stores + k.outer_stores]
 
@@ -495,7 +546,10 @@ def index_exprs(k) -> list:
                 out.append(node.offset)
             elif isinstance(node, InRange):
                 out.append(node.index)
-    stores = k.stores if isinstance(k, PointwiseKernel) else k.row_stores + k.outer_stores
+    if isinstance(k, PointwiseKernel):
+        stores = [s for p in k.parts for s in p.stores] if k.parts else k.stores
+    else:
+        stores = k.row_stores + k.outer_stores
     return out + [s.offset for s in stores]
 
 
@@ -535,6 +589,8 @@ def _eval(e: Expr, env: dict, flats: list, cache: dict, red: dict) -> torch.Tens
         out = flat[off].to(torch.float32)
     elif isinstance(e, Const):
         out = torch.tensor(e.value, dtype=torch.float32, device=_device(env))
+    elif isinstance(e, BoolConst):
+        out = torch.tensor(e.value, dtype=torch.bool, device=_device(env))
     elif isinstance(e, Op):
         vals = [_eval(a, env, flats, cache, red) for a in e.args]
         out = _apply(e.op, vals, e.params)
@@ -581,7 +637,9 @@ def evaluate(k, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor])
     device = inputs[0].device if inputs else outputs[0].device
     flats = [_flat(t, b.span()) for t, b in zip(inputs, k.inputs)]
     if isinstance(k, PointwiseKernel):
-        if k.numel == 0:
+        for part in k.parts:
+            evaluate(part, inputs, outputs)
+        if k.parts or k.numel == 0:
             return
         env = _grid(k.vars, device)
         cache: dict = {}

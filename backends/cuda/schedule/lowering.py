@@ -32,6 +32,8 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
+from fxopt.ops import conv_epilogue_ref
+
 from .ir import Cast, Const, Expr, InRange, Ix, Load, Red, Where, op
 
 aten = torch.ops.aten
@@ -196,6 +198,30 @@ def _bn_eval(a, idx):
     if b is not None:
         y = op("add", y, a.value(b).load(c))
     return y
+
+
+#: fused_conv's activation names as IR ops: name -> fn(x, params) -> Expr
+_ACTIVATION_IR = {
+    "none": lambda x, p: x, "relu": lambda x, p: op("relu", x), "silu": lambda x, p: op("silu", x),
+    "gelu": lambda x, p: op("gelu", x), "gelu_tanh": lambda x, p: op("gelu_tanh", x),
+    "hardswish": lambda x, p: op("hardswish", x), "hardsigmoid": lambda x, p: op("hardsigmoid", x),
+    "sigmoid": lambda x, p: op("sigmoid", x), "tanh": lambda x, p: op("tanh", x),
+    "hardtanh": lambda x, p: op("clamp", x, params=(float(p[0]), float(p[1]))),
+    "leaky_relu": lambda x, p: op("leaky_relu", x, params=(float(p[0]),)),
+}
+
+
+def _conv_epilogue(a, idx):
+    """fxopt.ops.conv_epilogue_ref: act(y + bias[c] (+ residual))."""
+    y = a.value(a.arg(0, "y")).load(idx)
+    bias, res, act, params = a.arg(1, "bias"), a.arg(2, "residual"), a.arg(3, "activation"), a.arg(4, "act_params")
+    if bias is not None:
+        y = op("add", y, a.value(bias).load([idx[1]] if len(idx) > 1 else [Ix()]))
+    if res is not None:
+        y = op("add", y, a.bload(res)(idx))
+    if act not in _ACTIVATION_IR:
+        raise Decline(f"activation {act}")
+    return _ACTIVATION_IR[act](y, tuple(params or ()))
 
 
 def _softplus(a, idx):
@@ -840,6 +866,8 @@ def value_rule(node: fx.Node) -> Optional[Callable]:
     if node.op != "call_function":
         return None
     t = node.target
+    if t is conv_epilogue_ref:
+        return _pointwise(_conv_epilogue)
     if t is operator.getitem:
         src = node.args[0]
         if not isinstance(src, fx.Node) or src.op != "call_function":
