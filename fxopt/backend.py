@@ -116,6 +116,10 @@ class FxoptCompiler:
             if isinstance(ex, torch.nn.Parameter) or _PARAM_SOURCE.search(source):
                 self.params[i] = qualname_from_source(source) or node.name
         self.example_inputs = example_inputs
+        # Parameters Dynamo kept as graph attributes (it does so with Inductor's global freezing
+        # flag set): AOTAutograd lifts them in front of the inputs, in this order
+        self.lifted = list({**dict(dynamo_gm.named_parameters(remove_duplicate=False)),
+                            **dict(dynamo_gm.named_buffers(remove_duplicate=False))}.items())
         devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
         self.device_type = "cuda" if "cuda" in devices else "cpu"
 
@@ -123,15 +127,18 @@ class FxoptCompiler:
         ctx = PassContext(options=self.options, mode=mode, device_type=self.device_type)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         ctx.fake_inputs = list(fake_args)
-        if len(placeholders) == self.n_inputs:
-            for i, qual in self.params.items():
+        lifted = len(self.lifted) if len(placeholders) == len(self.lifted) + self.n_inputs else 0
+        if len(placeholders) == self.n_inputs + lifted:
+            params = {i + lifted: qual for i, qual in self.params.items()}
+            params.update({i: name for i, (name, _) in enumerate(self.lifted[:lifted])})
+            for i, qual in params.items():
                 node = placeholders[i]
                 ctx.param_placeholders.add(node.name)
                 ctx.param_qualnames[node.name] = qual
                 if mode == "inference" and self.options.freezing and not written_in_place(node):
                     ctx.const_placeholders.add(node.name)
             if mode == "inference":
-                ctx.example_inputs = self.example_inputs
+                ctx.example_inputs = [t for _, t in self.lifted[:lifted]] + list(self.example_inputs)
         elif mode == "inference":
             log.info("fxopt: AOTAutograd changed the inputs (%d -> %d); parameters stay runtime inputs",
                      self.n_inputs, len(placeholders))

@@ -270,3 +270,28 @@ def test_graphs_returning_views_of_inputs_keep_the_aot_wrapper():
     assert graphs[0].executor_details["aot_runtime_wrapper"] == "outputs alias"
     assert got[1]._base is x or got[1].data_ptr() == x.data_ptr()  # still a view of the input
     torch.testing.assert_close(got[0], m(x)[0])
+
+
+def test_parameters_frozen_also_with_inductors_global_freezing_flag():
+    """With torch._inductor.config.freezing set, Dynamo keeps parameters as graph attributes and
+    AOTAutograd lifts them in front of the inputs: fxopt still folds them as constants (and sees a
+    weight changed in place)."""
+    import torch._inductor.config as inductor_config
+
+    from fxopt.testing import SmallResNet, compile_with_fxopt
+
+    model = SmallResNet().eval()
+    x = torch.randn(2, 3, 32, 32)
+    graphs = []
+    with inductor_config.patch(freezing=True), torch.no_grad():
+        fast = compile_with_fxopt(model, None, graphs)
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
+        (g,) = graphs
+        folding = next(p for p in g.passes if p.name == "fold_constants")
+        assert folding.changed, folding.notes
+        bn = next(p for p in g.passes if p.name == "fold_batchnorm")
+        assert bn.changed, bn.notes
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.5)
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
