@@ -25,11 +25,35 @@ def explain(model, *example_inputs, options=None, training: bool = False) -> Rep
         return fxopt_backend(gm, inputs, options=opts, _sink=graphs)
 
     compiled = torch.compile(model, backend=capture, dynamic=False)
+    counts = {}
     try:
         _run(compiled, example_inputs, training)
+        if not training and _on_cuda(example_inputs):
+            counts = {"fxopt": kernel_launches(compiled, example_inputs),
+                      "eager": kernel_launches(model, example_inputs)}
     finally:
         torch.compiler.reset()
-    return Report(graphs)
+    return Report(graphs, counts)
+
+
+def _on_cuda(inputs) -> bool:
+    return torch.cuda.is_available() and any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs)
+
+
+def kernel_launches(fn, inputs) -> int:
+    """GPU kernels one inference call of ``fn`` runs (torch.profiler's CUDA kernel events; those
+    of a replayed CUDA graph count one by one), after two warm-up calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        for _ in range(2):
+            fn(*inputs)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn(*inputs)
+            torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if getattr(e, "device_type", None) is not None
+               and e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")))
 
 
 def _run(compiled, example_inputs, training: bool) -> None:

@@ -79,8 +79,10 @@ def _jsonable(x: Any) -> Any:
 class Report:
     """The result of ``fxopt.explain``: one GraphReport per captured graph."""
 
-    def __init__(self, graphs: list[GraphReport]):
+    def __init__(self, graphs: list[GraphReport], kernels_per_call: Optional[dict] = None):
         self.graphs = graphs
+        #: GPU kernels one call launches (a profiler count on CUDA): {"fxopt": n, "eager": m}
+        self.kernels_per_call = kernels_per_call or {}
 
     def _first(self) -> GraphReport:
         if not self.graphs:
@@ -143,11 +145,13 @@ class Report:
                 "op_counts_before": op_counts(g.before),
                 "op_counts_after": op_counts(g.after),
                 "conv_algorithms": g.conv_algorithms,
-                "kernels": [{"name": k.name, "compiled": k.compiled, "source": k.source} for k in g.kernels],
+                "kernels": [{"name": k.name, "compiled": k.compiled, "ops": list(getattr(k, "ops", []) or []),
+                             "source": k.source} for k in g.kernels],
                 "graph_after": g.after.print_readable(print_output=False),
             } for g in self.graphs],
             "op_counts_before": self.op_counts_before,
             "op_counts_after": self.op_counts_after,
+            "kernels_per_call": self.kernels_per_call,
         })
 
     def table(self) -> str:
@@ -171,6 +175,28 @@ class Report:
             lines.append(f"  {name}: {rec.algorithm}  [{rec.shape_str}]  {cands}  ({rec.how})")
         return "\n".join(lines)
 
+    def fusion_table(self) -> str:
+        """The generated kernels of the fusion scheduler (the ATen ops each covers and what the
+        executor chose for it) and the ops left to PyTorch with the reason."""
+        lines = []
+        for i, g in enumerate(self.graphs):
+            regions = g.executor_details.get("regions") or {}
+            choices = g.executor_details.get("node_choices") or {}
+            if regions:
+                lines.append(f"graph {i}: {len(regions)} fused regions")
+                for node, r in regions.items():
+                    chosen = choices.get(node, {}).get("choice", "not measured")
+                    lines.append(f"  {node}: {chosen}  <- {', '.join(r['ops'])}")
+            unfused = {k: v for k, v in (g.executor_details.get("unfused") or {}).items()
+                       if not v.startswith("no rule for fused_")}
+            if unfused:
+                lines.append(f"graph {i}: ops run as PyTorch runs them")
+                for node, why in unfused.items():
+                    lines.append(f"  {node}: {why}")
+        if self.kernels_per_call:
+            lines.append("kernels launched per call: " + ", ".join(f"{k} {v}" for k, v in self.kernels_per_call.items()))
+        return "\n".join(lines)
+
     def __str__(self) -> str:
         parts = [f"fxopt report: {len(self.graphs)} graph(s)", self.table()]
         if self.fallback:
@@ -178,6 +204,9 @@ class Report:
         conv = self.conv_table()
         if conv:
             parts.append(conv)
+        fusion = self.fusion_table()
+        if fusion:
+            parts.append(fusion)
         for i, g in enumerate(self.graphs):
             parts.append(f"--- graph {i} ({g.kind}) after the pipeline; executor={g.executor}, cudagraphs={g.cudagraphs}")
             parts.append(g.after.print_readable(print_output=False))

@@ -296,3 +296,27 @@ def test_getitem_of_rewritten_regions_carry_the_outputs_metadata():
         items = [u for u in node.users if u.target is operator.getitem]
         assert items and all(isinstance(u.meta.get("val"), torch.Tensor) for u in items)
     assert metas
+
+
+def test_explain_lists_each_fused_kernels_ops_and_the_ops_left_to_pytorch():
+    import fxopt
+
+    class M(nn.Module):
+        def forward(self, x):
+            return (x.long() + 1).float() * torch.softmax(x, 1)
+
+    report = fxopt.explain(M().eval(), torch.randn(2, 4, 3, 3), options={"executor": "cuda"})
+    text = report.fusion_table()
+    assert "aten._softmax.default" in text and "fused regions" in text
+    assert "ops run as PyTorch runs them" in text and "int64" in text
+    assert "kernels_per_call" in report.to_dict()
+
+
+def test_bench_report_has_a_kernels_per_call_table():
+    from fxopt.bench.report import _kernel_lines
+
+    cells = [{"model": "m", "batch": 1, "dtype": "float16", "backend": b, "kernels_per_call": n}
+             for b, n in (("fxopt", 12), ("inductor", 20))]
+    lines = _kernel_lines({"cells": cells})
+    assert "| m | 1 | float16 | 12 | 20 |" in lines
+    assert _kernel_lines({"cells": [dict(cells[0], kernels_per_call=None)]}) == []

@@ -285,10 +285,28 @@ def render_summary(results: Dict[str, Any]) -> str:
     return "\n".join(_header(results) + ["## Summary", ""] + _summary_table(results)) + "\n"
 
 
+def _kernel_lines(results: Dict[str, Any]) -> List[str]:
+    """GPU kernels per call (profiler count) per row and backend, where they were counted."""
+    rows: Dict[tuple, Dict[str, int]] = {}
+    for c in results.get("cells", []):
+        if c.get("kernels_per_call") is not None:
+            rows.setdefault((c["model"], c["batch"], c["dtype"]), {})[c["backend"]] = c["kernels_per_call"]
+    if not rows:
+        return []
+    backends = sorted({b for r in rows.values() for b in r})
+    lines = ["## Kernels per call", "", "GPU kernels one call launches (torch.profiler; a CUDA graph's kernels "
+             "counted one by one).", "",
+             "| model | batch | dtype | " + " | ".join(backends) + " |", "|---|---|---|" + "---|" * len(backends)]
+    for (m, b, d), r in rows.items():
+        lines.append(f"| {m} | {b} | {d} | " + " | ".join(str(r.get(k, "–")) for k in backends) + " |")
+    return lines + [""]
+
+
 def render_markdown(results: Dict[str, Any]) -> str:
     lines = _header(results) + ["## Summary", ""] + _summary_table(results) + [""]
     lines += _checks_lines(results)
     lines += _rounds_lines(results)
+    lines += _kernel_lines(results)
     lines += ["## Details", ""] + _details_table(results)
     return "\n".join(lines) + "\n"
 

@@ -568,6 +568,17 @@ def time_round(live: LiveCell, device: str, iters: int, rewarm: int = 0,
         live.prepared = live.model = None
 
 
+def _kernels_per_call(fn: Callable, x) -> Optional[int]:
+    """GPU kernels one call launches (torch.profiler; a replayed CUDA graph's kernels count one by
+    one), or None where the profiler is not available."""
+    try:
+        from fxopt.explain import kernel_launches
+
+        return kernel_launches(lambda inp: fn(inp), [x])
+    except Exception:  # noqa: BLE001 - a count is a diagnostic, never a reason to fail a cell
+        return None
+
+
 def finish_cell(live: LiveCell, device: str, rounds: int = 1) -> Dict[str, Any]:
     """The cell's statistics (and host time per call on CUDA); releases the backend."""
     cell = live.cell
@@ -577,6 +588,7 @@ def finish_cell(live: LiveCell, device: str, rounds: int = 1) -> Dict[str, Any]:
                 with torch.no_grad(), BACKENDS[live.backend].context(), warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     cell["host_ms"] = host_ms_per_call(live.prepared.fn, live.prepared.inputs)
+                    cell["kernels_per_call"] = _kernels_per_call(live.prepared.fn, live.prepared.inputs)
             st = stats(live.samples)
             cell.update({f"{k}_ms": v for k, v in st.items() if k != "n"})
             cell["n"] = st["n"]
