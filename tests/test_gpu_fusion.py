@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from fxopt.backends import torch_ref
@@ -64,7 +64,6 @@ def _check_region(gen, ref, inputs, dtype):
 
 @given(block_cases(dtypes=(torch.float32, torch.float16, torch.bfloat16), max_batch=4),
        st.sampled_from([torch.contiguous_format, torch.channels_last]))
-@settings(max_examples=60)
 def test_property_every_generated_kernel_matches_its_region(case, fmt):
     model = copy.deepcopy(case.model).cuda()
     x = case.inputs[0].cuda().contiguous(memory_format=fmt)
