@@ -81,8 +81,10 @@ def test_region_kernels_compile_and_are_reported():
     r = fxopt.explain(MobileBlock().eval(), torch.randn(2, 3, 16, 16), options={"executor": "cuda"})
     names = [k.name for k in r.kernels]
     assert any(n.startswith("fx_maxpool") for n in names), names
-    assert any(n.startswith("fx_gap") for n in names), names
     assert any(n.startswith("fx_dw3x3") for n in names), names
+    # the global average pool reads the 1x1 conv's output with the conv's epilogue fused in: one
+    # generated reduction kernel (a lone mean would also get the fx_gap template as a candidate)
+    assert any({"aten.mean.dim", "conv_epilogue_ref"} <= set(k.ops) for k in r.kernels), names
     assert all(k.compiled for k in r.kernels), [k.error for k in r.kernels if not k.compiled]
 
 
@@ -97,7 +99,8 @@ def test_region_kernels_compile_for_random_configurations(k, stride, dilation, p
     r = fxopt.explain(model, torch.randn(1, 3, 13, 13, dtype=dtype), options={"executor": "cuda", "layout": layout})
     names = [kr.name for kr in r.kernels]
     assert any(n.startswith(f"fx_dw{k}x{k}") for n in names), names
-    assert any(n.startswith("fx_maxpool") for n in names) and any(n.startswith("fx_gap") for n in names), names
+    assert any(n.startswith("fx_maxpool") for n in names), names
+    assert any("aten.mean.dim" in kr.ops for kr in r.kernels), names
     assert all(kr.compiled for kr in r.kernels), [kr.error for kr in r.kernels if not kr.compiled]
 
 
@@ -192,3 +195,29 @@ def test_compiled_mobile_block_matches_eager_and_measures_region_candidates(dtyp
     choices = graphs[0].executor_details["node_choices"]
     measured = {name for e in choices.values() for name in e["ms"]}
     assert {"generated_maxpool", "generated_globalavgpool", "generated_depthwiseconv"} <= measured, choices
+
+
+def test_vectorized_nhwc_depthwise_is_planned_only_for_channels_last_and_whole_vectors():
+    from fxopt.backends.cuda.schedule.conv import DepthwiseConvVec, plan_depthwise_vec
+
+    for layout, channels, want in (("channels_last", 16, True), ("contiguous", 16, False), ("channels_last", 12, False)):
+        model = MobileBlock(channels).eval().half()
+        gm = lowered(model, torch.randn(2, 3, 16, 16).half(), {"layout": layout})
+        plans = [p for p in (plan_depthwise_vec(n) for n in gm.graph.nodes) if p is not None]
+        assert bool(plans) == want, (layout, channels)
+        for p in plans:
+            assert isinstance(p, DepthwiseConvVec) and p.sources[0].meta["vec"] == 8
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k,stride,dilation", [(3, 1, 1), (3, 2, 1), (5, 2, 1), (7, 1, 1), (3, 1, 2)])
+def test_vectorized_nhwc_depthwise_compiles(dtype, k, stride, dilation):
+    from fxopt.backends.cuda.codegen import Epilogue, generate_depthwise_conv2d_nhwc_vec
+    from fxopt.backends.cuda.compiler import compile_kernel
+
+    h = 9
+    oh = (h + 2 * (k // 2) * dilation - dilation * (k - 1) - 1) // stride + 1
+    ks = generate_depthwise_conv2d_nhwc_vec(2, 24, h, h, oh, oh, k, stride, (k // 2) * dilation, dilation, dtype,
+                                            Epilogue(True, True, ("silu", ())))
+    assert compile_kernel(ks.source, ks.name, "sm_90", (), ks.param_types).compiled

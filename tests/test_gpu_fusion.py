@@ -112,3 +112,35 @@ def test_fused_torchvision_models_match_eager(name):
     assert relative_error(got.float(), want) <= 1e-2
     chosen = [d.get("choice") for g in graphs for d in g.executor_details.get("node_choices", {}).values()]
     assert any(c == "generated" for c in chosen), "no generated region kernel was chosen"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,c,h,k,stride,dilation,act,residual", [
+    (2, 16, 9, 3, 1, 1, "relu", False), (3, 24, 10, 3, 2, 1, "silu", True), (1, 96, 14, 7, 1, 1, "none", False),
+    (4, 64, 7, 5, 2, 1, "hardswish", False), (2, 136, 11, 3, 1, 2, "relu6", True)])
+def test_vectorized_nhwc_depthwise_matches_the_reference(dtype, n, c, h, k, stride, dilation, act, residual):
+    from fxopt.backends.cuda.schedule.conv import DepthwiseConvVec
+    from fxopt.ops import fused_conv_ref
+
+    acts = {"relu": ("relu", []), "silu": ("silu", []), "none": ("none", []), "hardswish": ("hardswish", []),
+            "relu6": ("hardtanh", [0.0, 6.0])}
+    activation, params = acts[act]
+    pad = (k // 2) * dilation
+    x = torch.randn(n, c, h, h, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+    w = (torch.randn(c, 1, k, k, device="cuda") / k).to(dtype)
+    b = torch.randn(c, device="cuda", dtype=dtype)
+    want = fused_conv_ref(x, w, b, None, [stride] * 2, [pad] * 2, [dilation] * 2, c, "none", [], "direct", None)
+    res = torch.randn_like(want).contiguous(memory_format=torch.channels_last) if residual else None
+    want = fused_conv_ref(x, w, b, res, [stride] * 2, [pad] * 2, [dilation] * 2, c, activation, params, "direct", None)
+    g = torch.fx.Graph()
+    nodes = [g.placeholder(nm) for nm in ("x", "w", "b", "r")]
+    for nd, t in zip(nodes, (x, w, b, res if res is not None else b)):
+        nd.meta["val"] = t
+    conv = g.call_function(fused_conv_ref, (nodes[0], nodes[1], nodes[2], nodes[3] if residual else None,
+                                            [stride] * 2, [pad] * 2, [dilation] * 2, c, activation, params, "direct", None))
+    conv.meta["val"] = want
+    cand = DepthwiseConvVec(conv, want, (k, k), (stride, stride), (pad, pad), (dilation, dilation))
+    cand.kernels[0] = cand.sources[0].compile()
+    got = cand(x, w, b, res, [stride] * 2, [pad] * 2, [dilation] * 2, c, activation, params)
+    assert got is not None and got.stride() == want.stride()
+    assert relative_error(got, want) <= TOL[dtype]

@@ -21,7 +21,7 @@ from .templates import (BINARY_OPS, UNARY_OPS, WINO_AT, WINO_BT, WINO_G, act_lin
 __all__ = [
     "layout_name", "TensorArg", "PointwiseOp", "PointwiseRegion", "Epilogue", "KernelSource",
     "generate_pointwise", "generate_pool2d", "generate_global_avgpool",
-    "generate_depthwise_conv2d", "generate_winograd_input_transform",
+    "generate_depthwise_conv2d", "generate_depthwise_conv2d_nhwc_vec", "generate_winograd_input_transform",
     "generate_winograd_output_transform", "winograd_tiles", "needs_index64",
     "UNARY_OPS", "BINARY_OPS", "SUPPORTED_DTYPES", "WINO_BT", "WINO_G", "WINO_AT",
 ]
@@ -387,6 +387,41 @@ def generate_depthwise_conv2d(k, stride=1, padding=0, dtype: torch.dtype = torch
     meta = {"layout": lay, "k": (KH, KW), "stride": (SH, SW), "padding": (PH, PW),
             "dilation": (DH, DW), "epilogue": epi, "weight_layout": wl}
     return KernelSource(name, src, tuple(params), "depthwise_conv2d", meta, (block, 1, 1), index64)
+
+
+def generate_depthwise_conv2d_nhwc_vec(n: int, c: int, h: int, w: int, oh: int, ow: int, k, stride=1, padding=0,
+                                       dilation=1, dtype: torch.dtype = torch.float16,
+                                       epilogue: Epilogue | None = None, block: int = 256) -> KernelSource:
+    """Depthwise conv on NHWC tensors with every size compiled in, each thread computing one output
+    pixel for ``vec`` consecutive channels (16-byte vector loads of the input per tap and one
+    vector store), the block's weights staged in shared memory. Requires C % vec == 0 and 16-byte
+    aligned x / y / residual (checked by the caller). Launch args: x, w (C, KH, KW), [bias], [res],
+    y; grid and block in ``meta``."""
+    (KH, KW), (SH, SW), (PH, PW), (DH, DW) = _pair(k), _pair(stride), _pair(padding), _pair(dilation)
+    ct, epi = _ctype(dtype), epilogue or Epilogue()
+    vec = 16 // dtype.itemsize
+    if c % vec:
+        raise ValueError(f"depthwise conv (vector): {c} channels are not a multiple of {vec}")
+    cg = min(64, c)
+    cg -= cg % vec
+    tc = cg // vec
+    tp = max(1, block // tc)
+    block = tc * tp
+    pixels = n * oh * ow
+    index64 = needs_index64(max(n * h * w * c, pixels * c))
+    name = _uname(f"fx_dwv{KH}x{KW}_s{SH}x{SW}_{_SHORT[dtype]}_nhwc", n, c, h, w, oh, ow, KH, KW, SH, SW, PH, PW,
+                  DH, DW, epi, block, index64)
+    src = load("depthwise_conv2d_nhwc_vec.cu").substitute(
+        prelude=_prelude({dtype}), KH=KH, KW=KW, KK=KH * KW, SH=SH, SW=SW, PH=PH, PW=PW, DH=DH, DW=DW, VEC=vec,
+        CG=cg, TC=tc, TP=tp, C=c, H=h, W=w, OH=oh, OW=ow, PIXELS=pixels, block=block, name=name, T=ct,
+        idx=_idx(index64), extra_params=epi.params(ct), epi_desc=epi.describe(),
+        epilogue=epi.code(" " * 6, "fx_to_f32(bias[c])", "fx_to_f32(res[o])"))
+    params = [("x", f"const {ct}*"), ("w", f"const {ct}*")]
+    params += [("bias", f"const {ct}*")] * epi.bias + [("res", f"const {ct}*")] * epi.residual + [("y", f"{ct}*")]
+    grid = (max(1, min(-(-pixels // tp), _MAX_BLOCKS)), -(-c // cg), 1)
+    meta = {"layout": "nhwc", "k": (KH, KW), "stride": (SH, SW), "padding": (PH, PW), "dilation": (DH, DW),
+            "epilogue": epi, "vec": vec, "grid": grid, "shape": (n, c, h, w, oh, ow)}
+    return KernelSource(name, src, tuple(params), "depthwise_conv2d_nhwc_vec", meta, (block, 1, 1), index64)
 
 
 # ---------------------------------------------------------------------------- Winograd

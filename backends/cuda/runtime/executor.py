@@ -44,7 +44,8 @@ from fxopt.backends.cuda.runtime.measure import Tuning, cache_key, region_key, w
 from fxopt.backends.cuda.schedule.fusion import rewrite, schedule, split_conv_epilogues
 from fxopt.backends.cuda.schedule.generated import GeneratedRegion, RegionReference, template_candidates
 from fxopt.backends.cuda.schedule.conv import (GeneratedEpilogue, cudnn_conv_relu, plan_conv_epilogue,
-                                               plan_conv_maxpool, plan_depthwise, plan_direct_conv,
+                                               plan_conv_maxpool, plan_depthwise, plan_depthwise_vec,
+                                               plan_direct_conv,
                                                with_generated_epilogue)
 from fxopt.backends.cuda.schedule.groups import fuse_conv_maxpool, fuse_linear_chain
 from fxopt.backends.cuda.schedule.linear import plan_linear, plan_linear_chains
@@ -53,7 +54,7 @@ from fxopt.ops import fused_conv_ref
 
 
 #: per-node candidates of library nodes (and of pools the fusion scheduler left alone)
-PLANNERS = (plan_depthwise, plan_maxpool, plan_global_avgpool, plan_direct_conv, plan_linear)
+PLANNERS = (plan_depthwise, plan_depthwise_vec, plan_maxpool, plan_global_avgpool, plan_direct_conv, plan_linear)
 
 
 @dataclass

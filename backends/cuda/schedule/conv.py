@@ -166,6 +166,7 @@ class DepthwiseConv(TemplateCandidate):
         activation = None if act == "none" else (act, tuple(act_params))
         self.epilogue = Epilogue(bias is not None, res is not None, activation)
         self.layout, self.out_meta = layout, out
+        self.k, self.stride, self.padding, self.dilation = k, stride, padding, dilation
         self.x_shape = tuple(_val(node.args[0]).shape[1:])
         super().__init__(f"dw_{node.name}", generate_depthwise_conv2d(
             k, stride, padding, out.dtype, layout, self.epilogue, dilation, weight_layout="ckk"))
@@ -182,6 +183,44 @@ class DepthwiseConv(TemplateCandidate):
                                   _strides(self.layout, (x.shape[0], *self.out_meta.shape[1:])),
                                   dtype=x.dtype, device=x.device)
         return launch_depthwise_conv2d(self.sources[0], x, weight, out, bias, residual, kernel=self.kernel)
+
+
+class DepthwiseConvVec(TemplateCandidate):
+    """NHWC depthwise conv with all sizes compiled in: one output pixel x 8 (fp16/bf16) or 4 (fp32)
+    channels per thread, 16-byte vector loads, weights staged in shared memory
+    (``codegen.generate_depthwise_conv2d_nhwc_vec``)."""
+    label = "depthwiseconv_vec"
+
+    def __init__(self, node: fx.Node, out: torch.Tensor, k, stride, padding, dilation):
+        from fxopt.backends.cuda.codegen import generate_depthwise_conv2d_nhwc_vec
+
+        bias, res, act, act_params = node.args[2], node.args[3], node.args[8], node.args[9]
+        self.epilogue = Epilogue(bias is not None, res is not None, None if act == "none" else (act, tuple(act_params)))
+        x = _val(node.args[0])
+        self.x_shape, self.out_shape, self.dtype = tuple(x.shape), tuple(out.shape), out.dtype
+        n, c, h, w = self.x_shape
+        super().__init__(f"dwv_{node.name}", generate_depthwise_conv2d_nhwc_vec(
+            n, c, h, w, out.shape[2], out.shape[3], k, stride, padding, dilation, out.dtype, self.epilogue))
+
+    def __call__(self, x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
+                 algorithm="direct", prepacked=None):
+        ks = self.sources[0]
+        if self.kernel is None or not x.is_cuda or tuple(x.shape) != self.x_shape or x.dtype != self.dtype:
+            return None
+        if not memory_layout_ok(x, "nhwc") or not _ckk(weight) or weight.dtype != x.dtype or x.data_ptr() % 16:
+            return None
+        if (bias is not None) != self.epilogue.bias or (residual is not None) != self.epilogue.residual:
+            return None
+        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+            return None
+        if residual is not None and (not memory_layout_ok(residual, "nhwc") or residual.dtype != x.dtype
+                                     or tuple(residual.shape) != self.out_shape):
+            return None
+        out = torch.empty_strided(self.out_shape, _strides("nhwc", self.out_shape), dtype=x.dtype, device=x.device)
+        args = [x, weight] + [t for t in (bias, residual) if t is not None] + [out]
+        if out.numel():
+            self.kernel.launch(ks.meta["grid"], ks.block, args)
+        return out
 
 
 def _ckk(w: torch.Tensor) -> bool:
@@ -213,6 +252,18 @@ def plan_depthwise(node: fx.Node) -> Optional[DepthwiseConv]:
         if t is not None and (_val(t) is None or _val(t).dtype != out.dtype):
             return None
     return DepthwiseConv(node, layout, out, k, stride, padding, dilation)
+
+
+def plan_depthwise_vec(node: fx.Node) -> Optional[DepthwiseConvVec]:
+    """The vectorized NHWC variant for a depthwise conv ``plan_depthwise`` takes, where the layout is
+    channels_last, the channels a multiple of the vector width and the batch static."""
+    dw = plan_depthwise(node)
+    if dw is None or dw.layout != "nhwc":
+        return None
+    x, out = _val(node.args[0]), node.meta["val"]
+    if x.shape[1] % (16 // out.dtype.itemsize) or not isinstance(x.shape[0], int):
+        return None
+    return DepthwiseConvVec(node, out, dw.k, dw.stride, dw.padding, dw.dilation)
 
 
 # ---------------------------------------------------------------------------- direct conv (+ max pool)
