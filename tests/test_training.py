@@ -220,3 +220,15 @@ def test_bench_train_on_gpu_profiles_the_step(tmp_path):
     for c in cells.values():
         assert c["kernels_per_step"] > 0 and c["gpu_kernel_ms"] > 0 and c["host_ms"] > 0 and c["peak_mem_mb"] > 0
     assert cells["fxopt"]["losses_max_rel_diff"] <= LOSS_TOLERANCE[torch.float16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@_examples(10)
+@given(cnn_cases(dtypes=(torch.float32,), ndims=(2,), training=True, min_batch=2, max_layers=4))
+def test_training_under_float16_autocast_on_gpu(case):
+    """Generated training graphs on CUDA under float16 autocast: loss, gradients and buffers within
+    float16's tolerance of eager's."""
+    case.model.cuda()
+    case.inputs = tuple(t.cuda() for t in case.inputs)
+    check_equivalence(case, autocast=torch.float16)
