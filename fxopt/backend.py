@@ -10,7 +10,9 @@ sources and, with ``freezing`` on, treated as constants by the passes (the
 ``fold_constants`` pass re-evaluates folded weights when a weight changes in
 place). Training gets AOTAutograd's forward and backward graphs, each through
 the same pipeline, where the passes only rewrite what stays legal with
-autograd (no BatchNorm folding, no fusion across values saved for backward).
+autograd (no BatchNorm folding, no fusion across values saved for backward);
+the joint graph is split by the partition function of option ``partitioner``
+(``fxopt.training``: min-cut rematerialization by default).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from fxopt.autotune import cudnn_choosing
 from fxopt.passinfra import PassContext, written_in_place
 from fxopt.pipeline import FxoptFallbackWarning, PassFailure, copy_graph_module, run_pipeline
 from fxopt.report import GraphReport
+from fxopt.training import Partitioner, training_details
 
 log = logging.getLogger("fxopt")
 _PARAM_SOURCE = re.compile(r"\._(parameters|buffers)\[")
@@ -107,6 +110,7 @@ class FxoptCompiler:
         self.options = options
         self.sink = sink
         self.direct: Optional[Callable] = None  # the inference graph, when it may skip AOT's wrapper
+        self.partitioner = Partitioner(options.partitioner)  # splits training graphs (fxopt.training)
         placeholders = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
         self.n_inputs = len(placeholders)
         self.params: dict[int, str] = {}
@@ -172,6 +176,8 @@ class FxoptCompiler:
             compile_ms=(time.perf_counter() - t0) * 1e3,
             executor_details={k: v for k, v in executor_info.items() if k not in ("kernels", "executor", "cudagraphs")},
         )
+        if kind != "inference":  # how AOTAutograd split the joint graph (fxopt.training)
+            report.training = training_details(before, kind, self.partitioner)
         if kind == "inference" and self.options.direct_call:
             why = direct_call_blocker(gm, self.n_inputs)
             report.executor_details["aot_runtime_wrapper"] = why or "skipped (direct call)"
@@ -203,5 +209,6 @@ def fxopt_backend(gm: fx.GraphModule, example_inputs: list, options=None, mode=N
         fw_compiler=compiler.forward,
         bw_compiler=compiler.backward,
         inference_compiler=compiler.inference,
+        partition_fn=compiler.partitioner,
     )(gm, example_inputs)
     return compiler.direct or compiled

@@ -12,6 +12,7 @@ from typing import Any, Optional, Union
 
 EXECUTORS = ("auto", "torch", "cuda", "onnxruntime")
 LAYOUTS = ("auto", "channels_last", "contiguous")
+PARTITIONERS = ("min_cut", "default")
 CONV_ALGORITHM_MODES = ("auto", "heuristic")
 
 
@@ -46,6 +47,9 @@ class Options:
     direct_call: bool = True
     #: maximum number of captured CUDA graphs (input signatures) per compiled graph
     cudagraph_max_signatures: int = 8
+    #: training: how AOTAutograd splits forward and backward; "min_cut" recomputes cheap pointwise
+    #: values in the backward instead of saving them, "default" saves every value it needs
+    partitioner: str = "min_cut"
     #: let cuDNN search its algorithms inside fxopt's convolutions where ``torch.backends.cudnn.benchmark``
     #: is on; False (default): cuDNN's heuristics choose (fxopt measures its own candidates; the search
     #: costs seconds on first use and chose no faster kernels on the H100: BENCHMARKS.md)
@@ -93,6 +97,8 @@ class Options:
             raise ValueError(f"fxopt: executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"fxopt: layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.partitioner not in PARTITIONERS:
+            raise ValueError(f"fxopt: partitioner must be one of {PARTITIONERS}, got {self.partitioner!r}")
         from fxopt.backends.conv_algorithms import ALGORITHMS
 
         allowed = set(CONV_ALGORITHM_MODES) | set(ALGORITHMS)

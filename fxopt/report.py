@@ -62,6 +62,9 @@ class GraphReport:
     compile_ms: float = 0.0
     #: executor decisions, e.g. "node_choices": node -> measured candidates and choice (cuda executor)
     executor_details: dict = field(default_factory=dict)
+    #: forward/backward graphs: the partitioner and, for a backward, what it reads from its forward
+    #: (``fxopt.training``)
+    training: dict = field(default_factory=dict)
 
 
 def _jsonable(x: Any) -> Any:
@@ -141,6 +144,7 @@ class Report:
                 "measurements": g.measurements,
                 "compile_ms": g.compile_ms,
                 "executor_details": g.executor_details,
+                "training": g.training,
                 "passes": [dict(asdict(p), summary=p.summary) for p in g.passes],
                 "op_counts_before": op_counts(g.before),
                 "op_counts_after": op_counts(g.after),

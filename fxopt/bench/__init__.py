@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="RNG seed for weights and inputs")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="stop starting new cells after S seconds (the rest are marked skipped)")
+    p.add_argument("--train", action="store_true", help="time training steps instead (fxopt.bench.train; "
+                   "its options: fxopt bench --train --help)")
     p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
                    help="measure nothing: merge results.json files of runs split over several commands on one "
                    "machine into one report in --out")
@@ -408,6 +410,11 @@ def run_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] = None) -
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--train" in argv:  # the training-step benchmark has its own options: fxopt bench --train --help
+        from .train import main as train_main
+
+        return train_main([x for x in argv if x != "--train"])
     a = parse_args(argv)
     if a.cold_child:
         return _cold_child(a.cold_child)

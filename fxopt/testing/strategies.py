@@ -13,9 +13,16 @@ The generated modules cover conv1d/conv2d (kernel 1-7, stride 1-2, padding incl.
 'same', dilation, groups incl. depthwise), BatchNorm with random statistics,
 every activation fxopt fuses, max/avg/adaptive pooling, residual adds,
 concatenation, and flatten + linear heads, in float32/float64/bfloat16/float16.
+With ``training=True`` the models are in training mode (BatchNorm normalises by
+batch statistics and updates its running statistics) and also draw ResNet basic
+blocks (conv-BN-act-conv-BN plus an identity or strided 1x1 conv-BN shortcut,
+added, act: a gradient that flows into two branches and sums); ``check_equivalence``
+then compares the loss, every parameter's gradient, the input's gradient and the
+updated buffers with eager's (optionally under ``torch.autocast``).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import Optional
@@ -73,6 +80,9 @@ class Step(nn.Module):
     def forward(self, x):
         if self.kind == "residual":
             return self.extra(self.body(x) + x)
+        if self.kind == "basic_block":  # extra = (shortcut, activation)
+            shortcut, act = self.extra
+            return act(self.body(x) + shortcut(x))
         if self.kind == "concat":
             return torch.cat([self.body(x), self.extra(x)], dim=1)
         if self.kind == "flatten_linear":
@@ -121,10 +131,18 @@ def conv_params(draw, cin: int, size: int, ndim: int):
     return kwargs, cout, out
 
 
+#: the layers a generated model is drawn from (repeats weigh the draw)
+LAYER_KINDS = ("conv", "conv", "conv", "residual", "concat", "pool")
+#: training cases also draw ResNet basic blocks
+TRAINING_LAYER_KINDS = LAYER_KINDS + ("basic_block",)
+
+
 @st.composite
 def cnn_cases(draw, dtypes=(torch.float32,), ndims=(2,), max_layers: int = 5, training: bool = False,
-              heads: bool = True, min_batch: int = 1, max_batch: int = 3):
-    """A random CNN (eval mode unless `training`) with a matching random input."""
+              heads: bool = True, min_batch: int = 1, max_batch: int = 3, kinds=None):
+    """A random CNN (eval mode unless `training`) with a matching random input. `kinds`: the layer
+    kinds to draw from (default ``LAYER_KINDS``, ``TRAINING_LAYER_KINDS`` with `training`)."""
+    kinds = list(kinds or (TRAINING_LAYER_KINDS if training else LAYER_KINDS))
     ndim = draw(st.sampled_from(list(ndims)))
     dtype = draw(st.sampled_from(list(dtypes)))
     seed = draw(st.integers(0, 2**16))
@@ -148,7 +166,7 @@ def cnn_cases(draw, dtypes=(torch.float32,), ndims=(2,), max_layers: int = 5, tr
         return nn.Sequential(*layers), cout, out, f"{text}-{act}"
 
     for _ in range(draw(st.integers(1, max_layers))):
-        kind = draw(st.sampled_from(["conv", "conv", "conv", "residual", "concat", "pool"]))
+        kind = draw(st.sampled_from(kinds))
         if kind == "pool" and size >= 2:
             pool = draw(st.sampled_from(["max", "avg", "adaptive"]))
             if pool == "adaptive":
@@ -167,6 +185,21 @@ def cnn_cases(draw, dtypes=(torch.float32,), ndims=(2,), max_layers: int = 5, tr
             act = draw(st.sampled_from(sorted(ACTIVATIONS)))
             steps.append(Step("residual", body, ACTIVATIONS[act]()))
             desc.append(f"residual(conv3-bn)+{act}")
+        elif kind == "basic_block" and size >= 2:
+            stride = draw(st.sampled_from([1, 2]))
+            cout = draw(st.sampled_from([c, 4, 8]))
+            act = draw(st.sampled_from(["relu", "relu_inplace", "silu", "hardswish"]))
+            body = nn.Sequential(conv_cls(c, cout, 3, stride, 1, bias=False), _rand_bn(bn_cls(cout), gen),
+                                 ACTIVATIONS[act](), conv_cls(cout, cout, 3, 1, 1, bias=False),
+                                 _rand_bn(bn_cls(cout), gen))
+            if stride == 1 and cout == c:
+                shortcut, text = nn.Identity(), "identity"
+            else:
+                shortcut = nn.Sequential(conv_cls(c, cout, 1, stride, bias=False), _rand_bn(bn_cls(cout), gen))
+                text = f"conv1 s{stride}-bn"
+            steps.append(Step("basic_block", body, nn.ModuleList([shortcut, ACTIVATIONS[act]()])))
+            desc.append(f"basic_block(conv3 s{stride}-bn-{act}-conv3-bn + {text})-{act}")
+            c, size = cout, (size - 1) // stride + 1
         elif kind == "concat" and size >= 3:
             a, ca, sa, ta = conv_block(c, size)
             kw = dict(in_channels=c, out_channels=draw(st.sampled_from([2, 4])), kernel_size=1)
@@ -210,28 +243,26 @@ def compile_with_fxopt(model: nn.Module, options=None, graphs: Optional[list] = 
     return torch.compile(model, backend=backend)
 
 
-def check_equivalence(case: CNNCase, options=None, rtol=None, atol=None) -> list:
+def check_equivalence(case: CNNCase, options=None, rtol=None, atol=None, autocast: Optional[torch.dtype] = None) -> list:
     """Compile `case.model` with fxopt and assert outputs (and gradients) match eager.
+
+    Inference cases: outputs and their strides. Training cases (``case.training``): the output, the
+    loss ``(out * w).sum()`` for a fixed random ``w`` (so that every output element's gradient
+    differs), every parameter's gradient (10x the tolerance), the input's gradient and the buffers
+    the step updated (BatchNorm running statistics). `autocast`: run both forwards under
+    ``torch.autocast`` to that dtype (tolerances then default to that dtype's).
 
     Returns the GraphReports of the compiled graphs (at least one, or it fails).
     """
     global GRAPHS_CHECKED
-    rtol_d, atol_d = tolerance(case.dtype)
+    rtol_d, atol_d = tolerance(autocast or case.dtype)
     rtol, atol = rtol or rtol_d, atol or atol_d
     graphs: list = []
     eager = case.model
     model = copy.deepcopy(case.model)
     compiled = compile_with_fxopt(model, options, graphs)
     if case.training:
-        inputs_e = [t.detach().clone().requires_grad_(True) for t in case.inputs]
-        inputs_c = [t.detach().clone().requires_grad_(True) for t in case.inputs]
-        out_e, out_c = eager(*inputs_e), compiled(*inputs_c)
-        torch.testing.assert_close(out_c, out_e, rtol=rtol, atol=atol)
-        out_e.float().sum().backward()
-        out_c.float().sum().backward()
-        for (name, p_e), p_c in zip(eager.named_parameters(), model.parameters()):
-            torch.testing.assert_close(p_c.grad, p_e.grad, rtol=rtol * 10, atol=atol * 10, msg=lambda m: f"{name}: {m}")
-        torch.testing.assert_close(inputs_c[0].grad, inputs_e[0].grad, rtol=rtol * 10, atol=atol * 10)
+        _check_training_step(eager, model, compiled, case.inputs, rtol, atol, autocast)
     else:
         with torch.no_grad():
             out_e, out_c = eager(*case.inputs), compiled(*case.inputs)
@@ -243,3 +274,32 @@ def check_equivalence(case: CNNCase, options=None, rtol=None, atol=None) -> list
         g.after.graph.lint()
     GRAPHS_CHECKED += 1
     return graphs
+
+
+def _check_training_step(eager: nn.Module, model: nn.Module, compiled, inputs, rtol, atol, autocast) -> None:
+    """One forward + backward of `eager` and of `compiled` (which trains `model`, a copy of it)."""
+    device = inputs[0].device.type
+    amp = torch.autocast(device, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    inputs_e = [t.detach().clone().requires_grad_(True) for t in inputs]
+    inputs_c = [t.detach().clone().requires_grad_(True) for t in inputs]
+    with amp:
+        out_e, out_c = eager(*inputs_e), compiled(*inputs_c)
+    torch.testing.assert_close(out_c, out_e, rtol=rtol, atol=atol)
+    w = torch.randn(out_e.shape, generator=torch.Generator().manual_seed(0)).to(out_e.device)
+    loss_e, loss_c = (out_e.float() * w).sum(), (out_c.float() * w).sum()
+    torch.testing.assert_close(loss_c, loss_e, rtol=rtol, atol=atol * max(1.0, out_e.numel() ** 0.5),
+                               msg=lambda m: f"loss: {m}")
+    loss_e.backward()
+    loss_c.backward()
+    grads_e, grads_c = dict(eager.named_parameters()), dict(model.named_parameters())
+    assert list(grads_c) == list(grads_e)
+    for name, p_e in grads_e.items():
+        g_e, g_c = p_e.grad, grads_c[name].grad
+        assert (g_c is None) == (g_e is None), f"{name}: gradient {g_c is not None} vs eager {g_e is not None}"
+        if g_e is not None:
+            torch.testing.assert_close(g_c, g_e, rtol=rtol * 10, atol=atol * 10, msg=lambda m: f"{name}.grad: {m}")
+    for t_c, t_e in zip(inputs_c, inputs_e):
+        torch.testing.assert_close(t_c.grad, t_e.grad, rtol=rtol * 10, atol=atol * 10, msg=lambda m: f"input.grad: {m}")
+    buffers_c = dict(model.named_buffers())
+    for name, b_e in eager.named_buffers():
+        torch.testing.assert_close(buffers_c[name], b_e, rtol=rtol, atol=atol, msg=lambda m: f"buffer {name}: {m}")

@@ -1,0 +1,307 @@
+"""Data-parallel training through fxopt: ``torch.compile(DistributedDataParallel(model), backend="fxopt")``.
+
+Launched with one process per device::
+
+    torchrun --standalone --nproc-per-node 2 -m fxopt.bench.ddp --device cuda --model resnet50 --batch 64
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m fxopt.bench.ddp --device cpu \\
+        --model seedcnn2 --batch 8 --amp none --iters 3 --warmup 1      # gloo on the CPU
+
+Every process trains with the reference loop (``fxopt.testing.training.TrainLoop``) on its own
+seeded batches (per rank), from the same initial weights:
+
+1. ``--single`` (default on): each process trains the model alone (no DDP) on its device, all at
+   once: the one-device step time and throughput per backend.
+2. per backend, ``DistributedDataParallel(model)`` (gradients all-reduced in buckets of
+   ``--bucket-cap-mb``), compiled by the backend (eager: not compiled). Dynamo's DDPOptimizer
+   splits the model's graph at the bucket boundaries (so that each bucket's all-reduce can start
+   while the backward of the pieces before it runs); every piece is compiled by the backend, which
+   fxopt's reports show (one forward and one backward graph per piece).
+3. checks: each compiled backend's losses (every rank's first ``--losses``) and its parameters
+   after the last step against eager DDP's, within the tolerance of the precision; fxopt compiled
+   every piece without falling back.
+
+Rank 0 writes results.json and results.md to ``--out``: per backend the step time, images/s per
+device and in all, the scaling over one device (all devices' images/s / one device's), the loss
+and parameter differences, and fxopt's graphs. The exit status is 1 on a failed check.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+#: relative difference (max |p - p_eager| / max |p_eager| over parameters and buffers) after the steps
+PARAM_TOLERANCE = {"none": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .train import TRAIN_BACKENDS
+
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m fxopt.bench.ddp",
+                                description="DistributedDataParallel training through each backend vs eager DDP.")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default cuda if available (NCCL), else cpu (gloo)")
+    p.add_argument("--model", default="resnet50", help="a fxopt.bench model (default resnet50)")
+    p.add_argument("--batch", type=int, default=64, help="batch per process (default 64)")
+    p.add_argument("--amp", choices=["float16", "bfloat16", "none"], help="default float16 on cuda, none on cpu")
+    p.add_argument("--backends", default="eager,fxopt", help=f"comma list (eager always; known: {','.join(TRAIN_BACKENDS)})")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=int, default=50, help="timed steps")
+    p.add_argument("--losses", type=int, default=20, help="losses compared with eager DDP's")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (DDP's default 25)")
+    p.add_argument("--single", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time each process training alone (the one-device baseline)")
+    p.add_argument("--image-size", type=int, help="input height/width of the ImageNet models (default 224)")
+    p.add_argument("--data-batches", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--fxopt-options", default=None, metavar="JSON")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-min", type=float, default=60.0, help="collective timeout (compiles happen between)")
+    p.add_argument("--out", default="bench_ddp_out")
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    import torch
+
+    from . import models as M
+    from .train import TRAIN_BACKENDS
+
+    p = build_parser()
+    a = p.parse_args(list(argv) if argv is not None else None)
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    a.amp = a.amp or ("float16" if a.device == "cuda" else "none")
+    if a.model not in M.MODELS:
+        p.error(f"unknown model {a.model!r}; known: {', '.join(M.MODELS)}")
+    a.backends = ["eager"] + [b.strip() for b in a.backends.split(",") if b.strip() and b.strip() != "eager"]
+    bad = [b for b in a.backends if b not in TRAIN_BACKENDS]
+    if bad:
+        p.error(f"unknown backend(s) {bad}; known: {', '.join(TRAIN_BACKENDS)}")
+    if a.batch < 2 or a.iters < 1 or a.warmup < 0 or a.losses < 0:
+        p.error("--batch >= 2, --iters >= 1, --warmup and --losses >= 0")
+    a.fxopt_options = json.loads(a.fxopt_options) if a.fxopt_options else {}
+    a.final_steps = 0
+    return a
+
+
+def _train(t, a) -> None:
+    """First step (timed: compile), warm-up, timed steps; a failure marks the cell."""
+    from .train import _guarded, _sync
+
+    errors: List[str] = []
+
+    def first():
+        t0 = time.perf_counter()
+        t.steps(1)
+        _sync(t.device)
+        t.cell["first_step_s"] = time.perf_counter() - t0
+
+    _guarded(t, first, errors, "first step")
+    _guarded(t, lambda: t.steps(a.warmup), errors, "warm-up")
+    _guarded(t, lambda: t.timed(a.iters), errors, "timed steps")
+    if errors:
+        print(errors[0], file=sys.stderr)
+
+
+def _cell(t, a, world: int) -> Dict[str, Any]:
+    from .runners import stats
+    from .train import _graph_summary
+
+    cell = dict(t.cell)
+    cell["losses"] = [float(x) for x in t.losses]
+    if t.samples and cell["status"] == "ok":
+        st = stats(t.samples)
+        cell.update(median_ms=st["median"], iqr_ms=st["iqr"])
+        cell["images_per_s_per_device"] = a.batch / (st["median"] / 1e3)
+        cell["images_per_s"] = cell["images_per_s_per_device"] * world
+    if t.reports:
+        cell["fxopt"] = _graph_summary(t.reports)
+    return cell
+
+
+def _param_rel_diff(model, reference) -> float:
+    """max |p - p_ref| / max |p_ref| over the parameters and floating-point buffers (BatchNorm's
+    running statistics)."""
+    import torch
+
+    def state(m):
+        return [t for t in [*m.parameters(), *m.buffers()] if t.is_floating_point()]
+
+    num = den = 0.0
+    with torch.no_grad():
+        for p, q in zip(state(model), state(reference)):
+            num = max(num, (p.float() - q.float()).abs().max().item())
+            den = max(den, q.float().abs().max().item())
+    return num / den if den else num
+
+
+def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    """This process's part; returns the results on rank 0 (None elsewhere)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fxopt.testing.training import AMP_DTYPES, LOSS_TOLERANCE, make_batches, max_rel_diff
+
+    from . import _device_info, _versions
+    from .train import Trainee, _build
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if a.device == "cuda":
+        torch.cuda.set_device(local)
+        torch.backends.cudnn.benchmark = True
+    device = f"cuda:{local}" if a.device == "cuda" else "cpu"
+    dist.init_process_group("nccl" if a.device == "cuda" else "gloo",
+                            timeout=datetime.timedelta(minutes=a.timeout_min),
+                            **({"device_id": torch.device(device)} if a.device == "cuda" else {}))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        base, shape, classes = _build(a.model, a)
+        batches = make_batches(a.data_batches, a.batch, shape, classes, device, seed=a.seed + 1000 * rank)
+        single: Dict[str, Any] = {}
+        if a.single:
+            for be in a.backends:
+                torch._dynamo.reset()
+                t = Trainee(be, base, batches, device, a.amp, a.lr, a.fxopt_options)
+                _train(t, a)
+                single[be] = _cell(t, a, 1)
+                del t
+        dist.barrier()
+        bucket = {"bucket_cap_mb": a.bucket_cap_mb, **({"device_ids": [local]} if a.device == "cuda" else {})}
+        trainees = {}
+        for be in a.backends:
+            torch._dynamo.reset()
+            t = Trainee(be, base, batches, device, a.amp, a.lr, a.fxopt_options,
+                        wrap_model=lambda m: DDP(m, **bucket))
+            _train(t, a)
+            trainees[be] = t
+            dist.barrier()
+        eager = trainees["eager"]
+        ddp: Dict[str, Any] = {}
+        for be, t in trainees.items():
+            cell = _cell(t, a, world)
+            if be != "eager" and cell["status"] == "ok" and eager.cell["status"] == "ok":
+                mine, ref = cell["losses"], [float(x) for x in eager.losses]
+                n = min(a.losses, len(mine), len(ref))
+                cell["losses_max_rel_diff"] = max_rel_diff(mine[:n], ref[:n])
+                cell["param_rel_diff"] = _param_rel_diff(t.model, eager.model)
+            ddp[be] = cell
+        gathered: List[Any] = [None] * world
+        dist.all_gather_object(gathered, {"rank": rank, "device": device, "single": single, "ddp": ddp})
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    if rank != 0:
+        return None
+    import torch._dynamo
+
+    tol = LOSS_TOLERANCE[AMP_DTYPES[a.amp]]
+    meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": "torchrun --nproc-per-node {} -m fxopt.bench.ddp ".format(world) + " ".join(sys.argv[1:]),
+            "kind": "ddp", "world_size": world, "backend_comm": "nccl" if a.device == "cuda" else "gloo",
+            "device_type": a.device, **_device_info(a.device), "versions": _versions(),
+            "dynamo_optimize_ddp": str(torch._dynamo.config.optimize_ddp),
+            "config": {k: getattr(a, k) for k in ("model", "batch", "amp", "backends", "warmup", "iters", "losses",
+                                                   "bucket_cap_mb", "single", "image_size", "data_batches", "lr",
+                                                   "seed", "fxopt_options")},
+            "loss_tolerance": tol, "param_tolerance": PARAM_TOLERANCE[a.amp]}
+    return {"meta": meta, "ranks": gathered, "summary": _summarize(gathered, a, tol)}
+
+
+def _summarize(ranks: List[Dict[str, Any]], a, tol: float) -> Dict[str, Any]:
+    """Per backend: rank 0's step time, throughput and scaling; the worst loss/parameter difference
+    over the ranks; fxopt's graphs; the checks."""
+    out: Dict[str, Any] = {"backends": {}, "checks": []}
+    for be in a.backends:
+        cells = [r["ddp"][be] for r in ranks]
+        c0, s0 = cells[0], ranks[0]["single"].get(be, {})
+        row = {"status": "ok" if all(c["status"] == "ok" for c in cells) else
+               next(f"{c['status']}: {c.get('error')}" for c in cells if c["status"] != "ok"),
+               "ddp_step_ms": c0.get("median_ms"), "ddp_images_per_s_per_device": c0.get("images_per_s_per_device"),
+               "ddp_images_per_s": c0.get("images_per_s"), "first_step_s": c0.get("first_step_s"),
+               "single_step_ms": s0.get("median_ms"), "single_images_per_s": s0.get("images_per_s"),
+               "fxopt": c0.get("fxopt")}
+        if row["ddp_images_per_s"] and row["single_images_per_s"]:
+            row["scaling"] = row["ddp_images_per_s"] / row["single_images_per_s"]
+        if be != "eager":
+            diffs = [c.get("losses_max_rel_diff") for c in cells]
+            pdiffs = [c.get("param_rel_diff") for c in cells]
+            row["losses_max_rel_diff"] = None if None in diffs else max(diffs)
+            row["param_rel_diff"] = None if None in pdiffs else max(pdiffs)
+            problems = []
+            if row["status"] != "ok":
+                problems.append(row["status"])
+            elif row["losses_max_rel_diff"] is None or not row["losses_max_rel_diff"] <= tol:
+                problems.append(f"losses differ from eager DDP's by {row['losses_max_rel_diff']} > {tol:g}")
+            if row.get("param_rel_diff") is not None and not row["param_rel_diff"] <= PARAM_TOLERANCE[a.amp]:
+                problems.append(f"parameters differ from eager DDP's by {row['param_rel_diff']:.3g}")
+            fx = [c.get("fxopt") for c in cells if c.get("fxopt")]
+            if be.startswith("fxopt"):
+                if not fx or any(f["fallbacks"] for f in fx):
+                    problems.append("fxopt compiled no graph" if not fx else f"fxopt fell back: {fx[0]['fallbacks']}")
+            out["checks"].append({"backend": be, "ok": not problems, "reason": "; ".join(problems) or None})
+        out["backends"][be] = row
+    return out
+
+
+def render_markdown(results: Dict[str, Any]) -> str:
+    from .train import _precision
+
+    m, s = results["meta"], results["summary"]
+    cfg = m["config"]
+
+    def f(v, spec=".2f"):
+        return "–" if v is None else format(v, spec)
+
+    lines = [f"# fxopt data-parallel training: {cfg['model']} b{cfg['batch']} per device, {m['world_size']} "
+             f"processes ({m['backend_comm']})", ""]
+    if m["device_type"] == "cpu":
+        lines += ["> **CPU run — not a GPU performance result.**", ""]
+    lines += [f"- device: {m.get('device_name')} × {m['world_size']}, `{m['device_type']}`",
+              "- versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v),
+              f"- date: {m['date']}", f"- command: `{m['command']}`",
+              f"- loop: {_precision(cfg['amp'])}, Adam, cross-entropy; median of {cfg['iters']} steps after {cfg['warmup']} warm-up steps (rank 0); "
+              f"DDP buckets of {cfg['bucket_cap_mb']} MB; Dynamo optimize_ddp={m['dynamo_optimize_ddp']}", "",
+              "| backend | status | 1 device ms/step | 1 device img/s | DDP ms/step | DDP img/s per device | "
+              "DDP img/s all | scaling | first DDP step s | losses max rel diff | params rel diff | fxopt graphs |",
+              "|" + "---|" * 12]
+    for be, r in s["backends"].items():
+        fx = r.get("fxopt")
+        graphs = (", ".join(f"{fx['graphs'].count(k)} {k}" for k in dict.fromkeys(fx["graphs"]))
+                  + (f"; fallbacks: {fx['fallbacks']}" if fx["fallbacks"] else "")) if fx else "–"
+        lines.append("| " + " | ".join([
+            be, r["status"], f(r.get("single_step_ms"), ".3f"), f(r.get("single_images_per_s"), ".0f"),
+            f(r.get("ddp_step_ms"), ".3f"), f(r.get("ddp_images_per_s_per_device"), ".0f"),
+            f(r.get("ddp_images_per_s"), ".0f"), f(r.get("scaling")) + ("×" if r.get("scaling") else ""),
+            f(r.get("first_step_s")), f(r.get("losses_max_rel_diff"), ".2e"), f(r.get("param_rel_diff"), ".2e"),
+            graphs]) + " |")
+    checks = s["checks"]
+    bad = [c for c in checks if not c["ok"]]
+    lines += ["", f"scaling = DDP images/s on all {m['world_size']} devices / one device's images/s without DDP. "
+              f"Tolerances: losses {m['loss_tolerance']}, parameters {m['param_tolerance']}.", "",
+              f"Checks: {len(checks) - len(bad)}/{len(checks)} passed."]
+    lines += [f"- FAILED {c['backend']}: {c['reason']}" for c in bad]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = parse_args(argv)
+    results = run(a)
+    if results is None:
+        return 0
+    from .report import write_json
+
+    os.makedirs(a.out, exist_ok=True)
+    write_json(results, os.path.join(a.out, "results.json"))
+    text = render_markdown(results)
+    with open(os.path.join(a.out, "results.md"), "w") as fh:
+        fh.write(text)
+    sys.stdout.write(text)
+    return 0 if all(c["ok"] for c in results["summary"]["checks"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

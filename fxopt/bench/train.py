@@ -1,0 +1,717 @@
+"""Training-step benchmark: ``fxopt bench --train`` (= ``python -m fxopt.bench.train``).
+
+Times the reference training loop (``fxopt.testing.training.TrainLoop``: autocast, GradScaler with
+float16, Adam, cross-entropy) with the model run by each backend: eager, Inductor (default mode
+and ``reduce-overhead``) and fxopt, every backend through the same loop code, from the same
+initial weights (one seeded model, deep-copied) on the same seeded batches (step ``i`` trains on
+batch ``i mod --data-batches``). Per (model, batch, precision, backend) it records:
+
+- the median step time (forward + backward + optimizer step, ``scaler.step`` + ``scaler.update``
+  with float16) over ``--iters`` steps after ``--warmup`` steps (CUDA events around each step on
+  CUDA, ``time.perf_counter`` on the CPU), spread over ``--rounds`` rounds in which the backends
+  of a row take turns, as in the inference harness;
+- the wall time of the first step (compile + one step; fxopt's own share from its reports);
+- the first ``--losses`` losses (default 20) and their max relative difference from eager's, and
+  with ``--final-steps N`` the loss after N steps (mean over the last pass through the data)
+  against eager's (within 5%);
+- on CUDA, over ``--profile-steps`` steps under ``torch.profiler``: GPU kernels launched per step,
+  GPU kernel time per step (the rest of a step is time the GPU waits for the host) and host time
+  per step (CPU time outside waits for the GPU; profiler overhead included: an upper bound);
+  and the peak memory;
+- for fxopt: its graphs (forward/backward, per Dynamo graph), fallbacks, why CUDA graphs are off
+  for them, and what the partition saved for backward (``fxopt.training``).
+
+Every step of a backend, timed or not, is a training step, and every backend runs the same number
+of steps in the same order, so loss ``i`` of one backend compares with loss ``i`` of eager's.
+Writes results.json, results.md, summary.md (and speedup.png) to ``--out``; exits 1 when a check
+fails (a loss curve outside tolerance, fxopt falling back).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import shlex
+import sys
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+__all__ = ["TRAIN_BACKENDS", "build_parser", "main", "parse_args", "run_training_benchmark", "render_markdown"]
+
+#: the training suite on CUDA: model name -> batch
+CUDA_SUITE = {"seedcnn2": 32, "resnet18": 64, "resnet50": 64, "mobilenet_v2": 64}
+#: on the CPU: small batches (and --image-size 64 for the ImageNet models)
+CPU_SUITE = {"seedcnn2": 8, "resnet18": 4}
+CPU_IMAGE_SIZE = 64
+
+
+# ---- backends: the model a backend trains ------------------------------------
+def _eager(model, options, sink):
+    return model
+
+
+def _inductor(mode: Optional[str] = None):
+    def wrap(model, options, sink):
+        import torch
+
+        return torch.compile(model, backend="inductor", **({"mode": mode} if mode else {}))
+
+    return wrap
+
+
+def _floor_aot_eager(model, options, sink):
+    import torch
+
+    return torch.compile(model, backend="aot_eager")
+
+
+def _fxopt(extra: Dict[str, Any]):
+    def wrap(model, options, sink):
+        import torch
+
+        from fxopt.backend import fxopt_backend
+
+        opts = {**(options or {}), **extra}
+
+        def backend(gm, example_inputs):  # backend="fxopt", keeping its reports
+            return fxopt_backend(gm, example_inputs, options=opts, _sink=sink)
+
+        return torch.compile(model, backend=backend)
+
+    return wrap
+
+
+#: name -> (wrap(model, fxopt options, report sink) -> the module to train, run by default)
+TRAIN_BACKENDS: Dict[str, tuple] = {
+    "eager": (_eager, True),
+    "inductor": (_inductor(), True),
+    "inductor-reduce-overhead": (_inductor("reduce-overhead"), True),
+    "inductor-max-autotune": (_inductor("max-autotune"), False),
+    "fxopt": (_fxopt({}), True),
+    "fxopt-default-partition": (_fxopt({"partitioner": "default"}), False),
+    "floor-aot-eager": (_floor_aot_eager, False),
+}
+DEFAULT_BACKENDS = [n for n, (_, default) in TRAIN_BACKENDS.items() if default]
+
+
+# ---- arguments ----------------------------------------------------------------
+def _csv(s: str) -> List[str]:
+    return [p.strip() for p in s.split(",") if p.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fxopt bench --train",
+        description="Time training steps (autocast + GradScaler + Adam + cross-entropy) of eager, Inductor and fxopt.")
+    p.add_argument("--models", help="comma list of MODEL or MODEL:BATCH (default on cuda: "
+                   + ",".join(f"{m}:{b}" for m, b in CUDA_SUITE.items()) + "; on cpu: "
+                   + ",".join(f"{m}:{b}" for m, b in CPU_SUITE.items()) + ")")
+    p.add_argument("--batch", type=int, help="batch for models given without one (default: the suite's, else 32)")
+    p.add_argument("--amp", default=None, choices=["float16", "bfloat16", "none"],
+                   help="autocast dtype (default float16 with GradScaler on cuda, bfloat16 on cpu; "
+                   "bfloat16 and none train without GradScaler)")
+    p.add_argument("--backends", help=f"comma list (default {','.join(DEFAULT_BACKENDS)}; "
+                   f"known: {','.join(TRAIN_BACKENDS)})")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default cuda if available")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps after the first (default 10)")
+    p.add_argument("--iters", type=int, default=50, help="timed steps (default 50)")
+    p.add_argument("--rounds", type=int, help="spread the timed steps over this many rounds, the backends of a "
+                   "row taking turns (default 5 on cuda, 1 on cpu)")
+    p.add_argument("--rewarm", type=int, default=2, help="untimed steps at the start of every round (rounds > 1)")
+    p.add_argument("--losses", type=int, default=20, help="losses compared with eager's (default 20)")
+    p.add_argument("--final-steps", type=int, default=0, metavar="N",
+                   help="train every backend to N steps and compare the final loss with eager's (slow; e.g. 200)")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler on cuda (0: none)")
+    p.add_argument("--data-batches", type=int, default=4, help="distinct batches the steps cycle through")
+    p.add_argument("--image-size", type=int, help=f"input height/width of the ImageNet models (default 224; "
+                   f"{CPU_IMAGE_SIZE} on cpu)")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+    p.add_argument("--fxopt-options", default=None, metavar="JSON", help="options for the fxopt backends")
+    p.add_argument("--seed", type=int, default=0, help="weights and data seed")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="start no new row after S seconds (the rest are marked skipped)")
+    p.add_argument("--out", default="bench_train_out", help="output directory (default bench_train_out/)")
+    p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON", help="measure nothing: merge the results.json "
+                   "of runs split over several commands (one per model) into one report in --out")
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    from . import models as M
+
+    p = build_parser()
+    a = p.parse_args(list(argv) if argv is not None else None)
+    if a.device is None:
+        import torch
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    suite = CUDA_SUITE if a.device == "cuda" else CPU_SUITE
+    rows = []
+    for item in (_csv(a.models) if a.models else [f"{m}:{b}" for m, b in suite.items()]):
+        name, _, batch = item.partition(":")
+        if name not in M.MODELS:
+            p.error(f"unknown model {name!r}; known: {', '.join(M.MODELS)}")
+        try:
+            b = int(batch) if batch else (a.batch or suite.get(name, 32))
+        except ValueError:
+            p.error(f"batch of {name} must be an int, got {batch!r}")
+        if b < 2:
+            p.error("batches must be >= 2 (BatchNorm in training mode needs two values per channel)")
+        rows.append((name, b))
+    a.rows = rows
+    a.amp = a.amp or ("float16" if a.device == "cuda" else "bfloat16")
+    a.backends = _csv(a.backends) if a.backends else list(DEFAULT_BACKENDS)
+    bad = [b for b in a.backends if b not in TRAIN_BACKENDS]
+    if bad:
+        p.error(f"unknown backend(s) {bad}; known: {', '.join(TRAIN_BACKENDS)}")
+    if "eager" not in a.backends:
+        a.backends.insert(0, "eager")  # the reference every loss curve is compared with
+    a.rounds = a.rounds or (5 if a.device == "cuda" else 1)
+    if min(a.iters, a.rounds, a.data_batches) < 1 or min(a.warmup, a.rewarm, a.losses, a.profile_steps) < 0:
+        p.error("--iters, --rounds, --data-batches must be >= 1; --warmup, --rewarm, --losses, --profile-steps >= 0")
+    a.image_size = a.image_size or (CPU_IMAGE_SIZE if a.device == "cpu" else None)
+    try:
+        a.fxopt_options = json.loads(a.fxopt_options) if a.fxopt_options else {}
+    except json.JSONDecodeError as exc:
+        p.error(f"--fxopt-options is not valid JSON: {exc}")
+    if not isinstance(a.fxopt_options, dict):
+        p.error("--fxopt-options must be a JSON object")
+    return a
+
+
+# ---- one backend's run -----------------------------------------------------------
+class Trainee:
+    """One backend training its own copy of the model: the loop, its losses and its step times.
+    ``device`` may name a device index (``cuda:1``); ``wrap_model`` wraps the copy before the
+    backend compiles it (``DistributedDataParallel`` in ``fxopt.bench.ddp``)."""
+
+    def __init__(self, backend: str, base_model, batches, device: str, amp: str, lr: float = 1e-3,
+                 fxopt_options: Optional[Dict[str, Any]] = None, wrap_model: Optional[Callable] = None):
+        import torch
+
+        from fxopt.testing.training import AMP_DTYPES, TrainLoop
+
+        self.backend, self.batches = backend, batches
+        self.device = torch.device(device).type
+        self.cell: Dict[str, Any] = {"backend": backend, "status": "ok", "error": None}
+        self.reports: List = []
+        self.losses: List = []
+        self.samples: List[float] = []
+        self.round_medians: List[float] = []
+        self.model = copy.deepcopy(base_model).to(device)
+        self.module = wrap_model(self.model) if wrap_model is not None else self.model
+        wrap, _ = TRAIN_BACKENDS[backend]
+        self.trained = wrap(self.module, fxopt_options, self.reports)
+        self.loop = TrainLoop(self.trained, self.module.parameters(), self.device, amp=AMP_DTYPES[amp], lr=lr)
+        self.base_mem = 0
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.base_mem = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+    def steps(self, n: int) -> None:
+        from fxopt.testing.training import run_steps
+
+        self.losses += run_steps(self.loop, self.batches, n, start=len(self.losses))
+
+    def first_step(self) -> None:
+        t0 = time.perf_counter()
+        self.steps(1)
+        _sync(self.device)
+        self.cell["first_step_s"] = time.perf_counter() - t0
+        if self.reports:
+            self.cell["fxopt_compile_s"] = sum(r.compile_ms for r in self.reports) / 1e3
+
+    def timed(self, n: int) -> None:
+        got = _time_steps(self, n)
+        self.samples += got
+        self.round_medians.append(_median(got))
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def _time_steps(t: Trainee, n: int) -> List[float]:
+    """Per-step times in ms (CUDA events on CUDA, perf_counter on the CPU)."""
+    import torch
+
+    from fxopt.testing.training import run_steps
+
+    if t.device == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        torch.cuda.synchronize()
+        for i in range(n):
+            starts[i].record()
+            t.losses += run_steps(t.loop, t.batches, 1, start=len(t.losses))
+            ends[i].record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        t.losses += run_steps(t.loop, t.batches, 1, start=len(t.losses))
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+#: CUDA runtime calls in which the host waits for the GPU
+_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+          "cudaMemcpyAsync")
+
+
+def step_profile(t: Trainee, steps: int) -> Dict[str, float]:
+    """GPU kernels per step, GPU kernel time per step and host time per step (CPU time of the step
+    outside waits for the GPU), from ``steps`` steps under torch.profiler (CUDA only)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        t.steps(steps)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels, gpu_us, wait_us = 0, 0.0, 0.0
+    for e in prof.events():
+        kind = getattr(getattr(e, "device_type", None), "name", None)
+        if kind == "CUDA":
+            if not e.name.startswith(("Memcpy", "Memset")):
+                kernels += 1
+                gpu_us += e.time_range.elapsed_us()
+        elif e.name in _WAITS:
+            wait_us += e.time_range.elapsed_us()
+    return {"kernels_per_step": kernels / steps, "gpu_kernel_ms": gpu_us / 1e3 / steps,
+            "host_ms": max(0.0, wall * 1e3 - wait_us / 1e3) / steps}
+
+
+def _graph_summary(reports: List) -> Dict[str, Any]:
+    """What fxopt's reports say about the graphs it compiled for training."""
+    saved = [r.training.get("saved_for_backward") for r in reports if r.kind == "backward"]
+    saved = [s for s in saved if s]
+    return {
+        "graphs": [r.kind for r in reports],
+        "fallbacks": [r.fallback for r in reports if r.fallback],
+        "cudagraphs": sorted({f"{r.kind}: {r.cudagraphs}" for r in reports}),
+        "executors": sorted({r.executor for r in reports}),
+        "partitioner": sorted({str(r.training.get("partitioner")) for r in reports if r.kind != "inference"}),
+        "saved_activations": sum(s["activations"] for s in saved),
+        "saved_activation_mb": sum(s["activation_bytes"] for s in saved) / 2 ** 20,
+    }
+
+
+def _fail(cell: Dict[str, Any], exc: BaseException, errors: List[str], what: str) -> None:
+    import traceback
+
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    cell.update(status="error", error=f"{type(exc).__name__}: {first}")
+    errors.append(f"[{what}] " + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+
+
+def _guarded(t: Trainee, fn: Callable[[], None], errors: List[str], what: str) -> None:
+    """Run one phase of a backend; a failure marks its cell and stops it (never the run)."""
+    if t.cell["status"] != "ok":
+        return
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+        for w in caught:
+            if "fallback" in w.category.__name__.lower():
+                t.cell.setdefault("fallback", str(w.message).splitlines()[0][:200])
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a failing backend is a result, not a crash
+        _fail(t.cell, exc, errors, f"{t.backend} {what}")
+
+
+# ---- the run ------------------------------------------------------------------------
+def _build(name: str, a) -> tuple:
+    """(model in train mode, per-sample input shape, classes), seeded."""
+    import torch
+
+    from . import models as M
+
+    model, shape = M.build_model(name, a.seed)
+    if a.image_size and len(shape) == 3 and shape[1:] == (224, 224):
+        shape = (shape[0], a.image_size, a.image_size)
+    with torch.no_grad():
+        classes = model(torch.zeros((1, *shape))).shape[-1]  # eval mode: batch 1 is fine
+    return model.train(), shape, classes
+
+
+def _finish(t: Trainee, eager: Optional[Trainee], a, rounds: int) -> Dict[str, Any]:
+    """The backend's cell: step time statistics, loss comparison, fxopt's graphs."""
+    from fxopt.testing.training import FINAL_LOSS_TOLERANCE, max_rel_diff
+
+    from .runners import stats
+
+    cell = t.cell
+    losses = [float(x) for x in t.losses]
+    cell["losses"] = losses[:max(a.losses, 1)]
+    cell["steps"] = len(losses)
+    if t.reports:
+        cell["fxopt"] = _graph_summary(t.reports)
+    if cell["status"] == "ok" and t.samples:
+        st = stats(t.samples)
+        cell.update({f"{k}_ms": v for k, v in st.items() if k != "n"})
+        cell["n"], cell["rounds"] = st["n"], rounds
+        cell["round_medians_ms"] = [round(s, 5) for s in t.round_medians]
+        cell["samples_ms"] = [round(s, 5) for s in t.samples]
+    ref = [float(x) for x in eager.losses] if eager is not None and eager.cell["status"] == "ok" else None
+    k = min(a.data_batches, a.final_steps)
+
+    def final(xs):  # the mean loss over the last pass through the data before step N
+        return sum(xs[a.final_steps - k:a.final_steps]) / k
+
+    if a.final_steps and len(losses) >= a.final_steps:
+        cell["final_loss"] = final(losses)
+    if ref is not None and t is not eager and cell["status"] == "ok":
+        n = min(a.losses, len(losses), len(ref))
+        cell["losses_max_rel_diff"] = max_rel_diff(losses[:n], ref[:n]) if n else None
+        if "final_loss" in cell and len(ref) >= a.final_steps:
+            cell["eager_final_loss"] = final(ref)
+            cell["final_loss_rel_diff"] = abs(cell["final_loss"] - cell["eager_final_loss"]) / abs(
+                cell["eager_final_loss"])
+            cell["final_loss_tol"] = FINAL_LOSS_TOLERANCE
+    return cell
+
+
+def _tiny_model():
+    """What each backend trains for one step before the suite, so that the one-time costs of a
+    process (imports, Dynamo's and the compiler's first use) are not counted in the first row's
+    compile time."""
+    import torch.nn as nn
+
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)).train()
+
+
+def _prime(a, errors: List[str]) -> Dict[str, float]:
+    """One step of the tiny model per backend; seconds each took."""
+    from fxopt.testing.training import make_batches
+
+    batches = make_batches(1, 2, (3, 8, 8), 3, a.device, a.seed)
+    took = {}
+    for be in a.backends:
+        cell: Dict[str, Any] = {"status": "ok"}
+        t0 = time.perf_counter()
+        try:
+            t = Trainee(be, _tiny_model(), batches, a.device, a.amp, a.lr, a.fxopt_options)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                t.steps(1)
+            _sync(a.device)
+        except Exception as exc:  # noqa: BLE001 - the backend fails again (and is reported) in the suite
+            _fail(cell, exc, errors, f"{be} priming")
+        took[be] = round(time.perf_counter() - t0, 3)
+    return took
+
+
+def run_training_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    import torch
+    from tqdm import tqdm
+
+    from fxopt.testing.training import AMP_DTYPES, LOSS_TOLERANCE, make_batches
+
+    from . import _device_info, _versions
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda requested but torch.cuda.is_available() is False")
+    if a.device == "cuda":
+        torch.backends.cudnn.benchmark = True  # as the inference harness: cuDNN measures, every backend alike
+    cfg = torch._dynamo.config
+    for knob in ("recompile_limit", "cache_size_limit"):  # every backend of a row stays compiled
+        if hasattr(cfg, knob):
+            setattr(cfg, knob, max(getattr(cfg, knob), 64))
+    cmd = "fxopt bench --train " + shlex.join(list(argv) if argv is not None else sys.argv[1:])
+    meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": cmd,
+            "kind": "training", "device_type": a.device, **_device_info(a.device), "versions": _versions(),
+            "fxopt_options": a.fxopt_options, "cudnn.benchmark": torch.backends.cudnn.benchmark,
+            "loss_tolerance": LOSS_TOLERANCE[AMP_DTYPES[a.amp]],
+            "config": {"rows": a.rows, "amp": a.amp, "grad_scaler": a.amp == "float16", "optimizer": "Adam",
+                       "lr": a.lr, "backends": a.backends, "warmup": a.warmup, "iters": a.iters,
+                       "rounds": a.rounds, "rewarm": a.rewarm, "losses": a.losses, "final_steps": a.final_steps,
+                       "profile_steps": a.profile_steps if a.device == "cuda" else 0,
+                       "data_batches": a.data_batches, "image_size": a.image_size, "seed": a.seed}}
+    results: Dict[str, Any] = {"meta": meta, "cells": [], "checks": []}
+    errors: List[str] = []
+    dtype_label = f"amp-{a.amp}"
+    per_round = -(-a.iters // a.rounds)
+    meta["priming_s"] = _prime(a, errors)  # one-time process costs, per backend, outside the rows
+    t_start = time.perf_counter()
+    bar = tqdm(total=len(a.rows) * len(a.backends), desc="fxopt bench --train", unit="cell", file=sys.stderr,
+               mininterval=0.5)
+    try:
+        for name, batch in a.rows:
+            row = {"model": name, "batch": batch, "dtype": dtype_label}
+            if a.time_budget and time.perf_counter() - t_start > a.time_budget:
+                for be in a.backends:
+                    results["cells"].append({**row, "backend": be, "status": "skipped", "error": "time budget"})
+                bar.update(len(a.backends))
+                continue
+            torch._dynamo.reset()
+            try:
+                base, shape, classes = _build(name, a)
+            except Exception as exc:  # noqa: BLE001
+                for be in a.backends:
+                    cell = {**row, "backend": be}
+                    _fail(cell, exc, errors, f"{name} model")
+                    results["cells"].append(cell)
+                bar.update(len(a.backends))
+                continue
+            batches = make_batches(a.data_batches, batch, shape, classes, a.device, a.seed)
+            trainees: List[Trainee] = []
+            for be in a.backends:
+                bar.set_postfix_str(f"{name} b{batch} {be}")
+                try:
+                    t = Trainee(be, base, batches, a.device, a.amp, a.lr, a.fxopt_options)
+                except Exception as exc:  # noqa: BLE001
+                    cell = {**row, "backend": be}
+                    _fail(cell, exc, errors, f"{name} {be} setup")
+                    results["cells"].append(cell)
+                    continue
+                _guarded(t, t.first_step, errors, "first step")
+                _guarded(t, lambda: t.steps(a.warmup), errors, "warm-up")
+                if a.device == "cuda":  # before the next backend allocates: this one's compile and steps
+                    t.cell["peak_mem_mb"] = (torch.cuda.max_memory_allocated() - t.base_mem) / 2 ** 20
+                trainees.append(t)
+                bar.update(1)
+            for _ in range(a.rounds):
+                for t in trainees:
+                    if a.rounds > 1:  # untimed steps first: this backend's code back in front of Dynamo's cache
+                        _guarded(t, lambda: t.steps(a.rewarm), errors, "re-warm")
+                    _guarded(t, lambda: t.timed(per_round), errors, "timed steps")
+            for t in trainees:
+                if a.device == "cuda" and a.profile_steps:
+                    _guarded(t, lambda: t.cell.update(step_profile(t, a.profile_steps)), errors, "profile")
+                left = max(a.final_steps, a.losses) - len(t.losses)
+                if left > 0:
+                    _guarded(t, lambda: t.steps(left), errors, "further steps")
+            eager = next((t for t in trainees if t.backend == "eager"), None)
+            for t in trainees:
+                results["cells"].append({**row, **_finish(t, eager, a, a.rounds)})
+            del trainees
+            torch._dynamo.reset()
+            if a.device == "cuda":
+                torch.cuda.empty_cache()
+    except KeyboardInterrupt:
+        meta["interrupted"] = True
+        print("\ninterrupted: writing the results so far", file=sys.stderr)
+    finally:
+        bar.close()
+    results["checks"] = _checks(results["cells"], meta["loss_tolerance"])
+    results["errors_logged"] = len(errors)
+    if errors:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "errors.log"), "w") as f:
+            f.write("\n\n".join(errors) + "\n")
+    return results
+
+
+def _checks(cells: List[Dict[str, Any]], tol: float) -> List[Dict[str, Any]]:
+    """Per non-eager backend that ran: first losses within ``tol`` of eager's, the final loss within
+    5%, and (fxopt) no fallback."""
+    out = []
+    for c in cells:
+        if c["backend"] == "eager" or c["status"] == "skipped":
+            continue
+        chk = {k: c[k] for k in ("model", "batch", "dtype", "backend")}
+        chk["tol"] = tol
+        problems = []
+        if c["status"] != "ok":
+            problems.append(f"did not run: {c.get('error')}")
+        elif c.get("losses_max_rel_diff") is None:
+            problems.append("no loss comparison (eager did not run)")
+        elif not c["losses_max_rel_diff"] <= tol:
+            problems.append(f"losses differ from eager's by {c['losses_max_rel_diff']:.3g} > {tol:g}")
+        if c.get("final_loss_rel_diff") is not None and not c["final_loss_rel_diff"] <= c["final_loss_tol"]:
+            problems.append(f"final loss {c['final_loss']:.4f} vs eager {c['eager_final_loss']:.4f}")
+        if (c.get("fxopt") or {}).get("fallbacks") or c.get("fallback"):
+            problems.append(f"fxopt fell back: {((c.get('fxopt') or {}).get('fallbacks') or [c.get('fallback')])[0]}")
+        chk["ok"] = not problems
+        if problems:
+            chk["reason"] = "; ".join(problems)
+        out.append(chk)
+    return out
+
+
+# ---- reports ------------------------------------------------------------------------
+def _f(v: Any, spec: str = ".3f") -> str:
+    if v is None:
+        return "–"
+    try:
+        return format(v, spec)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def _precision(amp: str) -> str:
+    return {"float16": "autocast float16 + GradScaler", "bfloat16": "autocast bfloat16, no GradScaler",
+            "none": "float32 (no autocast)"}[amp]
+
+
+def render_markdown(results: Dict[str, Any], summary_only: bool = False) -> str:
+    from .report import _cell_text, _failed_checks, _is_fxopt, speedups
+
+    m, cfg = results["meta"], results["meta"]["config"]
+    v = m.get("versions", {})
+    dev = m.get("device_name", "?") + (f" (compute capability {m['capability']})" if m.get("capability") else "")
+    lines = ["# fxopt training benchmark", ""]
+    if m.get("device_type") == "cpu":
+        lines += ["> **CPU run — not a GPU performance result.**", ""]
+    timer = "CUDA events around each step" if m.get("device_type") == "cuda" else "time.perf_counter around each step"
+    amp = cfg["amp"]
+    loop = _precision(amp) + \
+        f", Adam (lr {cfg['lr']}), cross-entropy"
+    lines += [f"- device: {dev}, `{m.get('device_type')}`",
+              "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
+              *([f"- {len(m['runs'])} runs on this device (merged):"]
+                + [f"  - {r.get('date', '?')}: `{r.get('command', '?')}`" for r in m["runs"]]
+                if len(m.get("runs") or []) > 1 else [f"- date: {m.get('date')}", f"- command: `{m.get('command')}`"]),
+              f"- step: zero_grad, forward + loss, backward, optimizer step ({loop}); same initial weights and "
+              f"the same {cfg['data_batches']} batches (cycled) for every backend"
+              + (f"; ImageNet models at {cfg['image_size']}x{cfg['image_size']}" if cfg.get("image_size") else ""),
+              f"- timing: median ms per step over {cfg['iters']} steps after the first step and {cfg['warmup']} "
+              f"warm-up steps" + (f", in {cfg['rounds']} rounds, the backends of a row taking turns (each round after "
+                                  f"{cfg.get('rewarm')} untimed steps)" if cfg["rounds"] > 1 else "") + f" ({timer}); ± is the IQR"
+              + ("; cudnn.benchmark on for every backend" if m.get("cudnn.benchmark") else ""),
+              f"- losses: the first {cfg['losses']} against eager's (max relative difference, tolerance "
+              f"{m.get('loss_tolerance')})" + (f"; final loss after {cfg['final_steps']} steps (mean over the "
+                                               f"last pass through the data) within 5% of eager's"
+                                               if cfg.get("final_steps") else ""),
+              ""]
+    if m.get("fxopt_options"):
+        lines.insert(-1, f"- fxopt options: `{json.dumps(m['fxopt_options'])}`")
+    cells = results.get("cells", [])
+    backends = list(dict.fromkeys(c["backend"] for c in cells))
+    fx = [b for b in backends if _is_fxopt(b)]
+    bad = _failed_checks(results)
+    sp = speedups(results)
+    head = ["model", "batch", "precision"] + [f"{b} ms" for b in backends] + ["best peer"] + \
+           [f"{b} vs eager" for b in fx] + [f"{b} vs best peer (paired)" for b in fx]
+    lines += ["## Step time", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows: Dict[tuple, Dict[str, Dict[str, Any]]] = {}
+    for c in cells:
+        rows.setdefault((c["model"], int(c["batch"]), c["dtype"]), {})[c["backend"]] = c
+    for key, by in rows.items():
+        s = sp.get(key, {})
+        vals = [key[0], str(key[1]), key[2]] + [_cell_text(by.get(b), (*key, b) in bad) for b in backends]
+        vals.append(f"{s['best_peer']} ({s['best_peer_ms']:.3f})" if s.get("best_peer") else "–")
+        for b in fx:
+            e, f = by.get("eager", {}), by.get(b, {})
+            vals.append(f"{f['median_ms'] / e['median_ms']:.2f}×" if e.get("median_ms") and f.get("median_ms")
+                        else "–")
+        for b in fx:
+            o = s.get("fxopt", {}).get(b, {})
+            paired = o.get("paired_over_best")
+            vals.append((f"{1 / o['over_best']:.2f}×" if o.get("over_best") else "–")
+                        + (f" ({1 / paired:.2f}×)" if paired else ""))
+        lines.append("| " + " | ".join(vals) + " |")
+    lines += ["", "fxopt vs X = fxopt's step time / X's (<1: fxopt faster); (paired) = the median over rounds of "
+              "the ratio of the two backends' round medians (the backends of a row take turns, round by round); "
+              "⚠ = failed a check.", ""]
+    if summary_only:
+        return "\n".join(lines) + "\n"
+    checks = results.get("checks", [])
+    failed = [c for c in checks if not c.get("ok")]
+    lines += ["## Checks", "", f"{len(checks) - len(failed)}/{len(checks)} passed."]
+    lines += [f"- FAILED {c['model']} b{c['batch']} {c['dtype']} {c['backend']}: {c.get('reason')}" for c in failed]
+    lines += ["", "## Where a step's time goes", "",
+              "| model | batch | backend | median ms | first step s | fxopt compile s | kernels/step | "
+              "GPU kernel ms/step | GPU idle ms/step | host ms/step | peak mem MiB | losses max rel diff | "
+              "final loss (eager) |", "|" + "---|" * 13]
+    for c in cells:
+        idle = (c["median_ms"] - c["gpu_kernel_ms"]) if c.get("median_ms") and c.get("gpu_kernel_ms") else None
+        final = (f"{c['final_loss']:.4f}" + (f" ({c['eager_final_loss']:.4f})" if c.get("eager_final_loss") else "")
+                 if c.get("final_loss") is not None else "–")
+        lines.append("| " + " | ".join([
+            c["model"], str(c["batch"]), c["backend"],
+            _f(c.get("median_ms")) if c.get("status") == "ok" else f"{c.get('status')}: {c.get('error') or ''}"[:60],
+            _f(c.get("first_step_s"), ".2f"), _f(c.get("fxopt_compile_s"), ".2f"),
+            _f(c.get("kernels_per_step"), ".0f"), _f(c.get("gpu_kernel_ms")), _f(idle), _f(c.get("host_ms")),
+            _f(c.get("peak_mem_mb"), ".0f"), _f(c.get("losses_max_rel_diff"), ".2e"), final]) + " |")
+    lines += ["", "GPU kernel ms = kernel time per step under torch.profiler; GPU idle = median − kernel time "
+              "(the GPU waiting for the host); host ms = CPU time of a step outside waits for the GPU, under "
+              "the profiler (an upper bound). first step = compile + one step (each backend first trained a tiny "
+              "model for one step, outside the rows: one-time process costs are not counted).", ""]
+    fxc = [c for c in cells if c.get("fxopt")]
+    if fxc:
+        lines += ["## fxopt's training graphs", "",
+                  "| model | batch | backend | graphs | partitioner | saved activations (MiB) | executor | "
+                  "CUDA graphs | fallbacks |", "|" + "---|" * 9]
+        for c in fxc:
+            g = c["fxopt"]
+            kinds = ", ".join(f"{g['graphs'].count(k)} {k}" for k in dict.fromkeys(g["graphs"]))
+            lines.append("| " + " | ".join([
+                c["model"], str(c["batch"]), c["backend"], kinds, ", ".join(g["partitioner"]),
+                f"{g['saved_activations']} ({g['saved_activation_mb']:.1f})", ", ".join(g["executors"]),
+                "; ".join(g["cudagraphs"]), "; ".join(g["fallbacks"]) or "none"]) + " |")
+        lines += ["", "CUDA graphs are off for training graphs (`unsafe_reason` in `backends/cuda/runtime/cudagraphs.py`: "
+                  "\"training graph\"): the runner's contract is written for inference calls. A forward's outputs "
+                  "include the tensors saved for backward, which autograd holds until the backward (the runner hands "
+                  "out its static outputs only once released), and the backward reads them at addresses that change "
+                  "every step (the runner would copy each into static buffers): replaying both without one memory "
+                  "pool shared by the two captures would copy every saved activation each step.", ""]
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(results: Dict[str, Any], out_dir: str) -> Dict[str, str]:
+    from .report import write_json, write_plot
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"json": write_json(results, os.path.join(out_dir, "results.json"))}
+    for name, summary in (("results.md", False), ("summary.md", True)):
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.write(render_markdown(results, summary_only=summary))
+        paths[name] = os.path.join(out_dir, name)
+    try:
+        paths["png"] = write_plot(results, os.path.join(out_dir, "speedup.png"))
+    except Exception as exc:  # noqa: BLE001 - a broken matplotlib must not lose the numbers
+        paths["png_error"] = f"{type(exc).__name__}: {exc}"
+    return paths
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = parse_args(argv)
+    if a.merge:
+        from .report import merge_results
+
+        parts = []
+        for path in a.merge:
+            with open(path) as f:
+                parts.append(json.load(f))
+        paths = write_reports(merge_results(parts), a.out)
+        print(f"merged {len(parts)} runs into {', '.join(v for k, v in paths.items() if not k.endswith('_error'))}",
+              file=sys.stderr)
+        return 0
+    t0 = time.perf_counter()
+    results = run_training_benchmark(a, argv)
+    results["meta"]["wall_s"] = round(time.perf_counter() - t0, 2)
+    paths = write_reports(results, a.out)
+    print(f"wrote {', '.join(v for k, v in paths.items() if not k.endswith('_error'))} in "
+          f"{results['meta']['wall_s']:.1f} s", file=sys.stderr)
+    failed = [c for c in results["checks"] if not c.get("ok")]
+    for c in failed:
+        print(f"CHECK FAILED: {c['model']} b{c['batch']} {c['dtype']} {c['backend']}: {c.get('reason')}",
+              file=sys.stderr)
+    sys.stdout.write(render_markdown(results, summary_only=True))
+    if results["meta"].get("interrupted"):
+        return 130
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

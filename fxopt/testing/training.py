@@ -1,0 +1,98 @@
+"""The reference training loop, and loss curves compared against eager's.
+
+The loop every training measurement and test of fxopt uses (the benchmark ``fxopt bench --train``,
+the data-parallel launcher ``fxopt.bench.ddp`` and the tests), so that a loss curve measured on one
+backend compares with another's step for step::
+
+    from fxopt.testing.training import TrainLoop, make_batches, max_rel_diff
+
+    batches = make_batches(4, 32, (3, 32, 32), classes=10, device="cpu")
+    loop = TrainLoop(torch.compile(model, backend="fxopt"), model.parameters(), "cpu", amp=torch.bfloat16)
+    losses = [loop.step(*batches[i % len(batches)]) for i in range(20)]
+
+One step: ``zero_grad``; forward and cross-entropy under ``torch.autocast(device, amp)`` (no autocast
+with ``amp=None``: float32); backward; Adam. With ``amp=torch.float16`` a ``torch.amp.GradScaler``
+scales the loss and skips steps whose gradients overflow (``scaler.step`` + ``scaler.update``);
+bfloat16 has float32's exponent range and trains without one. ``step`` returns the loss as a
+detached tensor (no host synchronisation: read the values after the steps to be timed).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+#: names for the loop's precision (command lines, reports)
+AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "none": None}
+
+#: max relative difference of a backend's first 20 losses from eager's, by autocast dtype. Rounding
+#: differences (another summation order, a fused kernel) are amplified by each optimizer step; these
+#: bounds hold the loss curve to the dtype's own precision (float32: ~1e-6 per op on the CPU; on CUDA
+#: convolutions and matrix products run in TF32 as in eager).
+LOSS_TOLERANCE = {None: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+
+#: final loss (after a few hundred steps) within this relative distance of eager's
+FINAL_LOSS_TOLERANCE = 0.05
+
+
+def amp_name(amp: Optional[torch.dtype]) -> str:
+    return "none" if amp is None else str(amp).replace("torch.", "")
+
+
+class TrainLoop:
+    """The reference loop over ``model`` (eager or compiled; ``params`` are what Adam updates)."""
+
+    def __init__(self, model, params: Iterable[torch.nn.Parameter], device: str,
+                 amp: Optional[torch.dtype] = torch.float16, lr: float = 1e-3, scaler: Optional[bool] = None):
+        if amp not in AMP_DTYPES.values():
+            raise ValueError(f"amp must be one of {list(AMP_DTYPES)}, got {amp!r}")
+        self.model, self.device, self.amp = model, device, amp
+        self.optimizer = torch.optim.Adam(list(params), lr=lr)
+        use_scaler = amp == torch.float16 if scaler is None else scaler
+        self.scaler = torch.amp.GradScaler(device) if use_scaler else None
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One training step on the batch ``(x, y)``; returns the loss (detached, float32)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        amp = torch.autocast(self.device, dtype=self.amp) if self.amp is not None else contextlib.nullcontext()
+        with amp:
+            loss = F.cross_entropy(self.model(x), y)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            loss.backward()
+            self.optimizer.step()
+        return loss.detach().float()
+
+
+def make_batches(n: int, batch: int, shape: Sequence[int], classes: int, device: str = "cpu",
+                 seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` seeded batches ``(x, y)``: float32 inputs of shape ``(batch, *shape)`` (autocast casts
+    them) and class labels in ``[0, classes)``; the loop cycles through them."""
+    gen = torch.Generator().manual_seed(seed + 4242)
+    return [(torch.randn((batch, *shape), generator=gen).to(device),
+             torch.randint(0, classes, (batch,), generator=gen).to(device)) for _ in range(n)]
+
+
+def run_steps(loop: TrainLoop, batches: Sequence, steps: int, start: int = 0) -> list[torch.Tensor]:
+    """``steps`` steps of ``loop``, step ``i`` on ``batches[i % len(batches)]`` (``i`` from
+    ``start``); the losses as detached tensors."""
+    return [loop.step(*batches[i % len(batches)]) for i in range(start, start + steps)]
+
+
+def max_rel_diff(losses: Sequence[float], reference: Sequence[float]) -> float:
+    """max over steps of |loss - reference| / |reference| (inf where a loss is not finite and the
+    reference's is)."""
+    if len(losses) != len(reference):
+        raise ValueError(f"{len(losses)} losses against {len(reference)}")
+    worst = 0.0
+    for a, b in zip(map(float, losses), map(float, reference)):
+        if a != a or b != b:  # NaN: equal only to a NaN
+            worst = max(worst, 0.0 if (a != a and b != b) else float("inf"))
+            continue
+        worst = max(worst, abs(a - b) / abs(b) if b else abs(a))
+    return worst

@@ -1,0 +1,83 @@
+"""Training graphs: how AOTAutograd splits the joint graph, and what the split keeps for backward.
+
+Why: in training, AOTAutograd traces forward and backward as one joint graph and a *partition
+function* decides which forward values the backward reads (saved tensors, alive from the forward
+until their use in the backward) and which it recomputes. AOTAutograd's default partition saves
+every forward value the backward uses. ``min_cut_rematerialization_partition`` instead solves a
+min cut over the joint graph: a cheap pointwise value (a ReLU, an add, a cast autocast inserted)
+whose inputs are saved anyway is recomputed in the backward rather than stored, so fewer and
+smaller tensors stay alive between forward and backward (less memory traffic and a lower peak),
+at the cost of recomputing those ops. Convolutions, matrix products and reductions are never
+recomputed. The results are the same values (the recomputation repeats the forward's own ops).
+
+Option ``partitioner``: ``"min_cut"`` (default) or ``"default"`` (AOTAutograd's default
+partition: save everything the backward needs). ``saved_for_backward`` says what a backward graph
+reads from its forward: every compiled backward's ``GraphReport.training`` carries it, beside the
+partitioner that produced it.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from fxopt.config import PARTITIONERS  # noqa: F401  (re-exported)
+
+
+def partition_function(name: str) -> Callable:
+    """The AOTAutograd partition function for option ``partitioner``."""
+    from functorch.compile import default_partition, min_cut_rematerialization_partition
+
+    if name == "min_cut":
+        return min_cut_rematerialization_partition
+    if name == "default":
+        return default_partition
+    raise ValueError(f"fxopt: partitioner must be one of {PARTITIONERS}, got {name!r}")
+
+
+class Partitioner:
+    """The partition function handed to AOTAutograd; remembers that it ran (``used``), so that the
+    reports say which partition produced the graphs rather than which one was asked for."""
+
+    def __init__(self, name: str):
+        self.name, self.fn, self.used = name, partition_function(name), None
+
+    def __call__(self, joint_module, joint_inputs, **kwargs):
+        result = self.fn(joint_module, joint_inputs, **kwargs)
+        self.used = self.name
+        return result
+
+
+def saved_for_backward(backward: fx.GraphModule) -> dict:
+    """What a backward graph reads from its forward: the placeholders that are not incoming
+    gradients (``tangents_*``). ``tensors``/``bytes`` count them all; ``activations`` /
+    ``activation_bytes`` leave out the forward's own inputs (``primals_*``: parameters and the
+    batch, alive anyway), i.e. the memory the partition keeps alive between forward and backward."""
+    out = {"tensors": 0, "bytes": 0, "activations": 0, "activation_bytes": 0}
+    for node in backward.graph.find_nodes(op="placeholder"):
+        v = node.meta.get("val")
+        if node.name.startswith("tangents") or not isinstance(v, torch.Tensor):
+            continue
+        size = _hint(v.numel()) * v.element_size()
+        out["tensors"] += 1
+        out["bytes"] += size
+        if not node.name.startswith("primals"):
+            out["activations"] += 1
+            out["activation_bytes"] += size
+    return out
+
+
+def _hint(n) -> int:
+    """An element count; a symbolic one (dynamic shapes) by the size it was traced at (0 if none)."""
+    return n if isinstance(n, int) else int(getattr(getattr(n, "node", None), "hint", None) or 0)
+
+
+def training_details(graph: fx.GraphModule, kind: str, partitioner: Partitioner) -> dict:
+    """``GraphReport.training`` of a forward or backward graph: the partition function that split
+    the joint graph (None if AOTAutograd did not call fxopt's), and for a backward graph what it
+    reads from its forward (``saved_for_backward``)."""
+    details: dict = {"partitioner": partitioner.used}
+    if kind == "backward":
+        details["saved_for_backward"] = saved_for_backward(graph)
+    return details

@@ -1,0 +1,234 @@
+"""Training through fxopt: gradients of generated graphs, the reference loop's loss curve, the
+partition of the joint graph, the training benchmark and data parallel (CPU; the GPU part is
+marked ``gpu``).
+
+The CI profile runs a bounded, deterministic number of examples; ``--hypothesis-profile=thorough``
+searches longer.
+"""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+import fxopt
+from fxopt.testing import SeedCNN2, check_equivalence, cnn_cases, compile_with_fxopt
+from fxopt.testing.training import (AMP_DTYPES, LOSS_TOLERANCE, TrainLoop, make_batches, max_rel_diff,
+                                    run_steps)
+
+
+def _examples(n):
+    """n examples in the CI profile, the profile's own (larger) number otherwise."""
+    current = settings.default.max_examples
+    return settings(max_examples=n if current <= 25 else current)
+
+
+# ---- generated graphs: loss, every parameter's gradient, buffers ----------------------------------
+@_examples(20)
+@given(cnn_cases(dtypes=(torch.float32,), ndims=(1, 2), training=True, min_batch=2, max_layers=4,
+                 kinds=("basic_block", "residual", "conv")))
+def test_training_bn_and_residual_blocks(case):
+    """BatchNorm in training mode (batch statistics, running statistics updated) in residual and
+    ResNet basic blocks: the gradient of every parameter, the input's, and the buffers."""
+    graphs = check_equivalence(case)
+    assert [g.kind for g in graphs] == ["forward", "backward"]
+
+
+@_examples(12)
+@given(cnn_cases(dtypes=(torch.float32,), ndims=(2,), training=True, min_batch=2, max_layers=4))
+def test_training_under_bfloat16_autocast(case):
+    check_equivalence(case, autocast=torch.bfloat16)
+
+
+def test_training_check_catches_a_wrong_gradient(monkeypatch):
+    """The training check compares gradients, not only outputs: a backward graph scaled by 2
+    fails it."""
+    from fxopt import backend
+
+    real = backend.FxoptCompiler.backward
+
+    def doubled(self, gm, args):
+        fn = real(self, gm, args)
+
+        def call(*a):
+            return [None if g is None else g * 2 for g in fn(*a)]
+        call._boxed_call = True
+        return call
+
+    monkeypatch.setattr(backend.FxoptCompiler, "backward", doubled)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()).train()
+    from fxopt.testing.strategies import CNNCase
+
+    with pytest.raises(AssertionError, match="grad"):
+        check_equivalence(CNNCase(model, (torch.randn(2, 3, 8, 8),), torch.float32, training=True))
+
+
+# ---- the reference loop -----------------------------------------------------------------------
+@pytest.mark.parametrize("amp", ["none", "bfloat16", "float16"])
+def test_reference_loop_loss_curve_matches_eager(amp):
+    """20 steps of the reference loop (SeedCNN2): fxopt's losses within tolerance of eager's; the
+    loop learns; bfloat16 trains without a GradScaler, float16 with one."""
+    torch.manual_seed(0)
+    base = SeedCNN2().train()
+    batches = make_batches(4, 8, (3, 32, 32), 10)
+    curves, loops = {}, {}
+    for name in ("eager", "fxopt"):
+        model = copy.deepcopy(base)
+        graphs = []
+        run = model if name == "eager" else compile_with_fxopt(model, None, graphs)
+        loops[name] = TrainLoop(run, model.parameters(), "cpu", amp=AMP_DTYPES[amp])
+        curves[name] = [float(x) for x in run_steps(loops[name], batches, 20)]
+        if name == "fxopt":
+            assert [g.kind for g in graphs] == ["forward", "backward"] and not any(g.fallback for g in graphs)
+    assert max_rel_diff(curves["fxopt"], curves["eager"]) <= LOSS_TOLERANCE[AMP_DTYPES[amp]]
+    assert sum(curves["fxopt"][-4:]) < sum(curves["fxopt"][:4])  # it trains
+    assert (loops["fxopt"].scaler is not None) == (amp == "float16")
+
+
+def test_max_rel_diff():
+    assert max_rel_diff([1.0, 2.0], [1.0, 2.0]) == 0.0
+    assert max_rel_diff([1.1, 2.0], [1.0, 2.0]) == pytest.approx(0.1)
+    assert max_rel_diff([float("nan")], [1.0]) == float("inf")
+    with pytest.raises(ValueError):
+        max_rel_diff([1.0], [1.0, 2.0])
+
+
+# ---- the partition of the joint graph -----------------------------------------------------------
+def test_min_cut_partition_is_used_and_saves_less():
+    """min-cut rematerialization (the default) splits the joint graph: the reports say so, the
+    backward reads fewer and smaller saved activations than with AOTAutograd's default partition,
+    and the gradients are eager's either way."""
+    torch.manual_seed(0)
+    base = SeedCNN2().train()
+    x = torch.randn(8, 3, 32, 32)
+    ref = copy.deepcopy(base)
+    ref(x).square().mean().backward()
+    saved = {}
+    for part in ("min_cut", "default"):
+        model = copy.deepcopy(base)
+        graphs = []
+        compile_with_fxopt(model, {"partitioner": part}, graphs)(x).square().mean().backward()
+        assert [g.training["partitioner"] for g in graphs] == [part, part]
+        saved[part] = graphs[1].training["saved_for_backward"]
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{part} {name}: {m}")
+    assert saved["min_cut"]["activations"] < saved["default"]["activations"]
+    assert saved["min_cut"]["activation_bytes"] < saved["default"]["activation_bytes"]
+    assert saved["min_cut"]["bytes"] - saved["min_cut"]["activation_bytes"] > 0  # weights are read, not copied
+
+
+def test_partitioner_option_is_validated():
+    with pytest.raises(ValueError, match="partitioner"):
+        fxopt.Options.from_any({"partitioner": "greedy"})
+
+
+# ---- the training benchmark ---------------------------------------------------------------------
+def test_bench_train_on_cpu(tmp_path):
+    """``fxopt bench --train`` on the CPU (float16 autocast with GradScaler): every backend through the
+    same loop, losses compared with eager's, fxopt's graphs and why CUDA graphs are off, reports."""
+    from fxopt.bench import main as bench_main
+
+    out = tmp_path / "train"
+    rc = bench_main(["--train", "--device", "cpu", "--models", "seedcnn2:4", "--backends", "eager,fxopt",
+                     "--amp", "float16", "--warmup", "1", "--iters", "3", "--losses", "6", "--final-steps", "8",
+                     "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["meta"]["config"]["grad_scaler"] is True
+    cells = {c["backend"]: c for c in res["cells"]}
+    assert set(cells) == {"eager", "fxopt"} and all(c["status"] == "ok" for c in cells.values())
+    fx = cells["fxopt"]
+    assert fx["n"] == 3 and fx["steps"] == 8 and len(fx["losses"]) == 6
+    assert fx["losses_max_rel_diff"] <= LOSS_TOLERANCE[torch.float16]
+    assert fx["final_loss_rel_diff"] <= 0.05 and fx["first_step_s"] > 0
+    assert fx["fxopt"]["graphs"] == ["forward", "backward"] and fx["fxopt"]["fallbacks"] == []
+    assert fx["fxopt"]["partitioner"] == ["min_cut"] and fx["fxopt"]["saved_activations"] > 0
+    assert all("training graph" in s for s in fx["fxopt"]["cudagraphs"])
+    assert [c["ok"] for c in res["checks"]] == [True]
+    md = (out / "results.md").read_text()
+    assert "## fxopt's training graphs" in md and "seedcnn2" in (out / "summary.md").read_text()
+
+
+def test_bench_train_check_fails_on_a_diverging_backend(tmp_path, monkeypatch):
+    """A backend whose losses leave eager's fails the check and the exit status says so."""
+    from fxopt.bench import train as T
+
+    def noisy(model, options, sink):
+        return lambda x: model(x) * 1.5
+
+    monkeypatch.setitem(T.TRAIN_BACKENDS, "fxopt-noisy", (noisy, False))
+    out = tmp_path / "noisy"
+    rc = T.main(["--device", "cpu", "--models", "seedcnn2:4", "--backends", "eager,fxopt-noisy", "--amp", "none",
+                 "--warmup", "0", "--iters", "2", "--losses", "3", "--out", str(out)])
+    res = json.loads((out / "results.json").read_text())
+    assert rc == 1 and not res["checks"][0]["ok"] and "losses differ" in res["checks"][0]["reason"]
+
+
+def test_bench_train_arguments():
+    from fxopt.bench import train as T
+
+    a = T.parse_args(["--device", "cpu"])
+    assert a.rows == list(T.CPU_SUITE.items()) and a.amp == "bfloat16" and a.rounds == 1
+    a = T.parse_args(["--device", "cpu", "--models", "resnet50,seedcnn2:16", "--batch", "6", "--backends", "fxopt"])
+    assert a.rows == [("resnet50", 6), ("seedcnn2", 16)] and a.backends == ["eager", "fxopt"]
+    for bad in (["--models", "nope"], ["--models", "seedcnn2:1"], ["--backends", "nope"]):
+        with pytest.raises(SystemExit):
+            T.parse_args(["--device", "cpu", *bad])
+
+
+# ---- data parallel ---------------------------------------------------------------------------------
+def test_ddp_gloo_two_processes_matches_eager_ddp(tmp_path):
+    """torch.compile(DistributedDataParallel(model), backend="fxopt") in 2 processes (gloo): Dynamo's
+    DDPOptimizer splits the graph at the bucket boundary (1 MB buckets: SeedCNN2's fc1 weight is one),
+    fxopt compiles every piece, and losses and parameters are eager DDP's."""
+    out = tmp_path / "ddp"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "fxopt.bench.ddp", "--device", "cpu", "--model", "seedcnn2", "--batch", "8", "--amp", "none",
+           "--warmup", "1", "--iters", "3", "--losses", "5", "--bucket-cap-mb", "1", "--no-single",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["meta"]["world_size"] == 2 and res["meta"]["backend_comm"] == "gloo"
+    fx = res["summary"]["backends"]["fxopt"]
+    assert fx["status"] == "ok" and fx["losses_max_rel_diff"] <= LOSS_TOLERANCE[None]
+    assert fx["param_rel_diff"] <= 1e-4
+    for rank in res["ranks"]:
+        graphs = rank["ddp"]["fxopt"]["fxopt"]
+        assert graphs["graphs"].count("forward") >= 2 and graphs["graphs"].count("backward") >= 2, graphs
+        assert graphs["fallbacks"] == []
+        assert len(rank["ddp"]["fxopt"]["losses"]) == 5
+    assert all(c["ok"] for c in res["summary"]["checks"])
+
+
+# ---- GPU ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bench_train_on_gpu_profiles_the_step(tmp_path):
+    from fxopt.bench.train import main
+
+    out = tmp_path / "gpu"
+    assert main(["--device", "cuda", "--models", "seedcnn2:32", "--backends", "eager,fxopt", "--warmup", "2",
+                 "--iters", "6", "--rounds", "2", "--profile-steps", "2", "--out", str(out)]) == 0
+    cells = {c["backend"]: c for c in json.loads((out / "results.json").read_text())["cells"]}
+    for c in cells.values():
+        assert c["kernels_per_step"] > 0 and c["gpu_kernel_ms"] > 0 and c["host_ms"] > 0 and c["peak_mem_mb"] > 0
+    assert cells["fxopt"]["losses_max_rel_diff"] <= LOSS_TOLERANCE[torch.float16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@_examples(10)
+@given(cnn_cases(dtypes=(torch.float32,), ndims=(2,), training=True, min_batch=2, max_layers=4))
+def test_training_under_float16_autocast_on_gpu(case):
+    """Generated training graphs on CUDA under float16 autocast: loss, gradients and buffers within
+    float16's tolerance of eager's."""
+    case.model.cuda()
+    case.inputs = tuple(t.cuda() for t in case.inputs)
+    check_equivalence(case, autocast=torch.float16)
