@@ -43,7 +43,8 @@ def options_json(text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"options must be JSON, e.g. '{{\"layout\": \"channels_last\"}}': {e}") from None
+        raise argparse.ArgumentTypeError(
+            f"options must be JSON, e.g. '{{\"layout\": \"channels_last\"}}': {e}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"options must be a JSON object, got {text!r}")
     return value
