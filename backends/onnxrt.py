@@ -1,7 +1,7 @@
 """The ``onnxruntime`` executor: the optimized inference graph in an ONNX Runtime session.
 
 ``options={"executor": "onnxruntime"}``. For each input signature (shapes, dtypes, devices of the
-user inputs) the optimized graph is translated to ONNX (``fxopt.onnx_export.graph_to_onnx``, static
+user inputs) the optimized graph is translated to ONNX (``fxopt.onnx_graph.graph_to_onnx``, static
 shapes) with the current parameter values and folded constants as initializers, and an
 ``InferenceSession`` is created (at most ``MAX_SESSIONS``, least recently used dropped).
 
@@ -91,7 +91,8 @@ def lower_onnxruntime(gm: fx.GraphModule, ctx, kind: str, info: dict):
     except ImportError as e:
         _warn_once("import", f"fxopt: executor 'onnxruntime' needs onnxruntime ({e}); using the torch executor")
         return _torch_executor(gm, info, f"onnxruntime is not importable: {e}")
-    from fxopt.onnx_export import UnsupportedOpError, find_unsupported
+    from fxopt.onnx_common import UnsupportedOpError
+    from fxopt.onnx_graph import find_unsupported
 
     bad = find_unsupported(gm, ctx.param_placeholders)
     reason = None
@@ -168,7 +169,7 @@ class _Session:
     def __init__(self, gm, args, params, provider, cuda_graph, nhwc=False):
         import onnxruntime as ort
 
-        from fxopt.onnx_export import graph_to_onnx
+        from fxopt.onnx_graph import graph_to_onnx
 
         g = specialize(gm, args)
         proto = graph_to_onnx(g, args, params, dynamic_batch=False)
@@ -300,7 +301,7 @@ class OrtRunner:
         return entry
 
     def __call__(self, *args):
-        from fxopt.onnx_export import OnnxExportError
+        from fxopt.onnx_common import OnnxExportError
 
         try:
             entry = self.entry(args)

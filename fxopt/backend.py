@@ -29,7 +29,7 @@ from functorch.compile import make_boxed_func
 from fxopt.config import Options
 from fxopt.autotune import cudnn_choosing
 from fxopt.passinfra import PassContext, written_in_place
-from fxopt.pipeline import FxoptFallbackWarning, PassFailure, copy_graph_module, run_pipeline
+from fxopt.pipeline import PASS_NAMES, FxoptFallbackWarning, PassFailure, copy_graph_module, run_pipeline
 from fxopt.report import GraphReport
 from fxopt.training import Partitioner, training_details
 
@@ -201,7 +201,7 @@ def fxopt_backend(gm: fx.GraphModule, example_inputs: list, options=None, mode=N
     """The Dynamo backend entry point (``backend="fxopt"``)."""
     from torch._dynamo.backends.common import aot_autograd
 
-    opts = Options.from_any(options)
+    opts = Options.from_any(options, PASS_NAMES)
     if mode not in (None, "default"):
         log.info("fxopt: torch.compile mode=%r is ignored; use options", mode)
     compiler = FxoptCompiler(opts, gm, example_inputs, sink=_sink)

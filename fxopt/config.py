@@ -1,14 +1,17 @@
 """Options of the fxopt backend: ``torch.compile(m, backend="fxopt", options={...})``.
 
 Unknown option names raise ``ValueError`` listing the valid ones; values are
-checked here so a typo fails at compile time, not somewhere inside a pass.
+checked here so a typo fails at compile time, not somewhere inside a pass. The pass names are
+the pipeline's (``fxopt.pipeline.PASS_NAMES``): the entry points hand them to ``from_any``, so
+that this module, which every pass imports through ``fxopt.passinfra``, never imports the
+pipeline back.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 EXECUTORS = ("auto", "torch", "cuda", "onnxruntime")
 LAYOUTS = ("auto", "channels_last", "contiguous")
@@ -65,7 +68,10 @@ class Options:
     dump_dir: Optional[str] = None
 
     @classmethod
-    def from_any(cls, options: Union["Options", dict, None]) -> "Options":
+    def from_any(cls, options: Union["Options", dict, None],
+                 pass_names: Optional[Sequence[str]] = None) -> "Options":
+        """Options from a dict (or None, or Options as they are), checked; ``pass_names``: the
+        pipeline's passes, which ``passes`` and ``disable`` must name (not checked without)."""
         if isinstance(options, Options):
             return options
         options = dict(options or {})
@@ -77,12 +83,10 @@ class Options:
                 f"valid options are: {', '.join(sorted(valid))}"
             )
         opts = cls(**options)
-        opts.validate()
+        opts.validate(pass_names)
         return opts
 
-    def validate(self) -> None:
-        from fxopt.pipeline import PASS_NAMES
-
+    def validate(self, pass_names: Optional[Sequence[str]] = None) -> None:
         for key in ("passes", "disable"):
             names = getattr(self, key)
             if names is None:
@@ -90,9 +94,9 @@ class Options:
             if isinstance(names, str):
                 names = [n.strip() for n in names.split(",") if n.strip()]
                 setattr(self, key, names)
-            bad = [n for n in names if n not in PASS_NAMES]
+            bad = [n for n in names if pass_names is not None and n not in pass_names]
             if bad:
-                raise ValueError(f"fxopt: unknown pass name(s) {bad} in option {key!r}; passes are: {list(PASS_NAMES)}")
+                raise ValueError(f"fxopt: unknown pass name(s) {bad} in option {key!r}; passes are: {list(pass_names)}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"fxopt: executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.layout not in LAYOUTS:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from fxopt.config import Options
+from fxopt.pipeline import PASS_NAMES
 from fxopt.report import Report
 
 
@@ -18,7 +19,7 @@ def explain(model, *example_inputs, options=None, training: bool = False) -> Rep
     """
     from fxopt.backend import fxopt_backend
 
-    opts = Options.from_any(options)
+    opts = Options.from_any(options, PASS_NAMES)
     graphs: list = []
 
     def capture(gm, inputs):

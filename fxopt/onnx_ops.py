@@ -1,4 +1,4 @@
-"""ATen -> ONNX translations used by ``fxopt.onnx_export``: one handler per op of the optimized graph.
+"""ATen -> ONNX translations used by ``fxopt.onnx_graph``: one handler per op of the optimized graph.
 
 A handler ``(emitter, node) -> None`` emits the ONNX nodes for one FX node and sets
 ``emitter.names[node]`` (a tuple for multi-output ops). ``HANDLERS`` maps each ATen / fxopt op to
@@ -11,7 +11,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxopt.onnx_export import DTYPES, UnsupportedOpError, _ints, _path, _val
+from fxopt.onnx_common import DTYPES, UnsupportedOpError, _ints, _path, _val
 from fxopt.ops import FUSED_CONV, FUSED_LINEAR
 from fxopt.passes.fuse_conv_epilogue import ACTIVATION_OPS
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# GPU check for fxopt: install the checkout, run the CUDA tests, run the benchmark.
+# GPU check for fxopt: install the checkout, run the CUDA tests, the diagnostics asked for, the benchmark.
 #
 #   scripts/gpu_check.sh [fxopt.bench args...]
 #   e.g. scripts/gpu_check.sh --models resnet18,resnet50 --batch 1,32 --dtype float16 --time-budget 420
+#   GPU_CHECK_DIAGNOSE="seedcnn:float32:1 resnet50:float16:1" GPU_CHECK_SKIP_TESTS=1 scripts/gpu_check.sh --models seedcnn
 #
 # For the GPU machine (python3 3.12, torch/torchvision/triton/onnx preinstalled, no
 # network). If /tmp/ortsite exists it is put first on PYTHONPATH (an unpacked
@@ -11,7 +12,9 @@
 # Keeps going when a step fails; exits non-zero at the end if any step failed.
 # Env: PYTHON (default python3), GPU_CHECK_TEST_TIMEOUT (seconds for pytest, 0 = none),
 #      GPU_CHECK_SKIP_TESTS=1 (skip pytest), FXOPT_TARGET (--target dir fallback),
-#      GPU_CHECK_MEMCHECK=1 (also run the CUDA kernel tests under compute-sanitizer memcheck).
+#      GPU_CHECK_MEMCHECK=1 (also run the CUDA kernel tests under compute-sanitizer memcheck),
+#      GPU_CHECK_DIAGNOSE="MODEL:DTYPE:BATCH ..." (run `fxopt diagnose host` and, with empty fxopt
+#      caches, `fxopt diagnose compile` for each, into diagnose.log).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -52,7 +55,7 @@ else
         export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
         export PYTHONSAFEPATH=1   # keep ./fxopt (no fxopt.passes mapping) from shadowing the install
         # an older pyproject may not list fxopt.bench / fxopt.testing as packages
-        for sub in bench testing; do
+        for sub in bench testing diagnose; do
             [ -d "$TARGET/fxopt/$sub" ] || cp -r "fxopt/$sub" "$TARGET/fxopt/$sub"
         done
         echo "installed into $TARGET" >&2
@@ -102,6 +105,23 @@ if [ "${GPU_CHECK_MEMCHECK:-0}" = "1" ]; then
         echo "compute-sanitizer not on PATH" >&2
         FAILED+=("memcheck (no compute-sanitizer)")
     fi
+fi
+
+if [ -n "${GPU_CHECK_DIAGNOSE:-}" ]; then
+    step "diagnostics (fxopt diagnose host, compile)"
+    : > "$LOGDIR/diagnose.log"
+    for cfg in $GPU_CHECK_DIAGNOSE; do
+        IFS=: read -r model dtype batch <<<"$cfg"
+        for diagnostic in host compile; do
+            cmd=("$PY" -m fxopt.cli diagnose "$diagnostic" "$model" --dtype "${dtype:-float16}" --batch "${batch:-1}"
+                 --device cuda)
+            echo "--- fxopt ${cmd[*]:3}" >>"$LOGDIR/diagnose.log"
+            cache="$(mktemp -d /tmp/fxopt_cache.XXXXXX)"   # compile: a cold compile, as a user's first
+            FXOPT_CACHE_DIR="$cache" "${cmd[@]}" >>"$LOGDIR/diagnose.log" 2>&1 || FAILED+=("diagnose $diagnostic $cfg")
+            rm -rf "$cache"
+        done
+    done
+    grep -E "µs per call|first call" "$LOGDIR/diagnose.log" >&2
 fi
 
 step "benchmark"

@@ -38,7 +38,13 @@ def test_unknown_option_lists_valid_ones():
 
 def test_unknown_pass_name_rejected():
     with pytest.raises(ValueError, match="unknown pass name"):
-        fxopt.Options.from_any({"disable": ["fold_everything"]})
+        fxopt.Options.from_any({"disable": ["fold_everything"]}, fxopt.PASS_NAMES)
+    compiled = torch.compile(SeedCNN().eval(), backend="fxopt", options={"passes": ["fold_everything"]})
+    with pytest.raises(Exception, match="unknown pass name.*'passes'"):
+        with torch.no_grad():
+            compiled(torch.randn(1, 3, 32, 32))
+    with pytest.raises(ValueError, match="unknown pass name"):
+        fxopt.explain(SeedCNN().eval(), torch.randn(1, 3, 32, 32), options={"disable": ["fold_everything"]})
 
 
 @pytest.mark.parametrize("model_cls", [SeedCNN, SeedCNN2, SmallResNet])

@@ -439,3 +439,16 @@ def test_merge_results_of_split_runs(tmp_path):
         p.write_text(json.dumps(r))
     assert B.main(["--merge", *map(str, paths), "--out", str(tmp_path / "m")]) == 0
     assert "resnet18" in (tmp_path / "m" / "summary.md").read_text()
+    # a merged report merged again keeps every run it came from; a kept .json.gz reads as well
+    twice = merge_results([merge_results([part("seedcnn", 3.0), part("resnet18", 4.0), again]), part("vgg16", 1.0),
+                           part("resnet18", 1.0)])
+    assert len(twice["meta"]["runs"]) == 5 and twice["meta"]["wall_s"] == 11.0
+    assert [(c["model"], c["run"]) for c in twice["cells"]] == [("seedcnn", 2), ("vgg16", 3), ("vgg16", 3),
+                                                               ("resnet18", 4), ("resnet18", 4)]
+    assert twice["meta"]["replaced_rows"][-1] == {"model": "resnet18", "batch": 1, "dtype": "float32", "by_run": 4}
+    assert twice["meta"]["replaced_rows"][0]["by_run"] == 2
+    import gzip
+    with gzip.open(tmp_path / "m.json.gz", "wt") as f:
+        json.dump(json.loads((tmp_path / "m" / "results.json").read_text()), f)
+    assert B.main(["--merge", str(tmp_path / "m.json.gz"), str(paths[0]), "--out", str(tmp_path / "m2")]) == 0
+    assert len(json.loads((tmp_path / "m2" / "results.json").read_text())["meta"]["runs"]) == 3

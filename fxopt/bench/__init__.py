@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", action="store_true", help="time training steps instead (fxopt.bench.train; "
                    "its options: fxopt bench --train --help)")
     p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
-                   help="measure nothing: merge results.json files of runs split over several commands on one "
-                   "machine into one report in --out")
+                   help="measure nothing: merge results.json files (or .json.gz) of runs split over several "
+                   "commands on one machine into one report in --out")
     p.add_argument("--cold-timeout", type=float, default=1800.0, help=argparse.SUPPRESS)
     p.add_argument("--cold-child", default=None, help=argparse.SUPPRESS)
     return p
@@ -418,13 +418,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = parse_args(argv)
     if a.cold_child:
         return _cold_child(a.cold_child)
-    from .report import merge_results, render_summary, write_reports
+    from .report import merge_results, read_results, render_summary, write_reports
 
     if a.merge:
-        parts = []
-        for path in a.merge:
-            with open(path) as f:
-                parts.append(json.load(f))
+        parts = [read_results(path) for path in a.merge]
         paths = write_reports(merge_results(parts), a.out)
         print(f"merged {len(parts)} runs into {', '.join(v for k, v in paths.items() if not k.endswith('_error'))}",
               file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -107,6 +108,7 @@ def main(argv=None) -> int:
     if not args.skip_winograd:
         result["winograd"] = winograd_rows(args.iters)
     if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     print(f"\n{result['device']} torch {result['torch']} cuDNN {result['cudnn']}")

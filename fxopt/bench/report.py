@@ -9,6 +9,8 @@ iqr_ms, first_call_s, max_rel_err, tflops, pct_peak, peak_mem_mb ...
 """
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import math
 import os
@@ -375,8 +377,14 @@ def write_plot(results: Dict[str, Any], path: str) -> str:
         title += " (CPU: not a GPU result)"
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
+    # a bar chart has a few colours: as a 256-colour palette it is the same picture in ~40 % of the
+    # bytes, which matters for the charts kept under benchmarks/results/ (Pillow comes with matplotlib)
+    from PIL import Image
+
+    Image.open(buf).convert("RGB").quantize(colors=256, method=0, dither=0).save(path, optimize=True)  # median cut
     return path
 
 
@@ -386,34 +394,51 @@ def merge_results(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
     with every run's command, date, device, versions and wall time under ``meta["runs"]``.
     A row (model, batch, dtype) measured again by a later run is replaced as a whole, never
     mixed cell by cell, so every row stays one side-by-side measurement; each cell keeps the
-    index of its run under ``"run"``, and ``meta["replaced_rows"]`` lists what was replaced."""
+    index of its run under ``"run"``, and ``meta["replaced_rows"]`` lists what was replaced.
+    A part that is itself a merge contributes its runs one by one (an update of a merged report
+    keeps every command it came from)."""
     if not parts:
         raise ValueError("merge_results needs at least one result")
     devices = {p["meta"].get("device_name") for p in parts}
     if len(devices) > 1:
         raise ValueError(f"refusing to merge runs from different devices: {sorted(map(str, devices))}")
     meta = dict(parts[0]["meta"])
-    meta["runs"] = [{k: p["meta"].get(k) for k in ("command", "date", "device_name", "versions", "wall_s")}
-                    for p in parts]
+    meta["runs"], meta["replaced_rows"] = [], []
     meta["wall_s"] = round(sum(p["meta"].get("wall_s") or 0 for p in parts), 2)
-    meta["replaced_rows"] = []
     out: Dict[str, Any] = {"meta": meta, "peak": {}, "flops": {}, "cells": [], "checks": [], "errors_logged": 0}
 
     def row(c: Dict[str, Any]) -> RowKey:
         return (c.get("model"), c.get("batch"), c.get("dtype"))
 
-    for i, p in enumerate(parts):
-        rows = {row(c) for c in p.get("cells", [])}
+    for p in parts:
+        offset = len(meta["runs"])
+        runs = p["meta"].get("runs") or []
+        if len(runs) > 1:  # a merged report
+            meta["runs"] += runs
+            meta["replaced_rows"] += [{**r, "by_run": offset + r["by_run"]} for r in p["meta"].get("replaced_rows", [])]
+        else:
+            meta["runs"].append({k: p["meta"].get(k) for k in ("command", "date", "device_name", "versions", "wall_s")})
+        cells = [{**c, "run": offset + (c.get("run", 0) if len(runs) > 1 else 0)} for c in p.get("cells", [])]
+        rows = {row(c) for c in cells}
+        by_run = {row(c): c["run"] for c in cells}
         again = sorted({row(c) for c in out["cells"]} & rows, key=str)
-        meta["replaced_rows"] += [{"model": m, "batch": b, "dtype": d, "by_run": i} for m, b, d in again]
+        meta["replaced_rows"] += [{"model": m, "batch": b, "dtype": d, "by_run": by_run[(m, b, d)]}
+                                  for m, b, d in again]
         out["cells"] = [c for c in out["cells"] if row(c) not in rows]
         out["checks"] = [c for c in out["checks"] if row(c) not in rows]
         out["peak"].update(p.get("peak", {}))
         out["flops"].update(p.get("flops", {}))
-        out["cells"].extend({**c, "run": i} for c in p.get("cells", []))
+        out["cells"].extend(cells)
         out["checks"].extend(p.get("checks", []))
         out["errors_logged"] += p.get("errors_logged", 0)
     return out
+
+
+def read_results(path: str) -> Dict[str, Any]:
+    """A results.json, or one kept gzip-compressed (``results.json.gz``)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
 
 
 def write_reports(results: Dict[str, Any], out_dir: str) -> Dict[str, str]:

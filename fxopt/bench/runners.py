@@ -115,8 +115,8 @@ def _python_workload() -> int:
 
 def host_speed_us(reps: int = 25) -> float:
     """Median time of a fixed pure-Python workload (no torch, ~20-50 us): the host's speed at this
-    moment. On the lent GPU machines it moves between levels over seconds (a factor up to ~2,
-    whichever core the process is pinned to), and host-bound cells move with it; recorded per
+    moment. On the H100 machines of BENCHMARKS.md it moves between levels over seconds (a factor up
+    to ~2, whichever core the process is pinned to), and host-bound cells move with it; recorded per
     round so that rounds can be compared in the same host state."""
     ts = []
     for _ in range(reps):
