@@ -12,7 +12,6 @@ import contextlib
 import datetime
 import json
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -21,6 +20,8 @@ import sys
 import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
+
+from .environment import _device_info, _versions
 
 __all__ = ["main", "build_parser", "parse_args", "run_benchmark", "DTYPES"]
 
@@ -125,70 +126,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if not isinstance(a.fxopt_options, dict):
         p.error("--fxopt-options must be a JSON object")
     return a
-
-
-# --------------------------------------------------------------------------
-def _versions() -> Dict[str, Optional[str]]:
-    import torch
-    v: Dict[str, Optional[str]] = {"python": platform.python_version(), "torch": torch.__version__,
-                                   "CUDA": torch.version.cuda, "cuDNN": None}
-    try:
-        v["cuDNN"] = str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else None
-    except Exception:
-        pass
-    for mod in ("torchvision", "triton", "onnx", "onnxruntime"):
-        try:
-            v[mod] = __import__(mod).__version__
-        except Exception:
-            v[mod] = None
-    try:
-        from importlib.metadata import version
-        v["fxopt"] = version("fxopt")
-    except Exception:
-        try:
-            import fxopt
-            v["fxopt"] = getattr(fxopt, "__version__", None) or "uninstalled checkout"
-        except Exception:
-            v["fxopt"] = "not importable"
-    v["fxopt_commit"] = _git_commit()
-    return v
-
-
-def _git_commit() -> Optional[str]:
-    """The checkout's commit (with "+dirty" for uncommitted changes) when fxopt runs from a git
-    checkout (editable install, the GPU machine's copy), else None. ``FXOPT_COMMIT`` in the
-    environment overrides it: a copy of the tree whose ``.git`` is not its own says which commit it is."""
-    import subprocess
-
-    if os.environ.get("FXOPT_COMMIT"):
-        return os.environ["FXOPT_COMMIT"]
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        run = lambda *cmd: subprocess.run(["git", "-C", here, *cmd], capture_output=True, text=True,  # noqa: E731
-                                          timeout=10)
-        head = run("rev-parse", "--short=12", "HEAD")
-        if head.returncode != 0:
-            return None
-        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
-        return head.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _device_info(device: str) -> Dict[str, Any]:
-    import torch
-    if device == "cuda":
-        cap = torch.cuda.get_device_capability()
-        return {"device_name": torch.cuda.get_device_name(), "capability": f"{cap[0]}.{cap[1]}",
-                "device_count": torch.cuda.device_count()}
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except Exception:
-        pass
-    return {"device_name": f"CPU: {name}", "capability": None, "cpu_threads": torch.get_num_threads()}
 
 
 def _cold_compile(model: str, batch: int, dtype: str, backend: str, a) -> Dict[str, Any]:

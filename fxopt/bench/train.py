@@ -426,7 +426,7 @@ def run_training_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] 
 
     from fxopt.testing.training import AMP_DTYPES, LOSS_TOLERANCE, make_batches
 
-    from . import _device_info, _versions
+    from .environment import _device_info, _versions
 
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but torch.cuda.is_available() is False")

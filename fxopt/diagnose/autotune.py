@@ -72,7 +72,7 @@ class Recorder:
 
     def install(self) -> None:
         import fxopt.autotune as autotune
-        import fxopt.backends.cuda.measure as node_measure
+        import fxopt.backends.cuda.runtime.measure as node_measure
         import fxopt.passes.select_conv_algorithm as sca
         from fxopt.backends.conv_algorithms import ALGORITHMS
 
