@@ -288,20 +288,37 @@ def _other_batch(inputs: tuple, info: dict) -> Optional[tuple]:
     return tuple(x[:1] if b > 1 else torch.cat([x, x]) if x.dim() > 0 else x for x in inputs)
 
 
-def _check_against(model, module: PackagedModule, inputs: tuple) -> Optional[str]:
-    from fxopt.tolerances import outputs_close
+def _close(got: list, ref: list) -> Optional[str]:
+    """Whole-tensor agreement (max |got - ref| / max |ref|) within fxopt's tolerance for the
+    dtype (TF32's on CUDA float32, as eager runs it), shapes and dtypes equal."""
+    from fxopt.tolerances import relative_error, tolerance
 
+    if len(got) != len(ref):
+        return f"{len(got)} outputs instead of {len(ref)}"
+    for i, (a, b) in enumerate(zip(got, ref)):
+        if not isinstance(b, torch.Tensor):
+            if a != b:
+                return f"output {i}: {a!r} != {b!r}"
+            continue
+        if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            return f"output {i}: {getattr(a, 'shape', a)}/{getattr(a, 'dtype', '')} vs {b.shape}/{b.dtype}"
+        rtol = tolerance(b.dtype)[0]
+        if b.is_cuda and b.dtype == torch.float32:
+            rtol = max(rtol, 1e-3)
+        err = relative_error(a, b)
+        if not err <= rtol or bool((a.isnan() != b.isnan()).any()):
+            return f"output {i}: relative error {err:.3g} > {rtol:g}"
+    return None
+
+
+def _check_against(model, module: PackagedModule, inputs: tuple) -> Optional[str]:
     with torch.no_grad():
         ref = model(*inputs)
         try:
             got = module(*inputs)
         except Exception as e:  # noqa: BLE001 - reported as the reason the batch is fixed
             return f"{type(e).__name__}: {e}"
-        flat_got, flat_ref = pytree.tree_leaves(got), pytree.tree_leaves(ref)
-        if len(flat_got) != len(flat_ref) or any(
-                isinstance(a, torch.Tensor) and a.shape != b.shape for a, b in zip(flat_got, flat_ref)):
-            return "outputs have other shapes than the model's"
-        return outputs_close(flat_got, flat_ref)
+        return _close(pytree.tree_leaves(got), pytree.tree_leaves(ref))
 
 
 def package(model: torch.nn.Module, example_inputs, path, options=None, dynamic_batch: bool = True) -> dict:

@@ -149,8 +149,48 @@ def _unmeta(meta: dict) -> dict:
     return out
 
 
-def graph_to_json(gm: fx.GraphModule) -> dict:
-    """The JSON form of ``gm``'s graph (and of a ``FoldedConstants`` submodule's graph)."""
+def _val_json(v) -> Any:
+    """A static tensor's (or tuple of them) metadata, enough to rebuild its FakeTensor; else None."""
+    if isinstance(v, torch.Tensor):
+        if not all(isinstance(s, int) for s in tuple(v.shape) + tuple(v.stride())):
+            return None
+        return [list(v.shape), list(v.stride()), str(v.dtype).replace("torch.", ""), str(v.device),
+                bool(v.requires_grad)]
+    if isinstance(v, (tuple, list)) and v and all(isinstance(t, torch.Tensor) for t in v):
+        parts = [_val_json(t) for t in v]
+        return None if None in parts else {"t": parts}
+    return None
+
+
+def _val_from_json(v, mode):
+    if isinstance(v, dict):
+        return tuple(_val_from_json(t, mode) for t in v["t"])
+    shape, stride, dtype, device, grad = v
+    with mode:
+        t = torch.empty_strided(shape, stride, dtype=_DTYPES[dtype], device=torch.device(device))
+    return t.requires_grad_(grad) if grad else t
+
+
+def rebuild_vals(gm: fx.GraphModule, data: dict, mode) -> bool:
+    """Put back the FakeTensors ``graph_to_json(..., vals=True)`` described, in ``mode``; True when
+    every node that produces a tensor got one (else the caller propagates them itself)."""
+    stored = {e["name"]: e["val"] for e in data["nodes"] if "val" in e}
+    complete = True
+    for n in gm.graph.nodes:
+        if n.name in stored:
+            n.meta["val"] = _val_from_json(stored[n.name], mode)
+        elif n.op not in ("output", "get_attr"):
+            complete = False
+    for name, sub in data.get("modules", {}).items():
+        call = next((n for n in gm.graph.nodes if n.op == "call_module" and n.target == name), None)
+        if call is not None and "val" in call.meta:
+            gm.get_submodule(name).remember_fake([a.meta.get("val") for a in call.args], list(call.meta["val"]))
+    return complete
+
+
+def graph_to_json(gm: fx.GraphModule, vals: bool = False) -> dict:
+    """The JSON form of ``gm``'s graph (and of a ``FoldedConstants`` submodule's graph). With
+    ``vals``, static tensor metadata per node too (``rebuild_vals``)."""
     from fxopt.passes.fold_constants import FoldedConstants
 
     nodes, modules = [], {}
@@ -172,6 +212,10 @@ def graph_to_json(gm: fx.GraphModule) -> dict:
         meta = _meta(n)
         if meta:
             entry["meta"] = meta
+        if vals and n.op != "output":
+            v = _val_json(n.meta.get("val"))
+            if v is not None:
+                entry["val"] = v
         nodes.append(entry)
     return {"format": GRAPH_FORMAT, "nodes": nodes, "modules": modules}
 
