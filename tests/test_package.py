@@ -341,3 +341,22 @@ def test_compile_cache_ignores_a_corrupt_entry(tmp_path):
     assert again["cache"].startswith("hit")
     with torch.no_grad():
         assert rel(y, make_net()(torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1)))) < RTOL
+
+
+# -- benchmark rows --------------------------------------------------------------------------------
+def test_bench_fxopt_package_row_and_cold_start(tmp_path):
+    import fxopt.bench as B
+    from fxopt.bench.report import render_markdown
+
+    a = B.parse_args(["--quick", "--device", "cpu", "--out", str(tmp_path)])
+    res = B._cold_compile("seedcnn", 2, "float32", "fxopt-package", a)
+    assert res.get("cold_compile_s", -1) > 0 and res.get("warm_cache_compile_s", -1) > 0, res
+    assert 0 < res.get("load_first_call_s", -1) < res["cold_compile_s"], res
+    results = {"meta": {}, "cells": [{"model": "seedcnn", "batch": 2, "dtype": "float32", "backend": "fxopt",
+                                      "status": "ok", "median_ms": 1.0, "cold_compile_s": 3.0},
+                                     {"model": "seedcnn", "batch": 2, "dtype": "float32",
+                                      "backend": "fxopt-package", "status": "ok", "median_ms": 0.9, **res}],
+               "cold_floors": [{"model": "seedcnn", "batch": 2, "dtype": "float32", "backend": "floor-aot-eager",
+                                "cold_compile_s": 2.5}]}
+    text = render_markdown(results)
+    assert "## Cold start" in text and "| seedcnn | 2 | float32 | fxopt | 3.00 | – | – | 0.50 |" in text
