@@ -131,7 +131,9 @@ class AutotuneCache:
     @classmethod
     def for_option(cls, opt) -> "AutotuneCache":
         """The cache the ``autotune_cache`` option names: False = in memory only, a path, else the
-        default file."""
+        default file; a cache object (``fxopt.choices``: a package's choices, a recording) is used as it is."""
+        if isinstance(opt, AutotuneCache):
+            return opt
         return cls(None if opt is False else (opt if isinstance(opt, str) else default_cache_path()))
 
     def _load(self) -> dict:

@@ -28,8 +28,9 @@ from functorch.compile import make_boxed_func
 
 from fxopt.config import Options
 from fxopt.autotune import cudnn_choosing
+from fxopt.compile_cache import CompileCache
 from fxopt.passinfra import PassContext, written_in_place
-from fxopt.pipeline import PASS_NAMES, FxoptFallbackWarning, PassFailure, copy_graph_module, run_pipeline
+from fxopt.pipeline import PASS_NAMES, FxoptFallbackWarning, PassFailure, copy_graph_module
 from fxopt.report import GraphReport
 from fxopt.training import Partitioner, training_details
 
@@ -157,7 +158,8 @@ class FxoptCompiler:
         ctx = self._context(gm, fake_args, mode)
         before = copy_graph_module(gm)
         with cudnn_choosing(self.options.cudnn_search):  # how the convolutions measured now use cuDNN
-            optimized, records, fallback = run_pipeline(gm, ctx, dump_prefix=f"{kind}_")
+            cache = CompileCache(gm, ctx, kind)  # an identical earlier compile's graph and choices
+            optimized, records, fallback = cache.run(gm, ctx, fake_args, dump_prefix=f"{kind}_")
             ctx.unoptimized = before if fallback is None else None
             try:
                 compiled, executor_info = lower(optimized, ctx, kind)
@@ -169,6 +171,7 @@ class FxoptCompiler:
                 fallback = f"lowering failed: {type(e).__name__}: {e}"
                 optimized, compiled, executor_info = before, before, {"executor": "torch",
                                                                       "cudagraphs": "off (fallback)"}
+            cache.store(optimized, records, fallback, ctx)
         report = GraphReport(
             kind=kind, before=before, after=optimized, passes=records, conv_algorithms=dict(ctx.conv_algorithms),
             kernels=executor_info.get("kernels", []), fallback=fallback, executor=executor_info["executor"],
@@ -178,6 +181,7 @@ class FxoptCompiler:
         )
         if kind != "inference":  # how AOTAutograd split the joint graph (fxopt.training)
             report.training = training_details(before, kind, self.partitioner)
+        report.executor_details["compile_cache"] = cache.status
         if kind == "inference" and self.options.direct_call:
             why = direct_call_blocker(gm, self.n_inputs)
             report.executor_details["aot_runtime_wrapper"] = why or "skipped (direct call)"

@@ -1,4 +1,5 @@
-"""The ``fxopt`` command: ``fxopt explain``, ``fxopt export``, ``fxopt bench``, ``fxopt diagnose``.
+"""The ``fxopt`` command: ``fxopt explain``, ``fxopt export``, ``fxopt package``, ``fxopt run``,
+``fxopt bench``, ``fxopt diagnose``.
 
 Each subcommand is one ``add_<name>(sub)`` that declares its parser and sets ``run`` to the
 function doing the work; ``SUBCOMMANDS`` lists them in the order ``fxopt --help`` shows. A
@@ -56,6 +57,68 @@ def add_export(sub) -> None:
     p.set_defaults(run=cmd_export)
 
 
+def cmd_package(args) -> int:
+    import fxopt
+
+    model, x = model_and_input(args)
+    with torch.no_grad():
+        summary = fxopt.package(model, (x,), args.output, options=args.options, dynamic_batch=not args.static)
+    batch = summary["batch"]
+    print(f"wrote {args.output} ({summary['bytes'] / 2**20:.1f} MiB, batch "
+          f"{'dynamic' if batch['dynamic'] else 'fixed at ' + str(batch['example'])}) in {summary['timings']['total_s']:.1f} s")
+    return 0
+
+
+def cmd_run(args) -> int:
+    """Load a package (no torch.compile), time its calls on random inputs of ``--shape``."""
+    import time
+
+    import fxopt
+
+    if args.iters < 0:
+        raise SystemExit("fxopt run: --iters must be >= 0")
+    t0 = time.perf_counter()
+    module = fxopt.load(args.package, device=args.device)
+    load_s = time.perf_counter() - t0
+    torch.set_grad_enabled(False)
+    spec = module.input_specs[0]
+    x = torch.randn(args.shape, device=module.device, dtype=getattr(torch, spec["dtype"]))
+    sync = torch.cuda.synchronize if module.device.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    module(x)
+    sync()
+    first_s = time.perf_counter() - t0
+    times = []
+    for _ in range(args.iters):
+        t0 = time.perf_counter()
+        module(x)
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    print(module.summary())
+    print(f"load {load_s:.3f} s, first call {first_s:.3f} s; {args.iters} calls: median {times[len(times) // 2]:.3f} ms"
+          f" (min {times[0]:.3f}, max {times[-1]:.3f})" if times else f"load {load_s:.3f} s, first call {first_s:.3f} s")
+    return 0
+
+
+def add_package(sub) -> None:
+    p = sub.add_parser("package", help="write the optimized model as one file that fxopt run / fxopt.load run")
+    add_model_arguments(p)
+    p.add_argument("--options", type=options_json, help="fxopt options as JSON")
+    p.add_argument("--static", action="store_true", help="fixed batch size (default: dynamic batch)")
+    p.add_argument("-o", "--output", required=True, help="path of the package (.fxopt)")
+    p.set_defaults(run=cmd_package)
+
+
+def add_run(sub) -> None:
+    p = sub.add_parser("run", help="load a package (no torch.compile) and time it")
+    p.add_argument("package", help="path of a .fxopt package")
+    p.add_argument("--shape", type=parse_shape, required=True, help="input shape, e.g. 1,3,224,224")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: where it was packaged")
+    p.add_argument("--iters", type=int, default=20, help="timed calls after the first (default 20)")
+    p.set_defaults(run=cmd_run)
+
+
 def cmd_bench(args) -> int:
     from fxopt.bench import main as bench_main
 
@@ -82,7 +145,7 @@ def add_diagnose(sub) -> None:
     p.set_defaults(run=cmd_diagnose)
 
 
-SUBCOMMANDS = [add_explain, add_export, add_bench, add_diagnose]
+SUBCOMMANDS = [add_explain, add_export, add_package, add_run, add_bench, add_diagnose]
 
 
 def build_parser() -> argparse.ArgumentParser:

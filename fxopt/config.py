@@ -40,6 +40,8 @@ class Options:
     conv_prune: Optional[float] = 4.0
     #: autotuning cache file; None = default under the user cache dir; False = no cache
     autotune_cache: Union[str, bool, None] = None
+    #: reuse the optimized graph and choices of an identical earlier compile (fxopt.compile_cache)
+    compile_cache: bool = True
     #: CUDA graphs for CUDA inference (None = on when legal)
     cudagraphs: Optional[bool] = None
     #: with CUDA graphs, also capture the unoptimized graph per signature and replay it instead where
@@ -116,6 +118,8 @@ class Options:
             raise ValueError(f"fxopt: conv_prune must be 0, None or a factor >= 1, got {self.conv_prune!r}")
         if not isinstance(self.fusion, bool):
             raise ValueError(f"fxopt: fusion must be True or False, got {self.fusion!r}")
+        if not isinstance(self.compile_cache, bool):
+            raise ValueError(f"fxopt: compile_cache must be True or False, got {self.compile_cache!r}")
         if not isinstance(self.cudnn_search, bool):
             raise ValueError(f"fxopt: cudnn_search must be True or False, got {self.cudnn_search!r}")
         if self.dump_dir is None:

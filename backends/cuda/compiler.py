@@ -491,3 +491,23 @@ def compile_many(items: Iterable, arch: str | None = None, options=(),
     futs = submit_many(jobs, arch, options, max_workers or min(len(set(jobs)), os.cpu_count() or 2))
     wait(futs)
     return [f.result() for f in futs]
+
+
+# -- cubins carried in a file (fxopt.package): the key compile_kernel would use, and a way in ----
+def kernel_key(source: str, name: str, arch: str | None = None, options=()) -> str:
+    """The cache key ``compile_kernel(source, name, arch, options)`` uses in this process."""
+    return hashlib.sha256(json.dumps(
+        [_KEY_VERSION, source, name, default_arch(arch), repr(_norm_options(options)), list(nvrtc_version()),
+         list(cuda_include_dirs())]).encode()).hexdigest()
+
+
+def install_cubin(source: str, name: str, cubin: bytes, arch: str, param_types: Sequence[str] | None = None,
+                  options=()) -> CompiledKernel:
+    """Put a cubin compiled elsewhere from ``source`` for ``arch`` into the in-memory cache, under
+    the key this process computes, so that ``compile_kernel`` returns it without NVRTC. The caller
+    checks that it was compiled for this arch by this NVRTC version (the disk cache is left alone)."""
+    key = kernel_key(source, name, arch, options)
+    ptypes = None if param_types is None else tuple(param_types)
+    ck = CompiledKernel(name, source, arch, bytes(cubin), ptypes, key, "package")
+    with _LOCK:
+        return _MEM.setdefault(key, ck)

@@ -282,6 +282,34 @@ def _rounds_lines(results: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def _cold_lines(results: Dict[str, Any]) -> List[str]:
+    """--cold: per row and backend, the first call in a fresh process with empty caches, again with
+    warm caches, and (built once, loaded without torch.compile) load + first call; each
+    torch.compile backend's own work = its first call minus floor-aot-eager's (same command)."""
+    cold = [c for c in results.get("cells", []) + results.get("cold_floors", [])
+            if c.get("cold_compile_s") is not None or c.get("cold_error")]
+    if not cold:
+        return []
+    lines = ["## Cold start", "",
+             "| model | batch | dtype | backend | first call cold s | warm caches s | load + first call s "
+             "| own work cold s (− floor-aot-eager) |", "|---|---|---|---|---|---|---|---|"]
+    floor = {(c["model"], c["batch"], c["dtype"]): c.get("cold_compile_s") for c in cold
+             if c["backend"] == "floor-aot-eager"}
+    for c in cold:
+        f = floor.get((c["model"], c["batch"], c["dtype"]))
+        own = (c["cold_compile_s"] - f if f is not None and c.get("cold_compile_s") is not None
+               and not _is_floor(c["backend"]) and c["backend"] not in ("fxopt-package", "aotinductor", "eager",
+                                                                       "eager-channels-last") else None)
+        lines.append("| " + " | ".join([
+            c["model"], str(c["batch"]), c["dtype"], c["backend"],
+            _fmt(c.get("cold_compile_s"), ".2f") if c.get("cold_compile_s") is not None
+            else _short(c.get("cold_error"), 40), _fmt(c.get("warm_cache_compile_s"), ".2f"),
+            _fmt(c.get("load_first_call_s"), ".2f"), _fmt(own, ".2f")]) + " |")
+    lines += ["", "fxopt-package / aotinductor: first call = build the package + load + first call; "
+              "load + first call = a fresh process loading the package built before.", ""]
+    return lines
+
+
 def render_summary(results: Dict[str, Any]) -> str:
     """Header and summary table (the table last)."""
     return "\n".join(_header(results) + ["## Summary", ""] + _summary_table(results)) + "\n"
@@ -309,6 +337,7 @@ def render_markdown(results: Dict[str, Any]) -> str:
     lines += _checks_lines(results)
     lines += _rounds_lines(results)
     lines += _kernel_lines(results)
+    lines += _cold_lines(results)
     lines += ["## Details", ""] + _details_table(results)
     return "\n".join(lines) + "\n"
 

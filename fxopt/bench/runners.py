@@ -53,6 +53,7 @@ class BackendSpec:
     default: bool = True
     needs_cuda: bool = False
     is_fxopt: bool = False
+    deploy: bool = False  # built once, loaded without torch.compile (fxopt.bench.deploy)
 
 
 # ---- statistics and timing -------------------------------------------------
@@ -334,6 +335,15 @@ def _entry_floor(model, x, device, dtype, options) -> Prepared:
                     note="torch.compile entry only: returns the outputs of the example input")
 
 
+def _deploy(name: str) -> PrepareFn:
+    def prepare(model, x, device, dtype, options) -> Prepared:
+        from . import deploy
+
+        return getattr(deploy, name)(model, x, device, dtype, options)
+
+    return prepare
+
+
 _ORT_NP = {torch.float32: "float32", torch.float16: "float16"}
 
 
@@ -435,6 +445,9 @@ BACKENDS: Dict[str, BackendSpec] = {s.name: s for s in [
     BackendSpec("fxopt-direct", _fxopt({"conv_algorithm": "direct"}), is_fxopt=True, default=False),
     BackendSpec("fxopt-no-fusion", _fxopt({"fusion": False}), is_fxopt=True, default=False),
     BackendSpec("fxopt-onnxruntime", _fxopt({"executor": "onnxruntime"}), is_fxopt=True, default=False),
+    # built once, loaded without torch.compile (AOTInductor builds for minutes: not run by default)
+    BackendSpec("fxopt-package", _deploy("prepare_package"), is_fxopt=True, deploy=True),
+    BackendSpec("aotinductor", _deploy("prepare_aotinductor"), default=False, deploy=True),
     # floors (not peers): what torch.compile costs before any optimizing backend does anything
     BackendSpec("floor-dynamo-eager", _torch_compile_floor("eager"), default=False),
     BackendSpec("floor-aot-eager", _torch_compile_floor("aot_eager"), default=False),

@@ -1,0 +1,274 @@
+"""Optimized FX graphs as plain JSON: what a package and the whole-compile cache store.
+
+Why not ``torch.export.save`` / ``torch.export.load``: loading an exported program imports
+Dynamo's tracer (``torch._dynamo``, ~1.2 s on a 2-core host) and rebuilds a FakeTensor for every
+node (0.75 s for ResNet-50), before any weight is read: a package could not load in under a
+second, and the loading process would import what it must not need. Nor pickle: a package is a
+file people pass around, and unpickling runs whatever the file says.
+
+What is stored: per node its name, op (placeholder / call_function / call_module / get_attr /
+output), target, args and kwargs, and the few ``meta`` entries fxopt's reports and executors
+read (the module path, the conv algorithm chosen). Targets are named, never pickled:
+``torch.ops`` overloads by ``namespace.op.overload`` ("aten.convolution.default",
+"fxopt.fused_conv.default") and Python functions of ``operator``, ``math`` and ``torch``'s
+``sym_*`` helpers by ``module:name``; nothing else is resolved on reading, so reading a graph
+runs no code the file names. Arguments are JSON with tagged objects for what JSON lacks (node
+references, tuples, dtypes, devices, memory formats, layouts). A ``call_module`` of
+``fold_constants``' weight-only graph (``FoldedConstants``) is stored with its subgraph.
+``meta["val"]`` (FakeTensors) is not stored: a reader that needs it propagates it for the
+shapes it runs (``FakeTensorProp``).
+
+Anything else (a tensor literal in an argument, an unnamed Python callable, another submodule)
+raises ``GraphFormatError`` when writing: the caller then does not store the graph.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+#: bumped when the JSON layout changes (readers refuse other versions)
+GRAPH_FORMAT = 1
+#: meta entries kept (module provenance for reports and dict-valued options; fxopt's own marks)
+META_KEYS = ("nn_module_stack", "fxopt_conv_algorithm", "fxopt_conv_algorithm_how", "fxopt_const")
+#: modules whose functions may be graph targets (resolved by name on reading)
+PY_MODULES = {"_operator": operator, "operator": operator, "math": math, "torch": torch}
+
+
+class GraphFormatError(ValueError):
+    """A graph that cannot be written as JSON, or JSON that is not a graph of this format."""
+
+
+_DTYPES = {str(d).replace("torch.", ""): d for d in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
+    torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
+            "channels_last_3d": torch.channels_last_3d, "preserve_format": torch.preserve_format}
+_LAYOUTS = {"strided": torch.strided}
+
+
+def target_name(target: Any) -> dict:
+    if isinstance(target, torch._ops.OpOverload):
+        return {"op": f"{target.namespace}.{target._opname}.{target._overloadname}"}
+    module = getattr(target, "__module__", None)
+    name = getattr(target, "__name__", None)
+    if module in PY_MODULES and name and getattr(PY_MODULES[module], name, None) is target:
+        return {"py": f"{module}:{name}"}
+    raise GraphFormatError(f"target {target!r} cannot be named (only torch.ops overloads and "
+                           f"functions of {sorted(PY_MODULES)})")
+
+
+def resolve_target(spec: dict):
+    if "op" in spec:
+        ns, rest = spec["op"].split(".", 1)
+        name, overload = rest.rsplit(".", 1)
+        try:
+            return getattr(getattr(getattr(torch.ops, ns), name), overload)
+        except (AttributeError, RuntimeError) as e:
+            raise GraphFormatError(f"operator {spec['op']} is not registered in this process "
+                                   f"(another torch version, or a library that defines it is not imported)") from e
+    if "py" in spec:
+        module, name = spec["py"].split(":", 1)
+        fn = getattr(PY_MODULES.get(module), name, None) if module in PY_MODULES else None
+        if fn is None or (module == "torch" and not name.startswith("sym_")):
+            raise GraphFormatError(f"function {spec['py']} is not one a graph may name")
+        return fn
+    raise GraphFormatError(f"bad target {spec!r}")
+
+
+def encode_arg(a: Any) -> Any:
+    if isinstance(a, fx.Node):
+        return {"n": a.name}
+    if a is None or isinstance(a, (bool, int, str)):
+        return a
+    if isinstance(a, float):
+        return a if math.isfinite(a) else {"f": repr(a)}
+    if isinstance(a, list):
+        return [encode_arg(x) for x in a]
+    if isinstance(a, tuple):
+        return {"t": [encode_arg(x) for x in a]}
+    if isinstance(a, dict):
+        if not all(isinstance(k, str) for k in a):
+            raise GraphFormatError(f"dict argument with non-string keys: {a!r}")
+        return {"d": {k: encode_arg(v) for k, v in a.items()}}
+    if isinstance(a, torch.dtype):
+        return {"dtype": str(a).replace("torch.", "")}
+    if isinstance(a, torch.device):
+        return {"device": str(a)}
+    if isinstance(a, torch.memory_format):
+        return {"memory_format": str(a).replace("torch.", "")}
+    if isinstance(a, torch.layout):
+        return {"layout": str(a).replace("torch.", "")}
+    raise GraphFormatError(f"argument {type(a).__name__} {a!r} has no JSON form")
+
+
+def decode_arg(a: Any, env: dict) -> Any:
+    if isinstance(a, list):
+        return [decode_arg(x, env) for x in a]
+    if not isinstance(a, dict):
+        return a
+    (tag, v), = a.items()
+    if tag == "n":
+        return env[v]
+    if tag == "t":
+        return tuple(decode_arg(x, env) for x in v)
+    if tag == "d":
+        return {k: decode_arg(x, env) for k, x in v.items()}
+    if tag == "f":
+        return float(v)
+    table = {"dtype": _DTYPES, "memory_format": _FORMATS, "layout": _LAYOUTS}.get(tag)
+    if table is not None:
+        if v not in table:
+            raise GraphFormatError(f"unknown {tag} {v!r}")
+        return table[v]
+    if tag == "device":
+        return torch.device(v)
+    raise GraphFormatError(f"unknown tagged argument {a!r}")
+
+
+def _meta(node: fx.Node) -> dict:
+    out = {}
+    for key in META_KEYS:
+        v = node.meta.get(key)
+        if v is None:
+            continue
+        if key == "nn_module_stack":  # {id: (path, type)} -> [[id, path, type name]]
+            v = [[k, p, getattr(t, "__qualname__", str(t))] for k, (p, t) in v.items()]
+        out[key] = v
+    return out
+
+
+def _unmeta(meta: dict) -> dict:
+    out = dict(meta)
+    if "nn_module_stack" in out:
+        out["nn_module_stack"] = {k: (p, t) for k, p, t in out["nn_module_stack"]}
+    return out
+
+
+def _val_json(v) -> Any:
+    """A static tensor's (or tuple of them) metadata, enough to rebuild its FakeTensor; else None."""
+    if isinstance(v, torch.Tensor):
+        if not all(isinstance(s, int) for s in tuple(v.shape) + tuple(v.stride())):
+            return None
+        return [list(v.shape), list(v.stride()), str(v.dtype).replace("torch.", ""), str(v.device),
+                bool(v.requires_grad)]
+    if isinstance(v, (tuple, list)) and v and all(isinstance(t, torch.Tensor) for t in v):
+        parts = [_val_json(t) for t in v]
+        return None if None in parts else {"t": parts}
+    return None
+
+
+def _val_from_json(v, mode):
+    if isinstance(v, dict):
+        return tuple(_val_from_json(t, mode) for t in v["t"])
+    shape, stride, dtype, device, grad = v
+    with mode:
+        t = torch.empty_strided(shape, stride, dtype=_DTYPES[dtype], device=torch.device(device))
+    return t.requires_grad_(grad) if grad else t
+
+
+def rebuild_vals(gm: fx.GraphModule, data: dict, mode) -> bool:
+    """Put back the FakeTensors ``graph_to_json(..., vals=True)`` described, in ``mode``; True when
+    every node that produces a tensor got one (else the caller propagates them itself)."""
+    stored = {e["name"]: e["val"] for e in data["nodes"] if "val" in e}
+    complete = True
+    for n in gm.graph.nodes:
+        if n.name in stored:
+            n.meta["val"] = _val_from_json(stored[n.name], mode)
+        elif n.op not in ("output", "get_attr"):
+            complete = False
+    for name, sub in data.get("modules", {}).items():
+        call = next((n for n in gm.graph.nodes if n.op == "call_module" and n.target == name), None)
+        if call is not None and "val" in call.meta:
+            gm.get_submodule(name).remember_fake([a.meta.get("val") for a in call.args], list(call.meta["val"]))
+    return complete
+
+
+def graph_to_json(gm: fx.GraphModule, vals: bool = False) -> dict:
+    """The JSON form of ``gm``'s graph (and of a ``FoldedConstants`` submodule's graph). With
+    ``vals``, static tensor metadata per node too (``rebuild_vals``)."""
+    from fxopt.passes.fold_constants import FoldedConstants
+
+    nodes, modules = [], {}
+    for n in gm.graph.nodes:
+        entry = {"name": n.name, "op": n.op}
+        if n.op == "call_function":
+            entry["target"] = target_name(n.target)
+        elif n.op in ("call_module", "get_attr"):
+            entry["target"] = n.target
+            if n.op == "call_module":
+                sub = gm.get_submodule(n.target)
+                if not isinstance(sub, FoldedConstants):
+                    raise GraphFormatError(f"submodule {n.target} ({type(sub).__name__}) has no JSON form")
+                modules[n.target] = {"graph": graph_to_json(sub.graph_module), "inputs": list(sub.input_names)}
+        elif n.op == "placeholder":
+            entry["target"] = n.target
+        entry["args"] = encode_arg(tuple(n.args))
+        entry["kwargs"] = encode_arg(dict(n.kwargs))
+        meta = _meta(n)
+        if meta:
+            entry["meta"] = meta
+        if vals and n.op != "output":
+            v = _val_json(n.meta.get("val"))
+            if v is not None:
+                entry["val"] = v
+        nodes.append(entry)
+    return {"format": GRAPH_FORMAT, "nodes": nodes, "modules": modules}
+
+
+def graph_from_json(data: dict, owner: Optional[torch.nn.Module] = None,
+                    attributes: Optional[dict] = None) -> fx.GraphModule:
+    """The GraphModule of ``graph_to_json``'s output. ``get_attr`` targets are taken from
+    ``attributes`` (name -> tensor) or else from ``owner``; runs nothing the file names."""
+    from fxopt.passes.fold_constants import FoldedConstants
+
+    if not isinstance(data, dict) or data.get("format") != GRAPH_FORMAT:
+        raise GraphFormatError(f"not a graph of format {GRAPH_FORMAT}")
+    root = torch.nn.Module()
+    for name, sub in data.get("modules", {}).items():
+        root.add_module(name, FoldedConstants(graph_from_json(sub["graph"], owner, attributes), list(sub["inputs"])))
+    graph, env = fx.Graph(), {}
+    for entry in data["nodes"]:
+        op, name = entry["op"], entry["name"]
+        args = decode_arg(entry.get("args", {"t": []}), env)
+        kwargs = decode_arg(entry.get("kwargs", {"d": {}}), env)
+        if op in ("placeholder", "call_module"):
+            target = entry["target"]
+        elif op == "call_function":
+            target = resolve_target(entry["target"])
+        elif op == "get_attr":
+            target = entry["target"]
+            value = (attributes or {}).get(target)
+            if value is None and owner is not None:
+                value = operator.attrgetter(target)(owner)
+            if value is None:
+                raise GraphFormatError(f"attribute {target} is missing")
+            _set_attr(root, target, value)
+        elif op == "output":
+            target = "output"
+        else:
+            raise GraphFormatError(f"unknown node op {op!r}")
+        node = graph.create_node(op, target, tuple(args), kwargs, name=name)
+        node.meta.update(_unmeta(entry.get("meta", {})))
+        env[name] = node
+    graph.lint()
+    return fx.GraphModule(root, graph, class_name="FxoptGraph")
+
+
+def _set_attr(root: torch.nn.Module, target: str, value) -> None:
+    *path, leaf = target.split(".")
+    mod = root
+    for p in path:
+        if not hasattr(mod, p):
+            mod.add_module(p, torch.nn.Module())
+        mod = getattr(mod, p)
+    if isinstance(value, torch.nn.Parameter):
+        mod.register_parameter(leaf, value)
+    elif isinstance(value, torch.Tensor):
+        mod.register_buffer(leaf, value)
+    else:
+        setattr(mod, leaf, value)
