@@ -361,8 +361,7 @@ def generate_reduction_kernel(k: ReductionKernel) -> KernelSource:
     name = _uname(k, f"{k.strategy}{block}")
     ps = _params(k)
     lines = _header(k, name, block, ps, index64)
-    R, rows = k.row_size, k.rows
-    outer, reduced = list(k.outer), list(k.reduced)
+    rows, outer = k.rows, list(k.outer)
     if k.strategy == "outer":
         tr = geo["tr"]
         lines += [f"  __shared__ float smem_[{tr}][33];",
@@ -372,16 +371,8 @@ def generate_reduction_kernel(k: ReductionKernel) -> KernelSource:
                   f"    const bool valid_ = row_ < {rows};"]
         ind = "    "
         lines += _decompose(outer, "row_", ind)
-        names: dict = {}
         for ph in k.phases:
-            lines.append(f"{ind}float acc_{ph.name} = {_INIT[ph.op]};")
-            lines.append(f"{ind}if (valid_) for (idx_t r_ = ty_; r_ < {R}; r_ += {tr}) {{")
-            lines += _decompose(reduced, "r_", ind + "  ")
-            em = _Emitter(k, ind + "  ", names)
-            (v,) = em.emit([ph.value])
-            lines += em.lines
-            lines.append(f"{ind}  acc_{ph.name} = {_COMBINE[ph.op].format(a=f'acc_{ph.name}', b=v)};")
-            lines.append(f"{ind}}}")
+            lines += _accumulate(k, ph, "if (valid_) ", "ty_", tr, ind)
             lines += [f"{ind}smem_[ty_][tx_] = acc_{ph.name};", f"{ind}__syncthreads();",
                       f"{ind}float red_{ph.name} = smem_[0][tx_];",
                       f"{ind}for (int j_ = 1; j_ < {tr}; ++j_) "
@@ -399,16 +390,8 @@ def generate_reduction_kernel(k: ReductionKernel) -> KernelSource:
                   f"row_ += (idx_t)gridDim.x * {rpb}) {{"]
         ind = "    "
         lines += _decompose(outer, "row_", ind)
-        names = {}
         for ph in k.phases:
-            lines.append(f"{ind}float acc_{ph.name} = {_INIT[ph.op]};")
-            lines.append(f"{ind}for (idx_t r_ = lane_; r_ < {R}; r_ += {rt}) {{")
-            lines += _decompose(reduced, "r_", ind + "  ")
-            em = _Emitter(k, ind + "  ", names)
-            (v,) = em.emit([ph.value])
-            lines += em.lines
-            lines.append(f"{ind}  acc_{ph.name} = {_COMBINE[ph.op].format(a=f'acc_{ph.name}', b=v)};")
-            lines.append(f"{ind}}}")
+            lines += _accumulate(k, ph, "", "lane_", rt, ind)
             comb = _COMBINE[ph.op].format(a=f"acc_{ph.name}", b=f"__shfl_xor_sync(0xffffffffu, acc_{ph.name}, o_)")
             lines.append(f"{ind}for (int o_ = 16; o_ > 0; o_ >>= 1) acc_{ph.name} = {comb};")
             if rt > 32:
@@ -424,6 +407,18 @@ def generate_reduction_kernel(k: ReductionKernel) -> KernelSource:
         lines += ["  }", "}"]
     meta = {"kernel": k, "grid": (geo["grid"], 1, 1), "geometry": geo}
     return KernelSource(name, "\n".join(lines) + "\n", tuple(ps), "fused_reduction", meta, (block, 1, 1), index64)
+
+
+def _accumulate(k: ReductionKernel, ph, guard: str, start: str, step: int, ind: str) -> list:
+    """This thread's share of reduction phase ``ph``: ``acc_<name>`` over r = start, start + step, ..."""
+    lines = [f"{ind}float acc_{ph.name} = {_INIT[ph.op]};",
+             f"{ind}{guard}for (idx_t r_ = {start}; r_ < {k.row_size}; r_ += {step}) {{"]
+    lines += _decompose(list(k.reduced), "r_", ind + "  ")
+    em = _Emitter(k, ind + "  ", {})
+    (v,) = em.emit([ph.value])
+    lines += em.lines
+    lines.append(f"{ind}  acc_{ph.name} = {_COMBINE[ph.op].format(a=f'acc_{ph.name}', b=v)};")
+    return lines + [f"{ind}}}"]
 
 
 def _row_outputs(k: ReductionKernel, guard: str, start: str, step: str, ind: str) -> list:

@@ -37,7 +37,7 @@ import torch.fx as fx
 from fxopt.backends.cuda.codegen import Epilogue, layout_name, needs_index64
 from fxopt.backends.cuda.codegen.direct_conv import (MAX_CIN, MAX_COUT, MAX_REDUCTION, MAX_UNROLLED, SMEM_FLOATS,
                                                      cout_tile, generate_direct_conv2d, split_lanes)
-from fxopt.backends.cuda.schedule import TemplateCandidate
+from fxopt.backends.cuda.schedule import TemplateCandidate, dense_strides, ints, node_val
 from fxopt.backends.cuda.runtime.launch import (launch_depthwise_conv2d, launch_direct_conv2d, launch_pointwise,
                                                 memory_layout_ok, pool2d_output_size, vector_width_ok, weight_fits,
                                                 weight_layout_of)
@@ -45,20 +45,6 @@ from fxopt.ops import conv_by_algorithm, fused_conv_ref
 
 aten = torch.ops.aten
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _val(a):
-    return a.meta.get("val") if isinstance(a, fx.Node) else None
-
-
-def _ints(v, n=2):
-    v = list(v) if isinstance(v, (list, tuple)) else [v] * n
-    return tuple(int(x) for x in v) if len(v) == n and all(isinstance(x, int) for x in v) else None
-
-
-def _strides(layout: str, shape) -> tuple:
-    n, c, h, w = shape
-    return (c * h * w, h * w, w, 1) if layout == "nchw" else (h * w * c, 1, w * c, c)
 
 
 # ---------------------------------------------------------------------------- epilogue after cuDNN
@@ -167,7 +153,7 @@ class DepthwiseConv(TemplateCandidate):
         self.epilogue = Epilogue(bias is not None, res is not None, activation)
         self.layout, self.out_meta = layout, out
         self.k, self.stride, self.padding, self.dilation = k, stride, padding, dilation
-        self.x_shape = tuple(_val(node.args[0]).shape[1:])
+        self.x_shape = tuple(node_val(node.args[0]).shape[1:])
         super().__init__(f"dw_{node.name}", generate_depthwise_conv2d(
             k, stride, padding, out.dtype, layout, self.epilogue, dilation, weight_layout="ckk"))
 
@@ -180,7 +166,7 @@ class DepthwiseConv(TemplateCandidate):
         if residual is not None and not memory_layout_ok(residual, self.layout):
             return None
         out = torch.empty_strided((x.shape[0], *self.out_meta.shape[1:]),
-                                  _strides(self.layout, (x.shape[0], *self.out_meta.shape[1:])),
+                                  dense_strides(self.layout, (x.shape[0], *self.out_meta.shape[1:])),
                                   dtype=x.dtype, device=x.device)
         return launch_depthwise_conv2d(self.sources[0], x, weight, out, bias, residual, kernel=self.kernel)
 
@@ -196,7 +182,7 @@ class DepthwiseConvVec(TemplateCandidate):
 
         bias, res, act, act_params = node.args[2], node.args[3], node.args[8], node.args[9]
         self.epilogue = Epilogue(bias is not None, res is not None, None if act == "none" else (act, tuple(act_params)))
-        x = _val(node.args[0])
+        x = node_val(node.args[0])
         self.x_shape, self.out_shape, self.dtype = tuple(x.shape), tuple(out.shape), out.dtype
         n, c, h, w = self.x_shape
         super().__init__(f"dwv_{node.name}", generate_depthwise_conv2d_nhwc_vec(
@@ -216,7 +202,7 @@ class DepthwiseConvVec(TemplateCandidate):
         if residual is not None and (not memory_layout_ok(residual, "nhwc") or residual.dtype != x.dtype
                                      or tuple(residual.shape) != self.out_shape):
             return None
-        out = torch.empty_strided(self.out_shape, _strides("nhwc", self.out_shape), dtype=x.dtype, device=x.device)
+        out = torch.empty_strided(self.out_shape, dense_strides("nhwc", self.out_shape), dtype=x.dtype, device=x.device)
         args = [x, weight] + [t for t in (bias, residual) if t is not None] + [out]
         if out.numel():
             self.kernel.launch(ks.meta["grid"], ks.block, args)
@@ -232,7 +218,7 @@ def _ckk(w: torch.Tensor) -> bool:
 def plan_depthwise(node: fx.Node) -> Optional[DepthwiseConv]:
     if node.op != "call_function" or node.target is not fused_conv_ref:
         return None
-    x, w, out = _val(node.args[0]), _val(node.args[1]), node.meta.get("val")
+    x, w, out = node_val(node.args[0]), node_val(node.args[1]), node.meta.get("val")
     if x is None or w is None or out is None or x.dim() != 4 or out.dtype not in _DTYPES:
         return None  # only 2-D convolutions in fp32/fp16/bf16
     if not all(isinstance(d, int) for d in (*x.shape[1:], *w.shape, *out.shape[1:])):
@@ -242,14 +228,14 @@ def plan_depthwise(node: fx.Node) -> Optional[DepthwiseConv]:
         return None  # not a plain depthwise conv
     if not (groups == x.shape[1] == w.shape[0] == out.shape[1]):
         return None  # channel multiplier != 1
-    k, stride, padding, dilation = _ints(w.shape[2:]), _ints(node.args[4]), _ints(node.args[5]), _ints(node.args[6])
+    k, stride, padding, dilation = ints(w.shape[2:]), ints(node.args[4]), ints(node.args[5]), ints(node.args[6])
     if None in (k, stride, padding, dilation) or max(k) > 7 or max(stride) > 2:
         return None  # outside the template's range
     layout = layout_name(out)
     if layout is None or layout_name(x) != layout:
         return None
     for t in (node.args[2], node.args[3]):
-        if t is not None and (_val(t) is None or _val(t).dtype != out.dtype):
+        if t is not None and (node_val(t) is None or node_val(t).dtype != out.dtype):
             return None
     return DepthwiseConv(node, layout, out, k, stride, padding, dilation)
 
@@ -260,7 +246,7 @@ def plan_depthwise_vec(node: fx.Node) -> Optional[DepthwiseConvVec]:
     dw = plan_depthwise(node)
     if dw is None or dw.layout != "nhwc":
         return None
-    x, out = _val(node.args[0]), node.meta["val"]
+    x, out = node_val(node.args[0]), node.meta["val"]
     if x.shape[1] % (16 // out.dtype.itemsize) or not isinstance(x.shape[0], int):
         return None
     return DepthwiseConvVec(node, out, dw.k, dw.stride, dw.padding, dw.dilation)
@@ -276,7 +262,7 @@ def _conv_spec(node: fx.Node) -> Optional[dict]:
     """What the template needs of a fused_conv node, or None where it does not apply."""
     if node.op != "call_function" or node.target is not fused_conv_ref or len(node.args) < 11:
         return None
-    x, w, out = _val(node.args[0]), _val(node.args[1]), node.meta.get("val")
+    x, w, out = node_val(node.args[0]), node_val(node.args[1]), node.meta.get("val")
     if x is None or w is None or out is None or x.dim() != 4 or w.dim() != 4 or out.dtype not in _DTYPES:
         return None  # only 2-D convolutions in fp32/fp16/bf16
     if not all(isinstance(d, int) for d in (*x.shape, *w.shape, *out.shape)):
@@ -285,7 +271,7 @@ def _conv_spec(node: fx.Node) -> Optional[dict]:
         return None  # grouped or mixed dtypes
     if node.args[10] != "direct" and node.meta.get("fxopt_conv_algorithm_how", "forced").startswith("forced"):
         return None  # an algorithm the user asked for; one chosen automatically is measured against
-    k, stride, padding, dilation = _ints(w.shape[2:]), _ints(node.args[4]), _ints(node.args[5]), _ints(node.args[6])
+    k, stride, padding, dilation = ints(w.shape[2:]), ints(node.args[4]), ints(node.args[5]), ints(node.args[6])
     if None in (k, stride, padding, dilation):
         return None
     cin, cout = int(w.shape[1]), int(w.shape[0])
@@ -295,7 +281,7 @@ def _conv_spec(node: fx.Node) -> Optional[dict]:
     if layout is None or layout_name(x) != layout or wl is None:
         return None
     for t in (node.args[2], node.args[3]):
-        if t is not None and (_val(t) is None or _val(t).dtype != out.dtype):
+        if t is not None and (node_val(t) is None or node_val(t).dtype != out.dtype):
             return None
     act = node.args[8]
     return {"cin": cin, "cout": cout, "k": k, "stride": stride, "padding": padding, "dilation": dilation,
@@ -332,7 +318,7 @@ class DirectConv:
         ch, cw = self.conv_size
         oh, ow = (ch, cw) if self.pool is None else pool2d_output_size(ch, cw, *self.pool[:3], self.pool[3])
         shape = (x.shape[0], s["cout"], oh, ow)
-        out = torch.empty_strided(shape, _strides(s["layout"], shape), dtype=x.dtype, device=x.device)
+        out = torch.empty_strided(shape, dense_strides(s["layout"], shape), dtype=x.dtype, device=x.device)
         if needs_index64(max(x.numel(), out.numel(), x.shape[0] * s["cout"] * ch * cw)):
             return None
         return launch_direct_conv2d(ks, x, weight, out, bias, residual, (ch, cw), kernel)
@@ -381,10 +367,10 @@ def pool_params(node: fx.Node) -> Optional[tuple]:
     if not node.users or any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
         return None  # the indices are used
     args = list(node.args) + [None] * (6 - len(node.args))
-    k = _ints(args[1])
-    stride = _ints(args[2]) if args[2] else k
-    padding = _ints(args[3] if args[3] is not None else 0)
-    dilation = _ints(args[4] if args[4] is not None else 1)
+    k = ints(args[1])
+    stride = ints(args[2]) if args[2] else k
+    padding = ints(args[3] if args[3] is not None else 0)
+    dilation = ints(args[4] if args[4] is not None else 1)
     if None in (k, stride, padding) or dilation != (1, 1):
         return None
     if padding[0] > k[0] // 2 or padding[1] > k[1] // 2:
@@ -413,7 +399,7 @@ def plan_conv_maxpool(pool: fx.Node) -> Optional[tuple[fx.Node, list[DirectConv]
     spec = _conv_spec(conv)
     if spec is None or spec["epilogue"].residual:
         return None
-    out = _val(pool)
+    out = node_val(pool)
     out = out[0] if isinstance(out, (tuple, list)) else None
     if out is None or out.dtype != spec["dtype"]:
         return None

@@ -19,34 +19,16 @@ import torch
 import torch.fx as fx
 
 from fxopt.backends.cuda.codegen import layout_name
-from fxopt.backends.cuda.schedule import TemplateCandidate
+from fxopt.backends.cuda.schedule import TemplateCandidate, dense_strides, ints, node_val
 
 aten = torch.ops.aten
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _val(a):
-    return a.meta.get("val") if isinstance(a, fx.Node) else None
-
-
-def _ints(v, n=2):
-    v = list(v) if isinstance(v, (list, tuple)) else [v] * n
-    return tuple(int(x) for x in v) if all(isinstance(x, int) for x in v) else None
 
 
 def _dense(t: torch.Tensor, layout: str) -> bool:
     from fxopt.backends.cuda.runtime.launch import memory_layout_ok
 
     return memory_layout_ok(t, layout)
-
-
-def _empty_like_meta(meta: torch.Tensor, device) -> torch.Tensor:
-    return torch.empty_strided(tuple(meta.shape), meta.stride(), dtype=meta.dtype, device=device)
-
-
-def _strides(layout: str, shape) -> tuple:
-    n, c, h, w = shape
-    return (c * h * w, h * w, w, 1) if layout == "nchw" else (h * w * c, 1, w * c, c)
 
 
 # ---------------------------------------------------------------------------- max pool
@@ -65,7 +47,7 @@ class MaxPool(TemplateCandidate):
             return None
         oh, ow = pool2d_output_size(x.shape[2], x.shape[3], self.k, self.stride, self.padding, self.ceil_mode)
         shape = (x.shape[0], x.shape[1], oh, ow)
-        out = torch.empty_strided(shape, _strides(self.layout, shape), dtype=x.dtype, device=x.device)
+        out = torch.empty_strided(shape, dense_strides(self.layout, shape), dtype=x.dtype, device=x.device)
         return launch_pool2d(self.sources[0], x, out, kernel=self.kernel), None  # (values, no indices)
 
 
@@ -74,15 +56,15 @@ def plan_maxpool(node: fx.Node) -> Optional[MaxPool]:
         return None
     if any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
         return None  # the indices are used (training, max_unpool)
-    x, out = _val(node.args[0]), node.meta.get("val")
+    x, out = node_val(node.args[0]), node.meta.get("val")
     out = out[0] if isinstance(out, (tuple, list)) else None
     if x is None or out is None or x.dim() != 4 or x.dtype not in _DTYPES:
         return None
     args = list(node.args) + [None] * (6 - len(node.args))
-    k = _ints(args[1])
-    stride = _ints(args[2]) if args[2] else k
-    padding = _ints(args[3] if args[3] is not None else 0)
-    dilation = _ints(args[4] if args[4] is not None else 1)
+    k = ints(args[1])
+    stride = ints(args[2]) if args[2] else k
+    padding = ints(args[3] if args[3] is not None else 0)
+    dilation = ints(args[4] if args[4] is not None else 1)
     ceil_mode = bool(args[5]) if args[5] is not None else False
     if None in (k, stride, padding, dilation) or dilation != (1, 1):
         return None  # dilated pooling: not in the template
@@ -118,7 +100,7 @@ class GlobalAvgPool(TemplateCandidate):
 def plan_global_avgpool(node: fx.Node) -> Optional[GlobalAvgPool]:
     if node.op != "call_function" or node.target is not aten.mean.dim:
         return None
-    x, out = _val(node.args[0]), node.meta.get("val")
+    x, out = node_val(node.args[0]), node.meta.get("val")
     if x is None or out is None or x.dim() != 4 or x.dtype not in _DTYPES or out.dtype != x.dtype:
         return None
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
