@@ -13,9 +13,8 @@ from fxopt.config import Options
 from fxopt.explain import explain
 from fxopt.package_file import PackageCorruptError, PackageError, PackageVersionError
 from fxopt.pipeline import PASS_NAMES, FxoptFallbackWarning, PassFailure
-
-__version__ = "0.1.0"
-__all__ = ["explain", "export_onnx", "package", "load", "Options", "PASS_NAMES", "FxoptFallbackWarning", "PassFailure",
+from fxopt.version import __version__
+__all__ = ["__version__", "explain", "export_onnx", "package", "load", "Options", "PASS_NAMES", "FxoptFallbackWarning", "PassFailure",
            "PackageError", "PackageVersionError", "PackageCorruptError"]
 
 

@@ -13,7 +13,8 @@ import sys
 
 import torch
 
-from fxopt.modelspec import DTYPES, add_model_arguments, load_model, model_and_input, options_json, parse_shape
+from fxopt.modelspec import (DTYPES, add_model_arguments, load_model, model_and_input, non_negative_int, options_json,
+                             parse_shape)
 
 __all__ = ["main", "build_parser", "DTYPES", "load_model", "parse_shape"]
 
@@ -75,12 +76,21 @@ def cmd_run(args) -> int:
 
     import fxopt
 
-    if args.iters < 0:
-        raise SystemExit("fxopt run: --iters must be >= 0")
     t0 = time.perf_counter()
     module = fxopt.load(args.package, device=args.device)
     load_s = time.perf_counter() - t0
-    torch.set_grad_enabled(False)
+    with torch.no_grad():
+        times, first_s = _time_calls(module, args)
+    print(module.summary())
+    print(f"load {load_s:.3f} s, first call {first_s:.3f} s; {args.iters} calls: median {times[len(times) // 2]:.3f} ms"
+          f" (min {times[0]:.3f}, max {times[-1]:.3f})" if times else f"load {load_s:.3f} s, first call {first_s:.3f} s")
+    return 0
+
+
+def _time_calls(module, args) -> tuple[list, float]:
+    """The first call's seconds and the sorted milliseconds of ``args.iters`` further calls."""
+    import time
+
     spec = module.input_specs[0]
     x = torch.randn(args.shape, device=module.device, dtype=getattr(torch, spec["dtype"]))
     sync = torch.cuda.synchronize if module.device.type == "cuda" else (lambda: None)
@@ -94,11 +104,7 @@ def cmd_run(args) -> int:
         module(x)
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    print(module.summary())
-    print(f"load {load_s:.3f} s, first call {first_s:.3f} s; {args.iters} calls: median {times[len(times) // 2]:.3f} ms"
-          f" (min {times[0]:.3f}, max {times[-1]:.3f})" if times else f"load {load_s:.3f} s, first call {first_s:.3f} s")
-    return 0
+    return sorted(times), first_s
 
 
 def add_package(sub) -> None:
@@ -115,7 +121,7 @@ def add_run(sub) -> None:
     p.add_argument("package", help="path of a .fxopt package")
     p.add_argument("--shape", type=parse_shape, required=True, help="input shape, e.g. 1,3,224,224")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: where it was packaged")
-    p.add_argument("--iters", type=int, default=20, help="timed calls after the first (default 20)")
+    p.add_argument("--iters", type=non_negative_int, default=20, help="timed calls after the first (default 20)")
     p.set_defaults(run=cmd_run)
 
 

@@ -16,8 +16,9 @@ measured again. ``report.graphs[i].executor_details["compile_cache"]`` says hit,
 Entries live in ``$FXOPT_CACHE_DIR/graphs`` (else the user cache dir), one file per key, written
 atomically (temporary file + ``os.replace``) with a SHA-256 of their content in the first line: an
 entry that does not check, does not parse or does not rebuild is ignored (the graph is compiled
-and the entry rewritten), never trusted. Off with the option ``compile_cache=False``, and while
-``verify`` or ``dump_dir`` ask for the passes to run. Weights are not in an entry (they may change;
+and the entry rewritten), never trusted. Off with the option ``compile_cache=False``, while
+``verify`` or ``dump_dir`` ask for the passes to run, and with ``autotune_cache=False`` (measure
+afresh: nothing measured earlier is reused). Weights are not in an entry (they may change;
 ``fold_constants``' weight-only graph is kept as a graph and evaluated from the real parameters).
 """
 from __future__ import annotations
@@ -49,12 +50,12 @@ def cache_dir() -> Path:
 def source_hash() -> str:
     """A hash of fxopt's own files (passes, executors, templates): an edited checkout is another
     version even where ``__version__`` did not move."""
-    import fxopt
     import fxopt.backends
     import fxopt.passes
 
     h = hashlib.sha256()
-    roots = {os.path.dirname(m.__file__) for m in (fxopt, fxopt.passes, fxopt.backends)}
+    roots = {os.path.dirname(os.path.abspath(__file__))}
+    roots |= {os.path.dirname(m.__file__) for m in (fxopt.passes, fxopt.backends)}
     for root in sorted(roots):
         for folder, dirs, files in os.walk(root):
             dirs[:] = sorted(d for d in dirs if d != "__pycache__")
@@ -74,7 +75,7 @@ def _meta_of(v) -> object:
 
 
 def graph_key(gm: fx.GraphModule, ctx, kind: str) -> str:
-    from fxopt import __version__
+    from fxopt.version import __version__
     from fxopt.autotune import device_fingerprint
     from fxopt.passinfra import module_path
 
@@ -143,8 +144,8 @@ class CompileCache:
         self.user_cache = AutotuneCache.for_option(ctx.options.autotune_cache)
         self.recording = None
         opts = ctx.options
-        if not opts.compile_cache or opts.verify or opts.dump_dir:
-            self.status = "off" + (" (verify / dump_dir)" if opts.compile_cache else "")
+        if not opts.compile_cache or opts.verify or opts.dump_dir or opts.autotune_cache is False:
+            self.status = "off" + (" (verify / dump_dir / autotune_cache=False)" if opts.compile_cache else "")
             return
         try:
             self.key = graph_key(gm, ctx, kind)

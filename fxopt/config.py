@@ -38,9 +38,11 @@ class Options:
     #: this factor of the best estimate (direct is always a candidate; where it is the only one left
     #: nothing is measured); 0 or None = measure every legal candidate
     conv_prune: Optional[float] = 4.0
-    #: autotuning cache file; None = default under the user cache dir; False = no cache
+    #: autotuning cache file; None = default under the user cache dir; False = no cache (measure
+    #: afresh every compile; the whole-compile cache is off too)
     autotune_cache: Union[str, bool, None] = None
-    #: reuse the optimized graph and choices of an identical earlier compile (fxopt.compile_cache)
+    #: reuse the optimized graph and choices of an identical earlier compile (fxopt.compile_cache;
+    #: off while autotune_cache is False)
     compile_cache: bool = True
     #: CUDA graphs for CUDA inference (None = on when legal)
     cudagraphs: Optional[bool] = None

@@ -38,6 +38,17 @@ def parse_shape(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"shape must be comma-separated integers, got {text!r}") from None
 
 
+def non_negative_int(text: str) -> int:
+    """A count argument such as ``--iters``: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def options_json(text: str) -> dict:
     """``--options``: fxopt options as a JSON object."""
     try:

@@ -413,7 +413,7 @@ def _null():
 
 
 def _write(path, built: dict, opts) -> dict:
-    from fxopt import __version__
+    from fxopt.version import __version__
     from fxopt.autotune import device_fingerprint
     from fxopt.package_file import Writer
 
@@ -450,7 +450,7 @@ def _write(path, built: dict, opts) -> dict:
 def load(path, device=None) -> PackagedModule:
     """The package at ``path`` as a module (see the module doc). ``device``: where to run
     (default: the device it was packaged on when available, else the CPU)."""
-    from fxopt import __version__
+    from fxopt.version import __version__
     from fxopt.autotune import cudnn_choosing, device_fingerprint
     from fxopt.choices import FixedChoices
     from fxopt.config import Options

@@ -20,8 +20,12 @@ def _isolated_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("FXOPT_CACHE_DIR", str(tmp_path / "fxopt-cache"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
     torch.compiler.reset()
+    grad = torch.is_grad_enabled()
     yield
     torch.compiler.reset()
+    leaked = torch.is_grad_enabled() != grad
+    torch.set_grad_enabled(grad)
+    assert not leaked, "the test left autograd's grad mode changed"
 
 
 def pytest_terminal_summary(terminalreporter):

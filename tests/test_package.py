@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxopt
+import fxopt.version
 from fxopt.choices import FixedChoices, RecordingCache, default_entry
 from fxopt.package_file import PackageCorruptError, PackageError, PackageVersionError
 from fxopt.serialize import GraphFormatError, graph_from_json, graph_to_json
@@ -203,7 +204,7 @@ def test_not_a_package_and_foreign_versions(tmp_path, packaged, monkeypatch):
     data[8] = 99  # the format version
     with pytest.raises(PackageVersionError, match="format 99"):
         fxopt.load(_write(tmp_path, bytes(data)))
-    monkeypatch.setattr(fxopt, "__version__", "99.0")
+    monkeypatch.setattr(fxopt.version, "__version__", "99.0")
     with pytest.raises(PackageVersionError, match="fxopt 0.1.0; this is fxopt 99.0"):
         fxopt.load(_write(tmp_path, packaged))
     assert issubclass(PackageVersionError, PackageError) and issubclass(PackageCorruptError, PackageError)

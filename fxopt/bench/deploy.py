@@ -28,7 +28,7 @@ def _path(suffix: str) -> tuple[str, bool]:
 def prepare_package(model, x, device, dtype, options):
     import fxopt
 
-    from .runners import Prepared
+    from .spec import Prepared
 
     path, load_only = _path(".fxopt")
     if not load_only:
@@ -40,7 +40,7 @@ def prepare_package(model, x, device, dtype, options):
 
 
 def prepare_aotinductor(model, x, device, dtype, options):
-    from .runners import BackendUnavailable, Prepared
+    from .spec import BackendUnavailable, Prepared
 
     try:
         from torch._inductor import aoti_compile_and_package, aoti_load_package

@@ -24,36 +24,12 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from .spec import BackendSpec, BackendUnavailable, Prepared, PrepareFn
+
 __all__ = ["BACKENDS", "DEFAULT_BACKENDS", "BackendSpec", "BackendUnavailable", "Prepared",
            "LiveCell", "count_flops", "finish_cell", "flatten_outputs", "fxopt_available", "max_rel_error",
            "measure_cell", "measure_peak_tflops", "reference_output", "start_cell", "stats", "time_calls",
            "time_round"]
-
-
-class BackendUnavailable(RuntimeError):
-    """The backend cannot run here (reported as ``unavailable: <reason>``)."""
-
-
-@dataclasses.dataclass
-class Prepared:
-    fn: Callable[[torch.Tensor], Any]
-    inputs: torch.Tensor
-    tracks_memory: bool = True  # torch's caching allocator sees its memory
-    note: str = ""
-
-
-PrepareFn = Callable[[nn.Module, torch.Tensor, str, torch.dtype, Dict[str, Any]], Prepared]
-
-
-@dataclasses.dataclass(frozen=True)
-class BackendSpec:
-    name: str
-    prepare: PrepareFn
-    context: Callable[[], ContextManager] = contextlib.nullcontext
-    default: bool = True
-    needs_cuda: bool = False
-    is_fxopt: bool = False
-    deploy: bool = False  # built once, loaded without torch.compile (fxopt.bench.deploy)
 
 
 # ---- statistics and timing -------------------------------------------------
