@@ -1,6 +1,8 @@
 """Executors: turn an optimized graph into something that runs.
 
 - ``torch``: the reference executor (``torch_ref``), everywhere.
+- ``cpu``: for CPU inference; the reference graph with oneDNN's fused convolutions, never slower
+  than the unoptimized graph (``cpu``).
 - ``cuda``: for CUDA inputs; the reference graph with generated kernels for fused regions where
   available, replayed as CUDA graphs (``cudagraphs``).
 - ``onnxruntime``: the exported graph in an ONNX Runtime session (``onnxrt``).
@@ -16,7 +18,9 @@ from fxopt.autotune import cudnn_choice
 
 def resolve_executor(choice: str, device_type: str, kind: str) -> str:
     if choice == "auto":
-        return "cuda" if device_type == "cuda" and kind == "inference" else "torch"
+        if kind != "inference":
+            return "torch"
+        return "cuda" if device_type == "cuda" else "cpu"
     return choice
 
 
@@ -62,6 +66,8 @@ def lower(gm: fx.GraphModule, ctx, kind: str):
 
         return lower_onnxruntime(gm, ctx, kind, info)
     runnable = torch_ref.lower(gm)
+    if executor == "cpu":
+        return _lower_cpu(gm, runnable, ctx, kind, info)
     if executor == "cuda":
         from fxopt.backends.cuda.runtime.executor import attach_kernels
 
@@ -96,4 +102,23 @@ def lower(gm: fx.GraphModule, ctx, kind: str):
     info["cudagraphs"] = f"on (up to {ctx.options.cudagraph_max_signatures} signatures)"
     info["baseline_check"] = baseline is not None
     info["cudagraph_runner"] = runner  # its decisions() say, per signature, replay vs plain timings
+    return runner, info
+
+
+def _lower_cpu(gm: fx.GraphModule, runnable: fx.GraphModule, ctx, kind: str, info: dict):
+    """The CPU executor (``fxopt.backends.cpu``): oneDNN convolutions, and the faster of the
+    optimized and the unoptimized graph per input signature."""
+    from fxopt.backends import cpu
+
+    if kind != "inference" or ctx.device_type != "cpu":
+        raise ValueError(f"fxopt: the cpu executor runs CPU inference graphs, not a {ctx.device_type} {kind} graph")
+    runnable = cpu.lower_onednn(runnable, info)
+    info["cudagraphs"] = "off (CPU)"
+    baseline = None
+    if ctx.options.baseline_check and ctx.unoptimized is not None and gm is not ctx.unoptimized:
+        baseline = torch_ref.lower(ctx.unoptimized)
+    runner = cpu.CpuRunner(runnable, baseline, _placeholder_indices(gm, ctx.param_placeholders),
+                           decisions_cache=cpu.decisions_cache(ctx, runnable, baseline))
+    info["baseline_check"] = baseline is not None
+    info["cpu_runner"] = runner  # its decisions() say, per signature, which graph runs and the times
     return runner, info

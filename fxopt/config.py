@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
-EXECUTORS = ("auto", "torch", "cuda", "onnxruntime")
+EXECUTORS = ("auto", "torch", "cpu", "cuda", "onnxruntime")
 LAYOUTS = ("auto", "channels_last", "contiguous")
 PARTITIONERS = ("min_cut", "default")
 CONV_ALGORITHM_MODES = ("auto", "heuristic")
@@ -29,7 +29,8 @@ class Options:
     strict: bool = False
     #: run the example inputs after every pass and name the first pass that changes the result
     verify: bool = False
-    #: "auto" (cuda executor for CUDA inputs, torch otherwise), "torch", "cuda", "onnxruntime"
+    #: "auto" (inference: cuda for CUDA inputs, cpu for CPU inputs; training: torch), "torch",
+    #: "cpu", "cuda", "onnxruntime"
     executor: str = "auto"
     #: None (auto on CUDA, heuristic on CPU) | "auto" | "heuristic" | an algorithm name
     #: | {qualified conv name, glob or "*": one of those}

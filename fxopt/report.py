@@ -201,6 +201,28 @@ class Report:
             lines.append("kernels launched per call: " + ", ".join(f"{k} {v}" for k, v in self.kernels_per_call.items()))
         return "\n".join(lines)
 
+    def cpu_table(self) -> str:
+        """The cpu executor's work per graph: the convolutions oneDNN runs with their post-ops,
+        those left to PyTorch with the reason, and which graph runs per input signature (the
+        optimized one or, where it was faster, the graph as AOTAutograd handed it)."""
+        lines = []
+        for i, g in enumerate(self.graphs):
+            if g.executor != "cpu":
+                continue
+            onednn = g.executor_details.get("onednn") or {}
+            lines.append(f"graph {i}: {onednn.get('convs', 0)} convolutions as fused oneDNN calls (packed weights)")
+            for node, why in (onednn.get("declined") or {}).items():
+                lines.append(f"  {node}: PyTorch's ({why})")
+            runner = g.executor_details.get("cpu_runner")
+            for d in runner.decisions() if runner is not None else []:
+                if "optimized_ms" in d:
+                    lines.append(f"  runs the {d['runs']}: optimized {d['optimized_ms']:.3f} ms, unoptimized "
+                                 f"{d['baseline_ms']:.3f} ms ({d.get('threads')} threads"
+                                 f"{', cached' if d.get('cached') else ''})")
+                else:
+                    lines.append(f"  runs the {d['runs']} ({d.get('why', '')})")
+        return "\n".join(lines)
+
     def __str__(self) -> str:
         parts = [f"fxopt report: {len(self.graphs)} graph(s)", self.table()]
         if self.fallback:
@@ -208,9 +230,9 @@ class Report:
         conv = self.conv_table()
         if conv:
             parts.append(conv)
-        fusion = self.fusion_table()
-        if fusion:
-            parts.append(fusion)
+        for table in (self.fusion_table(), self.cpu_table()):
+            if table:
+                parts.append(table)
         for i, g in enumerate(self.graphs):
             parts.append(f"--- graph {i} ({g.kind}) after the pipeline; executor={g.executor}, cudagraphs={g.cudagraphs}")
             parts.append(g.after.print_readable(print_output=False))

@@ -16,12 +16,13 @@ is converted back to the memory format eager gives (recorded before the
 pipeline), so outputs have exactly eager's strides. Conversions of values that
 are already in the wanted format are dropped.
 
-Illegal / skipped: option ``layout="contiguous"``; ``"auto"`` on CPU, for
-graphs with fewer than two 2-D convolutions (not conv-heavy: the boundary
-copies would cost more than they save) and for graphs whose convolutions all
-have fewer than ``MIN_CHANNELS`` input (per group) or output channels (small
-CNNs: nothing for NHWC kernels to vectorize over, only copies to pay); training
-graphs.
+On the CPU (``"auto"``) only for the cpu executor, whose oneDNN convolutions take NHWC inputs.
+
+Illegal / skipped: option ``layout="contiguous"``; ``"auto"`` on CPU with another executor or
+without oneDNN; for graphs with fewer than two 2-D convolutions (not conv-heavy: the boundary
+copies would cost more than they save) and for graphs whose convolutions all have fewer than
+``MIN_CHANNELS`` input (per group) or output channels (small CNNs: nothing for NHWC kernels to
+vectorize over, only copies to pay); training graphs.
 """
 from __future__ import annotations
 
@@ -71,12 +72,25 @@ def should_run(gm: fx.GraphModule, ctx: PassContext) -> str | None:
         return "no 2-D convolutions"
     if choice == "auto":
         if ctx.device_type != "cuda":
-            return "layout='auto' keeps NCHW on CPU"
+            why = _cpu_nchw_reason(ctx)
+            if why:
+                return why
         if len(convs) < 2:
             return "not conv-heavy (fewer than two 2-D convolutions)"
         if not any(_wide(n) for n in convs):
             return f"every convolution has fewer than {MIN_CHANNELS} input or output channels"
     return None
+
+
+def _cpu_nchw_reason(ctx: PassContext) -> str | None:
+    """On the CPU, NHWC pays only through the cpu executor's oneDNN convolutions (packed weights,
+    fused post-ops need NHWC inputs); ATen's NCHW convolutions are as fast as its NHWC ones."""
+    from fxopt.backends.cpu import onednn_available
+
+    if ctx.options.executor not in ("auto", "cpu"):
+        return f"layout='auto' keeps NCHW on CPU for executor={ctx.options.executor!r}"
+    why = onednn_available()
+    return f"layout='auto' keeps NCHW on CPU: {why}" if why else None
 
 
 #: NHWC pays where convs have channels to vectorize over (tensor-core kernels); a network whose

@@ -122,11 +122,12 @@ def test_verify_names_the_pass_that_changed_the_result(monkeypatch):
 
 
 def test_dump_dir_writes_readable_graphs(tmp_path):
-    fxopt.explain(SeedCNN().eval(), torch.randn(1, 3, 32, 32), options={"dump_dir": str(tmp_path)})
-    names = sorted(os.listdir(tmp_path))
+    dump = tmp_path / "dump"
+    fxopt.explain(SeedCNN().eval(), torch.randn(1, 3, 32, 32), options={"dump_dir": str(dump)})
+    names = sorted(os.listdir(dump))
     assert names[0] == "inference_000_input.py"
     assert "inference_003_fuse_conv_epilogue.py" in names
-    assert "fused_conv" in (tmp_path / "inference_003_fuse_conv_epilogue.py").read_text()
+    assert "fused_conv" in (dump / "inference_003_fuse_conv_epilogue.py").read_text()
 
 
 def test_unknown_ops_pass_through():

@@ -425,7 +425,8 @@ def test_option_cudnn_search_decides_how_cudnn_chooses(benchmark_on, monkeypatch
         torch._dynamo.reset()
         at_run.clear()
         at_compile.clear()
-        fn = compile_with_fxopt(model, {"cudnn_search": search})
+        # the torch executor: the cpu executor runs no cuDNN (nor this spy, in its oneDNN convs)
+        fn = compile_with_fxopt(model, {"cudnn_search": search, "executor": "torch"})
         with torch.no_grad():
             torch.testing.assert_close(fn(x), model(x))
         assert at_compile == [search] and at_run and set(at_run) == {search}, (search, at_compile, at_run)

@@ -419,6 +419,7 @@ BACKENDS: Dict[str, BackendSpec] = {s.name: s for s in [
     BackendSpec("fxopt", _fxopt({}), is_fxopt=True),
     BackendSpec("fxopt-no-cudagraphs", _fxopt({"cudagraphs": False}), is_fxopt=True),
     BackendSpec("fxopt-direct", _fxopt({"conv_algorithm": "direct"}), is_fxopt=True, default=False),
+    BackendSpec("fxopt-auto", _fxopt({"conv_algorithm": "auto"}), is_fxopt=True, default=False),
     BackendSpec("fxopt-no-fusion", _fxopt({"fusion": False}), is_fxopt=True, default=False),
     BackendSpec("fxopt-onnxruntime", _fxopt({"executor": "onnxruntime"}), is_fxopt=True, default=False),
     # built once, loaded without torch.compile (AOTInductor builds for minutes: not run by default)

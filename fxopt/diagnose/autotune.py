@@ -9,8 +9,9 @@ Prints per convolution the measured candidates beside the cost model's estimates
 node its candidates, the time by step (float64 reference, ``prepare``/``run`` of each algorithm,
 the timing loops), and for pruning factors F how many candidates the rule "estimate > F x the best
 estimate" (``conv_prune``) would skip and which measured winners it would lose. ``conv_algorithm``
-is ``auto`` (measure) unless ``--options`` say otherwise, on the CPU too. ``--json PATH`` writes
-the records.
+is ``auto`` (measure) and ``conv_prune`` 0 (every legal candidate measured, so that the pruning
+table is complete) unless ``--options`` say otherwise, on the CPU too. ``--json PATH`` writes the
+records.
 """
 from __future__ import annotations
 
@@ -140,7 +141,7 @@ def run(args) -> int:
 
     if args.device == "cuda":
         torch.backends.cudnn.benchmark = True
-    options = {"conv_algorithm": "auto", **args.options}
+    options = {"conv_algorithm": "auto", "conv_prune": 0, **args.options}
     model, x = model_and_input(args)
     graphs: list = []
     rec = Recorder(args.device)

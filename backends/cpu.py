@@ -1,0 +1,235 @@
+"""The CPU executor: oneDNN's fused convolutions, and never slower than the unoptimized graph.
+
+Why: on a CPU, ATen runs a convolution through oneDNN, re-laying out its weight on every call,
+and then the bias, residual add and activation as separate passes over memory. oneDNN can do the
+whole epilogue inside the convolution (post-ops) from a weight laid out once for its kernels:
+PyTorch exposes that as ``torch.ops.mkldnn._convolution_pointwise`` (unary post-op) and its
+``.binary`` variant (add, then the unary post-op), the path Inductor's CPU backend takes.
+
+What it lowers: every ``fxopt::fused_conv`` node (already replaced by its reference by
+``torch_ref.lower``) left at the ``direct`` algorithm whose input is a 4-D channels_last
+float32 / bfloat16 CPU tensor and whose activation oneDNN has as a post-op. The node becomes a
+:class:`OneDnnConv` submodule call. It packs the weight (``mkldnn._reorder_convolution_weight``)
+on its first call and packs again only when the weight is replaced or changed in place (its
+version counter moved: optimizer step, ``load_state_dict``, ``copy_``). A residual runs as the
+binary post-op (add, then ReLU or nothing: the unary post-ops oneDNN takes after a binary one)
+in float32 when it is channels_last; otherwise (other activations, bfloat16) the convolution
+carries the bias and the add and activation follow as PyTorch ops.
+
+Declined (kept as the reference, reason recorded): NCHW inputs (a packed weight makes oneDNN
+write NHWC, which would change the strides eager gives), other ranks and dtypes, activations
+without a post-op, non-direct algorithms (Winograd / FFT / GEMM chosen for the layer), a PyTorch
+without ``torch.ops.mkldnn`` or with oneDNN disabled.
+
+:class:`CpuRunner` keeps the CPU never slower than the unoptimized graph: for every new input
+signature it times the optimized graph against the graph as AOTAutograd handed it (wall-clock
+medians of alternating rounds at the process's thread count) and runs the faster one; the
+baseline must win by more than ``margin``. Decisions are kept in the autotuning cache (keyed by
+both graphs' code, the signature and the CPU fingerprint, which holds the thread count) and
+listed by ``decisions()``.
+"""
+from __future__ import annotations
+
+import hashlib
+import statistics
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from fxopt.ops import apply_activation, fused_conv_ref
+
+#: fxopt activation -> (oneDNN post-op attr, algorithm); the float params pass through as scalars
+POST_OPS = {
+    "none": ("none", ""), "relu": ("relu", ""), "hardtanh": ("hardtanh", ""), "leaky_relu": ("leaky_relu", ""),
+    "silu": ("swish", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "hardswish": ("hardswish", ""),
+    "hardsigmoid": ("hardsigmoid", ""), "sigmoid": ("sigmoid", ""), "tanh": ("tanh", ""),
+}
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def onednn_available() -> Optional[str]:
+    """None when oneDNN's fused convolution can run here, else why not."""
+    if not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
+        return "oneDNN not available or disabled"
+    if not hasattr(torch.ops.mkldnn, "_convolution_pointwise"):
+        return "this PyTorch has no mkldnn._convolution_pointwise"
+    return None
+
+
+def decline_reason(node: fx.Node) -> Optional[str]:
+    """Why the fused conv ``node`` stays the reference on the CPU (None: oneDNN runs it)."""
+    x, w = node.args[0], node.args[1]
+    xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+    wv = w.meta.get("val") if isinstance(w, fx.Node) else None
+    activation, algorithm = node.args[8], node.args[10]
+    if xv is None or wv is None:
+        return "no metadata"
+    if algorithm != "direct":
+        return f"algorithm {algorithm}"
+    if xv.device.type != "cpu" or xv.dim() != 4:
+        return f"{xv.dim()}-D {xv.device.type} input"
+    if xv.dtype not in DTYPES or wv.dtype != xv.dtype:
+        return f"dtype {xv.dtype}"
+    if not xv.is_contiguous(memory_format=torch.channels_last) or xv.is_contiguous():
+        return "NCHW input (oneDNN would write NHWC)"
+    if activation not in POST_OPS:
+        return f"activation {activation} has no oneDNN post-op"
+    if dtype_unsupported(xv.dtype):
+        return f"oneDNN has no {xv.dtype} here"
+    return None
+
+
+def dtype_unsupported(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+class OneDnnConv(torch.nn.Module):
+    """One fused convolution as one oneDNN call, with its weight packed once (see the module doc)."""
+
+    def __init__(self, stride, padding, dilation, groups: int, activation: str, act_params: Sequence[float]):
+        super().__init__()
+        self.stride, self.padding, self.dilation = list(stride), list(padding), list(dilation)
+        self.groups, self.activation, self.act_params = groups, activation, list(act_params)
+        self.attr, self.algorithm = POST_OPS[activation]
+        # after the binary add oneDNN fuses ReLU or nothing ("" = no unary post-op)
+        self.binary_unary = {"relu": "relu", "none": ""}.get(activation)
+        self._packed = None
+        self._packed_for: Optional[tuple] = None  # (weight object id, data pointer, version)
+        self.packs = 0  # how many times the weight was packed
+
+    def packed_weight(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        state = (id(weight), weight.data_ptr(), weight._version)
+        if state != self._packed_for:
+            self._packed = torch.ops.mkldnn._reorder_convolution_weight(
+                weight.detach(), self.padding, self.stride, self.dilation, self.groups, list(x.shape))
+            self._packed_for, self.packs = state, self.packs + 1
+        return self._packed
+
+    def forward(self, x, weight, bias, residual):
+        if not x.is_contiguous(memory_format=torch.channels_last) or x.is_contiguous():
+            # the strides the compile saw changed (e.g. a size-1 dimension): the reference
+            return fused_conv_ref(x, weight, bias, residual, self.stride, self.padding, self.dilation, self.groups,
+                                  self.activation, self.act_params)
+        w = self.packed_weight(x, weight)
+        args = (self.padding, self.stride, self.dilation, self.groups)
+        if residual is None:
+            return torch.ops.mkldnn._convolution_pointwise(x, w, bias, *args, self.attr, self.act_params,
+                                                           self.algorithm)
+        if self.binary_unary is not None and x.dtype == torch.float32 and \
+                residual.is_contiguous(memory_format=torch.channels_last) and residual.shape[0] == x.shape[0]:
+            unary = self.binary_unary or None
+            return torch.ops.mkldnn._convolution_pointwise.binary(
+                x, residual, w, bias, *args, "add", 1.0, unary, [], None if unary is None else "")
+        y = torch.ops.mkldnn._convolution_pointwise(x, w, bias, *args, "none", [], "")
+        return apply_activation(y + residual, self.activation, self.act_params)
+
+
+def lower_onednn(runnable: fx.GraphModule, info: dict) -> fx.GraphModule:
+    """Replaces the fused convs oneDNN can run by :class:`OneDnnConv` calls, in place; records in
+    ``info["onednn"]`` how many it took and why each other one stayed."""
+    convs = [n for n in runnable.graph.nodes if n.op == "call_function" and n.target is fused_conv_ref]
+    why_not = onednn_available()
+    taken, declined = 0, {}
+    for node in convs:
+        reason = why_not or decline_reason(node)
+        if reason is not None:
+            declined[node.name] = reason
+            continue
+        x, w, b, r, stride, padding, dilation, groups, activation, act_params = node.args[:10]
+        name = f"fxopt_onednn_{taken}"
+        runnable.add_submodule(name, OneDnnConv(stride, padding, dilation, groups, activation, act_params))
+        with runnable.graph.inserting_before(node):
+            call = runnable.graph.call_module(name, (x, w, b, r))
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        runnable.graph.erase_node(node)
+        taken += 1
+    info["onednn"] = {"convs": taken, "declined": declined}
+    if taken:
+        runnable.graph.lint()
+        runnable.recompile()
+    return runnable
+
+
+def _median_ms(times: list) -> float:
+    return statistics.median(times) * 1e3
+
+
+class CpuRunner:
+    """Runs the optimized graph, or the unoptimized one where that is faster for a signature."""
+
+    def __init__(self, fn: Callable, baseline: Optional[Callable], static_indices: Sequence[int],
+                 decisions_cache: Optional[tuple] = None, margin: float = 0.03, rounds: int = 5):
+        """fn / baseline: the optimized and unoptimized graphs (same arguments); static_indices:
+        the parameter inputs (not part of the signature); decisions_cache: (AutotuneCache, device,
+        code hash) or None."""
+        self.fn, self.baseline, self.margin, self.rounds = fn, baseline, margin, rounds
+        self.static = set(static_indices)
+        self.decisions_cache = decisions_cache
+        self._chosen: dict = {}  # signature -> the function that runs it
+        self._decisions: dict = {}  # signature -> timings and which runs
+
+    def _signature(self, args) -> tuple:
+        return tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
+                     for i, a in enumerate(args) if i not in self.static)
+
+    def __call__(self, *args):
+        sig = self._signature(args)
+        fn = self._chosen.get(sig)
+        if fn is not None:
+            return fn(*args)
+        return self._decide(sig, args)
+
+    def _cache_key(self, sig) -> Optional[str]:
+        if self.decisions_cache is None:
+            return None
+        return f"cpu_runner|{self.decisions_cache[2]}|{sig}"
+
+    def _decide(self, sig, args):
+        if self.baseline is None:
+            self._chosen[sig] = self.fn
+            self._decisions[sig] = {"runs": "optimized graph", "why": "no baseline"}
+            return self.fn(*args)
+        key = self._cache_key(sig)
+        cached = self.decisions_cache[0].get(self.decisions_cache[1], key) if key else None
+        if cached is not None and cached.get("runs") in ("optimized graph", "baseline graph"):
+            self._decisions[sig] = dict(cached, cached=True)
+        else:
+            fns = {"optimized_ms": self.fn, "baseline_ms": self.baseline}
+            times: dict = {name: [] for name in fns}
+            outs: dict = {}
+            for f in (*fns.values(), *fns.values()):  # warm-up: folded constants, packed weights, primitives
+                f(*args)
+            for _ in range(self.rounds):
+                for name, f in fns.items():
+                    t0 = time.perf_counter()
+                    outs[name] = f(*args)
+                    times[name].append(time.perf_counter() - t0)
+            timings = {name: _median_ms(ts) for name, ts in times.items()}
+            faster = timings["baseline_ms"] < timings["optimized_ms"] * (1.0 - self.margin)
+            self._decisions[sig] = {"runs": "baseline graph" if faster else "optimized graph", **timings,
+                                    "threads": torch.get_num_threads()}
+            if key:
+                self.decisions_cache[0].put(self.decisions_cache[1], key, dict(self._decisions[sig]))
+            self._chosen[sig] = self.baseline if faster else self.fn
+            return outs["baseline_ms" if faster else "optimized_ms"]
+        runs = self._decisions[sig]["runs"]
+        self._chosen[sig] = self.baseline if runs == "baseline graph" else self.fn
+        return self._chosen[sig](*args)
+
+    def decisions(self) -> list[dict]:
+        """Per input signature seen: the measured times and which graph runs."""
+        return [dict(d) for d in self._decisions.values()]
+
+
+def decisions_cache(ctx, runnable: fx.GraphModule, baseline: Optional[fx.GraphModule]) -> Optional[tuple]:
+    """Where the runner keeps its decisions: the autotuning cache (None with autotune_cache=False)."""
+    from fxopt.autotune import AutotuneCache, device_fingerprint
+
+    opt = ctx.options.autotune_cache
+    if opt is False:
+        return None
+    code = runnable.code + ("" if baseline is None else baseline.code)
+    return AutotuneCache.for_option(opt), device_fingerprint("cpu"), hashlib.sha256(code.encode()).hexdigest()[:16]

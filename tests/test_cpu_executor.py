@@ -1,0 +1,176 @@
+"""The cpu executor: oneDNN fused convolutions with packed weights, and the runner that keeps the
+faster of the optimized and the unoptimized graph (fxopt.backends.cpu)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fxopt
+from fxopt.backends import cpu
+from fxopt.ops import ACTIVATIONS, fused_conv_ref
+
+pytestmark = pytest.mark.skipif(cpu.onednn_available() is not None, reason=str(cpu.onednn_available()))
+
+PARAMS = {"hardtanh": [-1.0, 2.0], "leaky_relu": [0.1]}
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=5e-2)}
+
+
+class Block(nn.Module):
+    """conv-bn-relu, conv-bn + residual, relu: what the oneDNN path exists for."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.c1, self.b1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.c2, self.b2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.head = nn.Linear(c, 10)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        y = F.relu(self.b1(self.c1(x)))
+        y = F.relu(self.b2(self.c2(y)) + x)
+        return self.head(y.mean((2, 3)))
+
+
+def _randomized(model: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+    return model.eval()
+
+
+# -- OneDnnConv against the reference ----------------------------------------------------------
+@given(act=st.sampled_from(sorted(ACTIVATIONS)), residual=st.booleans(), bias=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), groups=st.sampled_from([1, 2, 4]),
+       stride=st.sampled_from([1, 2]), k=st.sampled_from([1, 3]), n=st.integers(1, 3), hw=st.integers(3, 9))
+def test_onednn_conv_matches_the_reference(act, residual, bias, dtype, groups, stride, k, n, hw):
+    if cpu.dtype_unsupported(dtype):
+        return
+    g = torch.Generator().manual_seed(n * 100 + hw)
+    x = torch.randn(n, 8, hw, hw, generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
+    w = (torch.randn(8, 8 // groups, k, k, generator=g) / (8 // groups * k * k) ** 0.5).to(dtype)
+    b = torch.randn(8, generator=g).to(dtype) if bias else None
+    pad = [k // 2] * 2
+    ref_shape = F.conv2d(x, w, None, stride, pad, 1, groups).shape
+    r = torch.randn(ref_shape, generator=g).to(dtype).contiguous(memory_format=torch.channels_last) if residual else None
+    params = PARAMS.get(act, [])
+    conv = cpu.OneDnnConv([stride] * 2, pad, [1, 1], groups, act, params)
+    got = conv(x, w, b, r)
+    want = fused_conv_ref(x, w, b, r, [stride] * 2, pad, [1, 1], groups, act, params)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert got.stride() == want.stride() and got.dtype == want.dtype
+
+
+def test_weight_is_packed_once_and_again_after_an_in_place_change():
+    x = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(8, 8, 3, 3), torch.randn(8)
+    conv = cpu.OneDnnConv([1, 1], [1, 1], [1, 1], 1, "relu", [])
+    conv(x, w, b, None)
+    conv(x, w, b, None)
+    assert conv.packs == 1
+    w.mul_(-1.0)  # what an optimizer step does
+    got = conv(x, w, b, None)
+    assert conv.packs == 2
+    torch.testing.assert_close(got, F.relu(F.conv2d(x, w, b, padding=1)))
+
+
+def test_an_nchw_call_falls_back_to_the_reference():
+    conv = cpu.OneDnnConv([1, 1], [1, 1], [1, 1], 1, "relu", [])
+    x, w = torch.randn(1, 8, 5, 5), torch.randn(8, 8, 3, 3)
+    got = conv(x, w, None, None)
+    assert conv.packs == 0 and got.is_contiguous()
+    torch.testing.assert_close(got, F.relu(F.conv2d(x, w, padding=1)))
+
+
+# -- the lowering: which convs it takes, and why not --------------------------------------------
+def test_explain_shows_onednn_convs_and_declined_ones():
+    m, x = _randomized(Block()), torch.randn(2, 3, 12, 12)
+    r = fxopt.explain(m, x)
+    g = r.graphs[0]
+    assert g.executor == "cpu"
+    assert g.executor_details["onednn"]["convs"] == 3
+    text = str(r)
+    assert "3 convolutions as fused oneDNN calls" in text and "runs the" in text
+    forced = fxopt.explain(m, x, options={"conv_algorithm": {"c1": "winograd_2x2_3x3", "*": "direct"}})
+    declined = forced.graphs[0].executor_details["onednn"]["declined"]
+    assert list(declined.values()) == ["algorithm winograd_2x2_3x3"]
+    nchw = fxopt.explain(m, x, options={"layout": "contiguous"}).graphs[0].executor_details["onednn"]
+    assert nchw["convs"] == 0 and set(nchw["declined"].values()) == {"NCHW input (oneDNN would write NHWC)"}
+
+
+def test_torch_executor_keeps_nchw_and_no_onednn():
+    r = fxopt.explain(_randomized(Block()), torch.randn(2, 3, 12, 12), options={"executor": "torch"})
+    g = r.graphs[0]
+    assert g.executor == "torch" and "onednn" not in g.executor_details
+    assert any("keeps NCHW on CPU" in p.summary for p in g.passes if p.name == "layout")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_model_matches_eager_and_sees_weight_updates(dtype):
+    if cpu.dtype_unsupported(dtype):
+        pytest.skip("no bfloat16 oneDNN here")
+    m = _randomized(Block()).to(dtype)
+    x = torch.randn(2, 3, 12, 12, dtype=dtype)
+    compiled = torch.compile(m, backend="fxopt", options={"baseline_check": False})
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), m(x), **TOL[dtype])
+        m.c1.weight.mul_(0.5)  # in place, as an optimizer step: folded and packed weights refresh
+        m.b2.running_var.mul_(2.0)
+        torch.testing.assert_close(compiled(x), m(x), **TOL[dtype])
+
+
+# -- the runner: never slower than the unoptimized graph ----------------------------------------
+def _slow(ms: float, tag: str):
+    def fn(*args):
+        time.sleep(ms / 1e3)
+        return tag
+
+    return fn
+
+
+def test_runner_runs_the_faster_graph_per_signature():
+    runner = cpu.CpuRunner(_slow(8, "optimized"), _slow(1, "baseline"), static_indices=[1], rounds=3)
+    w = torch.ones(3)
+    assert runner(torch.ones(2, 3), w) == "baseline"
+    assert runner(torch.ones(2, 3), w) == "baseline"
+    (d,) = runner.decisions()
+    assert d["runs"] == "baseline graph" and d["baseline_ms"] < d["optimized_ms"]
+    runner.fn = _slow(0, "optimized")  # another signature is decided afresh
+    assert runner(torch.ones(4, 3), w) == "optimized"
+    assert [d["runs"] for d in runner.decisions()] == ["baseline graph", "optimized graph"]
+
+
+def test_runner_keeps_the_optimized_graph_on_a_tie_and_without_a_baseline():
+    tie = cpu.CpuRunner(_slow(2, "optimized"), _slow(2, "baseline"), static_indices=[], margin=0.5, rounds=3)
+    assert tie(torch.ones(1)) == "optimized"
+    assert tie(torch.ones(1)) == "optimized" and tie.decisions()[0]["runs"] == "optimized graph"
+    alone = cpu.CpuRunner(_slow(0, "optimized"), None, static_indices=[])
+    assert alone(torch.ones(1)) == "optimized" and alone.decisions()[0]["why"] == "no baseline"
+
+
+def test_runner_decisions_are_cached_across_compiles(tmp_path):
+    from fxopt.autotune import AutotuneCache
+
+    cache = (AutotuneCache.for_option(str(tmp_path / "tune.json")), "cpu-test", "code")
+    first = cpu.CpuRunner(_slow(6, "optimized"), _slow(0, "baseline"), static_indices=[], decisions_cache=cache,
+                          rounds=3)
+    first(torch.ones(2))
+    calls = []
+    second = cpu.CpuRunner(_slow(0, "optimized"), lambda *a: calls.append(1) or "baseline", static_indices=[],
+                           decisions_cache=cache)
+    assert second(torch.ones(2)) == "baseline" and calls == [1]  # no timing: one call
+    assert second.decisions()[0]["cached"] is True
+
+
+def test_report_names_the_graph_that_runs():
+    r = fxopt.explain(_randomized(Block()), torch.randn(2, 3, 12, 12))
+    (d,) = r.graphs[0].executor_details["cpu_runner"].decisions()
+    assert d["runs"] in ("optimized graph", "baseline graph") and d["threads"] == torch.get_num_threads()
