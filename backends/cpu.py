@@ -7,17 +7,21 @@ PyTorch exposes that as ``torch.ops.mkldnn._convolution_pointwise`` (unary post-
 ``.binary`` variant (add, then the unary post-op), the path Inductor's CPU backend takes.
 
 What it lowers: every ``fxopt::fused_conv`` node (already replaced by its reference by
-``torch_ref.lower``) left at the ``direct`` algorithm whose input is a 4-D channels_last
-float32 / bfloat16 CPU tensor and whose activation oneDNN has as a post-op. The node becomes a
-:class:`OneDnnConv` submodule call. It packs the weight (``mkldnn._reorder_convolution_weight``)
-on its first call and packs again only when the weight is replaced or changed in place (its
-version counter moved: optimizer step, ``load_state_dict``, ``copy_``). A residual runs as the
+``torch_ref.lower``) left at the ``direct`` algorithm whose input is a 4-D float32 / bfloat16 CPU
+tensor and whose activation oneDNN has as a post-op. The node becomes a :class:`OneDnnConv`
+submodule call. For a channels_last input it packs the weight
+(``mkldnn._reorder_convolution_weight``) on its first call and packs again only when the weight
+is replaced or changed in place (its version counter moved: optimizer step, ``load_state_dict``,
+``copy_``); an NCHW input takes the weight as it is (a packed weight makes oneDNN write NHWC, and
+eager gives NCHW: oneDNN lays the weight out per call, as ATen's convolution does), so it gains
+the fused epilogue only. The layout pass puts conv-heavy graphs in channels_last for the packed
+path. A residual runs as the
 binary post-op (add, then ReLU or nothing: the unary post-ops oneDNN takes after a binary one)
-in float32 when it is channels_last; otherwise (other activations, bfloat16) the convolution
-carries the bias and the add and activation follow as PyTorch ops.
+in float32 when both are channels_last; otherwise (NCHW, other activations, bfloat16) the
+convolution carries the bias and the add and activation follow as PyTorch ops.
 
-Declined (kept as the reference, reason recorded): NCHW inputs (a packed weight makes oneDNN
-write NHWC, which would change the strides eager gives), other ranks and dtypes, activations
+Declined (kept as the reference, reason recorded): inputs whose memory format is ambiguous (both
+NCHW- and NHWC-contiguous, e.g. 1x1 spatial), other ranks and dtypes, activations
 without a post-op, non-direct algorithms (Winograd / FFT / GEMM chosen for the layer), a PyTorch
 without ``torch.ops.mkldnn`` or with oneDNN disabled.
 
@@ -47,13 +51,16 @@ POST_OPS = {
     "hardsigmoid": ("hardsigmoid", ""), "sigmoid": ("sigmoid", ""), "tanh": ("tanh", ""),
 }
 DTYPES = (torch.float32, torch.bfloat16)
+# the overloads themselves: calling them skips the packet's overload resolution on every call
+_CONV_POINTWISE = getattr(getattr(torch.ops.mkldnn, "_convolution_pointwise", None), "default", None)
+_CONV_BINARY = getattr(getattr(torch.ops.mkldnn, "_convolution_pointwise", None), "binary", None)
 
 
 def onednn_available() -> Optional[str]:
     """None when oneDNN's fused convolution can run here, else why not."""
     if not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
         return "oneDNN not available or disabled"
-    if not hasattr(torch.ops.mkldnn, "_convolution_pointwise"):
+    if _CONV_POINTWISE is None or _CONV_BINARY is None:
         return "this PyTorch has no mkldnn._convolution_pointwise"
     return None
 
@@ -72,8 +79,8 @@ def decline_reason(node: fx.Node) -> Optional[str]:
         return f"{xv.dim()}-D {xv.device.type} input"
     if xv.dtype not in DTYPES or wv.dtype != xv.dtype:
         return f"dtype {xv.dtype}"
-    if not xv.is_contiguous(memory_format=torch.channels_last) or xv.is_contiguous():
-        return "NCHW input (oneDNN would write NHWC)"
+    if xv.is_contiguous(memory_format=torch.channels_last) == xv.is_contiguous():
+        return "input both (or neither) NCHW- and NHWC-contiguous"
     if activation not in POST_OPS:
         return f"activation {activation} has no oneDNN post-op"
     if dtype_unsupported(xv.dtype):
@@ -88,8 +95,10 @@ def dtype_unsupported(dtype: torch.dtype) -> bool:
 class OneDnnConv(torch.nn.Module):
     """One fused convolution as one oneDNN call, with its weight packed once (see the module doc)."""
 
-    def __init__(self, stride, padding, dilation, groups: int, activation: str, act_params: Sequence[float]):
+    def __init__(self, stride, padding, dilation, groups: int, activation: str, act_params: Sequence[float],
+                 nhwc: bool = True):
         super().__init__()
+        self.nhwc = nhwc  # the input's memory format at compile time
         self.stride, self.padding, self.dilation = list(stride), list(padding), list(dilation)
         self.groups, self.activation, self.act_params = groups, activation, list(act_params)
         self.attr, self.algorithm = POST_OPS[activation]
@@ -108,21 +117,23 @@ class OneDnnConv(torch.nn.Module):
         return self._packed
 
     def forward(self, x, weight, bias, residual):
-        if not x.is_contiguous(memory_format=torch.channels_last) or x.is_contiguous():
+        cl, nchw = x.is_contiguous(memory_format=torch.channels_last), x.is_contiguous()
+        if cl == nchw or cl != self.nhwc:
             # the strides the compile saw changed (e.g. a size-1 dimension): the reference
             return fused_conv_ref(x, weight, bias, residual, self.stride, self.padding, self.dilation, self.groups,
                                   self.activation, self.act_params)
-        w = self.packed_weight(x, weight)
+        # NCHW: the weight as it is (a packed one would make oneDNN write NHWC)
+        w = self.packed_weight(x, weight) if cl else weight.contiguous()
         args = (self.padding, self.stride, self.dilation, self.groups)
         if residual is None:
-            return torch.ops.mkldnn._convolution_pointwise(x, w, bias, *args, self.attr, self.act_params,
+            return _CONV_POINTWISE(x, w, bias, *args, self.attr, self.act_params,
                                                            self.algorithm)
-        if self.binary_unary is not None and x.dtype == torch.float32 and \
+        if cl and self.binary_unary is not None and x.dtype == torch.float32 and \
                 residual.is_contiguous(memory_format=torch.channels_last) and residual.shape[0] == x.shape[0]:
             unary = self.binary_unary or None
-            return torch.ops.mkldnn._convolution_pointwise.binary(
+            return _CONV_BINARY(
                 x, residual, w, bias, *args, "add", 1.0, unary, [], None if unary is None else "")
-        y = torch.ops.mkldnn._convolution_pointwise(x, w, bias, *args, "none", [], "")
+        y = _CONV_POINTWISE(x, w, bias, *args, "none", [], "")
         return apply_activation(y + residual, self.activation, self.act_params)
 
 
@@ -139,7 +150,8 @@ def lower_onednn(runnable: fx.GraphModule, info: dict) -> fx.GraphModule:
             continue
         x, w, b, r, stride, padding, dilation, groups, activation, act_params = node.args[:10]
         name = f"fxopt_onednn_{taken}"
-        runnable.add_submodule(name, OneDnnConv(stride, padding, dilation, groups, activation, act_params))
+        nhwc = node.args[0].meta["val"].is_contiguous(memory_format=torch.channels_last)
+        runnable.add_submodule(name, OneDnnConv(stride, padding, dilation, groups, activation, act_params, nhwc))
         with runnable.graph.inserting_before(node):
             call = runnable.graph.call_module(name, (x, w, b, r))
         call.meta = dict(node.meta)
@@ -167,13 +179,16 @@ class CpuRunner:
         code hash) or None."""
         self.fn, self.baseline, self.margin, self.rounds = fn, baseline, margin, rounds
         self.static = set(static_indices)
+        self._dynamic: Optional[list] = None  # the indices of the other arguments, from the first call
         self.decisions_cache = decisions_cache
         self._chosen: dict = {}  # signature -> the function that runs it
         self._decisions: dict = {}  # signature -> timings and which runs
 
     def _signature(self, args) -> tuple:
-        return tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
-                     for i, a in enumerate(args) if i not in self.static)
+        if self._dynamic is None:
+            self._dynamic = [i for i in range(len(args)) if i not in self.static]
+        return tuple((a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
+                     for a in map(args.__getitem__, self._dynamic))
 
     def __call__(self, *args):
         sig = self._signature(args)

@@ -50,19 +50,21 @@ def _randomized(model: nn.Module) -> nn.Module:
 # -- OneDnnConv against the reference ----------------------------------------------------------
 @given(act=st.sampled_from(sorted(ACTIVATIONS)), residual=st.booleans(), bias=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), groups=st.sampled_from([1, 2, 4]),
-       stride=st.sampled_from([1, 2]), k=st.sampled_from([1, 3]), n=st.integers(1, 3), hw=st.integers(3, 9))
-def test_onednn_conv_matches_the_reference(act, residual, bias, dtype, groups, stride, k, n, hw):
+       stride=st.sampled_from([1, 2]), k=st.sampled_from([1, 3]), n=st.integers(1, 3), hw=st.integers(3, 9),
+       nhwc=st.booleans())
+def test_onednn_conv_matches_the_reference(act, residual, bias, dtype, groups, stride, k, n, hw, nhwc):
     if cpu.dtype_unsupported(dtype):
         return
     g = torch.Generator().manual_seed(n * 100 + hw)
-    x = torch.randn(n, 8, hw, hw, generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
+    fmt = torch.channels_last if nhwc else torch.contiguous_format
+    x = torch.randn(n, 8, hw, hw, generator=g).to(dtype).contiguous(memory_format=fmt)
     w = (torch.randn(8, 8 // groups, k, k, generator=g) / (8 // groups * k * k) ** 0.5).to(dtype)
     b = torch.randn(8, generator=g).to(dtype) if bias else None
     pad = [k // 2] * 2
     ref_shape = F.conv2d(x, w, None, stride, pad, 1, groups).shape
-    r = torch.randn(ref_shape, generator=g).to(dtype).contiguous(memory_format=torch.channels_last) if residual else None
+    r = torch.randn(ref_shape, generator=g).to(dtype).contiguous(memory_format=fmt) if residual else None
     params = PARAMS.get(act, [])
-    conv = cpu.OneDnnConv([stride] * 2, pad, [1, 1], groups, act, params)
+    conv = cpu.OneDnnConv([stride] * 2, pad, [1, 1], groups, act, params, nhwc=nhwc)
     got = conv(x, w, b, r)
     want = fused_conv_ref(x, w, b, r, [stride] * 2, pad, [1, 1], groups, act, params)
     torch.testing.assert_close(got, want, **TOL[dtype])
@@ -82,12 +84,18 @@ def test_weight_is_packed_once_and_again_after_an_in_place_change():
     torch.testing.assert_close(got, F.relu(F.conv2d(x, w, b, padding=1)))
 
 
-def test_an_nchw_call_falls_back_to_the_reference():
-    conv = cpu.OneDnnConv([1, 1], [1, 1], [1, 1], 1, "relu", [])
+def test_a_call_in_another_memory_format_falls_back_to_the_reference(monkeypatch):
     x, w = torch.randn(1, 8, 5, 5), torch.randn(8, 8, 3, 3)
-    got = conv(x, w, None, None)
-    assert conv.packs == 0 and got.is_contiguous()
+    nhwc = cpu.OneDnnConv([1, 1], [1, 1], [1, 1], 1, "relu", [], nhwc=True)
+    nchw = cpu.OneDnnConv([1, 1], [1, 1], [1, 1], 1, "relu", [], nhwc=False)
+    with monkeypatch.context() as m:  # neither may reach oneDNN here
+        m.setattr(cpu, "_CONV_POINTWISE", None)
+        got = nhwc(x, w, None, None)
+        assert nchw(x.contiguous(memory_format=torch.channels_last), w, None, None).is_contiguous(
+            memory_format=torch.channels_last)
+    assert nhwc.packs == 0 and got.is_contiguous()
     torch.testing.assert_close(got, F.relu(F.conv2d(x, w, padding=1)))
+    assert nchw(x, w, None, None).is_contiguous() and nchw.packs == 0  # NCHW: the weight unpacked
 
 
 # -- the lowering: which convs it takes, and why not --------------------------------------------
@@ -102,8 +110,10 @@ def test_explain_shows_onednn_convs_and_declined_ones():
     forced = fxopt.explain(m, x, options={"conv_algorithm": {"c1": "winograd_2x2_3x3", "*": "direct"}})
     declined = forced.graphs[0].executor_details["onednn"]["declined"]
     assert list(declined.values()) == ["algorithm winograd_2x2_3x3"]
-    nchw = fxopt.explain(m, x, options={"layout": "contiguous"}).graphs[0].executor_details["onednn"]
-    assert nchw["convs"] == 0 and set(nchw["declined"].values()) == {"NCHW input (oneDNN would write NHWC)"}
+    nchw = fxopt.explain(m, x, options={"layout": "contiguous"})
+    assert nchw.graphs[0].executor_details["onednn"] == {"convs": 3, "declined": {}}
+    assert not any(isinstance(mod, cpu.OneDnnConv) and mod.nhwc for mod in nchw.graphs[0].executor_details[
+        "cpu_runner"].fn.modules())
 
 
 def test_torch_executor_keeps_nchw_and_no_onednn():
