@@ -221,11 +221,14 @@ def test_rounds_interleave_live_backends_without_recompiling(monkeypatch, tiny_m
     monkeypatch.setitem(R.BACKENDS, "tag-a", R.BackendSpec("tag-a", tagged("a")))
     monkeypatch.setitem(R.BACKENDS, "tag-b", R.BackendSpec("tag-b", tagged("b")))
     monkeypatch.setitem(R.BACKENDS, "broken", R.BackendSpec("broken", _broken_prepare))
+    settled = []  # each CPU round first lets the previous backend's thread pool go idle
+    monkeypatch.setattr(R.time, "sleep", lambda s: settled.append(s))
     counters.clear()
     rc = B.main(["--quick", "--device", "cpu", "--models", tiny_model, "--backends",
                  "tag-a,broken,inductor,tag-b,fxopt", "--iters", "7", "--warmup", "1", "--rounds", "3",
                  "--out", str(tmp_path)])
     assert rc == 0
+    assert settled.count(R.CPU_SETTLE_S) == 4 * 3
     by = {c["backend"]: c for c in json.loads((tmp_path / "results.json").read_text())["cells"]}
     for be in ("tag-a", "inductor", "tag-b", "fxopt"):
         c = by[be]

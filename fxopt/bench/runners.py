@@ -534,12 +534,21 @@ def start_cell(backend: str, base_model: nn.Module, x_cpu: torch.Tensor, ref: Op
     return live
 
 
+#: seconds a CPU round waits before its first call: the thread pool of the backend that ran before
+#: goes idle (ONNX Runtime's workers spin after a run and, on a small machine, took the cores from the
+#: next backend: seedcnn b64 on 2 cores ran 1.8 -> 4.2 ms right after ONNX Runtime; ~0.1 s of idle
+#: ends it)
+CPU_SETTLE_S = 0.2
+
+
 def time_round(live: LiveCell, device: str, iters: int, rewarm: int = 0,
                error_log: Optional[List[str]] = None) -> None:
     """``iters`` more timed calls of a live backend (after ``rewarm`` untimed ones, which also bring
-    its compiled code to the front of Dynamo's cache)."""
+    its compiled code to the front of Dynamo's cache; on the CPU after ``CPU_SETTLE_S`` idle)."""
     if live.prepared is None:
         return
+    if device == "cpu":
+        time.sleep(CPU_SETTLE_S)
     spec = BACKENDS[live.backend]
     try:
         with torch.no_grad(), spec.context(), warnings.catch_warnings():
