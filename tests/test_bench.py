@@ -222,7 +222,7 @@ def test_rounds_interleave_live_backends_without_recompiling(monkeypatch, tiny_m
     monkeypatch.setitem(R.BACKENDS, "tag-b", R.BackendSpec("tag-b", tagged("b")))
     monkeypatch.setitem(R.BACKENDS, "broken", R.BackendSpec("broken", _broken_prepare))
     settled = []  # each CPU round first lets the previous backend's thread pool go idle
-    monkeypatch.setattr(R.time, "sleep", lambda s: settled.append(s))
+    monkeypatch.setattr(R, "_settle", lambda s: settled.append(s))
     counters.clear()
     rc = B.main(["--quick", "--device", "cpu", "--models", tiny_model, "--backends",
                  "tag-a,broken,inductor,tag-b,fxopt", "--iters", "7", "--warmup", "1", "--rounds", "3",

@@ -536,9 +536,15 @@ def start_cell(backend: str, base_model: nn.Module, x_cpu: torch.Tensor, ref: Op
 
 #: seconds a CPU round waits before its first call: the thread pool of the backend that ran before
 #: goes idle (ONNX Runtime's workers spin after a run and, on a small machine, took the cores from the
-#: next backend: seedcnn b64 on 2 cores ran 1.8 -> 4.2 ms right after ONNX Runtime; ~0.1 s of idle
-#: ends it)
+#: next backend: seedcnn b64 on 2 cores ran 1.8 -> 4.2 ms right after ONNX Runtime; ~0.1 s ends it).
+#: The wait is busy: after a sleep the machine's vCPUs ran Python up to 4x slower for the whole round.
 CPU_SETTLE_S = 0.2
+
+
+def _settle(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def time_round(live: LiveCell, device: str, iters: int, rewarm: int = 0,
@@ -548,7 +554,7 @@ def time_round(live: LiveCell, device: str, iters: int, rewarm: int = 0,
     if live.prepared is None:
         return
     if device == "cpu":
-        time.sleep(CPU_SETTLE_S)
+        _settle(CPU_SETTLE_S)
     spec = BACKENDS[live.backend]
     try:
         with torch.no_grad(), spec.context(), warnings.catch_warnings():
