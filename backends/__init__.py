@@ -112,7 +112,7 @@ def _lower_cpu(gm: fx.GraphModule, runnable: fx.GraphModule, ctx, kind: str, inf
 
     if kind != "inference" or ctx.device_type != "cpu":
         raise ValueError(f"fxopt: the cpu executor runs CPU inference graphs, not a {ctx.device_type} {kind} graph")
-    runnable = cpu.lower_onednn(runnable, info)
+    runnable = cpu.lower_pools(cpu.lower_onednn(runnable, info), info)
     info["cudagraphs"] = "off (CPU)"
     baseline = None
     if ctx.options.baseline_check and ctx.unoptimized is not None and gm is not ctx.unoptimized:

@@ -213,6 +213,11 @@ class Report:
             lines.append(f"graph {i}: {onednn.get('convs', 0)} convolutions as fused oneDNN calls (packed weights)")
             for node, why in (onednn.get("declined") or {}).items():
                 lines.append(f"  {node}: PyTorch's ({why})")
+            pools = g.executor_details.get("pools") or {}
+            if pools.get("by_slices") or pools.get("declined"):
+                lines.append(f"graph {i}: {pools.get('by_slices', 0)} max pools as maxima of strided slices")
+                for node, why in (pools.get("declined") or {}).items():
+                    lines.append(f"  {node}: ATen's ({why})")
             runner = g.executor_details.get("cpu_runner")
             for d in runner.decisions() if runner is not None else []:
                 if "optimized_ms" in d:
