@@ -17,11 +17,12 @@ pipeline), so outputs have exactly eager's strides. Conversions of values that
 are already in the wanted format are dropped.
 
 On the CPU (``"auto"``) for the cpu executor, whose oneDNN convolutions with packed weights take
-NHWC inputs: any float32 / bfloat16 2-D convolution, the small-CNN rules below being CUDA's.
+NHWC inputs: float32 / bfloat16 graphs with two or more 2-D convolutions, however few channels
+(the small-CNN rule below is CUDA's).
 
 Illegal / skipped: option ``layout="contiguous"``; ``"auto"`` on CPU with another executor or
-without oneDNN; on CUDA for graphs with fewer than two 2-D convolutions (not conv-heavy: the boundary
-copies would cost more than they save) and for graphs whose convolutions all have fewer than
+without oneDNN; graphs with fewer than two 2-D convolutions (not conv-heavy: the boundary copies
+would cost more than they save); on CUDA graphs whose convolutions all have fewer than
 ``MIN_CHANNELS`` input (per group) or output channels (small CNNs: nothing for NHWC kernels to
 vectorize over, only copies to pay); training graphs.
 """
@@ -72,10 +73,10 @@ def should_run(gm: fx.GraphModule, ctx: PassContext) -> str | None:
     if not convs:
         return "no 2-D convolutions"
     if choice == "auto":
-        if ctx.device_type != "cuda":  # any 2-D convolution: see _cpu_nchw_reason
-            return _cpu_nchw_reason(ctx, convs)
         if len(convs) < 2:
             return "not conv-heavy (fewer than two 2-D convolutions)"
+        if ctx.device_type != "cuda":  # however few channels: see _cpu_nchw_reason
+            return _cpu_nchw_reason(ctx, convs)
         if not any(_wide(n) for n in convs):
             return f"every convolution has fewer than {MIN_CHANNELS} input or output channels"
     return None
