@@ -144,6 +144,21 @@ class OneDnnConv(torch.nn.Module):
         return apply_activation(y + residual, self.activation, self.act_params)
 
 
+def _replace(graph: fx.Graph, node: fx.Node, op: str, target, args: tuple) -> None:
+    """``node`` replaced by a new ``op`` node of ``target(*args)`` carrying its metadata."""
+    with graph.inserting_before(node):
+        new = graph.create_node(op, target, args)
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+
+
+def _recompiled(gm: fx.GraphModule) -> fx.GraphModule:
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
 def lower_onednn(runnable: fx.GraphModule, info: dict) -> fx.GraphModule:
     """Replaces the fused convs oneDNN can run by :class:`OneDnnConv` calls, in place; records in
     ``info["onednn"]`` how many it took and why each other one stayed."""
@@ -159,17 +174,10 @@ def lower_onednn(runnable: fx.GraphModule, info: dict) -> fx.GraphModule:
         name = f"fxopt_onednn_{taken}"
         nhwc = node.args[0].meta["val"].is_contiguous(memory_format=torch.channels_last)
         runnable.add_submodule(name, OneDnnConv(stride, padding, dilation, groups, activation, act_params, nhwc))
-        with runnable.graph.inserting_before(node):
-            call = runnable.graph.call_module(name, (x, w, b, r))
-        call.meta = dict(node.meta)
-        node.replace_all_uses_with(call)
-        runnable.graph.erase_node(node)
+        _replace(runnable.graph, node, "call_module", name, (x, w, b, r))
         taken += 1
     info["onednn"] = {"convs": taken, "declined": declined}
-    if taken:
-        runnable.graph.lint()
-        runnable.recompile()
-    return runnable
+    return _recompiled(runnable) if taken else runnable
 
 
 #: output elements from which a max pool runs as maxima of strided slices (below: ATen's kernel, one
@@ -228,19 +236,12 @@ def lower_pools(runnable: fx.GraphModule, info: dict) -> fx.GraphModule:
             declined[node.name] = reason
             continue
         k = list(node.args[1])[0]
-        for user in list(node.users):
-            with runnable.graph.inserting_before(user):
-                call = runnable.graph.call_function(max_pool_by_slices, (node.args[0], k))
-            call.meta = dict(user.meta)
-            user.replace_all_uses_with(call)
-            runnable.graph.erase_node(user)
+        for user in list(node.users):  # the getitem [0] nodes
+            _replace(runnable.graph, user, "call_function", max_pool_by_slices, (node.args[0], k))
         runnable.graph.erase_node(node)
         taken += 1
     info["pools"] = {"by_slices": taken, "declined": declined}
-    if taken:
-        runnable.graph.lint()
-        runnable.recompile()
-    return runnable
+    return _recompiled(runnable) if taken else runnable
 
 
 def _median_ms(times: list) -> float:
