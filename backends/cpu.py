@@ -33,7 +33,8 @@ max pool computes the indices and runs far below memory speed (64x16x32x32 NCHW:
 :class:`CpuRunner` keeps the CPU never slower than the unoptimized graph: for every new input
 signature it times the optimized graph against the graph as AOTAutograd handed it (wall-clock
 medians of alternating rounds at the process's thread count) and runs the faster one; the
-baseline must win by more than ``margin``. Decisions are kept in the autotuning cache (keyed by
+baseline must win by more than ``margin``; after ``max_timed`` signatures (a varying batch size)
+new ones run what most decisions chose. Decisions are kept in the autotuning cache (keyed by
 both graphs' code, the signature and the CPU fingerprint, which holds the thread count) and
 listed by ``decisions()``.
 """
@@ -252,11 +253,13 @@ class CpuRunner:
     """Runs the optimized graph, or the unoptimized one where that is faster for a signature."""
 
     def __init__(self, fn: Callable, baseline: Optional[Callable], static_indices: Sequence[int],
-                 decisions_cache: Optional[tuple] = None, margin: float = 0.03, rounds: int = 5):
+                 decisions_cache: Optional[tuple] = None, margin: float = 0.03, rounds: int = 5,
+                 max_timed: int = 8):
         """fn / baseline: the optimized and unoptimized graphs (same arguments); static_indices:
         the parameter inputs (not part of the signature); decisions_cache: (AutotuneCache, device,
-        code hash) or None."""
-        self.fn, self.baseline, self.margin, self.rounds = fn, baseline, margin, rounds
+        code hash) or None; max_timed: signatures timed at most (a varying batch size would pay
+        the timing calls for every new size); later ones run the graph most decisions chose."""
+        self.fn, self.baseline, self.margin, self.rounds, self.max_timed = fn, baseline, margin, rounds, max_timed
         self.static = set(static_indices)
         self._dynamic: Optional[list] = None  # the indices of the other arguments, from the first call
         self.decisions_cache = decisions_cache
@@ -288,8 +291,12 @@ class CpuRunner:
             return self.fn(*args)
         key = self._cache_key(sig)
         cached = self.decisions_cache[0].get(self.decisions_cache[1], key) if key else None
+        timed = [d["runs"] for d in self._decisions.values() if "optimized_ms" in d]
         if cached is not None and cached.get("runs") in ("optimized graph", "baseline graph"):
             self._decisions[sig] = dict(cached, cached=True)
+        elif len(timed) >= self.max_timed:
+            runs = max(("optimized graph", "baseline graph"), key=timed.count)  # a tie: optimized
+            self._decisions[sig] = {"runs": runs, "why": f"{len(timed)} signatures timed already: the majority"}
         else:
             fns = {"optimized_ms": self.fn, "baseline_ms": self.baseline}
             times: dict = {name: [] for name in fns}

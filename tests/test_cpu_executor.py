@@ -217,6 +217,18 @@ def test_runner_keeps_the_optimized_graph_on_a_tie_and_without_a_baseline():
     assert alone(torch.ones(1)) == "optimized" and alone.decisions()[0]["why"] == "no baseline"
 
 
+def test_runner_times_a_bounded_number_of_signatures():
+    calls = []
+    runner = cpu.CpuRunner(lambda *a: calls.append("o") or "optimized", _slow(0, "baseline"), static_indices=[],
+                           rounds=1, max_timed=2)
+    runner.fn = _slow(3, "optimized")
+    runner(torch.ones(1))
+    runner(torch.ones(2))  # two signatures timed: the baseline won both
+    runner.fn = lambda *a: calls.append("o") or "optimized"
+    assert runner(torch.ones(3)) == "baseline" and calls == []  # the third is not timed
+    assert runner.decisions()[-1]["why"].startswith("2 signatures timed")
+
+
 def test_runner_decisions_are_cached_across_compiles(tmp_path):
     from fxopt.autotune import AutotuneCache
 
