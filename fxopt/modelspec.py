@@ -38,6 +38,11 @@ def parse_shape(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"shape must be comma-separated integers, got {text!r}") from None
 
 
+def csv_list(text: str) -> list[str]:
+    """A comma list argument (``--models a,b``): its non-empty items, stripped."""
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
 def non_negative_int(text: str) -> int:
     """A count argument such as ``--iters``: an integer >= 0."""
     try:

@@ -21,6 +21,8 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
+from fxopt.modelspec import csv_list
+
 from .environment import _device_info, _versions
 
 __all__ = ["main", "build_parser", "parse_args", "run_benchmark", "DTYPES"]
@@ -33,10 +35,6 @@ COLD_TAG = "FXOPT_BENCH_COLD "
 # accuracy floors (max relative error) per dtype; fp32 on CUDA allows TF32
 TOL_FLOOR = {("float32", "cpu"): 1e-4, ("float32", "cuda"): 1e-3,
              "float16": 1e-2, "bfloat16": 5e-2}
-
-
-def _csv(s: str) -> List[str]:
-    return [p.strip() for p in s.split(",") if p.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,22 +86,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         import torch
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     q = a.quick
-    a.models = _csv(a.models) if a.models else (list(M.QUICK_MODELS) if q else M.model_names())
+    a.models = csv_list(a.models) if a.models else (list(M.QUICK_MODELS) if q else M.model_names())
     bad = [m for m in a.models if m not in M.MODELS]
     if bad:
         p.error(f"unknown model(s) {bad}; known: {', '.join(M.MODELS)}")
     try:
-        a.batch = [int(b) for b in _csv(a.batch)] if a.batch else ([2] if q else [1, 32])
+        a.batch = [int(b) for b in csv_list(a.batch)] if a.batch else ([2] if q else [1, 32])
     except ValueError:
         p.error(f"--batch must be a comma list of ints, got {a.batch!r}")
     if any(b < 1 for b in a.batch):
         p.error("--batch values must be >= 1")
-    dts = _csv(a.dtype) if a.dtype else (["float32"] if q or a.device == "cpu" else ["float16"])
+    dts = csv_list(a.dtype) if a.dtype else (["float32"] if q or a.device == "cpu" else ["float16"])
     bad = [d for d in dts if d not in DTYPES]
     if bad:
         p.error(f"unknown dtype(s) {bad}; use float32,float16,bfloat16")
     a.dtype = list(dict.fromkeys(DTYPES[d] for d in dts))
-    a.backends = _csv(a.backends) if a.backends else (list(QUICK_BACKENDS) if q else list(R.DEFAULT_BACKENDS))
+    a.backends = csv_list(a.backends) if a.backends else (list(QUICK_BACKENDS) if q else list(R.DEFAULT_BACKENDS))
     bad = [b for b in a.backends if b not in R.BACKENDS]
     if bad:
         p.error(f"unknown backend(s) {bad}; known: {', '.join(R.BACKENDS)}")

@@ -34,10 +34,13 @@ import datetime
 import json
 import os
 import shlex
+import statistics
 import sys
 import time
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from fxopt.modelspec import csv_list
 
 __all__ = ["TRAIN_BACKENDS", "build_parser", "main", "parse_args", "run_training_benchmark", "render_markdown"]
 
@@ -98,10 +101,6 @@ DEFAULT_BACKENDS = [n for n, (_, default) in TRAIN_BACKENDS.items() if default]
 
 
 # ---- arguments ----------------------------------------------------------------
-def _csv(s: str) -> List[str]:
-    return [p.strip() for p in s.split(",") if p.strip()]
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fxopt bench --train",
@@ -149,7 +148,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     suite = CUDA_SUITE if a.device == "cuda" else CPU_SUITE
     rows = []
-    for item in (_csv(a.models) if a.models else [f"{m}:{b}" for m, b in suite.items()]):
+    for item in (csv_list(a.models) if a.models else [f"{m}:{b}" for m, b in suite.items()]):
         name, _, batch = item.partition(":")
         if name not in M.MODELS:
             p.error(f"unknown model {name!r}; known: {', '.join(M.MODELS)}")
@@ -162,7 +161,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         rows.append((name, b))
     a.rows = rows
     a.amp = a.amp or ("float16" if a.device == "cuda" else "bfloat16")
-    a.backends = _csv(a.backends) if a.backends else list(DEFAULT_BACKENDS)
+    a.backends = csv_list(a.backends) if a.backends else list(DEFAULT_BACKENDS)
     bad = [b for b in a.backends if b not in TRAIN_BACKENDS]
     if bad:
         p.error(f"unknown backend(s) {bad}; known: {', '.join(TRAIN_BACKENDS)}")
@@ -227,7 +226,7 @@ class Trainee:
     def timed(self, n: int) -> None:
         got = _time_steps(self, n)
         self.samples += got
-        self.round_medians.append(_median(got))
+        self.round_medians.append(statistics.median(got))
 
 
 def _sync(device: str) -> None:
@@ -237,34 +236,17 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _median(xs: Sequence[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
-
-
 def _time_steps(t: Trainee, n: int) -> List[float]:
-    """Per-step times in ms (CUDA events on CUDA, perf_counter on the CPU)."""
-    import torch
-
+    """Per-step times in ms (the inference harness's timing: CUDA events on CUDA, perf_counter on
+    the CPU)."""
     from fxopt.testing.training import run_steps
 
-    if t.device == "cuda":
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        torch.cuda.synchronize()
-        for i in range(n):
-            starts[i].record()
-            t.losses += run_steps(t.loop, t.batches, 1, start=len(t.losses))
-            ends[i].record()
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e) for s, e in zip(starts, ends)]
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
+    from .runners import time_calls
+
+    def step(_):
         t.losses += run_steps(t.loop, t.batches, 1, start=len(t.losses))
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
+
+    return time_calls(step, None, t.device, n)
 
 
 #: CUDA runtime calls in which the host waits for the GPU

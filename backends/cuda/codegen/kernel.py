@@ -421,31 +421,27 @@ def _accumulate(k: ReductionKernel, ph, guard: str, start: str, step: int, ind: 
     return lines + [f"{ind}}}"]
 
 
+def _store_lines(k: ReductionKernel, stores: list, ind: str) -> list:
+    """The values of ``stores`` computed and written to their outputs."""
+    em = _Emitter(k, ind, {})
+    vals = em.emit([s.value for s in stores])
+    return em.lines + [f"{ind}out{s.buf}[{ix_c(s.offset)}] = fx_from<{ctype(k.outputs[s.buf].dtype)}>({v});"
+                       for s, v in zip(stores, vals)]
+
+
 def _row_outputs(k: ReductionKernel, guard: str, start: str, step: str, ind: str) -> list:
     if not k.row_stores:
         return []
     lines = [f"{ind}{guard}for (idx_t r_ = {start}; r_ < {k.row_size}; r_ += {step}) {{"]
     lines += _decompose(list(k.reduced), "r_", ind + "  ")
-    em = _Emitter(k, ind + "  ", {})
-    vals = em.emit([s.value for s in k.row_stores])
-    lines += em.lines
-    for s, v in zip(k.row_stores, vals):
-        lines.append(f"{ind}  out{s.buf}[{ix_c(s.offset)}] = fx_from<{ctype(k.outputs[s.buf].dtype)}>({v});")
-    lines.append(f"{ind}}}")
-    return lines
+    return lines + _store_lines(k, k.row_stores, ind + "  ") + [f"{ind}}}"]
 
 
 def _outer_outputs(k: ReductionKernel, cond: str, ind: str) -> list:
     if not k.outer_stores:
         return []
     lines = [f"{ind}if ({cond}) {{"]
-    em = _Emitter(k, ind + "  ", {})
-    vals = em.emit([s.value for s in k.outer_stores])
-    lines += em.lines
-    for s, v in zip(k.outer_stores, vals):
-        lines.append(f"{ind}  out{s.buf}[{ix_c(s.offset)}] = fx_from<{ctype(k.outputs[s.buf].dtype)}>({v});")
-    lines.append(f"{ind}}}")
-    return lines
+    return lines + _store_lines(k, k.outer_stores, ind + "  ") + [f"{ind}}}"]
 
 
 def generate_kernel(k, vec: int = 1) -> KernelSource:
