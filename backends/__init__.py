@@ -42,9 +42,9 @@ def _constants_refresher(gm: fx.GraphModule):
     return (lambda args: module(*[args[i] for i in idx])), idx
 
 
-def _decisions_cache(ctx, runnable: fx.GraphModule, baseline) -> tuple | None:
-    """Where the CUDA-graph runner keeps its replay decisions: the autotuning cache, keyed by the
-    code of the graphs it decides between (None with ``autotune_cache=False``)."""
+def _decisions_cache(ctx, runnable: fx.GraphModule, baseline, device_type: str = "cuda") -> tuple | None:
+    """Where a runner (CUDA-graph or CPU) keeps its decisions: the autotuning cache, keyed by the
+    device and the code of the graphs it decides between (None with ``autotune_cache=False``)."""
     import hashlib
 
     from fxopt.autotune import AutotuneCache, device_fingerprint
@@ -54,7 +54,7 @@ def _decisions_cache(ctx, runnable: fx.GraphModule, baseline) -> tuple | None:
         return None
     code = runnable.code + ("" if baseline is None else baseline.code)
     cache = AutotuneCache.for_option(opt)
-    return cache, device_fingerprint("cuda"), hashlib.sha256(code.encode()).hexdigest()[:16]
+    return cache, device_fingerprint(device_type), hashlib.sha256(code.encode()).hexdigest()[:16]
 
 
 def lower(gm: fx.GraphModule, ctx, kind: str):
@@ -118,7 +118,7 @@ def _lower_cpu(gm: fx.GraphModule, runnable: fx.GraphModule, ctx, kind: str, inf
     if ctx.options.baseline_check and ctx.unoptimized is not None and gm is not ctx.unoptimized:
         baseline = torch_ref.lower(ctx.unoptimized)
     runner = cpu.CpuRunner(runnable, baseline, _placeholder_indices(gm, ctx.param_placeholders),
-                           decisions_cache=cpu.decisions_cache(ctx, runnable, baseline))
+                           decisions_cache=_decisions_cache(ctx, runnable, baseline, "cpu"))
     info["baseline_check"] = baseline is not None
     info["cpu_runner"] = runner  # its decisions() say, per signature, which graph runs and the times
     return runner, info

@@ -40,10 +40,7 @@ listed by ``decisions()``.
 """
 from __future__ import annotations
 
-import hashlib
 import operator
-import statistics
-import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -109,6 +106,7 @@ class OneDnnConv(torch.nn.Module):
         self.nhwc = nhwc  # the input's memory format at compile time
         self.stride, self.padding, self.dilation = list(stride), list(padding), list(dilation)
         self.groups, self.activation, self.act_params = groups, activation, list(act_params)
+        self.conv_args = (self.padding, self.stride, self.dilation, groups)  # oneDNN's argument order
         self.attr, self.algorithm = POST_OPS[activation]
         # after the binary add oneDNN fuses ReLU or nothing ("" = no unary post-op)
         self.binary_unary = {"relu": "relu", "none": ""}.get(activation)
@@ -132,7 +130,7 @@ class OneDnnConv(torch.nn.Module):
                                   self.activation, self.act_params)
         # NCHW: the weight as it is (a packed one would make oneDNN write NHWC)
         w = self.packed_weight(x, weight) if cl else weight.contiguous()
-        args = (self.padding, self.stride, self.dilation, self.groups)
+        args = self.conv_args
         if residual is None:
             return _CONV_POINTWISE(x, w, bias, *args, self.attr, self.act_params,
                                                            self.algorithm)
@@ -245,10 +243,6 @@ def lower_pools(runnable: fx.GraphModule, info: dict) -> fx.GraphModule:
     return _recompiled(runnable) if taken else runnable
 
 
-def _median_ms(times: list) -> float:
-    return statistics.median(times) * 1e3
-
-
 class CpuRunner:
     """Runs the optimized graph, or the unoptimized one where that is faster for a signature."""
 
@@ -298,24 +292,17 @@ class CpuRunner:
             runs = max(("optimized graph", "baseline graph"), key=timed.count)  # a tie: optimized
             self._decisions[sig] = {"runs": runs, "why": f"{len(timed)} signatures timed already: the majority"}
         else:
-            fns = {"optimized_ms": self.fn, "baseline_ms": self.baseline}
-            times: dict = {name: [] for name in fns}
-            outs: dict = {}
+            from fxopt.autotune import alternating_medians
+
+            fns = {"optimized_ms": lambda: self.fn(*args), "baseline_ms": lambda: self.baseline(*args)}
             for f in (*fns.values(), *fns.values()):  # warm-up: folded constants, packed weights, primitives
-                f(*args)
-            for _ in range(self.rounds):
-                for name, f in fns.items():
-                    t0 = time.perf_counter()
-                    outs[name] = f(*args)
-                    times[name].append(time.perf_counter() - t0)
-            timings = {name: _median_ms(ts) for name, ts in times.items()}
+                f()
+            timings = alternating_medians(fns, self.rounds, 1, "cpu")
             faster = timings["baseline_ms"] < timings["optimized_ms"] * (1.0 - self.margin)
             self._decisions[sig] = {"runs": "baseline graph" if faster else "optimized graph", **timings,
                                     "threads": torch.get_num_threads()}
             if key:
                 self.decisions_cache[0].put(self.decisions_cache[1], key, dict(self._decisions[sig]))
-            self._chosen[sig] = self.baseline if faster else self.fn
-            return outs["baseline_ms" if faster else "optimized_ms"]
         runs = self._decisions[sig]["runs"]
         self._chosen[sig] = self.baseline if runs == "baseline graph" else self.fn
         return self._chosen[sig](*args)
@@ -323,14 +310,3 @@ class CpuRunner:
     def decisions(self) -> list[dict]:
         """Per input signature seen: the measured times and which graph runs."""
         return [dict(d) for d in self._decisions.values()]
-
-
-def decisions_cache(ctx, runnable: fx.GraphModule, baseline: Optional[fx.GraphModule]) -> Optional[tuple]:
-    """Where the runner keeps its decisions: the autotuning cache (None with autotune_cache=False)."""
-    from fxopt.autotune import AutotuneCache, device_fingerprint
-
-    opt = ctx.options.autotune_cache
-    if opt is False:
-        return None
-    code = runnable.code + ("" if baseline is None else baseline.code)
-    return AutotuneCache.for_option(opt), device_fingerprint("cpu"), hashlib.sha256(code.encode()).hexdigest()[:16]

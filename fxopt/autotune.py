@@ -188,6 +188,28 @@ def cuda_event_times(call, n: int) -> list:
     return times
 
 
+def wall_times(call, n: int) -> list:
+    """ms of `n` calls of `call()` by ``time.perf_counter`` (the CPU's counterpart of
+    ``cuda_event_times``)."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def alternating_medians(fns: dict, rounds: int, runs: int, device_type: str) -> dict:
+    """Median ms of each function, timed in alternating rounds of ``runs`` calls so that a drifting
+    host or clock affects every candidate alike (CUDA events on CUDA, wall clock on the CPU)."""
+    timer = cuda_event_times if device_type == "cuda" else wall_times
+    times: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name] += timer(fn, runs)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def time_ms(fn, inputs: list, device_type: str, warmup: int = 3, iters: int = 10) -> float:
     for i in range(warmup):
         fn(inputs[i % len(inputs)])
@@ -196,10 +218,8 @@ def time_ms(fn, inputs: list, device_type: str, warmup: int = 3, iters: int = 10
         rotated = iter([inputs[i % len(inputs)] for i in range(iters)])
         times = cuda_event_times(lambda: fn(next(rotated)), iters)
     else:
-        for i in range(iters):
-            t0 = time.perf_counter()
-            fn(inputs[i % len(inputs)])
-            times.append((time.perf_counter() - t0) * 1e3)
+        rotated = iter([inputs[i % len(inputs)] for i in range(iters)])
+        times = wall_times(lambda: fn(next(rotated)), iters)
     return statistics.median(times)
 
 

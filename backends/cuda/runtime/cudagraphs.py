@@ -135,15 +135,10 @@ class _Entry:
 
 
 def _alternating_medians(fns: dict, rounds: int = 4, runs: int = 3) -> dict:
-    """Median CUDA-event ms of each function, timed in alternating rounds so that a drifting host
-    or clock affects every candidate alike."""
-    from fxopt.autotune import cuda_event_times
+    """Median CUDA-event ms of each function, in alternating rounds (``fxopt.autotune``)."""
+    from fxopt.autotune import alternating_medians
 
-    times: dict = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name] += cuda_event_times(fn, runs)
-    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    return alternating_medians(fns, rounds, runs, "cuda")
 
 
 def _median_ms(fn, runs: int = 5) -> float:
