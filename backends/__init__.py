@@ -73,8 +73,14 @@ def lower(gm: fx.GraphModule, ctx, kind: str):
 
         runnable = attach_kernels(runnable, ctx, info)
     want = ctx.options.cudagraphs
+    training = kind != "inference"
     reason = unsafe_reason(gm, kind, ctx.device_type)
-    uncaptured = cudnn_choice(runnable, ctx.options.cudnn_search)
+    if training and ctx.training_link is None and not reason:
+        reason = "training graph compiled without its forward/backward link"
+    # cuDNN chooses as the user set it in training (fxopt measures no conv algorithms there); in
+    # inference by its heuristics unless option cudnn_search (fxopt.autotune.cudnn_choice)
+    search = ctx.options.cudnn_search or training
+    uncaptured = cudnn_choice(runnable, search)
     if want is False:
         info["cudagraphs"] = "off (option cudagraphs=False)"
         return uncaptured, info
@@ -91,14 +97,12 @@ def lower(gm: fx.GraphModule, ctx, kind: str):
         read = [n.name for n in baseline.graph.nodes if n.op == "placeholder" and n.users]
         baseline_watched = _placeholder_indices(baseline, [p for p in ctx.param_placeholders if p in read])
     refresh, folded_from = _constants_refresher(runnable)
-    # cuDNN picks algorithms by its heuristics in both graphs unless the option cudnn_search says
-    # otherwise (fxopt.autotune.cudnn_choice): its search would run on the first warm-up of every shape
-    search = ctx.options.cudnn_search
-    runner = CudaGraphRunner(cudnn_choice(runnable, search), static, refresh=refresh, versioned=folded_from,
+    runner = CudaGraphRunner(uncaptured, static, refresh=refresh, versioned=folded_from,
                              max_graphs=ctx.options.cudagraph_max_signatures, watched=watched,
                              baseline=None if baseline is None else cudnn_choice(baseline, search),
                              baseline_watched=baseline_watched,
-                             decisions_cache=_decisions_cache(ctx, runnable, baseline))
+                             decisions_cache=_decisions_cache(ctx, runnable, baseline),
+                             training=ctx.training_link if training else None)
     info["cudagraphs"] = f"on (up to {ctx.options.cudagraph_max_signatures} signatures)"
     info["baseline_check"] = baseline is not None
     info["cudagraph_runner"] = runner  # its decisions() say, per signature, replay vs plain timings

@@ -12,7 +12,8 @@ place). Training gets AOTAutograd's forward and backward graphs, each through
 the same pipeline, where the passes only rewrite what stays legal with
 autograd (no BatchNorm folding, no fusion across values saved for backward);
 the joint graph is split by the partition function of option ``partitioner``
-(``fxopt.training``: min-cut rematerialization by default).
+(``fxopt.training``: min-cut rematerialization by default), and on CUDA the two are replayed as
+linked CUDA graphs (``fxopt.backends.cuda.runtime.cudagraphs``).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from fxopt.config import Options
 from fxopt.autotune import cudnn_choosing
 from fxopt.compile_cache import CompileCache
 from fxopt.passinfra import PassContext, written_in_place
-from fxopt.pipeline import PASS_NAMES, FxoptFallbackWarning, PassFailure, copy_graph_module
+from fxopt.pipeline import ALL_PASS_NAMES, FxoptFallbackWarning, PassFailure, copy_graph_module
 from fxopt.report import GraphReport
 from fxopt.training import Partitioner, training_details
 
@@ -111,7 +112,9 @@ class FxoptCompiler:
         self.options = options
         self.sink = sink
         self.direct: Optional[Callable] = None  # the inference graph, when it may skip AOT's wrapper
-        self.partitioner = Partitioner(options.partitioner)  # splits training graphs (fxopt.training)
+        self.forward_params: set[str] = set()  # training: the forward's parameter placeholders
+        self.forward_runner = None  # training: the forward graph's CUDA-graph runner, if any
+        self.partitioner = Partitioner(options.partitioner, options)  # splits training graphs (fxopt.training)
         placeholders = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
         self.n_inputs = len(placeholders)
         self.params: dict[int, str] = {}
@@ -156,6 +159,8 @@ class FxoptCompiler:
         t0 = time.perf_counter()
         mode = "inference" if kind == "inference" else "training"
         ctx = self._context(gm, fake_args, mode)
+        if mode == "training":
+            self._link_training(ctx, gm, kind)
         before = copy_graph_module(gm)
         with cudnn_choosing(self.options.cudnn_search):  # how the convolutions measured now use cuDNN
             cache = CompileCache(gm, ctx, kind)  # an identical earlier compile's graph and choices
@@ -172,6 +177,8 @@ class FxoptCompiler:
                 optimized, compiled, executor_info = before, before, {"executor": "torch",
                                                                       "cudagraphs": "off (fallback)"}
             cache.store(optimized, records, fallback, ctx)
+        if kind == "forward":
+            self.forward_runner = executor_info.get("cudagraph_runner")
         report = GraphReport(
             kind=kind, before=before, after=optimized, passes=records, conv_algorithms=dict(ctx.conv_algorithms),
             kernels=executor_info.get("kernels", []), fallback=fallback, executor=executor_info["executor"],
@@ -191,6 +198,29 @@ class FxoptCompiler:
         self.example_inputs = None if kind == "inference" else self.example_inputs
         return make_boxed_func(compiled)
 
+    def _link_training(self, ctx: PassContext, gm: fx.GraphModule, kind: str) -> None:
+        """The backward reads the forward's parameters under the same placeholder names
+        (``primals_N``), and its CUDA-graph runner reads the values the forward's runner lent in
+        place (``TrainingLink``): the forward's outputs before its saved values are what the caller
+        sees (AOTAutograd's ``num_fwd_outputs``)."""
+        from fxopt.backends.cuda.runtime.cudagraphs import TrainingLink
+
+        if kind == "forward":
+            self.forward_params = set(ctx.param_placeholders)
+            ctx.training_link = TrainingLink(num_fwd_outputs=self._num_fwd_outputs())
+        else:
+            names = {n.name for n in gm.graph.find_nodes(op="placeholder")}
+            ctx.param_placeholders |= names & self.forward_params
+            ctx.training_link = TrainingLink(forward=self.forward_runner)
+
+    def _num_fwd_outputs(self) -> Optional[int]:
+        if self.partitioner.num_fwd_outputs is not None:
+            return self.partitioner.num_fwd_outputs
+        from torch._guards import TracingContext
+
+        meta = getattr(TracingContext.try_get(), "fw_metadata", None)
+        return getattr(meta, "num_forward_returns", None)
+
     def inference(self, gm, args):
         return self.compile(gm, args, "inference")
 
@@ -205,7 +235,7 @@ def fxopt_backend(gm: fx.GraphModule, example_inputs: list, options=None, mode=N
     """The Dynamo backend entry point (``backend="fxopt"``)."""
     from torch._dynamo.backends.common import aot_autograd
 
-    opts = Options.from_any(options, PASS_NAMES)
+    opts = Options.from_any(options, ALL_PASS_NAMES)
     if mode not in (None, "default"):
         log.info("fxopt: torch.compile mode=%r is ignored; use options", mode)
     compiler = FxoptCompiler(opts, gm, example_inputs, sink=_sink)

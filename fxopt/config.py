@@ -2,7 +2,7 @@
 
 Unknown option names raise ``ValueError`` listing the valid ones; values are
 checked here so a typo fails at compile time, not somewhere inside a pass. The pass names are
-the pipeline's (``fxopt.pipeline.PASS_NAMES``): the entry points hand them to ``from_any``, so
+the pipelines' (``fxopt.pipeline.ALL_PASS_NAMES``): the entry points hand them to ``from_any``, so
 that this module, which every pass imports through ``fxopt.passinfra``, never imports the
 pipeline back.
 """
@@ -45,7 +45,7 @@ class Options:
     #: reuse the optimized graph and choices of an identical earlier compile (fxopt.compile_cache;
     #: off while autotune_cache is False)
     compile_cache: bool = True
-    #: CUDA graphs for CUDA inference (None = on when legal)
+    #: CUDA graphs for CUDA graphs, inference and training forward/backward (None = on when legal)
     cudagraphs: Optional[bool] = None
     #: with CUDA graphs, also capture the unoptimized graph per signature and replay it instead where
     #: it measures faster (by more than 3%): never slower than PyTorch's own kernels

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from fxopt.config import Options
-from fxopt.pipeline import PASS_NAMES
+from fxopt.pipeline import ALL_PASS_NAMES
 from fxopt.report import Report
 
 
@@ -19,7 +19,7 @@ def explain(model, *example_inputs, options=None, training: bool = False) -> Rep
     """
     from fxopt.backend import fxopt_backend
 
-    opts = Options.from_any(options, PASS_NAMES)
+    opts = Options.from_any(options, ALL_PASS_NAMES)
     graphs: list = []
 
     def capture(gm, inputs):

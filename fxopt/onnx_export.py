@@ -51,9 +51,9 @@ def capture(model, example_inputs, options=None):
     """Capture `model` as the backend does: (GraphReport, real graph inputs, constants, user input names)."""
     from fxopt.backend import FxoptCompiler, fxopt_backend
     from fxopt.config import Options
-    from fxopt.pipeline import PASS_NAMES
+    from fxopt.pipeline import ALL_PASS_NAMES
 
-    opts = Options.from_any(options, PASS_NAMES)
+    opts = Options.from_any(options, ALL_PASS_NAMES)
     graphs, calls = [], []
 
     def backend(gm, inputs):  # a capturing backend sees the real inputs, parameters included

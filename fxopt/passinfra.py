@@ -52,6 +52,9 @@ class PassContext:
     output_formats: list = field(default_factory=list)
     #: the graph as it came in, before any pass (the executor's never-slower baseline)
     unoptimized: Optional[fx.GraphModule] = None
+    #: training graphs on CUDA: how the CUDA-graph runner links forward and backward
+    #: (``fxopt.backends.cuda.runtime.cudagraphs.TrainingLink``); None in inference
+    training_link: Any = None
     #: fake results of the last propagation, reused where nothing they depend on changed
     fake_cache: dict = field(default_factory=dict, repr=False)
 

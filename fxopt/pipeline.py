@@ -17,7 +17,8 @@ import warnings
 import torch
 import torch.fx as fx
 
-from fxopt.passes import dead_code, fold_batchnorm, fold_constants, fuse_conv_epilogue, layout, select_conv_algorithm
+from fxopt.passes import (dead_code, fold_batchnorm, fold_constants, fuse_conv_epilogue, layout,
+                          select_conv_algorithm, training_batchnorm, training_layout)
 from fxopt.passinfra import PassContext
 from fxopt.report import PassRecord
 from fxopt.tolerances import outputs_close
@@ -40,7 +41,19 @@ PIPELINE = [
     # Last: everything weight-only the passes above produced is evaluated once.
     ("fold_constants", fold_constants.run),
 ]
+
+# Training only: passes over AOTAutograd's joint forward+backward graph, before it is split
+# (fxopt.training.Partitioner); each changes what the forward hands the backward.
+JOINT_PIPELINE = [
+    # BatchNorm as eager runs it (cuDNN and its reserve space) instead of the native kernels.
+    ("training_batchnorm", training_batchnorm.run),
+    # autocast's casts before convolutions write channels_last: NHWC convolutions end to end.
+    ("training_layout", training_layout.run),
+]
 PASS_NAMES = tuple(name for name, _ in PIPELINE)
+JOINT_PASS_NAMES = tuple(name for name, _ in JOINT_PIPELINE)
+#: what options ``passes`` and ``disable`` may name
+ALL_PASS_NAMES = PASS_NAMES + JOINT_PASS_NAMES
 
 
 class FxoptFallbackWarning(UserWarning):
@@ -56,10 +69,12 @@ class PassFailure(RuntimeError):
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A structural copy (nodes and meta) sharing attributes, to keep as the fallback."""
+    """A structural copy (nodes and meta, and how the graph packs its inputs and outputs) sharing
+    attributes, to keep as the fallback."""
     g = fx.Graph()
     out = g.graph_copy(gm.graph, {})
     g.output(out)
+    g._codegen = gm.graph._codegen
     new = fx.GraphModule(gm, g, class_name=type(gm).__name__)
     return new
 
@@ -152,3 +167,56 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, dump_prefix: str = ""):
                 _fallback(ctx, name, f"output differs from eager: {problem}")
                 return original, records, f"pass {name} changed the result: {problem}"
     return gm, records, None
+
+
+def run_joint_pipeline(joint: fx.GraphModule, joint_inputs, options):
+    """The ``JOINT_PIPELINE`` passes on AOTAutograd's joint graph. Each pass works on a copy that
+    replaces the graph only when FakeTensor propagation through the whole rewritten graph succeeds
+    (a layout that does not propagate, say, is a declined rewrite, with the reason in the record);
+    a pass that raises falls back with one warning naming it (``strict=True`` raises).
+    Returns (the joint graph, records)."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from torch.utils._pytree import tree_leaves
+
+    leaves = [t for t in tree_leaves(joint_inputs) if isinstance(t, torch.Tensor)]
+    device = "cuda" if any(t.device.type == "cuda" for t in leaves) else "cpu"
+    ctx = PassContext(options=options, mode="training", device_type=device)
+    records: list[PassRecord] = []
+    for name, fn in JOINT_PIPELINE:
+        if not options.pass_enabled(name):
+            records.append(PassRecord(name=name, status="disabled"))
+            continue
+        ctx.current_pass = name
+        nodes_before, t0 = count_nodes(joint), time.perf_counter()
+        candidate = copy_graph_module(joint)
+        try:
+            result = fn(candidate, ctx)
+            if result.modified:
+                result.graph_module.graph.lint()
+        except Exception as e:  # noqa: BLE001 - the contract is: any failure falls back
+            if options.strict:
+                raise PassFailure(name, f"{type(e).__name__}: {e}") from e
+            _fallback_joint(name, f"{type(e).__name__}: {e}")
+            records.append(PassRecord(name=name, status="failed", error=f"{type(e).__name__}: {e}"))
+            continue
+        changed = bool(result.modified)
+        if changed:
+            mode = detect_fake_mode(leaves)
+            try:
+                with mode:
+                    FakeTensorProp(result.graph_module, mode).propagate_dont_convert_inputs(*joint_inputs)
+                joint = result.graph_module
+            except Exception as e:  # noqa: BLE001 - a rewrite whose values do not propagate is declined
+                changed = False
+                ctx.note(f"declined: the rewritten graph does not propagate ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:160]})")
+        records.append(PassRecord(name=name, status="ran", changed=changed, nodes_before=nodes_before,
+                                  nodes_after=count_nodes(joint), ms=(time.perf_counter() - t0) * 1e3,
+                                  notes=list(ctx.notes.get(name, []))))
+    return joint, records
+
+
+def _fallback_joint(name: str, message: str) -> None:
+    warnings.warn(f"fxopt: joint-graph pass {name!r} failed ({message}); the joint graph is kept as traced",
+                  FxoptFallbackWarning, stacklevel=3)

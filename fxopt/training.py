@@ -17,7 +17,7 @@ partitioner that produced it.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -40,12 +40,20 @@ class Partitioner:
     """The partition function handed to AOTAutograd; remembers that it ran (``used``), so that the
     reports say which partition produced the graphs rather than which one was asked for."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, options=None):
         self.name, self.fn, self.used = name, partition_function(name), None
+        self.options = options  # with options, the joint-graph passes run first (fxopt.pipeline)
+        self.num_fwd_outputs: Optional[int] = None  # the forward's outputs before the saved values
+        self.joint_passes: list = []  # their PassRecords
 
     def __call__(self, joint_module, joint_inputs, **kwargs):
+        if self.options is not None:
+            from fxopt.pipeline import run_joint_pipeline
+
+            joint_module, self.joint_passes = run_joint_pipeline(joint_module, joint_inputs, self.options)
         result = self.fn(joint_module, joint_inputs, **kwargs)
         self.used = self.name
+        self.num_fwd_outputs = kwargs.get("num_fwd_outputs")
         return result
 
 
@@ -77,7 +85,10 @@ def training_details(graph: fx.GraphModule, kind: str, partitioner: Partitioner)
     """``GraphReport.training`` of a forward or backward graph: the partition function that split
     the joint graph (None if AOTAutograd did not call fxopt's), and for a backward graph what it
     reads from its forward (``saved_for_backward``)."""
-    details: dict = {"partitioner": partitioner.used}
+    details: dict = {"partitioner": partitioner.used,
+                     "joint_passes": [{"name": r.name, "status": r.status, "changed": r.changed,
+                                       "notes": list(r.notes), **({"error": r.error} if r.error else {})}
+                                      for r in partitioner.joint_passes]}
     if kind == "backward":
         details["saved_for_backward"] = saved_for_backward(graph)
     return details

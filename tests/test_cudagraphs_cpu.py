@@ -32,13 +32,14 @@ def test_weight_watch_with_one_or_no_static_input():
     assert none.check((t,)) == (True, True) and none.check((t,)) == (False, False)
 
 
-def test_cudagraphs_refused_on_cpu_and_in_training_with_reasons():
+def test_cudagraphs_refused_on_cpu_with_reasons():
     r = fxopt.explain(SmallResNet().eval(), torch.randn(1, 3, 32, 32))
     gm = r.graphs[0].after
     assert unsafe_reason(gm, "inference", "cpu") == "inputs are not on CUDA"
-    assert unsafe_reason(gm, "forward", "cuda") == "training graph"
+    assert unsafe_reason(gm, "forward", "cpu") == "inputs are not on CUDA"
     # claimed to be CUDA while a value lives on the CPU: refused, naming the node
     assert unsafe_reason(gm, "inference", "cuda") == "arg0_1 produces a CPU tensor"
+    assert unsafe_reason(gm, "backward", "cuda") == "arg0_1 produces a CPU tensor"
 
 
 def test_choose_keeps_the_optimized_graph_unless_the_baseline_clearly_wins():
@@ -117,34 +118,56 @@ def test_cudagraphs_refused_where_the_graph_writes_an_input():
 # ---------------------------------------------------------------------------- the runner's call path
 class _SimulatedGraph:
     """Stands in for a captured CUDA graph on the CPU: a replay recomputes the outputs in place
-    from the tensors the capture read (the caller's inputs for a direct capture)."""
+    from the tensors the capture read. Inputs read in place come from the runner's current call
+    (``runner.current_args``), at the address the capture saw them; the simulation keeps no
+    reference to them, as a CUDA graph keeps none."""
 
-    def __init__(self, fn, args, outputs):
-        self.fn, self.args, self.outputs, self.replays = fn, list(args), outputs, 0
+    def __init__(self, fn, args, outputs, runner=None):
+        self.fn, self.outputs, self.replays, self.runner = fn, outputs, 0, runner
+        caller = runner.current_args if runner is not None else ()
+        self.in_place = {i: a.data_ptr() for i, a in enumerate(args)  # the caller's own tensor
+                         if i in runner.dynamic and isinstance(a, torch.Tensor) and a is caller[i]} if caller else {}
+        self.args = [None if i in self.in_place else a for i, a in enumerate(args)]
 
     def replay(self):
         self.replays += 1
-        for out, new in zip(self.outputs, self.fn(*self.args)):
-            out.copy_(new)
+        args = list(self.args)
+        for i, ptr in self.in_place.items():
+            args[i] = self.runner.current_args[i]
+            assert args[i].data_ptr() == ptr, "a capture replayed with an input elsewhere"
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for out, new in zip(self.outputs, self.fn(*args)):
+            # an output that is an input (or a view of one) is already what it should be
+            if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() not in inputs:
+                out.copy_(new)
+
+
+class _SimulatedRunner:
+    """A CUDA-graph runner (mixed in before ``CudaGraphRunner``) whose captures are simulated."""
+
+    captures = 0
+    current_args = None
+
+    def __call__(self, *args):
+        self.current_args = args
+        try:
+            return super().__call__(*args)
+        finally:
+            self.current_args = None
+
+    def _record(self, fn, call_args):
+        type(self).captures += 1
+        outputs = fn(*call_args)
+        return _SimulatedGraph(fn, call_args, outputs, self), outputs
 
 
 def _simulated_runner(fn, static, real_decide=False, **kw):
     """A runner whose captures are simulated; its replay-vs-plain decision is stubbed (the graph
     wins) unless ``real_decide`` (then the test stubs the timing)."""
-    from fxopt.backends.cuda.runtime.cudagraphs import CudaGraphRunner, _Instance
+    from fxopt.backends.cuda.runtime.cudagraphs import CudaGraphRunner
 
-    class Simulated(CudaGraphRunner):
-        def _capture(self, args, fn, lend=True, direct=False):
-            call_args, static_inputs = list(args), {}
-            for i in self.dynamic:
-                if not direct:
-                    static_inputs[i] = call_args[i] = args[i].clone()
-            outputs = tuple(o.clone() for o in fn(*call_args))
-            ptrs = {i: args[i].data_ptr() for i in self.dynamic} if direct else None
-            inst = _Instance(_SimulatedGraph(fn, call_args, outputs), static_inputs, ptrs, outputs, args, lend)
-            self._lent_ptrs.update(inst.out_ptrs)
-            self.captures += 1
-            return inst
+    class Simulated(_SimulatedRunner, CudaGraphRunner):
+        pass
 
     def graph_wins(self, entry, args):
         entry.timings = {"graph_ms": 0.0, "plain_ms": 1.0}
@@ -152,7 +175,7 @@ def _simulated_runner(fn, static, real_decide=False, **kw):
     if not real_decide:
         Simulated._decide = graph_wins
     runner = Simulated(fn, static, **kw)
-    runner.captures = 0
+    Simulated.captures = 0
     return runner
 
 
@@ -188,7 +211,8 @@ def test_fast_path_declines_held_outputs_moved_inputs_and_changed_weights():
     other = torch.randn(2, 3)  # inputs elsewhere: the full path finds the buffered capture
     out = runner(w, other)
     torch.testing.assert_close(out[0], other @ w.T)
-    assert runner._fast is None and runner.captures == 2
+    # the buffered capture serves it, and is what the next call tries first (any input address)
+    assert runner._fast[0].input_ptrs is None and runner.captures == 2
     del out
     with torch.no_grad():
         w.mul_(2)  # in place: the folded constants must be refreshed before the replay
@@ -253,3 +277,107 @@ def test_a_cached_baseline_decision_captures_and_replays_the_baseline():
     torch.testing.assert_close(r(w, x)[0], x @ w.T)
     assert r.captures == 2 and r.decisions()[0]["runs"] == "baseline graph"
     assert r.graphs[next(iter(r.graphs))].fn is r.baseline
+
+
+# ---------------------------------------------------------------------------- training graphs
+def test_training_instance_copies_what_the_caller_sees_lends_saved_values_and_returns_arguments():
+    from fxopt.backends.cuda.runtime.cudagraphs import _Instance
+
+    w, x = torch.randn(3), torch.randn(4, 3)
+    buf = torch.empty(4, 3)  # x's static buffer
+    logits, h = torch.randn(4), torch.randn(4, 3)
+    inst = _Instance(None, {1: buf}, None, (logits, h, h[0], w, buf), [w, x], copied=frozenset({0}),
+                     training=True)
+    assert inst.ways == ["copy", "lend", "lend", "alias", "lend"]
+    out = inst.hand_out()
+    assert out[0].data_ptr() != logits.data_ptr() and torch.equal(out[0], logits)  # copied
+    assert out[1].data_ptr() == h.data_ptr() and out[3].data_ptr() == w.data_ptr()
+    assert not inst.free()  # the saved values (and the buffered batch) are held
+    del out
+    assert inst.free()
+    kept = inst.hand_out()[0]  # holding only what was copied keeps nothing busy
+    assert inst.free() and kept.shape == (4,)
+
+
+def _sim_training(monkeypatch):
+    """torch.compile training through fxopt on the CPU with the CUDA-graph runners simulated
+    (captures recompute on replay); returns the reports' list."""
+    from fxopt import backends
+    from fxopt.backends.cuda.runtime.cudagraphs import CudaGraphRunner
+
+    class Simulated(_SimulatedRunner, CudaGraphRunner):
+        def _decide(self, entry, args):
+            entry.timings = {"graph_ms": 0.0, "plain_ms": 1.0}
+
+    monkeypatch.setattr(backends, "unsafe_reason", lambda gm, kind, device_type: None)
+    monkeypatch.setattr(backends, "CudaGraphRunner", Simulated)
+    return Simulated
+
+
+def test_training_forward_and_backward_replay_linked_and_match_eager(monkeypatch):
+    import copy
+
+    from fxopt.backend import fxopt_backend
+
+    simulated = _sim_training(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(8 * 6 * 6, 5))
+    ref = copy.deepcopy(model)
+    reports: list = []
+    compiled = torch.compile(model, backend=lambda gm, ex: fxopt_backend(gm, ex, {"autotune_cache": False},
+                                                                          _sink=reports))
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    held = []
+    for step in range(4):
+        x = torch.randn(4, 3, 6, 6)  # a new batch at a new address every step
+        outs = []
+        for m, o in ((compiled, opt), (ref, ref_opt)):
+            o.zero_grad(set_to_none=True)
+            outs.append(m(x))
+            outs[-1].square().mean().backward()
+            o.step()
+        torch.testing.assert_close(outs[0], outs[1])
+        held.append(outs[0])  # the caller keeps its outputs across later steps
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, msg=name)
+        torch.testing.assert_close(model[1].running_mean, ref[1].running_mean)
+    fw, bw = (r for r in reports if r.kind in ("forward", "backward"))
+    assert fw.cudagraphs.startswith("on") and bw.cudagraphs.startswith("on")
+    fw_d = fw.executor_details["cudagraph_runner"].decisions()
+    bw_d = bw.executor_details["cudagraph_runner"].decisions()
+    # one capture each: held outputs were copies, saved values released by the backward
+    assert simulated.captures == 2 and fw_d[0]["captures"] == 1 and bw_d[0]["captures"] == 1
+    assert "lent" in fw_d[0]["outputs"] and "copied" in fw_d[0]["outputs"]
+    assert fw_d[0]["inputs"] == "copied"  # the batch
+    assert "read in place" in bw_d[0]["inputs"] and "copied" in bw_d[0]["inputs"]  # saved values; grad
+
+
+def test_training_replays_stay_correct_when_gradients_and_saved_values_are_held(monkeypatch):
+    """Gradient accumulation (a ``.grad`` that is a lent gradient is still held at the next
+    backward) and two forwards before their backwards (saved values of the first still held):
+    other captures serve, and every value matches eager."""
+    import copy
+
+    from fxopt.backend import fxopt_backend
+
+    _sim_training(monkeypatch)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 3))
+    ref = copy.deepcopy(model)
+    reports: list = []
+    compiled = torch.compile(model, backend=lambda gm, ex: fxopt_backend(gm, ex, {"autotune_cache": False},
+                                                                          _sink=reports))
+    for step in range(3):
+        xs = [torch.randn(2, 3, 6, 6) for _ in range(2)]
+        for m in (compiled, ref):
+            for x in xs:  # two micro-batches, gradients accumulated
+                m(x).square().mean().backward()
+            a, b = m(xs[0]), m(xs[1])  # two forwards, then one backward through both
+            (a.sum() + b.square().sum()).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    bw = next(r for r in reports if r.kind == "backward")
+    assert bw.executor_details["cudagraph_runner"].decisions()[0]["captures"] >= 2

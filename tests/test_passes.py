@@ -9,7 +9,7 @@ from fxopt.ops import FUSED_CONV, FUSED_LINEAR
 from fxopt.testing import SmallResNet
 
 BN_OPS = ("aten._native_batch_norm_legit_no_training.default", "aten._native_batch_norm_legit_functional.default",
-          "aten.native_batch_norm.default")
+          "aten.native_batch_norm.default", "aten._batch_norm_with_update_functional.default")
 
 
 def calls(gm, target):

@@ -20,7 +20,8 @@ ARTEFACT_ENV, LOAD_ONLY_ENV = "FXOPT_BENCH_ARTEFACT", "FXOPT_BENCH_LOAD_ONLY"
 def _path(suffix: str) -> tuple[str, bool]:
     """(where the artefact goes, whether it is only to be loaded)."""
     path = os.environ.get(ARTEFACT_ENV)
-    if path:
+    if path:  # with the backend's suffix (AOTInductor insists on .pt2)
+        path += suffix
         return path, os.environ.get(LOAD_ONLY_ENV) == "1" and os.path.exists(path)
     return os.path.join(tempfile.mkdtemp(prefix="fxopt_bench_deploy_"), f"model{suffix}"), False
 

@@ -58,10 +58,8 @@ def _values(gm: fx.GraphModule, inputs: list) -> dict:
 
 
 def check_fusion(case, options=None, compile_kernels: bool = False) -> list:
-    global REGIONS_CHECKED
     from fxopt.backends import torch_ref
-    from fxopt.backends.cuda.schedule import ir
-    from fxopt.backends.cuda.schedule.fusion import reference_module, rewrite, schedule, split_conv_epilogues
+    from fxopt.backends.cuda.schedule.fusion import rewrite, schedule, split_conv_epilogues
     from fxopt.backends.cuda.schedule.generated import RegionReference
 
     rtol, atol = tolerance(case.dtype)
@@ -77,23 +75,7 @@ def check_fusion(case, options=None, compile_kernels: bool = False) -> list:
         if len(placeholders) != len(example):
             continue  # AOTAutograd changed the inputs: no real values to check with
         vals = _values(gm, example)
-        sched = schedule(gm, strict=True)
-        schedules.append(sched)
-        for region in sched.regions:
-            k = region.kernel
-            ins = [vals[n] for n in region.inputs]
-            outs = [torch.full(b.shape, float("nan"), dtype=b.dtype).as_strided(b.shape, b.strides)
-                    if _dense_fill(b) else torch.empty_strided(b.shape, b.strides, dtype=b.dtype) for b in k.outputs]
-            ir.evaluate(k, ins, outs)
-            ref = reference_module(gm, region)(*ins)
-            for o, r, b in zip(outs, ref, k.outputs):
-                torch.testing.assert_close(o, r, rtol=rtol, atol=atol, equal_nan=True,
-                                           msg=lambda m, n=region.name: f"region {n} ({region.ops}): {m}")
-                assert all(d == 1 or s == t for d, s, t in zip(o.shape, o.stride(), r.stride())), \
-                    f"region {region.name}: strides {o.stride()} != {r.stride()}"
-            if compile_kernels:
-                _compile(k)
-            REGIONS_CHECKED += 1
+        schedules.append(check_regions(gm, example, rtol, atol, compile_kernels, vals))
         expected = [vals[n] for n in _outputs(gm)]
         rewritten = torch_ref.lower(report.after)
         split_conv_epilogues(rewritten)
@@ -107,6 +89,34 @@ def check_fusion(case, options=None, compile_kernels: bool = False) -> list:
             if isinstance(e, torch.Tensor):
                 torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
     return schedules
+
+
+def check_regions(gm: fx.GraphModule, inputs: list, rtol: float, atol: float, compile_kernels: bool = False,
+                  vals: dict | None = None):
+    """Schedule ``gm`` (nodes carrying FakeTensor metadata) and check every region's IR kernel,
+    run by ``ir.evaluate`` on ``inputs``, against the region's ATen ops; returns the Schedule."""
+    global REGIONS_CHECKED
+    from fxopt.backends.cuda.schedule import ir
+    from fxopt.backends.cuda.schedule.fusion import reference_module, schedule
+
+    vals = _values(gm, inputs) if vals is None else vals
+    sched = schedule(gm, strict=True)
+    for region in sched.regions:
+        k = region.kernel
+        ins = [vals[n] for n in region.inputs]
+        outs = [torch.full(b.shape, float("nan"), dtype=b.dtype).as_strided(b.shape, b.strides)
+                if _dense_fill(b) else torch.empty_strided(b.shape, b.strides, dtype=b.dtype) for b in k.outputs]
+        ir.evaluate(k, ins, outs)
+        ref = reference_module(gm, region)(*ins)
+        for o, r, b in zip(outs, ref, k.outputs):
+            torch.testing.assert_close(o, r, rtol=rtol, atol=atol, equal_nan=True,
+                                       msg=lambda m, n=region.name: f"region {n} ({region.ops}): {m}")
+            assert all(d == 1 or s == t for d, s, t in zip(o.shape, o.stride(), r.stride())), \
+                f"region {region.name}: strides {o.stride()} != {r.stride()}"
+        if compile_kernels:
+            _compile(k)
+        REGIONS_CHECKED += 1
+    return sched
 
 
 def _dense_fill(b) -> bool:

@@ -1,4 +1,4 @@
-"""CUDA graphs for compiled inference graphs: capture once per input signature, replay after.
+"""CUDA graphs for compiled graphs: capture once per input signature, replay after.
 
 Contract (what a caller can rely on):
 - The caller's tensors are never written. The first capture of a signature reads the inputs where
@@ -14,6 +14,9 @@ Contract (what a caller can rely on):
   memory with each other or with an argument are always copied. As with any tensor released to
   PyTorch's caching allocator, work on another stream that still reads a released output must be
   ordered before the next call (``record_stream`` or an event).
+- Every capture has its own memory pool: a replay writes only memory its own capture allocated, so
+  no replay can overwrite another capture's outputs, whatever order signatures and captures are
+  called in.
 - Parameters and buffers are read where they live: changing them in place is seen by the next
   replay; folded weights are refreshed (in place) before each replay when a weight changed;
   replacing a parameter object (new storage) is a new signature and is captured anew.
@@ -21,8 +24,19 @@ Contract (what a caller can rely on):
 - A call that repeats the previous one (same parameter and input addresses, same signature, the
   previous outputs released, no in-place change of a parameter that feeds folded constants) replays
   the same capture after that one check; anything else takes the full path above.
-- Off where unsafe: training graphs, CPU inputs, graphs that write an input in place, ops that
-  synchronize with the host or allocate data-dependent shapes; the reason is recorded in the report.
+- Training (``training``, a ``TrainingLink``): AOTAutograd's forward and backward graphs get a runner
+  each. The forward's first ``num_fwd_outputs`` outputs (what the caller sees: the model's outputs,
+  BatchNorm's new running statistics) are copied out on every call; the values saved for backward
+  are lent to AOTAutograd, which releases them when the backward has run, and outputs that are the
+  forward's own arguments (parameters saved for backward) are handed back as they are. The
+  backward reads the saved values in place where they are the forward capture's lent memory (no
+  copy of the activations), copies the incoming gradients into static buffers and lends its
+  gradients: AccumulateGrad may keep one as ``.grad`` (``zero_grad(set_to_none=True)`` releases it);
+  while one is held, another capture serves, as for any held output. Parameters are read in place
+  in both, so the optimizer's in-place updates are seen by the next replay, and GradScaler's
+  unscale and inf checks run on the returned gradients as usual.
+- Off where unsafe: CPU inputs, graphs that write an input in place, ops that synchronize with the
+  host or allocate data-dependent shapes; the reason is recorded in the report.
 - Measured, not assumed: after capturing a signature, replay (with its input and output copies)
   and a plain run are timed a few times with CUDA events; if the plain run is faster (large
   activations, where the copies cost more than the launches saved), that signature runs uncaptured.
@@ -55,9 +69,8 @@ UNSAFE_OPS = {
 
 
 def unsafe_reason(gm: fx.GraphModule, kind: str, device_type: str) -> Optional[str]:
-    """None when CUDA graphs are safe for this graph, else why not."""
-    if kind != "inference":
-        return "training graph"
+    """None when CUDA graphs are safe for this graph (inference, or a training forward or
+    backward), else why not."""
     if device_type != "cuda":
         return "inputs are not on CUDA"
     for node in gm.graph.nodes:
@@ -69,6 +82,31 @@ def unsafe_reason(gm: fx.GraphModule, kind: str, device_type: str) -> Optional[s
         if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dim() > 0:
             return f"{node.name} produces a CPU tensor"
     return None
+
+
+class TrainingLink:
+    """How a training graph's runner treats outputs and inputs (module docstring, "Training").
+
+    forward: ``num_fwd_outputs``, the outputs the caller sees (copied out); the rest are saved
+    for backward (lent). backward: ``forward``, the forward graph's runner, whose lent memory the
+    backward reads in place."""
+
+    def __init__(self, num_fwd_outputs: Optional[int] = None, forward: Optional["CudaGraphRunner"] = None):
+        self.num_fwd_outputs, self.forward = num_fwd_outputs, forward
+
+    def copied(self, outputs) -> frozenset:
+        """Positions (among the flat tensor outputs) of the forward's outputs the caller sees."""
+        if not self.num_fwd_outputs or not isinstance(outputs, (list, tuple)):
+            return frozenset()
+        return frozenset(range(len(_flat(list(outputs[:self.num_fwd_outputs])))))
+
+    def read_in_place(self, args, dynamic: Sequence[int]) -> frozenset:
+        """The backward's inputs that are memory the forward's captures handed out."""
+        if self.forward is None:
+            return frozenset()
+        handed = self.forward.handed_storages()
+        return frozenset(i for i in dynamic if isinstance(args[i], torch.Tensor)
+                         and args[i].untyped_storage().data_ptr() in handed)
 
 
 #: the reference count of a tensor storage (what Inductor's CUDA-graph trees use to tell whether
@@ -92,28 +130,52 @@ def _flat(outputs) -> list:
     return flat
 
 
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
 class _Instance:
     """One capture: the graph, its static input buffers and its static outputs.
 
-    ``input_ptrs`` (direct captures): the graph reads the inputs where the caller's tensors were at
-    capture time, so it only serves calls whose inputs are at those addresses (no copy); a buffered
-    capture (``input_ptrs`` None) serves any call, copying the inputs into ``static_inputs``.
-    ``lendable``: the outputs may be handed to the caller as they are (distinct storages, none shared
-    with an argument), as long as the caller has released them before the next replay."""
+    ``input_ptrs``: the inputs the graph reads where the caller's tensors were at capture time (all
+    of them for a direct capture, the backward's saved values in training), so it only serves calls
+    whose inputs are at those addresses; every other input is copied into ``static_inputs``
+    (``input_ptrs`` None: a buffered capture, which serves any call).
+    Each output is handed out one way (``ways``): "lend" (the static output itself, as long as the
+    caller has released it before the next replay), "alias" (an output that is one of the caller's
+    own arguments or a view of one, in training: returned as it is), "copy" (cloned on every call:
+    ``copied`` positions, outputs sharing memory with an argument or, outside training, with each
+    other, and all of them without ``lend``)."""
 
-    def __init__(self, graph, static_inputs: dict, input_ptrs: Optional[dict], outputs, args, lend: bool = True):
+    def __init__(self, graph, static_inputs: dict, input_ptrs: Optional[dict], outputs, args, lend: bool = True,
+                 copied: frozenset = frozenset(), training: bool = False):
         self.graph, self.static_inputs, self.input_ptrs, self.outputs = graph, static_inputs, input_ptrs, outputs
         flat = _flat(outputs)
-        arg_storages = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-        arg_storages |= {b.untyped_storage().data_ptr() for b in static_inputs.values()}
-        self.out_ptrs = [t.untyped_storage().data_ptr() for t in flat]
-        self.lendable = (lend and _USE_COUNT is not None and bool(flat) and len(set(self.out_ptrs)) == len(flat)
-                         and not set(self.out_ptrs) & arg_storages)
-        self._storages = [t.untyped_storage() for t in flat] if self.lendable else []
+        caller = {_storage(a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in static_inputs}
+        buffers = {_storage(b) for b in static_inputs.values()}
+        self.out_ptrs = [_storage(t) for t in flat]
+        lend = lend and _USE_COUNT is not None
+        ways = []
+        for pos, p in enumerate(self.out_ptrs):
+            if not lend or pos in copied:
+                ways.append("copy")
+            elif training:  # saved values may view each other or the (buffered) batch: tracked
+                ways.append("alias" if p in caller else "lend")
+            else:
+                shared = p in caller or p in buffers or self.out_ptrs.count(p) > 1
+                ways.append("copy" if shared else "lend")
+        self.ways = ways
+        self.lendable = bool(flat) and all(w == "lend" for w in ways)
+        self.handed = {p for p, w in zip(self.out_ptrs, ways) if w != "copy"}
+        self._storages, seen = [], set()  # one entry per lent storage
+        for t, p, w in zip(flat, self.out_ptrs, ways):
+            if w == "lend" and p not in seen:
+                seen.add(p)
+                self._storages.append(t.untyped_storage())
         self._held = [_USE_COUNT(st._cdata) for st in self._storages]  # our own references
 
     def free(self) -> bool:
-        """Nobody but the runner references this capture's outputs (nor views of them)."""
+        """Nobody but the runner references this capture's lent outputs (nor views of them)."""
         return all(_USE_COUNT(st._cdata) <= n for st, n in zip(self._storages, self._held))
 
     def serves(self, args) -> bool:
@@ -123,6 +185,20 @@ class _Instance:
                 if args[i].data_ptr() != ptr:
                     return False
         return self.free()
+
+    def hand_out(self):
+        """The outputs of the replay that just ran, each the way ``ways`` says."""
+        if self.lendable:
+            return _lend(self.outputs)
+        ways = iter(self.ways)
+        return _map_tensors(self.outputs, lambda t: _copy(t) if next(ways) == "copy" else _DETACH(t))
+
+    def run(self, args):
+        """Copy the buffered inputs in, replay, hand the outputs out."""
+        for i, buf in self.static_inputs.items():
+            buf.copy_(args[i])
+        self.graph.replay()
+        return self.hand_out()
 
 
 class _Entry:
@@ -162,15 +238,16 @@ class CudaGraphRunner:
                  max_graphs: int = 8, warmup: int = 2, watched: Optional[Sequence[int]] = None,
                  baseline: Optional[Callable] = None, baseline_watched: Optional[Sequence[int]] = None,
                  margin: float = 0.03, max_instances: int = 3, versioned: Optional[Sequence[int]] = None,
-                 decisions_cache: Optional[tuple] = None):
+                 decisions_cache: Optional[tuple] = None, training: Optional[TrainingLink] = None):
         """static_indices: parameter/buffer inputs (read in place, never copied); watched: those of
         them the graph reads (default all), checked on every call for replacement; versioned: those
         whose in-place changes ``refresh`` must see (default: all watched ones when there is a
         ``refresh``, none without). baseline: the unoptimized graph (same arguments), a candidate per
         signature; baseline_watched: the parameters it reads. decisions_cache: (AutotuneCache, device,
         graph key): a signature decided before (same graphs, same device) is not measured again, and
-        a losing baseline is then not even captured."""
-        self.fn = fn
+        a losing baseline is then not even captured. training: a ``TrainingLink`` for AOTAutograd's
+        forward and backward graphs (module docstring)."""
+        self.fn, self.training = fn, training
         self.decisions_cache = decisions_cache
         self.baseline, self.margin = baseline, margin
         self.baseline_watched = (None if baseline_watched is None
@@ -186,7 +263,6 @@ class CudaGraphRunner:
         self.max_instances = max_instances
         self.warmup = warmup
         self.graphs: dict = {}
-        self.pool = None
         self.uncaptured_calls = 0
         self.dynamic: Optional[list[int]] = None
         self._ptr_epochs: dict = {}  # parameter data pointers -> an id used in graph keys
@@ -194,10 +270,9 @@ class CudaGraphRunner:
         self._epoch_counter = itertools.count()
         self._last = (None, None)  # (key, entry) of the previous call: the common case repeats it
         self._lent_ptrs: set = set()  # output storages of all captures
-        # the previous call, when it replayed a capture reading its inputs in place: (capture, key,
-        # data pointers expected at indices, indices, parameter versions, outputs a flat tuple); a
-        # call that finds all of them unchanged and the capture's outputs released replays it
-        # without further work
+        # the previous call's capture: (capture, key, data pointers expected at indices, indices,
+        # parameter versions); a call that finds all of them unchanged and the capture's outputs
+        # released replays it without further work
         self._fast: Optional[tuple] = None
 
     def _key(self, args) -> tuple:
@@ -207,20 +282,30 @@ class CudaGraphRunner:
             key.append((a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a)
         return tuple(key)
 
-    def _capture(self, args, fn: Callable, lend: bool = True, direct: bool = False) -> _Instance:
-        """Capture ``fn`` on ``args``: reading the inputs where they are (direct) or from static
-        buffers that each replay fills."""
-        static_inputs, input_ptrs = {}, ({} if direct else None)
+    def _capture(self, args, fn: Callable, lend: bool = True, in_place: Sequence[int] = ()) -> _Instance:
+        """Capture ``fn`` on ``args``, in a memory pool of its own: the inputs at ``in_place`` are
+        read where they are, the others from static buffers that each replay fills."""
+        static_inputs, input_ptrs = {}, {}
         call_args = list(args)
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor) and i not in self.static:
-                if direct:
-                    input_ptrs[i] = a.data_ptr()
-                    continue
-                buf = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
-                buf.copy_(a)
-                static_inputs[i] = buf
-                call_args[i] = buf
+        for i in self.dynamic:
+            a = args[i]
+            if not isinstance(a, torch.Tensor):
+                continue
+            if i in in_place:
+                input_ptrs[i] = a.data_ptr()
+                continue
+            buf = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+            buf.copy_(a)
+            static_inputs[i] = call_args[i] = buf
+        graph, outputs = self._record(fn, call_args)
+        link = self.training
+        inst = _Instance(graph, static_inputs, input_ptrs or None, outputs, args, lend,
+                         copied=link.copied(outputs) if link is not None else frozenset(), training=link is not None)
+        self._lent_ptrs.update(inst.out_ptrs)
+        return inst
+
+    def _record(self, fn: Callable, call_args: list):
+        """(CUDA graph, its static outputs): ``fn`` warmed up on a side stream, then captured."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -228,28 +313,32 @@ class CudaGraphRunner:
                 fn(*call_args)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
             outputs = fn(*call_args)
-        inst = _Instance(graph, static_inputs, input_ptrs, outputs, args, lend)
-        self._lent_ptrs.update(inst.out_ptrs)
-        return inst
+        return graph, outputs
 
-    def _may_read_directly(self, args) -> bool:
-        """Inputs that are not memory of this runner's captures (a lent output fed back in could be
-        rewritten by a replay): a direct capture may read them in place."""
-        return not any(isinstance(args[i], torch.Tensor) and args[i].untyped_storage().data_ptr() in self._lent_ptrs
-                       for i in self.dynamic)
+    def _first_capture_reads(self, args) -> frozenset:
+        """Which inputs the first capture of a signature reads in place. Inference: all of them,
+        unless one is memory of this runner's captures (a lent output fed back in could be
+        rewritten by a replay). Training: the backward's saved values the forward lent; the
+        forward's batch is copied (a new batch every step)."""
+        if self.training is not None:
+            return self.training.read_in_place(args, self.dynamic)
+        if any(isinstance(args[i], torch.Tensor) and _storage(args[i]) in self._lent_ptrs for i in self.dynamic):
+            return frozenset()
+        return frozenset(self.dynamic)
+
+    def handed_storages(self) -> set:
+        """The storages of every output this runner's captures hand out without a copy."""
+        return set().union(*(inst.handed for e in self.graphs.values() for inst in e.instances))
 
     def __call__(self, *args):
         fast = self._fast
         if fast is not None:
-            inst, key, ptr_list, indices, versions, flat = fast
+            inst, key, ptr_list, indices, versions = fast
             if (_PTRS_EQUAL(list(args), ptr_list, indices) and inst.free() and self._key(args) == key
                     and (not versions or self.watch.current_versions(args) == versions)):
-                inst.graph.replay()
-                return tuple(map(_DETACH, inst.outputs)) if flat else _lend(inst.outputs)
+                return inst.run(args)
             self._fast = None
         return self._call(args)
 
@@ -276,7 +365,7 @@ class CudaGraphRunner:
                     return self.fn(*args)
                 t0 = time.perf_counter()
                 entry = self.graphs[key] = _Entry(self.fn, self._capture(args, self.fn,
-                                                                         direct=self._may_read_directly(args)))
+                                                                         in_place=self._first_capture_reads(args)))
                 self._decide(entry, args)
                 entry.timings["capture_and_decide_s"] = round(time.perf_counter() - t0, 3)
             self._last = (key, entry)
@@ -287,36 +376,35 @@ class CudaGraphRunner:
     def _replay(self, entry: _Entry, args, key=None):
         for inst in entry.instances:  # the first capture that reads these inputs, outputs released
             if inst.serves(args):
-                if key is not None and inst.input_ptrs is not None and inst.lendable:
+                if key is not None:
                     self._remember(inst, key, args)
                 break
-        else:  # all busy, or inputs elsewhere: a buffered capture, up to max_instances, else the
+        else:  # all busy, or inputs elsewhere: another capture, up to max_instances (reading in
+            # place what a first capture would, in training; buffered otherwise), else the
             # capture whose outputs are never lent (copied out on every call)
             if len(entry.instances) < self.max_instances:
-                inst = self._capture(args, entry.fn)
+                reads = self._first_capture_reads(args) if self.training is not None else ()
+                inst = self._capture(args, entry.fn, in_place=reads)
                 entry.instances.append(inst)
             else:
                 if entry.private is None:
                     entry.private = self._capture(args, entry.fn, lend=False)
                 inst = entry.private
-        for i, buf in inst.static_inputs.items():
-            buf.copy_(args[i])
-        inst.graph.replay()
-        return _lend(inst.outputs) if inst.lendable else _copy_out(inst.outputs)
+        return inst.run(args)
 
     def _remember(self, inst: _Instance, key: tuple, args) -> None:
         """Let the next call replay ``inst`` after one check of data pointers (parameters and
-        inputs, one C++ call), the signature key and the watched versions."""
+        inputs read in place, one C++ call), the signature key and the watched versions."""
         if _PTRS_EQUAL is None or not all(isinstance(args[i], torch.Tensor) for i in self.dynamic):
             return  # symbolic sizes among the arguments: the full path decides
         ptr_list: list = [None] * len(args)
         for i, p in zip(self.watch.indices, self.watch.ptrs):
             ptr_list[i] = p
-        for i, p in inst.input_ptrs.items():
+        in_place = inst.input_ptrs or {}
+        for i, p in in_place.items():
             ptr_list[i] = p
-        indices = sorted(set(self.watch.indices) | set(inst.input_ptrs))
-        flat = type(inst.outputs) is tuple and all(isinstance(o, torch.Tensor) for o in inst.outputs)
-        self._fast = (inst, key, ptr_list, indices, self.watch.versions if self.watch.version_indices else (), flat)
+        indices = sorted(set(self.watch.indices) | set(in_place))
+        self._fast = (inst, key, ptr_list, indices, self.watch.versions if self.watch.version_indices else ())
 
     def _decision_key(self, args) -> Optional[str]:
         if self.decisions_cache is None:
@@ -348,8 +436,8 @@ class CudaGraphRunner:
         # a losing baseline capture is dropped on return: its memory goes back to the pool
 
     def _capture_baseline(self, entry: _Entry, args) -> _Entry:
-        direct = entry.instances[0].input_ptrs is not None
-        return _Entry(self.baseline, self._capture(args, self.baseline, direct=direct))
+        reads = frozenset(entry.instances[0].input_ptrs or ())
+        return _Entry(self.baseline, self._capture(args, self.baseline, in_place=reads))
 
     def _watch_baseline_params(self, args) -> None:
         """The baseline reads parameters the optimized graph folded away (BatchNorm statistics...):
@@ -364,9 +452,20 @@ class CudaGraphRunner:
         """Per captured signature: the measured times (optimized replay, optimized uncaptured and,
         with a baseline, the baseline's replay) and which one runs."""
         return [dict(e.timings, use_graph=e.use_graph, runs=e.runs, captures=len(e.instances),
-                     outputs="lent" if e.instances[0].lendable else "copied",
-                     inputs="read in place" if e.instances[0].input_ptrs is not None else "copied")
+                     outputs=_describe(e.instances[0].ways, {"lend": "lent", "alias": "own arguments",
+                                                             "copy": "copied"}),
+                     inputs=_describe(["in place"] * len(e.instances[0].input_ptrs or {})
+                                      + ["copy"] * len(e.instances[0].static_inputs),
+                                      {"in place": "read in place", "copy": "copied"}))
                 for e in self.graphs.values()]
+
+
+def _describe(ways: list, names: dict) -> str:
+    """"lent" where all are lent, else e.g. "12 lent, 2 copied"."""
+    counts = {w: ways.count(w) for w in names if w in ways}
+    if len(counts) <= 1:
+        return names[next(iter(counts))] if counts else "none"
+    return ", ".join(f"{n} {names[w]}" for w, n in counts.items())
 
 
 def _lend(outputs):
@@ -375,5 +474,9 @@ def _lend(outputs):
     return _map_tensors(outputs, torch.Tensor.detach)
 
 
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.clone(memory_format=torch.preserve_format)
+
+
 def _copy_out(outputs):
-    return _map_tensors(outputs, lambda t: t.clone(memory_format=torch.preserve_format))
+    return _map_tensors(outputs, _copy)

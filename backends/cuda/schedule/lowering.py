@@ -255,7 +255,24 @@ def _hardtanh(a, idx):
               params=(float(a.arg(1, "min_val", -1.0)), float(a.arg(2, "max_val", 1.0))))
 
 
+def _threshold_backward(a, idx):
+    """ReLU's gradient: 0 where the input was <= threshold, else the incoming gradient."""
+    x = a.bload(a.arg(1, "self"))(idx)
+    dead = op("le", x, Const(float(a.arg(2, "threshold"))))
+    return Where(dead, Const(0.0), a.bload(a.arg(0, "grad_output"))(idx))
+
+
+def _hardtanh_backward(a, idx):
+    """hardtanh's (ReLU6's) gradient: 0 where the input was outside (min, max), else the gradient."""
+    x = a.bload(a.arg(1, "self"))(idx)
+    lo, hi = float(a.arg(2, "min_val")), float(a.arg(3, "max_val"))
+    clipped = op("or", op("le", x, Const(lo)), op("ge", x, Const(hi)))
+    return Where(clipped, Const(0.0), a.bload(a.arg(0, "grad_output"))(idx))
+
+
 POINTWISE: dict = {
+    aten.threshold_backward.default: _pointwise(_threshold_backward),
+    aten.hardtanh_backward.default: _pointwise(_hardtanh_backward),
     aten.add.Tensor: _binary("add", alpha=True), aten.add.Scalar: _binary("add", alpha=True),
     aten.sub.Tensor: _binary("sub", alpha=True), aten.sub.Scalar: _binary("sub", alpha=True),
     aten.rsub.Scalar: _binary("sub", alpha=True, swap=True), aten.rsub.Tensor: _binary("sub", alpha=True, swap=True),
