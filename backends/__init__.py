@@ -121,8 +121,14 @@ def _lower_cpu(gm: fx.GraphModule, runnable: fx.GraphModule, ctx, kind: str, inf
     baseline = None
     if ctx.options.baseline_check and ctx.unoptimized is not None and gm is not ctx.unoptimized:
         baseline = torch_ref.lower(ctx.unoptimized)
+    ort, why = None, "option cpu_onnxruntime=False"
+    if ctx.options.cpu_onnxruntime:
+        from fxopt.backends.onnxrt import cpu_candidate
+
+        ort, why = cpu_candidate(gm, ctx)
+    info["onnxruntime_candidate"] = "timed per signature" if ort is not None else f"none ({why})"
     runner = cpu.CpuRunner(runnable, baseline, _placeholder_indices(gm, ctx.param_placeholders),
-                           decisions_cache=_decisions_cache(ctx, runnable, baseline, "cpu"))
+                           decisions_cache=_decisions_cache(ctx, runnable, baseline, "cpu"), onnxruntime=ort)
     info["baseline_check"] = baseline is not None
     info["cpu_runner"] = runner  # its decisions() say, per signature, which graph runs and the times
     return runner, info

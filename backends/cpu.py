@@ -244,21 +244,34 @@ def lower_pools(runnable: fx.GraphModule, info: dict) -> fx.GraphModule:
 
 
 class CpuRunner:
-    """Runs the optimized graph, or the unoptimized one where that is faster for a signature."""
+    """Runs the optimized graph, or whichever alternative (the unoptimized graph, the graph in an
+    ONNX Runtime session) measures faster for a signature."""
+
+    #: the ways a signature can run: decision name -> timing key
+    KEYS = {"optimized graph": "optimized_ms", "baseline graph": "baseline_ms", "onnxruntime": "onnxruntime_ms"}
 
     def __init__(self, fn: Callable, baseline: Optional[Callable], static_indices: Sequence[int],
                  decisions_cache: Optional[tuple] = None, margin: float = 0.03, rounds: int = 5,
-                 max_timed: int = 8):
-        """fn / baseline: the optimized and unoptimized graphs (same arguments); static_indices:
-        the parameter inputs (not part of the signature); decisions_cache: (AutotuneCache, device,
-        code hash) or None; max_timed: signatures timed at most (a varying batch size would pay
-        the timing calls for every new size); later ones run the graph most decisions chose."""
-        self.fn, self.baseline, self.margin, self.rounds, self.max_timed = fn, baseline, margin, rounds, max_timed
+                 max_timed: int = 8, onnxruntime: Optional[Callable] = None):
+        """fn / baseline: the optimized and unoptimized graphs (same arguments); onnxruntime: the
+        optimized graph in ONNX Runtime (same arguments), or None; static_indices: the parameter
+        inputs (not part of the signature); decisions_cache: (AutotuneCache, device, code hash) or
+        None; max_timed: signatures timed at most (a varying batch size would pay the timing calls
+        for every new size); later ones run the way most decisions chose. An alternative must be
+        faster than the optimized graph by more than ``margin``."""
+        self.fn, self.baseline, self.onnxruntime = fn, baseline, onnxruntime
+        self.margin, self.rounds, self.max_timed = margin, rounds, max_timed
         self.static = set(static_indices)
         self._dynamic: Optional[list] = None  # the indices of the other arguments, from the first call
         self.decisions_cache = decisions_cache
         self._chosen: dict = {}  # signature -> the function that runs it
         self._decisions: dict = {}  # signature -> timings and which runs
+
+    @property
+    def ways(self) -> dict:
+        """The ways a signature can run, by decision name (the optimized graph first)."""
+        ways = {"optimized graph": self.fn, "baseline graph": self.baseline, "onnxruntime": self.onnxruntime}
+        return {k: v for k, v in ways.items() if v is not None}
 
     def _signature(self, args) -> tuple:
         if self._dynamic is None:
@@ -276,36 +289,51 @@ class CpuRunner:
     def _cache_key(self, sig) -> Optional[str]:
         if self.decisions_cache is None:
             return None
-        return f"cpu_runner|{self.decisions_cache[2]}|{sig}"
+        return f"cpu_runner|{self.decisions_cache[2]}|{sorted(self.ways)}|{sig}"
 
     def _decide(self, sig, args):
-        if self.baseline is None:
+        if len(self.ways) == 1:
             self._chosen[sig] = self.fn
-            self._decisions[sig] = {"runs": "optimized graph", "why": "no baseline"}
+            self._decisions[sig] = {"runs": "optimized graph", "why": "no alternative"}
             return self.fn(*args)
         key = self._cache_key(sig)
         cached = self.decisions_cache[0].get(self.decisions_cache[1], key) if key else None
         timed = [d["runs"] for d in self._decisions.values() if "optimized_ms" in d]
-        if cached is not None and cached.get("runs") in ("optimized graph", "baseline graph"):
+        if cached is not None and cached.get("runs") in self.ways:
             self._decisions[sig] = dict(cached, cached=True)
         elif len(timed) >= self.max_timed:
-            runs = max(("optimized graph", "baseline graph"), key=timed.count)  # a tie: optimized
+            runs = max(self.ways, key=timed.count)  # a tie: the optimized graph (first)
             self._decisions[sig] = {"runs": runs, "why": f"{len(timed)} signatures timed already: the majority"}
         else:
-            from fxopt.autotune import alternating_medians
-
-            fns = {"optimized_ms": lambda: self.fn(*args), "baseline_ms": lambda: self.baseline(*args)}
-            for f in (*fns.values(), *fns.values()):  # warm-up: folded constants, packed weights, primitives
-                f()
-            timings = alternating_medians(fns, self.rounds, 1, "cpu")
-            faster = timings["baseline_ms"] < timings["optimized_ms"] * (1.0 - self.margin)
-            self._decisions[sig] = {"runs": "baseline graph" if faster else "optimized graph", **timings,
-                                    "threads": torch.get_num_threads()}
+            self._decisions[sig] = self._measure(args)
             if key:
                 self.decisions_cache[0].put(self.decisions_cache[1], key, dict(self._decisions[sig]))
-        runs = self._decisions[sig]["runs"]
-        self._chosen[sig] = self.baseline if runs == "baseline graph" else self.fn
+        self._chosen[sig] = self.ways[self._decisions[sig]["runs"]]
         return self._chosen[sig](*args)
+
+    def _measure(self, args) -> dict:
+        """Every way's wall-clock median (alternating rounds, after two warm-up calls each: folded
+        constants, packed weights, primitives, ONNX Runtime's session); the fastest runs. A way
+        that fails (ONNX export or session creation) is left out, with the reason."""
+        from fxopt.autotune import alternating_medians
+
+        fns, failed = {}, {}
+        for name, way in self.ways.items():
+            try:
+                way(*args)
+                way(*args)
+                fns[self.KEYS[name]] = (lambda w=way: w(*args))
+            except Exception as e:  # noqa: BLE001 - only the optimized graph must run
+                if name == "optimized graph":
+                    raise
+                failed[name] = f"{type(e).__name__}: {str(e)[:200]}"
+        timings = alternating_medians(fns, self.rounds, 1, "cpu")
+        alternatives = {n: timings[self.KEYS[n]] for n in self.ways
+                        if n != "optimized graph" and self.KEYS[n] in timings}
+        best = min(alternatives, key=alternatives.get, default=None)
+        if best is None or alternatives[best] >= timings["optimized_ms"] * (1.0 - self.margin):
+            best = "optimized graph"
+        return {"runs": best, **timings, "threads": torch.get_num_threads(), **({"failed": failed} if failed else {})}
 
     def decisions(self) -> list[dict]:
         """Per input signature seen: the measured times and which graph runs."""

@@ -1,4 +1,5 @@
-"""The ``onnxruntime`` executor: the optimized inference graph in an ONNX Runtime session.
+"""The ``onnxruntime`` executor: the optimized inference graph in an ONNX Runtime session (and, on
+the CPU, ``cpu_candidate``: the same as one more way the cpu executor times per signature).
 
 ``options={"executor": "onnxruntime"}``. For each input signature (shapes, dtypes, devices of the
 user inputs) the optimized graph is translated to ONNX (``fxopt.onnx_graph.graph_to_onnx``, static
@@ -136,6 +137,27 @@ def lower_onnxruntime(gm: fx.GraphModule, ctx, kind: str, info: dict):
     return runner, info
 
 
+def cpu_candidate(gm: fx.GraphModule, ctx):
+    """(the optimized CPU inference graph in ONNX Runtime sessions, None) as one more way for the
+    cpu executor's runner to time per signature, or (None, why not). Its workers do not spin
+    between calls (a spinning pool slows the process's next CPU work, measured up to 2x), export
+    failures raise (the runner then leaves it out)."""
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError as e:
+        return None, f"onnxruntime is not importable ({e})"
+    from fxopt.onnx_graph import find_unsupported
+
+    bad = find_unsupported(gm, ctx.param_placeholders)
+    if bad:
+        return None, f"{bad[0][0]}: {bad[0][1]} has no ONNX translation"
+    odd = _unbindable_dtype(gm)
+    if odd:
+        return None, f"dtype without an onnxruntime binding: {odd}"
+    return OrtRunner(gm, ctx.param_placeholders, ctx.param_qualnames, "CPUExecutionProvider", False,
+                     spin=False, fallback=False), None
+
+
 def _matches(v, a) -> bool:
     if isinstance(a, torch.Tensor):
         return (isinstance(v, torch.Tensor) and all(type(s) is int for s in v.shape)
@@ -166,7 +188,7 @@ def specialize(gm: fx.GraphModule, args: list) -> fx.GraphModule:
 class _Session:
     """One ORT session for one input signature."""
 
-    def __init__(self, gm, args, params, provider, cuda_graph, nhwc=False):
+    def __init__(self, gm, args, params, provider, cuda_graph, nhwc=False, spin=True):
         import onnxruntime as ort
 
         from fxopt.onnx_graph import graph_to_onnx
@@ -181,6 +203,9 @@ class _Session:
                            torch.device("cpu"))
         if provider == "CPUExecutionProvider":
             opts.intra_op_num_threads = max(1, torch.get_num_threads())
+            if not spin:  # idle workers sleep: the process's other CPU work keeps its cores
+                opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+                opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
             providers = [provider]
         else:
             # ORT enqueues its kernels on torch's current stream: ordered with the torch work that
@@ -267,9 +292,11 @@ class OrtRunner:
     """The compiled callable: the graph's flat args in (parameters included), the graph's outputs out."""
 
     def __init__(self, gm, param_placeholders, qualnames, provider, cuda_graph, max_sessions=MAX_SESSIONS,
-                 nhwc=False):
+                 nhwc=False, spin=True, fallback=True):
+        """spin: ORT's CPU workers spin between runs (its default); fallback: signatures ONNX
+        export refuses run on the torch executor (with a warning) instead of raising."""
         self.gm, self.provider, self.cuda_graph, self.max_sessions = gm, provider, cuda_graph, max_sessions
-        self.nhwc = nhwc
+        self.nhwc, self.spin, self.fallback = nhwc, spin, fallback
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.params = {i: qualnames.get(n.name, n.name) for i, n in enumerate(placeholders)
                        if n.name in param_placeholders}
@@ -291,7 +318,7 @@ class OrtRunner:
                     else args[i] for i in self.user)
         entry = self.sessions.get(sig)
         if entry is None:
-            entry = _Session(self.gm, list(args), self.params, self.provider, self.cuda_graph, self.nhwc)
+            entry = _Session(self.gm, list(args), self.params, self.provider, self.cuda_graph, self.nhwc, self.spin)
             self.builds += 1
             self.sessions[sig] = entry
             while len(self.sessions) > self.max_sessions:
@@ -306,6 +333,8 @@ class OrtRunner:
         try:
             entry = self.entry(args)
         except OnnxExportError as e:
+            if not self.fallback:
+                raise
             _warn_once(str(e), f"fxopt: executor 'onnxruntime': {e}; running these inputs with the torch executor")
             if self._torch is None:
                 self._torch = torch_ref.lower(self.gm)

@@ -50,6 +50,9 @@ class Options:
     #: with CUDA graphs, also capture the unoptimized graph per signature and replay it instead where
     #: it measures faster (by more than 3%): never slower than PyTorch's own kernels
     baseline_check: bool = True
+    #: cpu executor: also time the optimized graph in an ONNX Runtime session (CPU EP) per input
+    #: signature and run it where it is faster (needs onnxruntime; graphs it cannot export skip it)
+    cpu_onnxruntime: bool = True
     #: inference graphs that need nothing of AOTAutograd's runtime wrapper (no aliasing, mutation,
     #: subclasses, autocast...) are called by Dynamo directly, saving the wrapper's per-call cost
     direct_call: bool = True
@@ -123,6 +126,8 @@ class Options:
             raise ValueError(f"fxopt: fusion must be True or False, got {self.fusion!r}")
         if not isinstance(self.compile_cache, bool):
             raise ValueError(f"fxopt: compile_cache must be True or False, got {self.compile_cache!r}")
+        if not isinstance(self.cpu_onnxruntime, bool):
+            raise ValueError(f"fxopt: cpu_onnxruntime must be True or False, got {self.cpu_onnxruntime!r}")
         if not isinstance(self.cudnn_search, bool):
             raise ValueError(f"fxopt: cudnn_search must be True or False, got {self.cudnn_search!r}")
         if self.dump_dir is None:

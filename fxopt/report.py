@@ -221,8 +221,10 @@ class Report:
             runner = g.executor_details.get("cpu_runner")
             for d in runner.decisions() if runner is not None else []:
                 if "optimized_ms" in d:
-                    lines.append(f"  runs the {d['runs']}: optimized {d['optimized_ms']:.3f} ms, unoptimized "
-                                 f"{d['baseline_ms']:.3f} ms ({d.get('threads')} threads"
+                    times = ", ".join(f"{name} {d[key]:.3f} ms" for name, key in
+                                      (("optimized", "optimized_ms"), ("unoptimized", "baseline_ms"),
+                                       ("ONNX Runtime", "onnxruntime_ms")) if key in d)
+                    lines.append(f"  runs the {d['runs']}: {times} ({d.get('threads')} threads"
                                  f"{', cached' if d.get('cached') else ''})")
                 else:
                     lines.append(f"  runs the {d['runs']} ({d.get('why', '')})")

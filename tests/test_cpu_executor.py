@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import fxopt
 from fxopt.backends import cpu
+from fxopt.testing import SeedCNN
 from fxopt.ops import ACTIVATIONS, fused_conv_ref
 
 pytestmark = pytest.mark.skipif(cpu.onednn_available() is not None, reason=str(cpu.onednn_available()))
@@ -214,7 +215,7 @@ def test_runner_keeps_the_optimized_graph_on_a_tie_and_without_a_baseline():
     assert tie(torch.ones(1)) == "optimized"
     assert tie(torch.ones(1)) == "optimized" and tie.decisions()[0]["runs"] == "optimized graph"
     alone = cpu.CpuRunner(_slow(0, "optimized"), None, static_indices=[])
-    assert alone(torch.ones(1)) == "optimized" and alone.decisions()[0]["why"] == "no baseline"
+    assert alone(torch.ones(1)) == "optimized" and alone.decisions()[0]["why"] == "no alternative"
 
 
 def test_runner_times_a_bounded_number_of_signatures():
@@ -246,4 +247,41 @@ def test_runner_decisions_are_cached_across_compiles(tmp_path):
 def test_report_names_the_graph_that_runs():
     r = fxopt.explain(_randomized(Block()), torch.randn(2, 3, 12, 12))
     (d,) = r.graphs[0].executor_details["cpu_runner"].decisions()
-    assert d["runs"] in ("optimized graph", "baseline graph") and d["threads"] == torch.get_num_threads()
+    assert d["runs"] in cpu.CpuRunner.KEYS and d["threads"] == torch.get_num_threads()
+
+
+def test_runner_times_onnxruntime_too_and_leaves_it_out_where_it_fails():
+    runner = cpu.CpuRunner(_slow(6, "optimized"), _slow(4, "baseline"), static_indices=[], rounds=3,
+                           onnxruntime=_slow(0, "onnxruntime"))
+    assert runner(torch.ones(2)) == "onnxruntime"
+    (d,) = runner.decisions()
+    assert d["runs"] == "onnxruntime" and d["onnxruntime_ms"] < d["baseline_ms"] < d["optimized_ms"]
+
+    def broken(*args):
+        raise RuntimeError("no ONNX translation")
+
+    runner = cpu.CpuRunner(_slow(3, "optimized"), None, static_indices=[], rounds=3, onnxruntime=broken)
+    assert runner(torch.ones(2)) == "optimized"
+    (d,) = runner.decisions()
+    assert d["runs"] == "optimized graph" and "no ONNX translation" in d["failed"]["onnxruntime"]
+
+
+def test_compiled_cnn_may_run_in_onnxruntime_on_the_cpu_and_matches_eager():
+    torch.manual_seed(0)
+    m = SeedCNN().eval()
+    x = torch.randn(2, 3, 32, 32)
+    graphs: list = []
+    compiled = fxopt.testing.compile_with_fxopt(m, {"autotune_cache": False}, graphs)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), m(x), rtol=1e-4, atol=1e-5)
+        m.conv1.weight.mul_(0.5)  # a weight changed in place: ONNX Runtime's session is rebuilt
+        torch.testing.assert_close(compiled(x), m(x), rtol=1e-4, atol=1e-5)
+    (g,) = graphs
+    assert g.executor_details["onnxruntime_candidate"] == "timed per signature"
+    (d,) = g.executor_details["cpu_runner"].decisions()
+    assert "onnxruntime_ms" in d and d["runs"] in cpu.CpuRunner.KEYS
+    off: list = []
+    with torch.no_grad():
+        fxopt.testing.compile_with_fxopt(m, {"cpu_onnxruntime": False}, off)(x)
+    assert off[0].executor_details["onnxruntime_candidate"] == "none (option cpu_onnxruntime=False)"
+    assert "onnxruntime_ms" not in off[0].executor_details["cpu_runner"].decisions()[0]
