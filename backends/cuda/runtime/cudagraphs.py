@@ -105,8 +105,7 @@ class TrainingLink:
         if self.forward is None:
             return frozenset()
         handed = self.forward.handed_storages()
-        return frozenset(i for i in dynamic if isinstance(args[i], torch.Tensor)
-                         and args[i].untyped_storage().data_ptr() in handed)
+        return frozenset(i for i in dynamic if isinstance(args[i], torch.Tensor) and _storage(args[i]) in handed)
 
 
 #: the reference count of a tensor storage (what Inductor's CUDA-graph trees use to tell whether
@@ -166,6 +165,8 @@ class _Instance:
                 ways.append("copy" if shared else "lend")
         self.ways = ways
         self.lendable = bool(flat) and all(w == "lend" for w in ways)
+        # the common case, a flat tuple of tensors all lent: handed out by one map over the tuple
+        self._flat = type(outputs) is tuple and len(flat) == len(outputs)
         self.handed = {p for p, w in zip(self.out_ptrs, ways) if w != "copy"}
         self._storages, seen = [], set()  # one entry per lent storage
         for t, p, w in zip(flat, self.out_ptrs, ways):
@@ -189,7 +190,7 @@ class _Instance:
     def hand_out(self):
         """The outputs of the replay that just ran, each the way ``ways`` says."""
         if self.lendable:
-            return _lend(self.outputs)
+            return tuple(map(_DETACH, self.outputs)) if self._flat else _lend(self.outputs)
         ways = iter(self.ways)
         return _map_tensors(self.outputs, lambda t: _copy(t) if next(ways) == "copy" else _DETACH(t))
 
