@@ -25,8 +25,11 @@ second one (1, or 2 for an example of 1); where the model does not allow a varyi
 specialises it, or the check differs), the batch is fixed at the example's and ``info["batch"]``
 says why. A symbolic batch meets the executors so: the torch executor (CPU) runs the symbolic
 graph for every batch size; the cuda executor, whose kernels are generated for static shapes, gets
-a specialisation per batch size at the first call of that size (FakeTensor propagation of the
-graph at that size, then lowering), up to ``cudagraph_max_signatures`` sizes (beyond: the torch
+a specialisation per batch size at the first call of that size: every node's value at that size
+(shape, strides, dtype) from the package, which stores them as expressions of the batch
+(``symbolic_vals``; packaging checks them against FakeTensor propagation at every batch it runs and
+drops them on any difference), so that the loading process never builds a FakeTensorMode, which
+imports Dynamo; without them, FakeTensor propagation at that size; then lowering, up to ``cudagraph_max_signatures`` sizes (beyond: the torch
 executor). Choices are looked up in the package for every size: the example batch (and the
 second checked size) find theirs; other sizes get the choices that need no measurement
 (``fxopt.choices.FixedChoices``: PyTorch's implementation of each node, CUDA-graph replay).
@@ -41,8 +44,10 @@ choices); package again on that device to tune for it.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import datetime
+import operator
 import time
 import warnings
 from typing import Any, Optional, Sequence
@@ -157,14 +162,155 @@ def _freeze(gm: fx.GraphModule, weights: dict) -> dict:
 
 
 # -- the runnable package ---------------------------------------------------------------------------
-def _specialise(gm: fx.GraphModule, args: list) -> fx.GraphModule:
-    """A copy of ``gm`` whose nodes carry FakeTensors of these (static) shapes."""
+def symbolic_vals(gm: fx.GraphModule, batch: Optional[str]) -> Optional[dict]:
+    """Per node of ``gm`` (FakeTensor values, batch symbolic or not), its value's dtype, shape and
+    strides with every size written as an expression of ``B``, the batch (``batch``: the symbol's
+    name); None when some node's value cannot be written so (another symbol, a value that is no
+    tensor, int or tuple of tensors)."""
+    def expr(d):
+        if isinstance(d, int):
+            return d
+        text = str(d.node.expr) if isinstance(d, torch.SymInt) else None
+        names = {str(f) for f in d.node.expr.free_symbols} if text else {None}
+        if text is None or names - {batch}:
+            raise ValueError(f"size {d}")
+        return text.replace(batch, "B") if batch else text
+
+    def enc(v):
+        if isinstance(v, torch.Tensor):
+            return [str(v.dtype).replace("torch.", ""), [expr(d) for d in v.shape], [expr(d) for d in v.stride()]]
+        if isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool):
+            return {"i": expr(v)}
+        if isinstance(v, (tuple, list)) and v and all(isinstance(t, torch.Tensor) for t in v):
+            return {"t": [enc(t) for t in v]}
+        raise ValueError(type(v).__name__)
+
+    out = {}
+    try:
+        for n in gm.graph.nodes:
+            if n.op in ("placeholder", "call_function", "call_module"):
+                out[n.name] = enc(n.meta["val"])
+    except (KeyError, ValueError, AttributeError):
+        return None
+    return out
+
+
+def _exported_vals(gm: fx.GraphModule, inputs: dict, weights: dict, dynamic: bool) -> Optional[dict]:
+    """``symbolic_vals`` of the optimized graph, propagated afresh from the example ``inputs``
+    (name -> tensor; dimension 0 symbolic when the batch varies) and the frozen weights; None where
+    that fails. (A fresh shape environment: the export's may have specialised the batch since.)"""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     from fxopt.pipeline import copy_graph_module
 
+    def fake(x, batch_dim: bool):
+        if not batch_dim or x.dim() == 0:
+            return mode.from_tensor(x, static_shapes=True)
+        # traced at a batch of 7, its layout kept: an example batch of 1 would let ops specialise on it
+        x = torch.empty_like(x[:1].expand(7, *x.shape[1:]), memory_format=torch.preserve_format)
+        sizes = [DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * (x.dim() - 1)
+        return mode.from_tensor(x, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+
+    try:
+        mode = FakeTensorMode(shape_env=ShapeEnv() if dynamic else None)
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        args = [fake(inputs[n], dynamic) if n in inputs else fake(weights[n], False) for n in names]
+        first = args[names.index(next(iter(inputs)))] if inputs else None
+        b = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else None
+        copy = copy_graph_module(gm)
+        with torch.no_grad():
+            FakeTensorProp(copy, mode).propagate_dont_convert_inputs(*args)
+    except Exception:  # noqa: BLE001 - the loader then propagates FakeTensors itself
+        return None
+    return symbolic_vals(copy, str(b.node.expr) if isinstance(b, torch.SymInt) else None)
+
+
+_EXPR_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+             ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+_EXPR_CALLS = {"FloorDiv": operator.floordiv, "Mod": operator.mod, "PythonMod": operator.mod,
+               "Max": max, "Min": min}
+
+
+def _eval_size(e, batch: int) -> int:
+    """A size ``symbolic_vals`` wrote, at this batch: ints, ``B``, + - * // %, and sympy's
+    FloorDiv/Mod/Max/Min; anything else raises ValueError."""
+    if isinstance(e, int):
+        return e
+
+    def ev(t):
+        if isinstance(t, ast.Expression):
+            return ev(t.body)
+        if isinstance(t, ast.Constant) and type(t.value) is int:
+            return t.value
+        if isinstance(t, ast.Name) and t.id == "B":
+            return batch
+        if isinstance(t, ast.BinOp) and type(t.op) in _EXPR_OPS:
+            return _EXPR_OPS[type(t.op)](ev(t.left), ev(t.right))
+        if isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.USub):
+            return -ev(t.operand)
+        if isinstance(t, ast.Call) and isinstance(t.func, ast.Name) and t.func.id in _EXPR_CALLS and not t.keywords:
+            return _EXPR_CALLS[t.func.id](*map(ev, t.args))
+        raise ValueError(f"size expression {e!r}")
+
+    try:
+        return int(ev(ast.parse(str(e), mode="eval")))
+    except SyntaxError as exc:
+        raise ValueError(f"size expression {e!r}") from exc
+
+
+def _val_at(v, batch: int):
+    """The meta tensor (int, tuple of meta tensors) a stored value is at this batch."""
+    from fxopt.serialize import dtype_named
+
+    if isinstance(v, dict):
+        return _eval_size(v["i"], batch) if "i" in v else tuple(_val_at(t, batch) for t in v["t"])
+    dtype, shape, stride = v
+    return torch.empty_strided([_eval_size(d, batch) for d in shape], [_eval_size(d, batch) for d in stride],
+                               dtype=dtype_named(dtype), device="meta")
+
+
+def _same_val(a, b) -> bool:
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
+                and all(map(_same_val, a, b)))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+    return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
+
+
+def _vals_agree(stored: fx.GraphModule, propagated: fx.GraphModule) -> bool:
+    """Whether the stored values equal FakeTensor propagation's, node by node (packaging checks
+    every batch it runs)."""
+    mine = {n.name: n.meta.get("val") for n in stored.graph.nodes}
+    # a size (an int) propagation may leave unrecorded (torch 2.11 does): the tensors using it agree
+    return all(_same_val(mine.get(n.name), n.meta.get("val")) for n in propagated.graph.nodes
+               if n.op in ("placeholder", "call_function", "call_module")
+               and not (n.meta.get("val") is None and isinstance(mine.get(n.name), int)))
+
+
+def _specialise(gm: fx.GraphModule, args: list, vals: Optional[dict] = None,
+                batch: Optional[int] = None) -> fx.GraphModule:
+    """A copy of ``gm`` whose nodes carry their values at these (static) shapes in ``meta["val"]``:
+    from the package's ``vals`` (``symbolic_vals``) as meta tensors where given (no propagation:
+    FakeTensorMode imports Dynamo, seconds of a fresh process's first call), else by FakeTensor
+    propagation."""
+    from fxopt.pipeline import copy_graph_module
+
     static = copy_graph_module(gm)
+    if vals is not None:
+        try:
+            at = {name: _val_at(v, batch if batch is not None else 0) for name, v in vals.items()}
+            for n in static.graph.nodes:
+                if n.op in ("placeholder", "call_function", "call_module"):
+                    n.meta["val"] = at[n.name]
+            return static
+        except (KeyError, ValueError, TypeError, RuntimeError):
+            static = copy_graph_module(gm)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
     with torch.no_grad():
@@ -189,6 +335,7 @@ class PackagedModule(torch.nn.Module):
         self.out_spec = pytree.treespec_loads(manifest["out_spec"]) if manifest.get("out_spec") else None
         self.executor = resolve_executor(options.executor, device.type, "inference")
         self.lowerings: dict = {}  # batch size (None: every size) -> (runner, executor info)
+        self.check_vals = False  # packaging sets it: stored values checked against propagation
         self.timings: dict = {}
 
     def extra_repr(self) -> str:
@@ -229,7 +376,14 @@ class PackagedModule(torch.nn.Module):
         options, gm, key = self.options, self.graph, None
         if self.executor == "cuda":
             if len(self.lowerings) < options.cudagraph_max_signatures:
-                gm, key = _specialise(self.graph, args), batch
+                vals = self.manifest.get("vals")
+                if self.check_vals:  # packaging (which measures): FakeTensors, the stored values checked
+                    gm = _specialise(self.graph, args)
+                    if vals is not None and not _vals_agree(_specialise(self.graph, args, vals, batch), gm):
+                        self.manifest["vals"] = None
+                else:
+                    gm = _specialise(self.graph, args, vals, batch)
+                key = batch
             else:  # beyond the bound: one symbolic graph with PyTorch's kernels for the other sizes
                 options = dataclasses.replace(options, executor="torch", cudagraphs=False)
         ctx = PassContext(options=options, mode="inference", device_type=self.device.type)
@@ -395,6 +549,10 @@ def _build(model, inputs: tuple, opts, dynamic: bool) -> dict:
     manifest = {"inputs": specs, "batch": info, "out_spec": out_spec, "graph": graph_json}
     # the program as load() will see it: lowered, run (measured and recorded), checked
     module = PackagedModule(graph_from_json(graph_json), kept, manifest, run_opts, device)
+    if module.executor == "cuda":  # each batch's values at load without propagation, checked below
+        with _size_oblivious() if info["dynamic"] else _null():
+            manifest["vals"] = _exported_vals(optimized, dict(zip(input_names, inputs)), kept, info["dynamic"])
+        module.check_vals = True
     t = time.perf_counter()
     problem = _check_against(model, module, inputs)
     timings["lower_and_first_call_s"] = round(time.perf_counter() - t, 3)

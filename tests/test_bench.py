@@ -65,11 +65,23 @@ def test_parse_lists_and_options():
 
 
 def test_parse_defaults_full_run():
-    a = B.parse_args(["--device", "cpu", "--iters", "5"])
+    a = B.parse_args(["--device", "cuda", "--iters", "5"])
     assert a.iters == 50  # at least 50 timed runs outside --quick
     assert set(a.models) == set(M.MODELS)
+    assert all(a.model_batches[m] == [1, 32] for m in a.models)
     assert "inductor-max-autotune" not in a.backends
     assert {"fxopt", "fxopt-no-cudagraphs", "onnxruntime-cudagraph", "eager"} <= set(a.backends)
+
+
+def test_parse_cpu_suite_batches_per_model():
+    a = B.parse_args(["--device", "cpu"])
+    assert a.model_batches == B.CPU_SUITE and a.models == list(B.CPU_SUITE)
+    assert a.model_batches["seedcnn"] == [1, 64] and a.model_batches["resnet50"] == [1, 8]
+    # --models or --batch given: the plain grid
+    a = B.parse_args(["--device", "cpu", "--models", "seedcnn,resnet18"])
+    assert a.model_batches == {"seedcnn": [1, 32], "resnet18": [1, 32]}
+    a = B.parse_args(["--device", "cpu", "--batch", "4"])
+    assert set(a.models) == set(M.MODELS) and a.model_batches["seedcnn"] == [4]
 
 
 @pytest.mark.parametrize("argv", [

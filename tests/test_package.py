@@ -118,8 +118,8 @@ def test_package_with_the_cuda_executor_brings_its_kernels(tmp_path):
     summary = fxopt.package(model, (x,), tmp_path / "net.fxopt", options={"executor": "cuda"})
     assert summary["kernels"]["count"] > 0 and summary["kernels"]["with_cubin"] == summary["kernels"]["count"]
     outs, info = run_loader(tmp_path, tmp_path / "net.fxopt", [torch.randn(2, 3, 16, 16)])
-    # the executor's planners read FakeTensors, whose mode imports torch._dynamo: no frame is compiled
-    assert info["executor"] == "cuda" and not info["frames"].get("frames")
+    # the batch's values come from the package (no FakeTensorMode): Dynamo is not even imported
+    assert info["executor"] == "cuda" and info["dynamo"] == []
     assert info["kernels"]["installed"] == summary["kernels"]["count"]
     assert info["stats"].get("nvrtc_compiles", 0) == 0 and info["stats"].get("memory_hits", 0) > 0
 
@@ -223,6 +223,72 @@ def test_another_device_warns_once_and_measures_nothing(tmp_path, monkeypatch):
             module(torch.randn(2, 3, 16, 16))
             module(torch.randn(2, 3, 16, 16))
     assert sum("was tuned on" in str(w.message) for w in caught) == 1
+
+
+@needs_nvrtc
+def test_stored_values_stand_for_propagation_at_every_batch(tmp_path):
+    """The cuda executor's per-batch specialisation reads the values the package stores (sizes as
+    expressions of the batch) instead of propagating FakeTensors: equal to propagation's at
+    batches never packaged."""
+    from fxopt.packaging import _specialise, _vals_agree
+
+    fxopt.package(make_net(), (torch.randn(1, 3, 16, 16),), tmp_path / "net.fxopt", options={"executor": "cuda"})
+    module = fxopt.load(tmp_path / "net.fxopt")
+    vals = module.manifest["vals"]
+    assert vals["x"][1] == ["B", 3, 16, 16] and vals["view"][1] == ["B", 16]
+    for batch in (1, 3, 7):
+        args = list(module._template)
+        args[module._input_at[0]] = torch.randn(batch, 3, 16, 16)
+        stored = _specialise(module.graph, args, vals, batch)
+        assert all(n.meta["val"].device.type == "meta" for n in stored.graph.nodes
+                   if isinstance(n.meta.get("val"), torch.Tensor))
+        assert _vals_agree(stored, _specialise(module.graph, args))
+
+
+def test_size_expressions_evaluate_or_refuse():
+    from fxopt.packaging import _eval_size
+
+    assert _eval_size(7, 3) == 7 and _eval_size("B", 3) == 3
+    assert _eval_size("64*B + 2", 3) == 194 and _eval_size("FloorDiv(B, 2)", 5) == 2
+    assert _eval_size("Max(1, B - 4)", 3) == 1 and _eval_size("Mod(B, 4)", 6) == 2
+    for bad in ("s0", "B**2", "__import__('os')", "B.real", "1.5*B", "True*B", "B +"):
+        with pytest.raises(ValueError):
+            _eval_size(bad, 3)
+
+
+@needs_nvrtc
+def test_wrong_stored_values_are_dropped_when_packaging(tmp_path, monkeypatch):
+    """Packaging checks the stored values against propagation at every batch it runs; values that
+    differ are not written (the loader then propagates), and the package stays right."""
+    import fxopt.packaging as P
+
+    real = P._exported_vals
+
+    def skewed(*a, **k):
+        vals = real(*a, **k)
+        vals["view"] = ["float32", ["B", 17], [17, 1]]
+        return vals
+
+    monkeypatch.setattr(P, "_exported_vals", skewed)
+    model = make_net()
+    fxopt.package(model, (torch.randn(2, 3, 16, 16),), tmp_path / "net.fxopt", options={"executor": "cuda"})
+    module = fxopt.load(tmp_path / "net.fxopt")
+    assert module.manifest["vals"] is None
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        assert rel(module(x), model(x)) < RTOL
+
+
+def test_measuring_refuses_meta_values():
+    """A loaded package's values (meta tensors) never become measurement inputs: no memory behind them."""
+    from fxopt.backends.cuda.runtime.measure import real_args
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(2, 3, device="meta")
+    node = g.call_function(torch.relu, (x,))
+    with pytest.raises(ValueError, match="meta"):
+        real_args(node)
 
 
 def test_fixed_choices_answer_misses_without_measuring():
@@ -360,3 +426,20 @@ def test_bench_fxopt_package_row_and_cold_start(tmp_path):
                                 "cold_compile_s": 2.5}]}
     text = render_markdown(results)
     assert "## Cold start" in text and "| seedcnn | 2 | float32 | fxopt | 3.00 | – | – | 0.50 |" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_package_loads_without_dynamo_and_matches_eager(tmp_path):
+    """On the GPU: packaged at batch 2 (kernels measured, values stored), loaded in a fresh process
+    that never imports Dynamo, right at the packaged batch and at others (meta-tensor values)."""
+    model = make_net().cuda().half()
+    x = torch.randn(2, 3, 16, 16, device="cuda", dtype=torch.float16)
+    fxopt.package(model, (x,), tmp_path / "net.fxopt")
+    assert fxopt.load(tmp_path / "net.fxopt").manifest["vals"] is not None
+    inputs = [torch.randn(b, 3, 16, 16, device="cuda", dtype=torch.float16) for b in (2, 5, 1)]
+    outs, info = run_loader(tmp_path, tmp_path / "net.fxopt", inputs)
+    assert info["executor"] == "cuda" and info["dynamo"] == []
+    with torch.no_grad():
+        for x, y in zip(inputs, outs):
+            assert rel(y.float(), model(x).float()) < 1e-2

@@ -31,6 +31,9 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32",
           "float16": "float16", "fp16": "float16", "half": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
 QUICK_BACKENDS = ["eager", "inductor", "fxopt"]
+# ``--device cpu`` without --models/--batch: the CPU suite, batches per model
+CPU_SUITE = {"seedcnn": [1, 64], "seedcnn2": [1, 64], "resnet18": [1, 8], "resnet50": [1, 8],
+             "mobilenet_v2": [1, 8]}
 COLD_TAG = "FXOPT_BENCH_COLD "
 # accuracy floors (max relative error) per dtype; fp32 on CUDA allows TF32
 TOL_FLOOR = {("float32", "cpu"): 1e-4, ("float32", "cuda"): 1e-3,
@@ -41,8 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m fxopt.bench",
         description="Benchmark torch.compile(backend='fxopt') against eager, inductor and onnxruntime.")
-    p.add_argument("--models", help="comma list (default: all; --quick: seedcnn,seedcnn2)")
-    p.add_argument("--batch", help="comma list of ints (default 1,32; --quick: 2)")
+    p.add_argument("--models", help="comma list (default: all; --quick: seedcnn,seedcnn2; --device cpu: "
+                   "the CPU suite, " + ", ".join(f"{m} b{'/'.join(map(str, b))}" for m, b in CPU_SUITE.items())
+                   + ", unless --batch is given)")
+    p.add_argument("--batch", help="comma list of ints (default 1,32; --quick: 2; the CPU suite: per model)")
     p.add_argument("--dtype", help="comma list of float32,float16,bfloat16 "
                    "(default float16 on cuda, float32 on cpu; --quick: float32)")
     p.add_argument("--backends", help="comma list (default: all but inductor-max-autotune; "
@@ -86,7 +91,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         import torch
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     q = a.quick
-    a.models = csv_list(a.models) if a.models else (list(M.QUICK_MODELS) if q else M.model_names())
+    # batches per model: the CPU suite's own, otherwise --batch for every model
+    a.model_batches = (dict(CPU_SUITE) if a.device == "cpu" and not (q or a.models or a.batch) else {})
+    a.models = csv_list(a.models) if a.models else (
+        list(M.QUICK_MODELS) if q else list(a.model_batches) or M.model_names())
     bad = [m for m in a.models if m not in M.MODELS]
     if bad:
         p.error(f"unknown model(s) {bad}; known: {', '.join(M.MODELS)}")
@@ -96,6 +104,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--batch must be a comma list of ints, got {a.batch!r}")
     if any(b < 1 for b in a.batch):
         p.error("--batch values must be >= 1")
+    a.model_batches = {m: a.model_batches.get(m, a.batch) for m in a.models}
     dts = csv_list(a.dtype) if a.dtype else (["float32"] if q or a.device == "cpu" else ["float16"])
     bad = [d for d in dts if d not in DTYPES]
     if bad:
@@ -159,6 +168,7 @@ def _cold_compile(model: str, batch: int, dtype: str, backend: str, a) -> Dict[s
         if deploy and "cold_compile_s" in res:  # deploying: load + first call in a fresh process
             loaded = _cold_child_run(spec, dict(env, **{LOAD_ONLY_ENV: "1"}), a.cold_timeout)
             res["load_first_call_s"] = loaded.get("cold_compile_s")
+            res["load_dynamo_imported"] = loaded.get("dynamo_imported")
         return res
 
 
@@ -193,11 +203,17 @@ def _cold_child(spec_json: str) -> int:
     torch.backends.cudnn.benchmark = bool(s.get("cudnn_benchmark", False))
     res: Dict[str, Any] = {"cudnn_benchmark": torch.backends.cudnn.benchmark}
     try:
-        model, shape = M.build_model(s["model"], s["seed"])
-        dtype = getattr(torch, s["dtype"])
-        model = model.to(device=s["device"], dtype=dtype)
-        x = M.make_input(shape, s["batch"], s["seed"]).to(device=s["device"], dtype=dtype)
         spec = R.BACKENDS[s["backend"]]
+        dtype = getattr(torch, s["dtype"])
+        if spec.deploy and os.environ.get("FXOPT_BENCH_LOAD_ONLY") == "1":
+            # deploying: nothing but torch and the input before the clock starts (no model built)
+            model, shape = None, M.MODELS[s["model"]].input_shape
+        else:
+            model, shape = M.build_model(s["model"], s["seed"])
+            model = model.to(device=s["device"], dtype=dtype)
+        x = M.make_input(shape, s["batch"], s["seed"]).to(device=s["device"], dtype=dtype)
+        if s["device"] == "cuda":
+            torch.cuda.synchronize()
         with torch.no_grad(), spec.context():
             t0 = time.perf_counter()
             prep = spec.prepare(model, x, s["device"], dtype, s["fxopt_options"])
@@ -205,6 +221,7 @@ def _cold_child(spec_json: str) -> int:
             if s["device"] == "cuda":
                 torch.cuda.synchronize()
             res["cold_compile_s"] = time.perf_counter() - t0
+        res["dynamo_imported"] = "torch._dynamo" in sys.modules
     except R.BackendUnavailable as exc:
         res["cold_error"] = f"unavailable: {exc}"
     except Exception as exc:
@@ -273,7 +290,7 @@ def run_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] = None) -
             "fxopt_options": a.fxopt_options, "cudnn.benchmark": torch.backends.cudnn.benchmark, "tf32": {
                 "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
                 "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32},
-            "config": {k: getattr(a, k) for k in ("models", "batch", "dtype", "backends", "quick",
+            "config": {k: getattr(a, k) for k in ("models", "batch", "model_batches", "dtype", "backends", "quick",
                                                    "warmup", "iters", "rounds", "cold", "seed", "time_budget")}}
     meta["config"]["rewarm"] = a.warmup  # untimed calls at the start of every round
     fx_ok, fx_why = R.fxopt_available()
@@ -285,7 +302,7 @@ def run_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] = None) -
             results["peak"][dt] = R.measure_peak_tflops(a.device, getattr(torch, dt), quick=a.quick)
         except Exception as exc:
             results["peak"][dt] = {"tflops": None, "error": f"{type(exc).__name__}: {exc}"}
-    total = len(a.models) * len(a.batch) * len(a.dtype) * len(a.backends)
+    total = sum(map(len, a.model_batches.values())) * len(a.dtype) * len(a.backends)
     bar = tqdm(total=total, desc="fxopt bench", unit="cell", file=sys.stderr, mininterval=0.5)
     os.makedirs(a.out, exist_ok=True)
     partial = os.path.join(a.out, "results.json")
@@ -296,14 +313,14 @@ def run_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] = None) -
                 base, shape = M.build_model(name, a.seed)
             except Exception as exc:
                 err = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
-                for b in a.batch:
+                for b in a.model_batches[name]:
                     for dt in a.dtype:
                         for be in a.backends:
                             results["cells"].append({"model": name, "batch": b, "dtype": dt, "backend": be,
                                                      "status": "error", "error": f"model: {err}"})
-                bar.update(len(a.batch) * len(a.dtype) * len(a.backends))
+                bar.update(len(a.model_batches[name]) * len(a.dtype) * len(a.backends))
                 continue
-            for b in a.batch:
+            for b in a.model_batches[name]:
                 x_cpu = M.make_input(shape, b, a.seed)
                 try:
                     ref = R.reference_output(base, x_cpu, a.device)

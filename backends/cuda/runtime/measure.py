@@ -27,6 +27,8 @@ def real_args(node: fx.Node) -> list:
     storage offsets the graph's values have (a generated kernel only accepts those); vectors
     (per-channel scales, biases, BatchNorm statistics) positive, so a variance is one."""
     def real(v):
+        if v.device.type == "meta":  # a loaded package's values: never measured with
+            raise ValueError("measuring needs the values' device; a meta tensor has none")
         shape, stride = tuple(int(d) for d in v.shape), tuple(int(s) for s in v.stride())
         span = int(v.storage_offset()) + 1 + sum((n - 1) * abs(st) for n, st in zip(shape, stride) if n > 0)
         if v.dim() == 1 and v.is_floating_point():

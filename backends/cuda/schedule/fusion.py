@@ -293,7 +293,7 @@ class _Builder:
             raise Decline(f"{n.name} has no tensor metadata")
         if t.dtype not in _MEMORY_DTYPES:
             raise Decline(f"input {n.name} is {t.dtype}")
-        if t.device.type != "cuda" and t.device.type != "cpu":
+        if t.device.type not in ("cuda", "cpu", "meta"):  # meta: a loaded package's values
             raise Decline(f"input on {t.device}")
         shape, strides = static_shape(t), tuple(int(s) for s in t.stride())
         slot = self._slot.get(n)
