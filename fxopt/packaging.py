@@ -318,6 +318,41 @@ def _specialise(gm: fx.GraphModule, args: list, vals: Optional[dict] = None,
     return static
 
 
+_LAYOUT_FORMATS = (torch.channels_last, torch.contiguous_format)
+
+
+def _drop_noop_layout_clones(gm: fx.GraphModule) -> int:
+    """After a batch size is specialised: remove ``aten.clone(x, memory_format=f)`` where ``x``
+    already has layout ``f`` at that size. The layout pass puts such clones where a symbolic batch
+    leaves a convolution's output layout undecided (``torch.compile`` sees static shapes and has none);
+    at a static size they are copies of a tensor nothing writes to. Left alone: a clone of an input or
+    read by the output (a caller could see the aliasing), and every clone of a graph with an op that
+    writes in place. Returns how many were removed."""
+    aten = torch.ops.aten
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    if any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable for n in nodes):
+        return 0
+    removed = 0
+    for n in nodes:
+        if n.target is not aten.clone.default or set(n.kwargs) != {"memory_format"}:
+            continue
+        src, fmt = n.args[0], n.kwargs["memory_format"]
+        if fmt not in _LAYOUT_FORMATS or not isinstance(src, fx.Node) or src.op == "placeholder":
+            continue
+        if any(u.op == "output" for u in n.users):
+            continue
+        v, sv = n.meta.get("val"), src.meta.get("val")
+        if not (isinstance(v, torch.Tensor) and isinstance(sv, torch.Tensor) and sv.is_contiguous(memory_format=fmt)
+                and v.shape == sv.shape and v.stride() == sv.stride() and v.dtype == sv.dtype):
+            continue
+        n.replace_all_uses_with(src)
+        gm.graph.erase_node(n)
+        removed += 1
+    if removed:
+        gm.recompile()
+    return removed
+
+
 class PackagedModule(torch.nn.Module):
     """A package ready to run: ``module(*inputs)`` returns what the model returned. Runs under
     ``torch.no_grad()``; inputs must match the packaged dtype, rank and non-batch sizes."""
@@ -383,6 +418,7 @@ class PackagedModule(torch.nn.Module):
                         self.manifest["vals"] = None
                 else:
                     gm = _specialise(self.graph, args, vals, batch)
+                self.timings[f"layout_clones_removed_b{batch}"] = _drop_noop_layout_clones(gm)
                 key = batch
             else:  # beyond the bound: one symbolic graph with PyTorch's kernels for the other sizes
                 options = dataclasses.replace(options, executor="torch", cudagraphs=False)
