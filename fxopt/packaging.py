@@ -29,7 +29,8 @@ a specialisation per batch size at the first call of that size: every node's val
 (shape, strides, dtype) from the package, which stores them as expressions of the batch
 (``symbolic_vals``; packaging checks them against FakeTensor propagation at every batch it runs and
 drops them on any difference), so that the loading process never builds a FakeTensorMode, which
-imports Dynamo; without them, FakeTensor propagation at that size; then lowering, up to ``cudagraph_max_signatures`` sizes (beyond: the torch
+imports Dynamo (without them: FakeTensor propagation at that size); layout clones that size shows to
+be copies dropped; then lowering, up to ``cudagraph_max_signatures`` sizes (beyond: the torch
 executor). Choices are looked up in the package for every size: the example batch (and the
 second checked size) find theirs; other sizes get the choices that need no measurement
 (``fxopt.choices.FixedChoices``: PyTorch's implementation of each node, CUDA-graph replay).
@@ -256,7 +257,7 @@ def _eval_size(e, batch: int) -> int:
 
     try:
         return int(ev(ast.parse(str(e), mode="eval")))
-    except SyntaxError as exc:
+    except (SyntaxError, ArithmeticError, RecursionError) as exc:
         raise ValueError(f"size expression {e!r}") from exc
 
 

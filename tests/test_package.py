@@ -251,7 +251,7 @@ def test_size_expressions_evaluate_or_refuse():
     assert _eval_size(7, 3) == 7 and _eval_size("B", 3) == 3
     assert _eval_size("64*B + 2", 3) == 194 and _eval_size("FloorDiv(B, 2)", 5) == 2
     assert _eval_size("Max(1, B - 4)", 3) == 1 and _eval_size("Mod(B, 4)", 6) == 2
-    for bad in ("s0", "B**2", "__import__('os')", "B.real", "1.5*B", "True*B", "B +"):
+    for bad in ("s0", "B**2", "__import__('os')", "B.real", "1.5*B", "True*B", "B +", "FloorDiv(B, 0)"):
         with pytest.raises(ValueError):
             _eval_size(bad, 3)
 
