@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -87,26 +88,13 @@ def lower_onnxruntime(gm: fx.GraphModule, ctx, kind: str, info: dict):
     """(callable, info) running `gm` in ONNX Runtime, or the torch executor where it cannot."""
     if kind != "inference":
         return _torch_executor(gm, info, f"{kind} graph; the onnxruntime executor runs inference graphs only")
-    try:
-        import onnxruntime as ort
-    except ImportError as e:
-        _warn_once("import", f"fxopt: executor 'onnxruntime' needs onnxruntime ({e}); using the torch executor")
-        return _torch_executor(gm, info, f"onnxruntime is not importable: {e}")
-    from fxopt.onnx_common import UnsupportedOpError
-    from fxopt.onnx_graph import find_unsupported
-
-    bad = find_unsupported(gm, ctx.param_placeholders)
-    reason = None
-    if bad:
-        err = UnsupportedOpError(bad[0][1], bad[0][0], "no ONNX translation")
-        if ctx.options.strict:
-            raise err
-        reason = str(err)
-    odd_dtype = _unbindable_dtype(gm)
-    reason = reason or (f"dtype without an onnxruntime binding here: {odd_dtype}" if odd_dtype else None)
+    reason = _why_not(gm, ctx, strict=ctx.options.strict)
     cuda = ctx.device_type == "cuda"
-    if not reason and cuda and "CUDAExecutionProvider" not in ort.get_available_providers():
-        reason = f"inputs are on CUDA but onnxruntime has no CUDAExecutionProvider ({ort.get_available_providers()})"
+    if not reason and cuda:
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            reason = f"inputs are on CUDA but onnxruntime has no CUDAExecutionProvider ({ort.get_available_providers()})"
     if reason:
         _warn_once(reason, f"fxopt: executor 'onnxruntime': {reason}; using the torch executor")
         return _torch_executor(gm, info, reason)
@@ -137,23 +125,34 @@ def lower_onnxruntime(gm: fx.GraphModule, ctx, kind: str, info: dict):
     return runner, info
 
 
+def _why_not(gm: fx.GraphModule, ctx, strict: bool) -> Optional[str]:
+    """Why ``gm`` cannot run in ONNX Runtime here (onnxruntime missing, an op without an ONNX
+    translation, a dtype without an onnxruntime binding), or None; ``strict`` raises for an op."""
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError as e:
+        return f"onnxruntime is not importable: {e}"
+    from fxopt.onnx_common import UnsupportedOpError
+    from fxopt.onnx_graph import find_unsupported
+
+    bad = find_unsupported(gm, ctx.param_placeholders)
+    if bad:
+        err = UnsupportedOpError(bad[0][1], bad[0][0], "no ONNX translation")
+        if strict:
+            raise err
+        return str(err)
+    odd = _unbindable_dtype(gm)
+    return f"dtype without an onnxruntime binding here: {odd}" if odd else None
+
+
 def cpu_candidate(gm: fx.GraphModule, ctx):
     """(the optimized CPU inference graph in ONNX Runtime sessions, None) as one more way for the
     cpu executor's runner to time per signature, or (None, why not). Its workers do not spin
     between calls (a spinning pool slows the process's next CPU work, measured up to 2x), export
     failures raise (the runner then leaves it out)."""
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError as e:
-        return None, f"onnxruntime is not importable ({e})"
-    from fxopt.onnx_graph import find_unsupported
-
-    bad = find_unsupported(gm, ctx.param_placeholders)
-    if bad:
-        return None, f"{bad[0][0]}: {bad[0][1]} has no ONNX translation"
-    odd = _unbindable_dtype(gm)
-    if odd:
-        return None, f"dtype without an onnxruntime binding: {odd}"
+    why = _why_not(gm, ctx, strict=False)
+    if why:
+        return None, why
     return OrtRunner(gm, ctx.param_placeholders, ctx.param_qualnames, "CPUExecutionProvider", False,
                      spin=False, fallback=False), None
 

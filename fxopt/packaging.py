@@ -45,10 +45,8 @@ choices); package again on that device to tune for it.
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import datetime
-import operator
 import time
 import warnings
 from typing import Any, Optional, Sequence
@@ -164,35 +162,17 @@ def _freeze(gm: fx.GraphModule, weights: dict) -> dict:
 
 # -- the runnable package ---------------------------------------------------------------------------
 def symbolic_vals(gm: fx.GraphModule, batch: Optional[str]) -> Optional[dict]:
-    """Per node of ``gm`` (FakeTensor values, batch symbolic or not), its value's dtype, shape and
-    strides with every size written as an expression of ``B``, the batch (``batch``: the symbol's
-    name); None when some node's value cannot be written so (another symbol, a value that is no
-    tensor, int or tuple of tensors)."""
-    def expr(d):
-        if isinstance(d, int):
-            return d
-        text = str(d.node.expr) if isinstance(d, torch.SymInt) else None
-        names = {str(f) for f in d.node.expr.free_symbols} if text else {None}
-        if text is None or names - {batch}:
-            raise ValueError(f"size {d}")
-        return text.replace(batch, "B") if batch else text
-
-    def enc(v):
-        if isinstance(v, torch.Tensor):
-            return [str(v.dtype).replace("torch.", ""), [expr(d) for d in v.shape], [expr(d) for d in v.stride()]]
-        if isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool):
-            return {"i": expr(v)}
-        if isinstance(v, (tuple, list)) and v and all(isinstance(t, torch.Tensor) for t in v):
-            return {"t": [enc(t) for t in v]}
-        raise ValueError(type(v).__name__)
+    """Per node of ``gm`` (FakeTensor values, batch symbolic or not) its value as
+    ``fxopt.serialize`` writes one, sizes as expressions of the batch (``batch``: the symbol's
+    name); None when some node's value cannot be written so."""
+    from fxopt.serialize import _val_json
 
     out = {}
-    try:
-        for n in gm.graph.nodes:
-            if n.op in ("placeholder", "call_function", "call_module"):
-                out[n.name] = enc(n.meta["val"])
-    except (KeyError, ValueError, AttributeError):
-        return None
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "call_function", "call_module"):
+            out[n.name] = _val_json(n.meta.get("val"), batch)
+            if out[n.name] is None:
+                return None
     return out
 
 
@@ -228,50 +208,6 @@ def _exported_vals(gm: fx.GraphModule, inputs: dict, weights: dict, dynamic: boo
     return symbolic_vals(copy, str(b.node.expr) if isinstance(b, torch.SymInt) else None)
 
 
-_EXPR_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-             ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
-_EXPR_CALLS = {"FloorDiv": operator.floordiv, "Mod": operator.mod, "PythonMod": operator.mod,
-               "Max": max, "Min": min}
-
-
-def _eval_size(e, batch: int) -> int:
-    """A size ``symbolic_vals`` wrote, at this batch: ints, ``B``, + - * // %, and sympy's
-    FloorDiv/Mod/Max/Min; anything else raises ValueError."""
-    if isinstance(e, int):
-        return e
-
-    def ev(t):
-        if isinstance(t, ast.Expression):
-            return ev(t.body)
-        if isinstance(t, ast.Constant) and type(t.value) is int:
-            return t.value
-        if isinstance(t, ast.Name) and t.id == "B":
-            return batch
-        if isinstance(t, ast.BinOp) and type(t.op) in _EXPR_OPS:
-            return _EXPR_OPS[type(t.op)](ev(t.left), ev(t.right))
-        if isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.USub):
-            return -ev(t.operand)
-        if isinstance(t, ast.Call) and isinstance(t.func, ast.Name) and t.func.id in _EXPR_CALLS and not t.keywords:
-            return _EXPR_CALLS[t.func.id](*map(ev, t.args))
-        raise ValueError(f"size expression {e!r}")
-
-    try:
-        return int(ev(ast.parse(str(e), mode="eval")))
-    except (SyntaxError, ArithmeticError, RecursionError) as exc:
-        raise ValueError(f"size expression {e!r}") from exc
-
-
-def _val_at(v, batch: int):
-    """The meta tensor (int, tuple of meta tensors) a stored value is at this batch."""
-    from fxopt.serialize import dtype_named
-
-    if isinstance(v, dict):
-        return _eval_size(v["i"], batch) if "i" in v else tuple(_val_at(t, batch) for t in v["t"])
-    dtype, shape, stride = v
-    return torch.empty_strided([_eval_size(d, batch) for d in shape], [_eval_size(d, batch) for d in stride],
-                               dtype=dtype_named(dtype), device="meta")
-
-
 def _same_val(a, b) -> bool:
     if isinstance(a, tuple) or isinstance(b, tuple):
         return (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
@@ -298,11 +234,12 @@ def _specialise(gm: fx.GraphModule, args: list, vals: Optional[dict] = None,
     FakeTensorMode imports Dynamo, seconds of a fresh process's first call), else by FakeTensor
     propagation."""
     from fxopt.pipeline import copy_graph_module
+    from fxopt.serialize import _val_from_json
 
     static = copy_graph_module(gm)
     if vals is not None:
         try:
-            at = {name: _val_at(v, batch if batch is not None else 0) for name, v in vals.items()}
+            at = {name: _val_from_json(v, None, batch) for name, v in vals.items()}
             for n in static.graph.nodes:
                 if n.op in ("placeholder", "call_function", "call_module"):
                     n.meta["val"] = at[n.name]

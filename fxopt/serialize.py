@@ -15,14 +15,16 @@ read (the module path, the conv algorithm chosen). Targets are named, never pick
 runs no code the file names. Arguments are JSON with tagged objects for what JSON lacks (node
 references, tuples, dtypes, devices, memory formats, layouts). A ``call_module`` of
 ``fold_constants``' weight-only graph (``FoldedConstants``) is stored with its subgraph.
-``meta["val"]`` (FakeTensors) is not stored: a reader that needs it propagates it for the
-shapes it runs (``FakeTensorProp``).
+``meta["val"]`` is stored on request (``graph_to_json(vals=True)``, the whole-compile cache: static
+values rebuilt as FakeTensors; packages: sizes as expressions of the batch, rebuilt as meta tensors at
+each batch size, ``eval_size``); otherwise a reader that needs it propagates it (``FakeTensorProp``).
 
 Anything else (a tensor literal in an argument, an unnamed Python callable, another submodule)
 raises ``GraphFormatError`` when writing: the caller then does not store the graph.
 """
 from __future__ import annotations
 
+import ast
 import importlib
 import math
 import operator
@@ -46,11 +48,6 @@ class GraphFormatError(ValueError):
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
     torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
-
-
-def dtype_named(name: str) -> torch.dtype:
-    """The dtype a graph's JSON names ("float16", ...); KeyError for others."""
-    return _DTYPES[name]
 
 
 _FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
@@ -156,25 +153,77 @@ def _unmeta(meta: dict) -> dict:
     return out
 
 
-def _val_json(v) -> Any:
-    """A static tensor's (or tuple of them) metadata, enough to rebuild its FakeTensor; else None."""
-    if isinstance(v, torch.Tensor):
-        if not all(isinstance(s, int) for s in tuple(v.shape) + tuple(v.stride())):
-            return None
-        return [list(v.shape), list(v.stride()), str(v.dtype).replace("torch.", ""), str(v.device),
-                bool(v.requires_grad)]
+def _val_json(v, batch: Optional[str] = None) -> Any:
+    """A node's value as JSON: a tensor's shape, strides, dtype, device and requires_grad (or a tuple
+    of them, or an int), enough to rebuild it; else None. Sizes are ints, or with ``batch`` (the name
+    of the batch's symbol) expressions of ``B`` where they depend on it and on nothing else."""
+    def size(d):
+        if isinstance(d, int):
+            return d
+        free = {str(f) for f in d.node.expr.free_symbols} if isinstance(d, torch.SymInt) else None
+        if batch is None or free is None or free - {batch}:
+            raise ValueError(d)
+        return str(d.node.expr).replace(batch, "B")
+
+    try:
+        if isinstance(v, torch.Tensor):
+            return [[size(d) for d in v.shape], [size(s) for s in v.stride()], str(v.dtype).replace("torch.", ""),
+                    str(v.device), bool(v.requires_grad)]
+        if isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool):
+            return {"i": size(v)}
+    except ValueError:
+        return None
     if isinstance(v, (tuple, list)) and v and all(isinstance(t, torch.Tensor) for t in v):
-        parts = [_val_json(t) for t in v]
+        parts = [_val_json(t, batch) for t in v]
         return None if None in parts else {"t": parts}
     return None
 
 
-def _val_from_json(v, mode):
+_SIZE_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+             ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+_SIZE_CALLS = {"FloorDiv": operator.floordiv, "Mod": operator.mod, "PythonMod": operator.mod,
+               "Max": max, "Min": min}
+
+
+def eval_size(e, batch: Optional[int]) -> int:
+    """A size ``_val_json`` wrote, at this batch: an int, or an expression of ``B`` with integers,
+    + - * // %, and sympy's FloorDiv/Mod/Max/Min; anything else raises ValueError."""
+    if isinstance(e, int):
+        return e
+
+    def ev(t):
+        if isinstance(t, ast.Expression):
+            return ev(t.body)
+        if isinstance(t, ast.Constant) and type(t.value) is int:
+            return t.value
+        if isinstance(t, ast.Name) and t.id == "B" and batch is not None:
+            return batch
+        if isinstance(t, ast.BinOp) and type(t.op) in _SIZE_OPS:
+            return _SIZE_OPS[type(t.op)](ev(t.left), ev(t.right))
+        if isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.USub):
+            return -ev(t.operand)
+        if isinstance(t, ast.Call) and isinstance(t.func, ast.Name) and t.func.id in _SIZE_CALLS and not t.keywords:
+            return _SIZE_CALLS[t.func.id](*map(ev, t.args))
+        raise ValueError(f"size expression {e!r}")
+
+    try:
+        return int(ev(ast.parse(str(e), mode="eval")))
+    except (SyntaxError, ArithmeticError, RecursionError) as exc:
+        raise ValueError(f"size expression {e!r}") from exc
+
+
+def _val_from_json(v, mode, batch: Optional[int] = None):
+    """The value ``_val_json`` wrote, at ``batch``: a FakeTensor of ``mode``, or with ``mode`` None a
+    meta tensor (an int, a tuple of them)."""
     if isinstance(v, dict):
-        return tuple(_val_from_json(t, mode) for t in v["t"])
+        return eval_size(v["i"], batch) if "i" in v else tuple(_val_from_json(t, mode, batch) for t in v["t"])
     shape, stride, dtype, device, grad = v
-    with mode:
-        t = torch.empty_strided(shape, stride, dtype=_DTYPES[dtype], device=torch.device(device))
+    shape, stride = [eval_size(d, batch) for d in shape], [eval_size(s, batch) for s in stride]
+    if mode is None:
+        t = torch.empty_strided(shape, stride, dtype=_DTYPES[dtype], device="meta")
+    else:
+        with mode:
+            t = torch.empty_strided(shape, stride, dtype=_DTYPES[dtype], device=torch.device(device))
     return t.requires_grad_(grad) if grad else t
 
 

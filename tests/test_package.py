@@ -235,7 +235,7 @@ def test_stored_values_stand_for_propagation_at_every_batch(tmp_path):
     fxopt.package(make_net(), (torch.randn(1, 3, 16, 16),), tmp_path / "net.fxopt", options={"executor": "cuda"})
     module = fxopt.load(tmp_path / "net.fxopt")
     vals = module.manifest["vals"]
-    assert vals["x"][1] == ["B", 3, 16, 16] and vals["view"][1] == ["B", 16]
+    assert vals["x"][0] == ["B", 3, 16, 16] and vals["view"][0] == ["B", 16]
     for batch in (1, 3, 7):
         args = list(module._template)
         args[module._input_at[0]] = torch.randn(batch, 3, 16, 16)
@@ -246,14 +246,16 @@ def test_stored_values_stand_for_propagation_at_every_batch(tmp_path):
 
 
 def test_size_expressions_evaluate_or_refuse():
-    from fxopt.packaging import _eval_size
+    from fxopt.serialize import eval_size
 
-    assert _eval_size(7, 3) == 7 and _eval_size("B", 3) == 3
-    assert _eval_size("64*B + 2", 3) == 194 and _eval_size("FloorDiv(B, 2)", 5) == 2
-    assert _eval_size("Max(1, B - 4)", 3) == 1 and _eval_size("Mod(B, 4)", 6) == 2
+    assert eval_size(7, 3) == 7 and eval_size("B", 3) == 3
+    assert eval_size("64*B + 2", 3) == 194 and eval_size("FloorDiv(B, 2)", 5) == 2
+    assert eval_size("Max(1, B - 4)", 3) == 1 and eval_size("Mod(B, 4)", 6) == 2
     for bad in ("s0", "B**2", "__import__('os')", "B.real", "1.5*B", "True*B", "B +", "FloorDiv(B, 0)"):
         with pytest.raises(ValueError):
-            _eval_size(bad, 3)
+            eval_size(bad, 3)
+    with pytest.raises(ValueError):  # a static graph's values name no batch
+        eval_size("B", None)
 
 
 @needs_nvrtc
@@ -266,7 +268,7 @@ def test_wrong_stored_values_are_dropped_when_packaging(tmp_path, monkeypatch):
 
     def skewed(*a, **k):
         vals = real(*a, **k)
-        vals["view"] = ["float32", ["B", 17], [17, 1]]
+        vals["view"] = [["B", 17], [17, 1], "float32", "cpu", False]
         return vals
 
     monkeypatch.setattr(P, "_exported_vals", skewed)

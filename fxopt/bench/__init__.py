@@ -197,6 +197,7 @@ def _cold_child_run(spec: Dict[str, Any], env: Dict[str, str], timeout: float) -
 
 def _cold_child(spec_json: str) -> int:
     import torch
+    from .deploy import LOAD_ONLY_ENV
     from . import models as M
     from . import runners as R
     s = json.loads(spec_json)
@@ -205,7 +206,7 @@ def _cold_child(spec_json: str) -> int:
     try:
         spec = R.BACKENDS[s["backend"]]
         dtype = getattr(torch, s["dtype"])
-        if spec.deploy and os.environ.get("FXOPT_BENCH_LOAD_ONLY") == "1":
+        if spec.deploy and os.environ.get(LOAD_ONLY_ENV) == "1":
             # deploying: nothing but torch and the input before the clock starts (no model built)
             model, shape = None, M.MODELS[s["model"]].input_shape
         else:
