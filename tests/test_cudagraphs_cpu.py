@@ -1,9 +1,10 @@
 """The CPU-testable parts of the CUDA-graph runner: when it is refused, and the per-call weight
 watch that decides whether folded constants are refreshed and whether a new graph is needed."""
+import pytest
 import torch
 
 import fxopt
-from fxopt.backends.cuda.runtime.cudagraphs import unsafe_reason
+from fxopt.backends.cuda.runtime.cudagraphs import _flat, unsafe_reason
 from fxopt.weights import WeightWatch
 from fxopt.testing import SmallResNet
 
@@ -131,6 +132,14 @@ class _SimulatedGraph:
 
     def replay(self):
         self.replays += 1
+        owner = getattr(self, "owner", None)  # the capture this graph belongs to
+        for sharer in list(owner.sharers) if owner is not None else ():
+            # a capture made in this one's pool reuses its temporaries' memory: the replay
+            # overwrites that capture's lent outputs (garbage here, where a real replay writes
+            # temporaries), which nobody may hold by then
+            for t, way in zip(_flat(sharer.outputs), sharer.ways):
+                if way == "lend":
+                    t.fill_(float("nan"))
         args = list(self.args)
         for i, ptr in self.in_place.items():
             args[i] = self.runner.current_args[i]
@@ -155,10 +164,18 @@ class _SimulatedRunner:
         finally:
             self.current_args = None
 
-    def _record(self, fn, call_args):
+    def _capture(self, *args, **kw):
+        inst = super()._capture(*args, **kw)
+        inst.graph.owner = inst
+        return inst
+
+    def _record(self, fn, call_args, pool=None):
+        from fxopt.backends.cuda.runtime.cudagraphs import _side_runs
+
         type(self).captures += 1
-        outputs = fn(*call_args)
-        return _SimulatedGraph(fn, call_args, outputs, self), outputs
+        with _side_runs():  # a capture draws no random numbers
+            outputs = fn(*call_args)
+        return _SimulatedGraph(fn, call_args, outputs, self), outputs, pool if pool is not None else object()
 
 
 def _simulated_runner(fn, static, real_decide=False, **kw):
@@ -352,6 +369,10 @@ def test_training_forward_and_backward_replay_linked_and_match_eager(monkeypatch
     assert "lent" in fw_d[0]["outputs"] and "copied" in fw_d[0]["outputs"]
     assert fw_d[0]["inputs"] == "copied"  # the batch
     assert "read in place" in bw_d[0]["inputs"] and "copied" in bw_d[0]["inputs"]  # saved values; grad
+    # the backward's capture allocated from the forward capture's pool (and is its one sharer)
+    fw_inst, = (i for e in fw.executor_details["cudagraph_runner"].graphs.values() for i in e.instances)
+    bw_inst, = (i for e in bw.executor_details["cudagraph_runner"].graphs.values() for i in e.instances)
+    assert bw_inst.pool is fw_inst.pool and list(fw_inst.sharers) == [bw_inst]
 
 
 def test_training_replays_stay_correct_when_gradients_and_saved_values_are_held(monkeypatch):

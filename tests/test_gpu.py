@@ -223,3 +223,24 @@ def test_cudagraph_reads_inputs_in_place_only_at_the_captured_address():
     assert d["inputs"] == "read in place" and d["captures"] == 2, d
     for got, w in zip((got1, got2, got3), want):
         torch.testing.assert_close(got, w, rtol=1e-3, atol=1e-4)
+
+
+def test_training_dropout_under_cuda_graphs_draws_eagers_masks():
+    """Dropout in a forward replayed as a CUDA graph: the warm-up and timing runs before the first
+    replay leave the generator alone, and each replay reads its seed and offset, so with the same
+    seed per step the losses are eager's, step for step (a different mask would move them by %)."""
+    from fxopt.testing.training import TrainLoop, make_batches, max_rel_diff, run_steps
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(),
+                         nn.Dropout(0.5), nn.Linear(16 * 16 * 16, 10)).cuda().train()
+    batches = make_batches(2, 8, (3, 16, 16), 10, "cuda")
+    curves, graphs = {}, []
+    for name in ("eager", "fxopt"):
+        model = copy.deepcopy(base)
+        run = model if name == "eager" else fxopt.testing.compile_with_fxopt(model, {"autotune_cache": False}, graphs)
+        loop = TrainLoop(run, model.parameters(), "cuda", amp=None)
+        curves[name] = [float(x) for x in run_steps(loop, batches, 6, seed=7)]
+    fw = next(g for g in graphs if g.kind == "forward")
+    assert fw.cudagraphs.startswith("on")
+    assert max_rel_diff(curves["fxopt"], curves["eager"]) <= 1e-3, curves

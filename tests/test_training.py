@@ -90,6 +90,27 @@ def test_reference_loop_loss_curve_matches_eager(amp):
     assert (loops["fxopt"].scaler is not None) == (amp == "float16")
 
 
+def test_run_steps_seeds_each_step():
+    """With ``seed``, step i draws the same dropout masks whatever ran between steps (the harness
+    trains its backends in turns); without it, another draw in between changes the losses."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Dropout(0.5), torch.nn.Linear(48, 10)).train()
+    batches = make_batches(2, 8, (3, 4, 4), 10)
+
+    def curve(seed, interleave):
+        model = copy.deepcopy(base)
+        loop = TrainLoop(model, model.parameters(), "cpu", amp=None)
+        out = []
+        for i in range(4):
+            if interleave:
+                torch.rand(100)  # another backend's step, between two of this one's
+            out += run_steps(loop, batches, 1, start=i, seed=seed)
+        return [float(x) for x in out]
+
+    assert curve(5, False) == curve(5, True)
+    assert curve(None, False) != curve(None, True)
+
+
 def test_max_rel_diff():
     assert max_rel_diff([1.0, 2.0], [1.0, 2.0]) == 0.0
     assert max_rel_diff([1.1, 2.0], [1.0, 2.0]) == pytest.approx(0.1)
@@ -167,6 +188,26 @@ def test_bench_train_check_fails_on_a_diverging_backend(tmp_path, monkeypatch):
                  "--warmup", "0", "--iters", "2", "--losses", "3", "--out", str(out)])
     res = json.loads((out / "results.json").read_text())
     assert rc == 1 and not res["checks"][0]["ok"] and "losses differ" in res["checks"][0]["reason"]
+
+
+def test_bench_train_checks_widen_to_eagers_own_layout_spread():
+    """A row that ran eager in channels_last: a backend is held to the larger of the tolerance and
+    eager's own distance between its two memory formats, no further."""
+    from fxopt.bench.train import _checks
+
+    row = {"model": "m", "batch": 2, "dtype": "amp-float16", "status": "ok"}
+    cells = [{**row, "backend": "eager"},
+             {**row, "backend": "eager-channels-last", "losses_max_rel_diff": 0.03, "final_loss_rel_diff": 0.07,
+              "final_loss_tol": 0.05, "final_loss": 1.07, "eager_final_loss": 1.0},
+             {**row, "backend": "a", "losses_max_rel_diff": 0.03, "final_loss_rel_diff": 0.06,
+              "final_loss_tol": 0.05, "final_loss": 1.06, "eager_final_loss": 1.0},
+             {**row, "backend": "b", "losses_max_rel_diff": 0.031, "final_loss_rel_diff": 0.0,
+              "final_loss_tol": 0.05, "final_loss": 1.0, "eager_final_loss": 1.0},
+             {**row, "model": "n", "backend": "a", "losses_max_rel_diff": 0.03}]  # no spread measured
+    got = {(c["model"], c["backend"]): c for c in _checks(cells, 0.02)}
+    assert got[("m", "a")]["ok"] and got[("m", "a")]["tol"] == 0.03
+    assert not got[("m", "b")]["ok"] and "losses differ" in got[("m", "b")]["reason"]
+    assert not got[("n", "a")]["ok"] and got[("n", "a")]["tol"] == 0.02
 
 
 def test_bench_train_arguments():

@@ -165,7 +165,7 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
         if a.single:
             for be in a.backends:
                 torch._dynamo.reset()
-                t = Trainee(be, base, batches, device, a.amp, a.lr, a.fxopt_options)
+                t = Trainee(be, base, batches, device, a.amp, a.lr, a.fxopt_options, seed=a.seed + 1000 * rank)
                 _train(t, a)
                 single[be] = _cell(t, a, 1)
                 del t
@@ -175,7 +175,7 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
         for be in a.backends:
             torch._dynamo.reset()
             t = Trainee(be, base, batches, device, a.amp, a.lr, a.fxopt_options,
-                        wrap_model=lambda m: DDP(m, **bucket))
+                        wrap_model=lambda m: DDP(m, **bucket), seed=a.seed + 1000 * rank)
             _train(t, a)
             trainees[be] = t
             dist.barrier()

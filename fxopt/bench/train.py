@@ -194,15 +194,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 class Trainee:
     """One backend training its own copy of the model: the loop, its losses and its step times.
     ``device`` may name a device index (``cuda:1``); ``wrap_model`` wraps the copy before the
-    backend compiles it (``DistributedDataParallel`` in ``fxopt.bench.ddp``)."""
+    backend compiles it (``DistributedDataParallel`` in ``fxopt.bench.ddp``). Step ``i`` starts from
+    ``torch.manual_seed(seed + 1000 + i)`` (``fxopt.testing.training.run_steps``): the backends train in
+    turns, and dropout draws the same masks at step ``i`` in each."""
 
     def __init__(self, backend: str, base_model, batches, device: str, amp: str, lr: float = 1e-3,
-                 fxopt_options: Optional[Dict[str, Any]] = None, wrap_model: Optional[Callable] = None):
+                 fxopt_options: Optional[Dict[str, Any]] = None, wrap_model: Optional[Callable] = None,
+                 seed: int = 0):
         import torch
 
         from fxopt.testing.training import AMP_DTYPES, TrainLoop
 
-        self.backend, self.batches = backend, batches
+        self.backend, self.batches, self.seed = backend, batches, seed + 1000
         self.device = torch.device(device).type
         self.cell: Dict[str, Any] = {"backend": backend, "status": "ok", "error": None}
         self.reports: List = []
@@ -223,7 +226,7 @@ class Trainee:
     def steps(self, n: int) -> None:
         from fxopt.testing.training import run_steps
 
-        self.losses += run_steps(self.loop, self.batches, n, start=len(self.losses))
+        self.losses += run_steps(self.loop, self.batches, n, start=len(self.losses), seed=self.seed)
 
     def first_step(self) -> None:
         t0 = time.perf_counter()
@@ -254,7 +257,7 @@ def _time_steps(t: Trainee, n: int) -> List[float]:
     from .runners import time_calls
 
     def step(_):
-        t.losses += run_steps(t.loop, t.batches, 1, start=len(t.losses))
+        t.losses += run_steps(t.loop, t.batches, 1, start=len(t.losses), seed=t.seed)
 
     return time_calls(step, None, t.device, n)
 
@@ -401,7 +404,7 @@ def _prime(a, errors: List[str]) -> Dict[str, float]:
         cell: Dict[str, Any] = {"status": "ok"}
         t0 = time.perf_counter()
         try:
-            t = Trainee(be, _tiny_model(), batches, a.device, a.amp, a.lr, a.fxopt_options)
+            t = Trainee(be, _tiny_model(), batches, a.device, a.amp, a.lr, a.fxopt_options, seed=a.seed)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 t.steps(1)
@@ -469,7 +472,7 @@ def run_training_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] 
             for be in a.backends:
                 bar.set_postfix_str(f"{name} b{batch} {be}")
                 try:
-                    t = Trainee(be, base, batches, a.device, a.amp, a.lr, a.fxopt_options)
+                    t = Trainee(be, base, batches, a.device, a.amp, a.lr, a.fxopt_options, seed=a.seed)
                 except Exception as exc:  # noqa: BLE001
                     cell = {**row, "backend": be}
                     _fail(cell, exc, errors, f"{name} {be} setup")
@@ -515,21 +518,34 @@ def run_training_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] 
 
 def _checks(cells: List[Dict[str, Any]], tol: float) -> List[Dict[str, Any]]:
     """Per non-eager backend that ran: first losses within ``tol`` of eager's, the final loss within
-    5%, and (fxopt) no fallback."""
+    5%, and (fxopt) no fallback. Where the row also ran ``eager-channels-last``, each bound is at
+    least that backend's own distance from eager: eager PyTorch in the other memory format (other
+    cuDNN kernels, other rounding, amplified by every optimizer step) sets the spread that no
+    layout change can stay inside; ``tol`` in a check says which bound applied."""
+    spread = {}  # row -> eager channels_last's own distance from eager (first losses, final loss)
+    for c in cells:
+        if c["backend"] == "eager-channels-last" and c["status"] == "ok":
+            spread[(c["model"], c["batch"], c["dtype"])] = (c.get("losses_max_rel_diff") or 0.0,
+                                                            c.get("final_loss_rel_diff") or 0.0)
     out = []
     for c in cells:
         if c["backend"] == "eager" or c["status"] == "skipped":
             continue
+        if c["backend"] == "eager-channels-last" and c["status"] != "ok":
+            continue  # a reference, not a compiler under test (a model may not run in channels_last)
         chk = {k: c[k] for k in ("model", "batch", "dtype", "backend")}
-        chk["tol"] = tol
+        first_spread, final_spread = spread.get((c["model"], c["batch"], c["dtype"]), (0.0, 0.0))
+        row_tol = max(tol, first_spread)
+        chk["tol"] = row_tol
         problems = []
         if c["status"] != "ok":
             problems.append(f"did not run: {c.get('error')}")
         elif c.get("losses_max_rel_diff") is None:
             problems.append("no loss comparison (eager did not run)")
-        elif not c["losses_max_rel_diff"] <= tol:
-            problems.append(f"losses differ from eager's by {c['losses_max_rel_diff']:.3g} > {tol:g}")
-        if c.get("final_loss_rel_diff") is not None and not c["final_loss_rel_diff"] <= c["final_loss_tol"]:
+        elif not c["losses_max_rel_diff"] <= row_tol:
+            problems.append(f"losses differ from eager's by {c['losses_max_rel_diff']:.3g} > {row_tol:g}")
+        final_tol = max(c.get("final_loss_tol") or 0.0, final_spread)
+        if c.get("final_loss_rel_diff") is not None and not c["final_loss_rel_diff"] <= final_tol:
             problems.append(f"final loss {c['final_loss']:.4f} vs eager {c['eager_final_loss']:.4f}")
         if (c.get("fxopt") or {}).get("fallbacks") or c.get("fallback"):
             problems.append(f"fxopt fell back: {((c.get('fxopt') or {}).get('fallbacks') or [c.get('fallback')])[0]}")
@@ -583,7 +599,9 @@ def render_markdown(results: Dict[str, Any], summary_only: bool = False) -> str:
               f"- losses: the first {cfg['losses']} against eager's (max relative difference, tolerance "
               f"{m.get('loss_tolerance')})" + (f"; final loss after {cfg['final_steps']} steps (mean over the "
                                                f"last pass through the data) within 5% of eager's"
-                                               if cfg.get("final_steps") else ""),
+                                               if cfg.get("final_steps") else "")
+              + "; where eager-channels-last ran, a bound is at least its own distance from eager (the spread "
+                "between eager's two memory formats) and each step starts from the same seed for every backend",
               ""]
     if m.get("fxopt_options"):
         lines.insert(-1, f"- fxopt options: `{json.dumps(m['fxopt_options'])}`")

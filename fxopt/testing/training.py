@@ -78,10 +78,18 @@ def make_batches(n: int, batch: int, shape: Sequence[int], classes: int, device:
              torch.randint(0, classes, (batch,), generator=gen).to(device)) for _ in range(n)]
 
 
-def run_steps(loop: TrainLoop, batches: Sequence, steps: int, start: int = 0) -> list[torch.Tensor]:
+def run_steps(loop: TrainLoop, batches: Sequence, steps: int, start: int = 0,
+              seed: Optional[int] = None) -> list[torch.Tensor]:
     """``steps`` steps of ``loop``, step ``i`` on ``batches[i % len(batches)]`` (``i`` from
-    ``start``); the losses as detached tensors."""
-    return [loop.step(*batches[i % len(batches)]) for i in range(start, start + steps)]
+    ``start``); the losses as detached tensors. With ``seed``, step ``i`` starts from
+    ``torch.manual_seed(seed + i)``: the random ops of the model (dropout) draw the same numbers at
+    step ``i`` whatever ran before it, so loss curves of backends trained in turns compare."""
+    losses = []
+    for i in range(start, start + steps):
+        if seed is not None:
+            torch.manual_seed(seed + i)
+        losses.append(loop.step(*batches[i % len(batches)]))
+    return losses
 
 
 def max_rel_diff(losses: Sequence[float], reference: Sequence[float]) -> float:

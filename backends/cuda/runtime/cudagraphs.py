@@ -16,7 +16,10 @@ Contract (what a caller can rely on):
   ordered before the next call (``record_stream`` or an event).
 - Every capture has its own memory pool: a replay writes only memory its own capture allocated, so
   no replay can overwrite another capture's outputs, whatever order signatures and captures are
-  called in.
+  called in. One exception, in training: a backward capture that reads a forward capture's saved
+  values shares that forward's pool (its temporaries and gradients reuse the memory of the
+  forward's temporaries, as eager's allocator would reuse it); that forward capture then replays
+  only while the caller holds none of the backward's lent gradients (else another capture serves).
 - Parameters and buffers are read where they live: changing them in place is seen by the next
   replay; folded weights are refreshed (in place) before each replay when a weight changed;
   replacing a parameter object (new storage) is a new signature and is captured anew.
@@ -46,11 +49,17 @@ Contract (what a caller can rely on):
   over, before any pass: PyTorch's own kernels), that graph is captured too and timed in
   alternation with the optimized one; where it is faster by more than ``margin`` the signature
   replays the baseline instead. ``decisions()`` says which one runs and the times behind it.
+- Random numbers as eager draws them: the runs that are not the call's own (warm-ups before a
+  capture, the timing runs) leave the CUDA generator as they found it, and a replay reads the
+  generator's seed and offset as an uncaptured kernel would, so dropout draws the masks eager
+  PyTorch draws at that call.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
+import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -107,6 +116,18 @@ class TrainingLink:
         handed = self.forward.handed_storages()
         return frozenset(i for i in dynamic if isinstance(args[i], torch.Tensor) and _storage(args[i]) in handed)
 
+    def lender(self, args, reads) -> Optional["_Instance"]:
+        """The forward capture whose lent memory all the backward's inputs at ``reads`` are, if it
+        shares its pool with no backward capture yet (else None: the backward gets a pool of its own)."""
+        if self.forward is None or not reads:
+            return None
+        storages = {_storage(args[i]) for i in reads}
+        for entry in self.forward.graphs.values():
+            for inst in entry.instances:
+                if storages <= inst.handed and inst.pool is not None and not len(inst.sharers):
+                    return inst
+        return None
+
 
 #: the reference count of a tensor storage (what Inductor's CUDA-graph trees use to tell whether
 #: the caller still holds an output); without it outputs are always copied out
@@ -147,8 +168,10 @@ class _Instance:
     other, and all of them without ``lend``)."""
 
     def __init__(self, graph, static_inputs: dict, input_ptrs: Optional[dict], outputs, args, lend: bool = True,
-                 copied: frozenset = frozenset(), training: bool = False):
+                 copied: frozenset = frozenset(), training: bool = False, pool=None):
         self.graph, self.static_inputs, self.input_ptrs, self.outputs = graph, static_inputs, input_ptrs, outputs
+        self.pool = pool  # the memory pool the capture allocated from
+        self.sharers: weakref.WeakSet = weakref.WeakSet()  # backward captures made in this pool
         flat = _flat(outputs)
         caller = {_storage(a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in static_inputs}
         buffers = {_storage(b) for b in static_inputs.values()}
@@ -176,8 +199,10 @@ class _Instance:
         self._held = [_USE_COUNT(st._cdata) for st in self._storages]  # our own references
 
     def free(self) -> bool:
-        """Nobody but the runner references this capture's lent outputs (nor views of them)."""
-        return all(_USE_COUNT(st._cdata) <= n for st, n in zip(self._storages, self._held))
+        """Nobody but the runner references this capture's lent outputs (nor views of them), nor
+        the lent outputs of a capture sharing its pool (which a replay of this one may overwrite)."""
+        return (all(_USE_COUNT(st._cdata) <= n for st, n in zip(self._storages, self._held))
+                and all(s.free() for s in self.sharers))
 
     def serves(self, args) -> bool:
         """This capture may run the call: inputs where it reads them, outputs not held."""
@@ -209,6 +234,18 @@ class _Entry:
         self.use_graph = True
         self.runs = "optimized graph"
         self.timings: dict = {}
+
+
+@contextlib.contextmanager
+def _side_runs():
+    """Runs that are not the call's own (warm-ups before a capture, timing runs) leave the CUDA
+    generator (seed and offset) of the current device as they found it."""
+    state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        if state is not None:
+            torch.cuda.set_rng_state(state)
 
 
 def _alternating_medians(fns: dict, rounds: int = 4, runs: int = 3) -> dict:
@@ -283,9 +320,11 @@ class CudaGraphRunner:
             key.append((a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a)
         return tuple(key)
 
-    def _capture(self, args, fn: Callable, lend: bool = True, in_place: Sequence[int] = ()) -> _Instance:
-        """Capture ``fn`` on ``args``, in a memory pool of its own: the inputs at ``in_place`` are
-        read where they are, the others from static buffers that each replay fills."""
+    def _capture(self, args, fn: Callable, lend: bool = True, in_place: Sequence[int] = (),
+                 share: bool = False) -> _Instance:
+        """Capture ``fn`` on ``args``, in a memory pool of its own (``share``, a backward: in the pool
+        of the forward capture it reads, where that one shares with no other): the inputs at
+        ``in_place`` are read where they are, the others from static buffers that each replay fills."""
         static_inputs, input_ptrs = {}, {}
         call_args = list(args)
         for i in self.dynamic:
@@ -298,25 +337,32 @@ class CudaGraphRunner:
             buf = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
             buf.copy_(a)
             static_inputs[i] = call_args[i] = buf
-        graph, outputs = self._record(fn, call_args)
         link = self.training
+        lender = link.lender(args, in_place) if share and link is not None else None
+        graph, outputs, pool = self._record(fn, call_args, None if lender is None else lender.pool)
         inst = _Instance(graph, static_inputs, input_ptrs or None, outputs, args, lend,
-                         copied=link.copied(outputs) if link is not None else frozenset(), training=link is not None)
+                         copied=link.copied(outputs) if link is not None else frozenset(), training=link is not None,
+                         pool=pool)
+        inst.pool_shared = lender is not None
+        if lender is not None:
+            lender.sharers.add(inst)
         self._lent_ptrs.update(inst.out_ptrs)
         return inst
 
-    def _record(self, fn: Callable, call_args: list):
-        """(CUDA graph, its static outputs): ``fn`` warmed up on a side stream, then captured."""
+    def _record(self, fn: Callable, call_args: list, pool=None):
+        """(CUDA graph, its static outputs, its memory pool): ``fn`` warmed up on a side stream, then
+        captured in ``pool`` (a new one by default)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), _side_runs():
             for _ in range(self.warmup):  # allocator and library handles settle before capture
                 fn(*call_args)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=pool):
             outputs = fn(*call_args)
-        return graph, outputs
+        return graph, outputs, pool
 
     def _first_capture_reads(self, args) -> frozenset:
         """Which inputs the first capture of a signature reads in place. Inference: all of them,
@@ -365,7 +411,7 @@ class CudaGraphRunner:
                     self.uncaptured_calls += 1
                     return self.fn(*args)
                 t0 = time.perf_counter()
-                entry = self.graphs[key] = _Entry(self.fn, self._capture(args, self.fn,
+                entry = self.graphs[key] = _Entry(self.fn, self._capture(args, self.fn, share=True,
                                                                          in_place=self._first_capture_reads(args)))
                 self._decide(entry, args)
                 entry.timings["capture_and_decide_s"] = round(time.perf_counter() - t0, 3)
@@ -385,7 +431,7 @@ class CudaGraphRunner:
             # capture whose outputs are never lent (copied out on every call)
             if len(entry.instances) < self.max_instances:
                 reads = self._first_capture_reads(args) if self.training is not None else ()
-                inst = self._capture(args, entry.fn, in_place=reads)
+                inst = self._capture(args, entry.fn, in_place=reads, share=True)
                 entry.instances.append(inst)
             else:
                 if entry.private is None:
@@ -424,7 +470,8 @@ class CudaGraphRunner:
             if self.baseline is not None:
                 base = self._capture_baseline(entry, args)
                 fns["baseline_graph_ms"] = lambda: self._replay(base, args)
-            entry.timings = _alternating_medians(fns)
+            with _side_runs():
+                entry.timings = _alternating_medians(fns)
             entry.runs = choose(entry.timings, self.margin)
             if key:
                 self.decisions_cache[0].put(self.decisions_cache[1], key,
@@ -457,7 +504,8 @@ class CudaGraphRunner:
                                                              "copy": "copied"}),
                      inputs=_describe(["in place"] * len(e.instances[0].input_ptrs or {})
                                       + ["copy"] * len(e.instances[0].static_inputs),
-                                      {"in place": "read in place", "copy": "copied"}))
+                                      {"in place": "read in place", "copy": "copied"}),
+                     pool="the forward capture's" if getattr(e.instances[0], "pool_shared", False) else "own")
                 for e in self.graphs.values()]
 
 
