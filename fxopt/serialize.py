@@ -48,8 +48,6 @@ class GraphFormatError(ValueError):
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
     torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
-
-
 _FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
             "channels_last_3d": torch.channels_last_3d, "preserve_format": torch.preserve_format}
 _LAYOUTS = {"strided": torch.strided}

@@ -133,7 +133,7 @@ class _SimulatedGraph:
     def replay(self):
         self.replays += 1
         owner = getattr(self, "owner", None)  # the capture this graph belongs to
-        for sharer in list(owner.sharers) if owner is not None else ():
+        for sharer in owner.live_sharers() if owner is not None else ():
             # a capture made in this one's pool reuses its temporaries' memory: the replay
             # overwrites that capture's lent outputs (garbage here, where a real replay writes
             # temporaries), which nobody may hold by then
@@ -372,7 +372,7 @@ def test_training_forward_and_backward_replay_linked_and_match_eager(monkeypatch
     # the backward's capture allocated from the forward capture's pool (and is its one sharer)
     fw_inst, = (i for e in fw.executor_details["cudagraph_runner"].graphs.values() for i in e.instances)
     bw_inst, = (i for e in bw.executor_details["cudagraph_runner"].graphs.values() for i in e.instances)
-    assert bw_inst.pool is fw_inst.pool and list(fw_inst.sharers) == [bw_inst]
+    assert bw_inst.pool is fw_inst.pool and fw_inst.live_sharers() == [bw_inst]
 
 
 def test_training_replays_stay_correct_when_gradients_and_saved_values_are_held(monkeypatch):

@@ -124,7 +124,7 @@ class TrainingLink:
         storages = {_storage(args[i]) for i in reads}
         for entry in self.forward.graphs.values():
             for inst in entry.instances:
-                if storages <= inst.handed and inst.pool is not None and not len(inst.sharers):
+                if storages <= inst.handed and inst.pool is not None and not inst.live_sharers():
                     return inst
         return None
 
@@ -168,10 +168,10 @@ class _Instance:
     other, and all of them without ``lend``)."""
 
     def __init__(self, graph, static_inputs: dict, input_ptrs: Optional[dict], outputs, args, lend: bool = True,
-                 copied: frozenset = frozenset(), training: bool = False, pool=None):
+                 copied: frozenset = frozenset(), training: bool = False, pool=None, pool_shared: bool = False):
         self.graph, self.static_inputs, self.input_ptrs, self.outputs = graph, static_inputs, input_ptrs, outputs
-        self.pool = pool  # the memory pool the capture allocated from
-        self.sharers: weakref.WeakSet = weakref.WeakSet()  # backward captures made in this pool
+        self.pool, self.pool_shared = pool, pool_shared  # the memory pool; whether another capture's
+        self.sharers: list = []  # weak references to the backward captures made in this pool
         flat = _flat(outputs)
         caller = {_storage(a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in static_inputs}
         buffers = {_storage(b) for b in static_inputs.values()}
@@ -201,8 +201,13 @@ class _Instance:
     def free(self) -> bool:
         """Nobody but the runner references this capture's lent outputs (nor views of them), nor
         the lent outputs of a capture sharing its pool (which a replay of this one may overwrite)."""
-        return (all(_USE_COUNT(st._cdata) <= n for st, n in zip(self._storages, self._held))
-                and all(s.free() for s in self.sharers))
+        if not all(_USE_COUNT(st._cdata) <= n for st, n in zip(self._storages, self._held)):
+            return False
+        return not self.sharers or all(s.free() for s in self.live_sharers())
+
+    def live_sharers(self) -> list:
+        """The backward captures in this capture's pool that still exist."""
+        return [s for s in (ref() for ref in self.sharers) if s is not None]
 
     def serves(self, args) -> bool:
         """This capture may run the call: inputs where it reads them, outputs not held."""
@@ -342,10 +347,9 @@ class CudaGraphRunner:
         graph, outputs, pool = self._record(fn, call_args, None if lender is None else lender.pool)
         inst = _Instance(graph, static_inputs, input_ptrs or None, outputs, args, lend,
                          copied=link.copied(outputs) if link is not None else frozenset(), training=link is not None,
-                         pool=pool)
-        inst.pool_shared = lender is not None
+                         pool=pool, pool_shared=lender is not None)
         if lender is not None:
-            lender.sharers.add(inst)
+            lender.sharers.append(weakref.ref(inst))
         self._lent_ptrs.update(inst.out_ptrs)
         return inst
 
@@ -505,7 +509,7 @@ class CudaGraphRunner:
                      inputs=_describe(["in place"] * len(e.instances[0].input_ptrs or {})
                                       + ["copy"] * len(e.instances[0].static_inputs),
                                       {"in place": "read in place", "copy": "copied"}),
-                     pool="the forward capture's" if getattr(e.instances[0], "pool_shared", False) else "own")
+                     pool="the forward capture's" if e.instances[0].pool_shared else "own")
                 for e in self.graphs.values()]
 
 
