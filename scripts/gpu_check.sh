@@ -12,7 +12,8 @@
 # Keeps going when a step fails; exits non-zero at the end if any step failed.
 # Env: PYTHON (default python3), GPU_CHECK_TEST_TIMEOUT (seconds for pytest, 0 = none),
 #      GPU_CHECK_SKIP_TESTS=1 (skip pytest), FXOPT_TARGET (--target dir fallback),
-#      GPU_CHECK_MEMCHECK=1 (also run the CUDA kernel tests under compute-sanitizer memcheck),
+#      GPU_CHECK_MEMCHECK=1 (also run the CUDA kernel tests under compute-sanitizer memcheck;
+#      GPU_CHECK_MEMCHECK_FX_ONLY=1: instrument fxopt's own kernels only),
 #      GPU_CHECK_DIAGNOSE="MODEL:DTYPE:BATCH ..." (run `fxopt diagnose host` and, with empty fxopt
 #      caches, `fxopt diagnose compile` for each, into diagnose.log).
 set -uo pipefail
@@ -90,12 +91,18 @@ if [ "${GPU_CHECK_MEMCHECK:-0}" = "1" ]; then
         # one sanitizer process per test file: each gets its own summary, and a slow file (the
         # whole-model tests take minutes under memcheck) cannot hide the others' results
         : > "$LOGDIR/memcheck.log"
+        # GPU_CHECK_MEMCHECK_FX_ONLY=1: instrument only fxopt's kernels (all named fx_...), several
+        # times faster on the whole-model tests; but then only fxopt's kernels are slowed, so a test
+        # that asserts a measured choice (a generated kernel beating PyTorch's) may fail
+        FILTER=()
+        [ "${GPU_CHECK_MEMCHECK_FX_ONLY:-0}" = "1" ] && FILTER=(--kernel-name kns=fx_)
         for f in tests/test_cuda_codegen.py tests/test_cuda_regions.py tests/test_cuda_linear.py \
                  tests/test_cuda_linear_chain.py tests/test_cuda_direct_conv.py tests/test_gpu_fusion.py tests/test_gpu.py \
                  tests/test_onnx.py; do
             echo "--- $f" >>"$LOGDIR/memcheck.log"
             timeout "${GPU_CHECK_TEST_TIMEOUT:-0}" compute-sanitizer --tool memcheck --report-api-errors no \
-                --error-exitcode 3 "$PY" -m pytest -q -m gpu "$f" -p no:cacheprovider >>"$LOGDIR/memcheck.log" 2>&1
+                "${FILTER[@]}" --error-exitcode 3 "$PY" -m pytest -q -m gpu "$f" -p no:cacheprovider \
+                >>"$LOGDIR/memcheck.log" 2>&1
             rc=$?
             printf '%s: %s\n' "$f" "$(grep -E 'passed|failed|skipped' "$LOGDIR/memcheck.log" | tail -1)" >&2
             [ "$rc" -ne 0 ] && FAILED+=("memcheck $f (rc=$rc)")
