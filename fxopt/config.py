@@ -70,6 +70,11 @@ class Options:
     #: cuda executor: group pointwise, reduction and data-movement ops into generated kernels
     #: (the fusion scheduler); False runs them one ATen op at a time
     fusion: bool = True
+    #: cuda executor: generated kernels whose results are all fp16/bf16 use the hardware's
+    #: approximate exp and division (``__expf``, ``__fdividef``) in sigmoid, SiLU, hardswish,
+    #: hardsigmoid and exp; float32 results, other divisions, PyTorch's kernels and the templates
+    #: keep IEEE arithmetic
+    fast_math: bool = False
     #: treat parameters and buffers as constants in inference (weights refolded when they change)
     freezing: bool = True
     #: directory for per-pass readable graph dumps (default: $FXOPT_DUMP_DIR)
@@ -124,6 +129,8 @@ class Options:
             raise ValueError(f"fxopt: conv_prune must be 0, None or a factor >= 1, got {self.conv_prune!r}")
         if not isinstance(self.fusion, bool):
             raise ValueError(f"fxopt: fusion must be True or False, got {self.fusion!r}")
+        if not isinstance(self.fast_math, bool):
+            raise ValueError(f"fxopt: fast_math must be True or False, got {self.fast_math!r}")
         if not isinstance(self.compile_cache, bool):
             raise ValueError(f"fxopt: compile_cache must be True or False, got {self.compile_cache!r}")
         if not isinstance(self.cpu_onnxruntime, bool):

@@ -36,6 +36,13 @@ def test_unknown_option_lists_valid_ones():
             compiled(torch.randn(1, 3, 32, 32))
 
 
+@pytest.mark.parametrize("name", ["fusion", "fast_math", "compile_cache", "cpu_onnxruntime", "cudnn_search"])
+def test_switch_options_take_only_booleans(name):
+    with pytest.raises(ValueError, match=f"{name} must be True or False"):
+        fxopt.Options.from_any({name: "yes"})
+    assert getattr(fxopt.Options.from_any({name: True}), name) is True
+
+
 def test_unknown_pass_name_rejected():
     with pytest.raises(ValueError, match="unknown pass name"):
         fxopt.Options.from_any({"disable": ["fold_everything"]}, fxopt.PASS_NAMES)

@@ -186,6 +186,33 @@ def test_a_conv_epilogue_read_only_by_generated_kernels_moves_into_them():
                for n in gm.graph.nodes) == 2
 
 
+@needs_nvrtc
+def test_fast_math_approximates_exp_and_division_only_in_kernels_with_16_bit_results():
+    from fxopt.backends.cuda.codegen.kernel import generate_kernel
+    from fxopt.backends.cuda.compiler import compile_ptx
+    from fxopt.backends.cuda.schedule.fusion import split_conv_epilogues
+
+    for dtype in (torch.bfloat16, torch.float32):
+        (report, _), = capture(SqueezeExcite().eval().to(dtype), (torch.randn(2, 8, 6, 6).to(dtype),),
+                               {"executor": "torch"})
+        gm = torch_ref.lower(report.after)
+        split_conv_epilogues(gm)
+        gate = next(r for r in schedule(gm, strict=True).regions if "aten.mul.Tensor" in r.ops)
+        ieee, fast = generate_kernel(gate.kernel, 1), generate_kernel(gate.kernel, 1, fast_math=True)
+        assert not ieee.meta["fast_math"] and "#define FXOPT_FAST_MATH" not in ieee.source
+        if dtype == torch.float32:  # float32 results: the option changes nothing
+            assert fast.source == ieee.source and fast.name == ieee.name and not fast.meta["fast_math"]
+            continue
+        assert fast.meta["fast_math"] and fast.source.startswith("#define FXOPT_FAST_MATH 1\n")
+        assert fast.name != ieee.name  # both may live in one process and one profile
+        ptx_ieee, ptx_fast = (compile_ptx(k.source, k.name, "sm_90") for k in (ieee, fast))
+        # SiLU's and the sigmoid's quotients: IEEE division (div.rn) unless fast; exp is ex2.approx in both,
+        # with expf's extra range reduction only in the IEEE kernel
+        assert "div.rn.f32" in ptx_ieee and "div.rn.f32" not in ptx_fast
+        assert ptx_fast.count("ex2.approx") >= 2
+        assert len(ptx_fast.splitlines()) < len(ptx_ieee.splitlines())
+
+
 def test_a_graph_with_in_place_ops_is_not_fused():
     g = fx.Graph()
     x = g.placeholder("x")

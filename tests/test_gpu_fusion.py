@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
-def _regions_on_gpu(model, x, options=None):
+def _regions_on_gpu(model, x, options=None, fast_math=False):
     """[(GeneratedRegion, RegionReference, real inputs)] for every region fxopt forms for model(x)."""
     out = []
     for report, example in capture(model, (x,), {"executor": "torch", **(options or {})}):
@@ -31,7 +31,7 @@ def _regions_on_gpu(model, x, options=None):
             continue
         vals = _values(gm, example)
         for region in schedule(gm, strict=True).regions:
-            gen = GeneratedRegion(region)
+            gen = GeneratedRegion(region, fast_math)
             for variant, ks in gen.sources.items():
                 gen.kernels[variant] = ks.compile()
             out.append((gen, RegionReference(gm, region), [vals[n] for n in region.inputs]))
@@ -63,12 +63,34 @@ def _check_region(gen, ref, inputs, dtype):
 
 
 @given(block_cases(dtypes=(torch.float32, torch.float16, torch.bfloat16), max_batch=4),
-       st.sampled_from([torch.contiguous_format, torch.channels_last]))
-def test_property_every_generated_kernel_matches_its_region(case, fmt):
+       st.sampled_from([torch.contiguous_format, torch.channels_last]), st.booleans())
+def test_property_every_generated_kernel_matches_its_region(case, fmt, fast_math):
     model = copy.deepcopy(case.model).cuda()
     x = case.inputs[0].cuda().contiguous(memory_format=fmt)
-    for gen, ref, inputs in _regions_on_gpu(model, x):
+    for gen, ref, inputs in _regions_on_gpu(model, x, fast_math=fast_math):
         _check_region(gen, ref, inputs, case.dtype)
+
+
+class _Activations(torch.nn.Module):
+    def forward(self, x):
+        return (torch.nn.functional.silu(x), torch.sigmoid(x), torch.nn.functional.hardswish(x),
+                torch.nn.functional.hardsigmoid(x), torch.exp(x.clamp(max=8.0)) * torch.sigmoid(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fast_math_activations_match_eager_at_their_limits(dtype):
+    """Option fast_math: infinities, NaN, and the values where exp overflows or its quotient
+    underflows give eager's results (NaN where eager's is NaN)."""
+    special = torch.tensor([float("-inf"), float("inf"), float("nan"), -100.0, -88.0, -17.0, -0.0, 0.0, 17.0,
+                            100.0, 3.0, -3.0])
+    x = torch.cat([special, torch.randn(4 * 16 * 8 - special.numel()) * 6]).reshape(4, 16, 8, 1).to(dtype).cuda()
+    regions = _regions_on_gpu(_Activations(), x, fast_math=True)
+    assert regions and all(ks.meta["fast_math"] for gen, _, _ in regions for ks in gen.sources.values())
+    for gen, ref, inputs in regions:
+        want, got = ref(*inputs), gen(*inputs)
+        assert got is not None
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=TOL[dtype], atol=1e-6, equal_nan=True)
 
 
 @pytest.mark.parametrize("shape", [(1, 8, 1, 1), (3, 5, 7, 9), (2, 64, 56, 56), (1, 384, 14, 14), (64, 32, 8, 8)])

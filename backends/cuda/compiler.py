@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 __all__ = [
-    "CompileError", "CompiledKernel", "compile_kernel", "compile_many", "submit_many", "nvrtc_available",
+    "CompileError", "CompiledKernel", "compile_kernel", "compile_ptx", "compile_many", "submit_many", "nvrtc_available",
     "nvrtc_version", "cuda_include_dirs", "cache_dir", "cache_stats", "reset_cache_stats",
     "clear_memory_cache", "default_arch",
 ]
@@ -412,22 +412,39 @@ def compile_kernel(source: str, name: str, arch: str | None = None, options=(),
             ck = CompiledKernel(name, source, arch, cubin, ptypes, key, "disk")
             with _LOCK:
                 return _MEM.setdefault(key, ck)
-    core = _core()
+    cubin, log = _nvrtc(source, name, arch, opts)
+    ck = CompiledKernel(name, source, arch, cubin, ptypes, key, None, log)
+    if use_cache:
+        _write_cache(cache_dir() / key[:2] / f"{key}.cubin", cubin)
+        with _LOCK:
+            ck = _MEM.setdefault(key, ck)
+    return ck
+
+
+def _program_options(name: str, arch: str, opts: tuple):
     kw: dict[str, Any] = dict(opts)
     kw.setdefault("name", f"{name}.cu")
+    incs = cuda_include_dirs()
     if incs:
         kw["include_path"] = list(incs) + list(kw.get("include_path") or [])
     else:
         kw["define_macro"] = ["FXOPT_NO_CUDA_HEADERS"] + list(kw.get("define_macro") or [])
-    popts = core.ProgramOptions(arch=arch, **kw)
+    return _core().ProgramOptions(arch=arch, **kw)
+
+
+def _nvrtc(source: str, name: str, arch: str, opts: tuple) -> tuple[bytes, str]:
+    """One NVRTC compilation of ``source`` to a cubin: (cubin, log), or ``CompileError`` with
+    NVRTC's log and the source."""
+    core = _core()
+    popts = _program_options(name, arch, opts)
     STATS["nvrtc_compiles"] += 1
     logbuf, prog, err = io.StringIO(), None, None
     try:
         prog = core.Program(source, "c++", popts)
         try:
-            cubin = bytes(prog.compile("cubin", logs=logbuf).code)
+            code = bytes(prog.compile("cubin", logs=logbuf).code)
         except TypeError:  # a cuda.core without the logs argument
-            cubin = bytes(prog.compile("cubin").code)
+            code = bytes(prog.compile("cubin").code)
     except Exception as e:  # NVRTCError (cuda.core) or older CUDAError/RuntimeError
         err = CompileError(name, source, _extract_log(e), arch)
         err.__cause__ = e.with_traceback(None)  # keep the cause, drop frames holding the Program
@@ -437,13 +454,33 @@ def compile_kernel(source: str, name: str, arch: str | None = None, options=(),
         prog = None
     if err is not None:
         raise err
-    ck = CompiledKernel(name, source, arch, cubin, ptypes, key, None, logbuf.getvalue().replace("\x00", ""))
-    if use_cache:
-        _write_cache(cache_dir() / key[:2] / f"{key}.cubin", cubin)
-        with _LOCK:
-            ck = _MEM.setdefault(key, ck)
-    return ck
+    return code, logbuf.getvalue().replace("\x00", "")
 
+
+def compile_ptx(source: str, name: str, arch: str | None = None, options=()) -> str:
+    """The PTX NVRTC makes of ``source`` with the options ``compile_kernel`` uses (not cached), to
+    read what a kernel became. Through cuda-bindings' NVRTC: cuda.core's PTX target asks the
+    driver whether it can load the result, and this works without one."""
+    from cuda.bindings import nvrtc
+
+    arch = default_arch(arch)
+    args = _program_options(name, arch, _norm_options(options)).as_bytes("nvrtc")
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], [])
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise CompileError(name, source, f"nvrtcCreateProgram: {err}", arch)
+    try:
+        (status,) = nvrtc.nvrtcCompileProgram(prog, len(args), args)
+        if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+            log = b" " * n
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise CompileError(name, source, log.decode(errors="replace").rstrip("\x00"), arch)
+        _, n = nvrtc.nvrtcGetPTXSize(prog)
+        ptx = b" " * n
+        nvrtc.nvrtcGetPTX(prog, ptx)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return ptx.decode(errors="replace").rstrip("\x00")
 
 def _jobs(items: Iterable) -> list[tuple]:
     jobs = []

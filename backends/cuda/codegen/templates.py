@@ -32,12 +32,12 @@ UNARY_OPS = {"identity": (0, 0), "neg": (0, 0), "relu": (0, 0), "hardtanh": (0, 
              "exp": (0, 0), "abs": (0, 0), "clamp": (0, 2), "cast": (1, 1)}
 _UNARY_C = {
     "identity": "{a}", "neg": "(-{a})", "relu": "({a} < 0.f ? 0.f : {a})",
-    "silu": "({a} / (1.f + expf(-{a})))",
+    "silu": "fx_div({a}, 1.f + fx_exp(-{a}))",
     "gelu": "(0.5f * {a} * (1.f + erff({a} * 0.70710678118654752f)))",
     "gelu_tanh": "(0.5f * {a} * (1.f + tanhf(0.79788456080286536f * ({a} + 0.044715f * {a} * {a} * {a}))))",
-    "hardswish": "({a} * fx_clamp({a} + 3.f, 0.f, 6.f) / 6.f)",
-    "hardsigmoid": "(fx_clamp({a} + 3.f, 0.f, 6.f) / 6.f)",
-    "sigmoid": "(1.f / (1.f + expf(-{a})))", "tanh": "tanhf({a})", "exp": "expf({a})", "abs": "fabsf({a})",
+    "hardswish": "fx_div({a} * fx_clamp({a} + 3.f, 0.f, 6.f), 6.f)",
+    "hardsigmoid": "fx_div(fx_clamp({a} + 3.f, 0.f, 6.f), 6.f)",
+    "sigmoid": "fx_div(1.f, 1.f + fx_exp(-{a}))", "tanh": "tanhf({a})", "exp": "fx_exp({a})", "abs": "fabsf({a})",
 }
 
 

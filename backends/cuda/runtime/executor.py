@@ -168,9 +168,10 @@ def _fallback_call(call, reference, name):
     return run
 
 
-def fuse_regions(runnable: fx.GraphModule, info: dict, skip: set, strict: bool = False) -> list:
+def fuse_regions(runnable: fx.GraphModule, info: dict, skip: set, strict: bool = False,
+                 fast_math: bool = False) -> list:
     """Schedule ``runnable`` into regions and put one node per region in the graph (target: its
-    reference, until a measurement chooses otherwise)."""
+    reference, until a measurement chooses otherwise). ``fast_math``: option fast_math."""
     split = split_conv_epilogues(runnable, skip)
     sched = schedule(runnable, skip, strict=strict)
     info["unfused"] = sched.unfused
@@ -181,7 +182,7 @@ def fuse_regions(runnable: fx.GraphModule, info: dict, skip: set, strict: bool =
     refs, gens, tmpls = [], [], []
     for r in sched.regions:
         refs.append(RegionReference(runnable, r))
-        gens.append(GeneratedRegion(r))
+        gens.append(GeneratedRegion(r, fast_math))
         tmpls.append(template_candidates(r))
     nodes = rewrite(runnable, sched.regions, refs)
     for node, ref, gen, tm in zip(nodes, refs, gens, tmpls):
@@ -200,7 +201,8 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
         if pair is not None:
             pairs.append((node, *pair))
     skip = {pool for pool, _, _ in pairs} | {u for pool, _, _ in pairs for u in pool.users}
-    regions = fuse_regions(runnable, info, skip, ctx.options.strict) if ctx.options.fusion else []
+    regions = (fuse_regions(runnable, info, skip, ctx.options.strict, ctx.options.fast_math)
+               if ctx.options.fusion else [])
     planned = []
     for node in runnable.graph.nodes:
         epi = plan_conv_epilogue(node)

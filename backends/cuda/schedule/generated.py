@@ -6,7 +6,8 @@ its reference.
   computes by definition: every other candidate is checked against it when measured, and runs
   in its place wherever it declines.
 - ``GeneratedRegion``: the region's IR kernel through ``codegen/kernel.py`` (a vectorized variant
-  where the innermost loop allows, and a scalar one for tensors that are not aligned for it);
+  where the innermost loop allows, and a scalar one for tensors that are not aligned for it;
+  option ``fast_math``: approximate exp and division in kernels with 16-bit results);
   ``__call__`` returns ``None`` (the reference runs) when the tensors it gets are not on the GPU
   or differ in shape, dtype or strides from those the kernel was generated for.
 - ``template_candidates``: the older per-node templates (max pool, global average pool) for a
@@ -35,13 +36,13 @@ class RegionReference:
 
 
 class GeneratedRegion:
-    def __init__(self, region: Region):
+    def __init__(self, region: Region, fast_math: bool = False):
         self.region, self.name, self.label = region, region.name, "fused"
         k = region.kernel
         vec = vector_width(k)
-        self.sources = {vec: generate_kernel(k, vec)}
+        self.sources = {vec: generate_kernel(k, vec, fast_math)}
         if vec > 1 and not _aligned_by_metadata(self.sources[vec], region):
-            self.sources[1] = generate_kernel(k, 1)  # for the tensors that will not be aligned
+            self.sources[1] = generate_kernel(k, 1, fast_math)  # for the tensors that will not be aligned
         self.kernels: dict = {}
 
     @property
