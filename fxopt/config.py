@@ -70,10 +70,10 @@ class Options:
     #: cuda executor: group pointwise, reduction and data-movement ops into generated kernels
     #: (the fusion scheduler); False runs them one ATen op at a time
     fusion: bool = True
-    #: cuda executor: generated kernels whose results are all fp16/bf16 use the hardware's
-    #: approximate exp and division (``__expf``, ``__fdividef``) in sigmoid, SiLU, hardswish,
-    #: hardsigmoid and exp; float32 results, other divisions, PyTorch's kernels and the templates
-    #: keep IEEE arithmetic
+    #: cuda executor: fused-region and conv-epilogue kernels whose results are all fp16/bf16 use
+    #: the hardware's approximate exp and division (``__expf``, ``__fdividef``) in sigmoid, SiLU,
+    #: hardswish, hardsigmoid and exp; float32 results, other divisions, PyTorch's kernels and the
+    #: other templates keep IEEE arithmetic
     fast_math: bool = False
     #: treat parameters and buffers as constants in inference (weights refolded when they change)
     freezing: bool = True

@@ -153,6 +153,26 @@ def test_compile_error_carries_log_source_and_line():
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("layout,vec", [("nchw", 1), ("nhwc", 8)])
+def test_fast_math_epilogue_template_only_for_16_bit_results(layout, vec):
+    """Option fast_math reaches the conv-epilogue template: its exp and quotient approximate (no
+    IEEE division left in the PTX) where the result is fp16/bf16; a float32 result is unchanged."""
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        region = all_ops_region(dtype)
+        ieee = cg.generate_pointwise(region, layout, vec)
+        fast = cg.generate_pointwise(region, layout, vec, fast_math=True)
+        if dtype == torch.float32:
+            assert (fast.source, fast.name, fast.meta["fast_math"]) == (ieee.source, ieee.name, False)
+            continue
+        assert fast.meta["fast_math"] and fast.name != ieee.name
+        assert fast.source.replace(fast.name, ieee.name) == "#define FXOPT_FAST_MATH 1\n" + ieee.source
+        ptx_ieee, ptx_fast = (nvrtc.compile_ptx(k.source, k.name, ARCH) for k in (ieee, fast))
+        # the region's own divisions (by a tensor, by 3) stay IEEE; the activations' go
+        assert ptx_fast.count("div.rn.f32") < ptx_ieee.count("div.rn.f32")
+    compile_all([cg.generate_pointwise(all_ops_region(torch.float16), layout, vec, fast_math=True)])
+
+
+@needs_nvrtc
 def test_compile_error_from_broken_region(monkeypatch):
     monkeypatch.setitem(templates._UNARY_C, "relu", "({a} +* )")
     region = PointwiseRegion("broken", [TensorArg("x")], [("y", PointwiseOp("relu", ["x"]))], "y")

@@ -116,6 +116,36 @@ def test_reductions_of_every_geometry(shape, dtype):
             _check_region(gen, ref, inputs, dtype)
 
 
+class _SiluSE(torch.nn.Module):
+    def __init__(self, c=32):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(16, c, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(c, c, 3, padding=1, groups=c)
+        self.fc1, self.fc2 = torch.nn.Conv2d(c, 8, 1), torch.nn.Conv2d(8, c, 1)
+        self.out = torch.nn.Conv2d(c, 16, 1)
+
+    def forward(self, x):
+        y = torch.nn.functional.hardswish(self.conv2(torch.nn.functional.silu(self.conv1(x))))
+        g = torch.sigmoid(self.fc2(torch.nn.functional.silu(self.fc1(y.mean((2, 3), keepdim=True)))))
+        return self.out(y * g) + x
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fast_math_model_matches_eager(dtype):
+    """Option fast_math end to end: conv epilogues and fused regions with approximate exp and
+    division, against the float32 model."""
+    ref_model = _SiluSE().cuda().eval()
+    model = copy.deepcopy(ref_model).to(dtype)
+    x = torch.randn(4, 16, 14, 14, device="cuda")
+    graphs = []
+    fast = compile_with_fxopt(model, {"fast_math": True}, graphs)
+    with torch.no_grad():
+        got, want = fast(x.to(dtype)), ref_model(x)
+    assert relative_error(got.float(), want) <= max(TOL[dtype], 1e-2)  # the whole model in 16 bits
+    kernels = [k for g in graphs for k in g.kernels]
+    assert any(k.source.startswith("#define FXOPT_FAST_MATH 1") for k in kernels), [k.name for k in kernels]
+
+
 @pytest.mark.parametrize("name", ["convnext_tiny", "densenet121", "shufflenet_v2_x1_0", "efficientnet_v2_s"])
 def test_fused_torchvision_models_match_eager(name):
     """fp16 through fxopt against the fp32 model (the benchmark's models: random weights and

@@ -33,7 +33,7 @@ from fxopt.backends.cuda.schedule.ir import (BoolConst, Cast, Const, FloorDiv, I
                                              Red, ReductionKernel, Var, Where)
 
 from . import KernelSource, needs_index64
-from .templates import c_unary, ctype, lit, prelude
+from .templates import FAST_MATH_OPS, c_unary, ctype, lit, prelude
 
 _MAX_GRID = 65535
 POINTWISE_BLOCK = 256
@@ -193,10 +193,12 @@ def _params(k) -> list:
 
 
 def fast_math_applies(k) -> bool:
-    """Option ``fast_math`` applies to a kernel whose floating results are all 16-bit: the
-    approximate exp and division (relative error below 2e-5) vanish in their rounding; float32
-    results keep IEEE arithmetic."""
-    return all(b.dtype in (torch.float16, torch.bfloat16) or not b.dtype.is_floating_point for b in k.outputs)
+    """Option ``fast_math`` applies to a kernel that computes an activation with exp or a quotient
+    (``FAST_MATH_OPS``) and whose floating results are all 16-bit: the approximate exp and division
+    (relative error below 2e-5) vanish in their rounding; float32 results keep IEEE arithmetic."""
+    if not all(b.dtype in (torch.float16, torch.bfloat16) or not b.dtype.is_floating_point for b in k.outputs):
+        return False
+    return any(isinstance(n, Op) and n.op in FAST_MATH_OPS for e in ir.kernel_exprs(k) for n in ir.walk(e))
 
 
 def _header(k, name: str, block: int, ps: list, index64: bool, fast: bool = False) -> list:

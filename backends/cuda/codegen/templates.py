@@ -41,6 +41,10 @@ _UNARY_C = {
 }
 
 
+#: the unary ops whose C above goes through fx_exp / fx_div (approximate under FXOPT_FAST_MATH)
+FAST_MATH_OPS = frozenset({"silu", "sigmoid", "hardswish", "hardsigmoid", "exp"})
+
+
 @functools.lru_cache(maxsize=None)
 def load(name: str) -> Template:
     """The template ``templates/<name>`` shipped with the package."""

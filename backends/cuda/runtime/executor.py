@@ -205,7 +205,7 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
                if ctx.options.fusion else [])
     planned = []
     for node in runnable.graph.nodes:
-        epi = plan_conv_epilogue(node)
+        epi = plan_conv_epilogue(node, ctx.options.fast_math)
         cands = [r for p in PLANNERS for r in _as_list(p(node))]
         if epi is not None or cands:
             planned.append((node, epi, cands))

@@ -61,7 +61,7 @@ class GeneratedEpilogue:
     """conv without bias, then one generated kernel: out = act(y + bias[c] + residual), in place."""
 
     def __init__(self, name: str, dtype: torch.dtype, layout: str, has_bias: bool, has_residual: bool,
-                 activation: str, act_params, vector_width: int):
+                 activation: str, act_params, vector_width: int, fast_math: bool = False):
         from fxopt.backends.cuda.codegen import PointwiseOp, PointwiseRegion, TensorArg, generate_pointwise
 
         inputs, ops, cur = [TensorArg("y", dtype, "full")], [], "y"
@@ -82,7 +82,7 @@ class GeneratedEpilogue:
         self.region = PointwiseRegion(name, inputs, ops, cur, dtype)
         self.layout = layout
         widths = sorted({vector_width, 1}, reverse=True)
-        self.sources = {v: generate_pointwise(self.region, layout, v) for v in widths}
+        self.sources = {v: generate_pointwise(self.region, layout, v, fast_math=fast_math) for v in widths}
         self.kernels: dict = {}
 
     def __call__(self, y, bias, residual):
@@ -114,8 +114,9 @@ def with_generated_epilogue(epilogue: GeneratedEpilogue):
     return fused_conv_generated
 
 
-def plan_conv_epilogue(node: fx.Node) -> Optional[GeneratedEpilogue]:
-    """A generated epilogue for this fused conv node, or None when it does not apply."""
+def plan_conv_epilogue(node: fx.Node, fast_math: bool = False) -> Optional[GeneratedEpilogue]:
+    """A generated epilogue for this fused conv node, or None when it does not apply
+    (``fast_math``: option fast_math)."""
     if node.op != "call_function" or node.target is not fused_conv_ref:
         return None
     out, x = node.meta.get("val"), node.args[0].meta.get("val")
@@ -139,7 +140,7 @@ def plan_conv_epilogue(node: fx.Node) -> Optional[GeneratedEpilogue]:
     name = (f"conv_epi_{'b' * (bias is not None)}{'r' * (res is not None)}_{node.args[8]}"
             + (f"_{params}" if params else ""))
     return GeneratedEpilogue(name, out.dtype, layout, bias is not None, res is not None, node.args[8],
-                             node.args[9], vec)
+                             node.args[9], vec, fast_math)
 
 
 # ---------------------------------------------------------------------------- depthwise conv
