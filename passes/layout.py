@@ -14,7 +14,10 @@ concatenation, mean) keep the NHWC strides flowing. Before any other consumer
 (views, reshapes, matrix products, unknown ops) and at graph outputs, the value
 is converted back to the memory format eager gives (recorded before the
 pipeline), so outputs have exactly eager's strides. Conversions of values that
-are already in the wanted format are dropped.
+are already in the wanted format are dropped. Within a channels_last region the cuda
+executor may still run one convolution channels-first where that measures
+faster with its conversions (large-kernel depthwise convs: ``conv_in_nchw`` in
+``backends/cuda/schedule/conv.py``).
 
 On the CPU (``"auto"``) for the cpu executor, whose oneDNN convolutions with packed weights take
 NHWC inputs: float32 / bfloat16 graphs with two or more 2-D convolutions, however few channels

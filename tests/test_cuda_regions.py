@@ -225,3 +225,49 @@ def test_vectorized_nhwc_depthwise_compiles(dtype, k, stride, dilation):
     ks = generate_depthwise_conv2d_nhwc_vec(2, 24, h, h, oh, oh, k, stride, (k // 2) * dilation, dilation, dtype,
                                             Epilogue(True, True, ("silu", ())))
     assert compile_kernel(ks.source, ks.name, "sm_90", (), ks.param_types).compiled
+
+
+def test_channels_first_candidate_only_for_large_kernel_depthwise_convs_in_channels_last():
+    from fxopt.backends.cuda.schedule.conv import NCHW_MIN_KERNEL, plan_conv_in_nchw
+    from fxopt.ops import fused_conv_ref
+
+    for layout, k, want in (("channels_last", 31, True), ("channels_last", NCHW_MIN_KERNEL, True),
+                            ("channels_last", 5, False), ("contiguous", 31, False)):
+        gm = lowered(MobileBlock(16, k=k).eval(), torch.randn(2, 3, 32, 32), {"layout": layout})
+        convs = [n for n in gm.graph.nodes if n.target is fused_conv_ref]
+        chosen = [n for n in convs if plan_conv_in_nchw(n)]
+        assert len(chosen) == int(want), (layout, k)
+        for n in chosen:  # the depthwise conv, never the stem or the 1x1
+            assert n.args[7] == 16 and tuple(n.args[1].meta["val"].shape[2:]) == (k, k)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channels_first_candidate_computes_the_conv_and_hands_it_back_channels_last(residual, dtype):
+    from fxopt.backends.cuda.schedule.conv import conv_in_nchw
+    from fxopt.ops import fused_conv_ref
+
+    cl = torch.channels_last
+    x = torch.randn(2, 8, 20, 20).to(dtype).contiguous(memory_format=cl)
+    w = torch.randn(8, 1, 9, 9).to(dtype).contiguous(memory_format=cl)
+    b = torch.randn(8).to(dtype)
+    res = torch.randn(2, 8, 10, 10).to(dtype).contiguous(memory_format=cl) if residual else None
+    args = (x, w, b, res, [2, 2], [4, 4], [1, 1], 8, "silu", [])
+    got, want = conv_in_nchw(*args), fused_conv_ref(*args)
+    assert got.is_contiguous(memory_format=cl) and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 2e-2,
+                               atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("batch", [1, 8])
+def test_large_kernel_depthwise_conv_measures_its_channels_first_candidate(batch, tmp_path):
+    m = _randomize_bn(MobileBlock(64, k=31)).eval().cuda().half()
+    graphs = []
+    c = fxopt.testing.compile_with_fxopt(m, {"autotune_cache": str(tmp_path / "c.json")}, graphs)
+    x = torch.randn(batch, 3, 64, 64, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        assert relative_error(c(x), m(x)) <= 1e-2
+    choices = graphs[0].executor_details["node_choices"]
+    assert any("nchw" in e["ms"] for e in choices.values()), choices

@@ -11,7 +11,9 @@ Library nodes keep their own candidates (``schedule/conv.py``, ``schedule/linear
 the epilogue ops), ``generated`` (conv without bias, then one generated bias/residual/activation
 kernel in place), ``cudnn_fused`` (cuDNN's conv + ReLU (+ add)), ``generated_depthwiseconv``
 (depthwise convs, k <= 7: one direct kernel with the epilogue fused) and
-``generated_directconv_t<tile>[_split<lanes>]`` (few input channels: stems, small CNNs). A
+``generated_directconv_t<tile>[_split<lanes>]`` (few input channels: stems, small CNNs), ``nchw``
+(a channels_last depthwise conv with a kernel of 7 or more, run channels-first with its
+conversions: the layout chosen per conv, by measurement). A
 ``fused_linear`` over at most 16 rows gets ``generated_linear`` (bias and activation fused)
 against cuBLAS followed by the activation.
 
@@ -43,9 +45,9 @@ import torch.fx as fx
 from fxopt.backends.cuda.runtime.measure import Tuning, cache_key, region_key, with_fallback
 from fxopt.backends.cuda.schedule.fusion import rewrite, schedule, split_conv_epilogues
 from fxopt.backends.cuda.schedule.generated import GeneratedRegion, RegionReference, template_candidates
-from fxopt.backends.cuda.schedule.conv import (GeneratedEpilogue, cudnn_conv_relu, plan_conv_epilogue,
-                                               plan_conv_maxpool, plan_depthwise, plan_depthwise_vec,
-                                               plan_direct_conv,
+from fxopt.backends.cuda.schedule.conv import (GeneratedEpilogue, conv_in_nchw, cudnn_conv_relu,
+                                               plan_conv_epilogue, plan_conv_in_nchw, plan_conv_maxpool,
+                                               plan_depthwise, plan_depthwise_vec, plan_direct_conv,
                                                with_generated_epilogue)
 from fxopt.backends.cuda.schedule.groups import fuse_conv_maxpool, fuse_linear_chain
 from fxopt.backends.cuda.schedule.linear import plan_linear, plan_linear_chains
@@ -132,6 +134,8 @@ def _candidates(node: fx.Node, epi: Optional[GeneratedEpilogue], regions: list) 
     if (reference is fused_conv_ref and node.args[8] == "relu" and node.args[10] == "direct"
             and torch.backends.cudnn.is_available()):
         candidates["cudnn_fused"] = cudnn_conv_relu
+    if plan_conv_in_nchw(node):
+        candidates["nchw"] = conv_in_nchw
     for r in regions:
         if len(r.kernels) == len(r.sources):
             candidates[f"generated_{getattr(r, 'label', type(r).__name__.lower())}"] = with_fallback(r, reference)
@@ -207,7 +211,7 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     for node in runnable.graph.nodes:
         epi = plan_conv_epilogue(node, ctx.options.fast_math)
         cands = [r for p in PLANNERS for r in _as_list(p(node))]
-        if epi is not None or cands:
+        if epi is not None or cands or plan_conv_in_nchw(node):
             planned.append((node, epi, cands))
     chains = plan_linear_chains(runnable.graph)
     pending = PendingKernels([p.generated for p in regions] + [c for p in regions for c, _ in p.templates.values()]

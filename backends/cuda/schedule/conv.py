@@ -22,6 +22,10 @@ what it was generated for, so that the reference runs):
   direct convolution with the epilogue fused (``codegen/direct_conv.py``), in two output-channel
   tilings; with few output pixels (a small batch, where a thread's serial reduction is the time)
   the smallest tiling also with each output's input channels split over 2-8 lanes of a warp.
+- ``plan_conv_in_nchw`` -> ``conv_in_nchw``: a depthwise conv with a large kernel (``NCHW_MIN_KERNEL``
+  and up: ConvNeXt, large-kernel CNNs) in a channels_last graph, computed channels-first (input,
+  weight and residual converted, the result converted back): the layout chosen for that conv alone,
+  measured with its conversions against the conv as the layout pass left it. Nothing to compile.
 - ``plan_conv_maxpool``: a ``max_pool2d_with_indices`` whose indices nobody reads, fed by such a
   conv (no residual) used only there: the conv, its epilogue and the pool as one kernel; measured
   against the pair as chosen separately (``conv_maxpool_chain``) by ``groups.fuse_conv_maxpool``.
@@ -141,6 +145,41 @@ def plan_conv_epilogue(node: fx.Node, fast_math: bool = False) -> Optional[Gener
             + (f"_{params}" if params else ""))
     return GeneratedEpilogue(name, out.dtype, layout, bias is not None, res is not None, node.args[8],
                              node.args[9], vec, fast_math)
+
+
+# ---------------------------------------------------------------------------- one conv channels-first
+#: depthwise kernels from this size up (either side) get the channels-first candidate
+NCHW_MIN_KERNEL = 7
+
+
+def plan_conv_in_nchw(node: fx.Node) -> bool:
+    """Whether ``conv_in_nchw`` is a candidate for this node: a plain depthwise 2-D conv whose
+    input and output are channels_last, with a kernel of ``NCHW_MIN_KERNEL`` or more. cuDNN's
+    kernels for such convs differ by layout more than for dense convs, and the layout pass chose
+    channels_last for the graph as a whole."""
+    if node.op != "call_function" or node.target is not fused_conv_ref:
+        return False
+    x, w, out = node_val(node.args[0]), node_val(node.args[1]), node.meta.get("val")
+    if x is None or w is None or out is None or x.dim() != 4 or out.dtype not in _DTYPES:
+        return False  # only 2-D convolutions in fp32/fp16/bf16
+    if layout_name(x) != "nhwc" or layout_name(out) != "nhwc":
+        return False  # already channels-first (or neither): nothing to choose
+    groups, algorithm = node.args[7], node.args[10]
+    if algorithm != "direct" or not isinstance(groups, int) or groups == 1 or w.shape[1] != 1:
+        return False  # not a depthwise conv run by the library
+    if not all(isinstance(d, int) for d in w.shape[2:]) or max(w.shape[2:]) < NCHW_MIN_KERNEL:
+        return False  # a small kernel: the generated depthwise candidates cover it
+    return True
+
+
+def conv_in_nchw(x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
+                 algorithm="direct", prepacked=None):
+    """fused_conv computed channels-first, the result handed back channels_last. The weight is
+    converted at each call, so folded weights refreshed in place are seen."""
+    res = None if residual is None else residual.contiguous()
+    y = fused_conv_ref(x.contiguous(), weight.contiguous(), bias, res, stride, padding, dilation, groups,
+                       activation, act_params, algorithm, None)
+    return y.contiguous(memory_format=torch.channels_last)
 
 
 # ---------------------------------------------------------------------------- depthwise conv
