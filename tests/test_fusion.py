@@ -139,6 +139,38 @@ def test_split_concatenation_and_channel_shuffle_are_index_arithmetic_in_one_ker
     assert {view_root(n).op for n in region.inputs} == {"placeholder"}
 
 
+class ShuffleUnits(nn.Module):
+    """ShuffleNet-v2 units: each shuffled tensor feeds the next unit's conv (one half) and its
+    concatenation (the other half), so two kernels need it."""
+
+    def __init__(self, c=16, units=3):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(c // 2, c // 2, 1) for _ in range(units))
+
+    def forward(self, x):
+        for conv in self.convs:
+            a, b = x.chunk(2, dim=1)
+            y = torch.cat([a, F.relu(conv(b))], 1)
+            n, c, h, w = y.shape
+            x = y.reshape(n, 2, c // 2, h, w).transpose(1, 2).reshape(n, c, h, w)
+        return x
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_a_value_two_kernels_share_is_stored_once_at_the_end_of_its_chain(layout):
+    """Of a chain of data movement (concatenation, the layout pass's copies, the shuffle) that
+    two kernels need, only its last value is stored: each unit's concatenation and shuffle are one
+    kernel, not one stored copy per op."""
+    from fxopt.backends.cuda.schedule.fusion import split_conv_epilogues
+
+    gm, _, _ = _schedule_of(ShuffleUnits().eval(), torch.randn(2, 16, 6, 6), layout=layout)
+    split_conv_epilogues(gm)  # as the cuda executor does: each ReLU moves into the concatenation
+    sched = schedule(gm, strict=True)
+    cats = [r for r in sched.regions if "aten.cat.default" in r.ops]
+    assert len(cats) == 3 and all("aten.transpose.int" in r.ops for r in cats), _regions_by_ops(sched)
+    assert len(sched.regions) <= 2 * 3 + 1, _regions_by_ops(sched)  # + a copy per conv input, + the input's
+
+
 class SoftmaxGate(nn.Module):
     def forward(self, x):
         return torch.softmax(x, dim=1) * x.amax((2, 3), keepdim=True)

@@ -15,7 +15,9 @@ How (``schedule``):
    graph output, or through views by those), every reduction result, and a fusible value
    several kernels need where recomputing it in each costs more bytes than storing it once
    (``_cheaper_to_store``: with ``L`` input tensors and ``k`` kernels, ``k * L`` reads against
-   ``L + 1 + k``). Everything else is computed inline where it is used.
+   ``L + 1 + k``; of a chain the same kernels share, only the value nearest them, e.g. a channel
+   shuffle after its concatenation and layout copies). Everything else is computed inline where
+   it is used.
 3. One kernel per realized fusible value (a ``PointwiseKernel`` over its shape) and per reduction
    (a ``ReductionKernel``: LayerNorm, softmax, GroupNorm, a mean... with its pointwise prologue
    inlined). A node whose rule declines is made a library node and the decisions are redone.
@@ -171,15 +173,26 @@ class _Plan:
                 out.add(n)
             elif c == "reduction":
                 out.add(n)
-        # fusible values that several kernels need: stored once where recomputing costs more
+        # fusible values that several kernels need: stored once where recomputing costs more. Of a
+        # chain that the same kernels share, only the value nearest them is stored (the values
+        # before it then feed only its kernel): a node is decided again once nothing stored in
+        # this round lies downstream of it
         changed = True
         while changed:
             changed = False
             owners = self._owners(out)
-            for n, ks in owners.items():
-                if (cls[n] == "fusible" and not is_view(n) and n not in out and len(ks) > 1
+            shadowed: set = set()
+            for n in reversed(list(self.gm.graph.nodes)):
+                if cls.get(n) not in ("fusible", "view", "container") or n in out:
+                    continue
+                if any(u in shadowed for u in n.users):
+                    shadowed.add(n)
+                    continue
+                ks = owners.get(n, ())
+                if (cls[n] == "fusible" and not is_view(n) and len(ks) > 1
                         and _cheaper_to_store(n, len(ks), cls, out)):
                     out.add(n)
+                    shadowed.add(n)
                     changed = True
         return out
 
