@@ -511,8 +511,7 @@ def split(k: PointwiseKernel) -> list:
             mapping[v] = (Ix.of(nv) if nv is not None else Ix()) + a
             new_vars[v] = nv
         memo: dict = {}
-        stores = [Store(s.buf, s.offset.substitute(mapping), ir.simplify(ir.substitute(s.value, mapping, memo)))
-                  for s in k.stores]
+        stores = [Store(s.buf, s.offset.substitute(mapping), ir.specialize(s.value, mapping, memo)) for s in k.stores]
         vs = [new_vars.get(v, v) for v in k.vars]
         out.append(PointwiseKernel(f"{k.name}_p{len(out)}", [v for v in vs if v is not None], k.inputs, k.outputs,
                                    stores, k.ops))

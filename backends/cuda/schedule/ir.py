@@ -29,15 +29,39 @@ does (the same loads at the same offsets): the CPU-testable semantics of every k
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
 
+
+def _hash_once(cls):
+    """A frozen dataclass whose hash is computed once per object: expression trees are dict keys
+    at every level (memos of ``substitute``/``simplify``, the emitter's common subexpressions), and
+    the generated hash would walk the whole subtree at each lookup."""
+    names = tuple(f.name for f in dataclasses.fields(cls))
+
+    def __hash__(self):
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            h = hash(tuple(getattr(self, n) for n in names))
+            object.__setattr__(self, "_hash", h)
+            return h
+
+    def __getstate__(self):  # copies and pickles carry the fields, not this process's caches
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_key")}
+
+    cls.__hash__, cls.__getstate__ = __hash__, __getstate__
+    return cls
+
+
 # ---------------------------------------------------------------------------- index expressions
 
 
+@_hash_once
 @dataclass(frozen=True)
 class Var:
     """A loop variable ranging over [0, size)."""
@@ -48,6 +72,7 @@ class Var:
         return 0, max(self.size - 1, 0)
 
 
+@_hash_once
 @dataclass(frozen=True)
 class FloorDiv:
     arg: "Ix"
@@ -58,6 +83,7 @@ class FloorDiv:
         return lo // self.div, hi // self.div
 
 
+@_hash_once
 @dataclass(frozen=True)
 class Mod:
     arg: "Ix"
@@ -71,6 +97,7 @@ class Mod:
 Atom = (Var, FloorDiv, Mod)
 
 
+@_hash_once
 @dataclass(frozen=True)
 class Ix:
     """``const + sum(coef * atom)``; terms sorted, no zero coefficients."""
@@ -89,7 +116,7 @@ class Ix:
 
     @staticmethod
     def _make(terms: dict, const: int) -> "Ix":
-        items = tuple(sorted(((a, c) for a, c in terms.items() if c), key=lambda t: repr(t[0])))
+        items = tuple(sorted(((a, c) for a, c in terms.items() if c), key=lambda t: _atom_key(t[0])))
         return Ix(items, int(const))
 
     def __add__(self, other) -> "Ix":
@@ -197,6 +224,16 @@ class Ix:
         return " + ".join(parts)
 
 
+def _atom_key(a) -> str:
+    """The order of an index expression's terms: the atom's repr, computed once per atom."""
+    try:
+        return a.__dict__["_key"]
+    except KeyError:
+        key = repr(a)
+        object.__setattr__(a, "_key", key)
+        return key
+
+
 def _atom_repr(a) -> str:
     if isinstance(a, Var):
         return a.name
@@ -236,6 +273,7 @@ class Expr:
     kind = "float"  # or "bool"
 
 
+@_hash_once
 @dataclass(frozen=True)
 class Load(Expr):
     """Element ``offset`` (elements from the tensor's data pointer) of kernel input ``buf``."""
@@ -243,11 +281,13 @@ class Load(Expr):
     offset: Ix
 
 
+@_hash_once
 @dataclass(frozen=True)
 class Const(Expr):
     value: float
 
 
+@_hash_once
 @dataclass(frozen=True)
 class Op(Expr):
     """A float operation (``UNARY``/``BINARY`` names) or a comparison (``COMPARE``, bool)."""
@@ -260,6 +300,7 @@ class Op(Expr):
         return "bool" if self.op in COMPARE or self.op in LOGICAL else "float"
 
 
+@_hash_once
 @dataclass(frozen=True)
 class Where(Expr):
     cond: Expr
@@ -267,6 +308,7 @@ class Where(Expr):
     b: Expr
 
 
+@_hash_once
 @dataclass(frozen=True)
 class InRange(Expr):
     """``lo <= index < hi`` (bool)."""
@@ -276,6 +318,7 @@ class InRange(Expr):
     kind = "bool"
 
 
+@_hash_once
 @dataclass(frozen=True)
 class BoolConst(Expr):
     value: bool
@@ -285,6 +328,7 @@ class BoolConst(Expr):
 TRUE, FALSE = BoolConst(True), BoolConst(False)
 
 
+@_hash_once
 @dataclass(frozen=True)
 class Cast(Expr):
     """Round through ``dtype`` (an explicit conversion in the graph), keep computing in float."""
@@ -292,6 +336,7 @@ class Cast(Expr):
     dtype: torch.dtype
 
 
+@_hash_once
 @dataclass(frozen=True)
 class Red(Expr):
     """The result of reduction phase ``name`` for the current row (reduction kernels only)."""
@@ -495,19 +540,38 @@ def substitute(e: Expr, mapping: dict, memo: Optional[dict] = None) -> Expr:
 def simplify(e: Expr, memo: Optional[dict] = None) -> Expr:
     """Decide range tests the loop bounds already answer and drop the branches they exclude (the
     concatenation inputs and padding a split loop nest never reaches)."""
-    memo = {} if memo is None else memo
+    return _rebuild(e, lambda x: x, {} if memo is None else memo)
+
+
+def specialize(e: Expr, mapping: dict, memo: Optional[dict] = None) -> Expr:
+    """``simplify(substitute(e, mapping))``, without substituting the branches that the decided
+    range tests drop (a loop box of a concatenation reads one of its inputs)."""
+    def leaf(x):
+        if isinstance(x, Load):
+            return Load(x.buf, x.offset.substitute(mapping))
+        if isinstance(x, InRange):
+            return InRange(x.index.substitute(mapping), x.lo, x.hi)
+        return x
+    return _rebuild(e, leaf, {} if memo is None else memo)
+
+
+def _rebuild(e: Expr, leaf: Callable, memo: dict) -> Expr:
+    """``e`` with ``leaf`` applied to its loads and range tests, simplified bottom-up: a ``Where``
+    whose condition is decided keeps (and rebuilds) only the branch taken."""
     hit = memo.get(e)
     if hit is not None:
         return hit
-    if isinstance(e, InRange):
-        lo, hi = e.index.bounds()
-        out = TRUE if lo >= e.lo and hi < e.hi else FALSE if hi < e.lo or lo >= e.hi else e
+    if isinstance(e, (Load, InRange)):
+        out = leaf(e)
+        if isinstance(out, InRange):
+            lo, hi = out.index.bounds()
+            out = TRUE if lo >= out.lo and hi < out.hi else FALSE if hi < out.lo or lo >= out.hi else out
     elif isinstance(e, Where):
-        c = simplify(e.cond, memo)
-        out = (simplify(e.a, memo) if c is TRUE else simplify(e.b, memo) if c is FALSE
-               else Where(c, simplify(e.a, memo), simplify(e.b, memo)))
+        c = _rebuild(e.cond, leaf, memo)
+        out = (_rebuild(e.a, leaf, memo) if c is TRUE else _rebuild(e.b, leaf, memo) if c is FALSE
+               else Where(c, _rebuild(e.a, leaf, memo), _rebuild(e.b, leaf, memo)))
     elif isinstance(e, Op) and e.op in ("and", "or"):
-        args = [simplify(a, memo) for a in e.args]
+        args = [_rebuild(a, leaf, memo) for a in e.args]
         absorbing, neutral = (FALSE, TRUE) if e.op == "and" else (TRUE, FALSE)
         if any(a is absorbing for a in args):
             out = absorbing
@@ -515,14 +579,14 @@ def simplify(e: Expr, memo: Optional[dict] = None) -> Expr:
             rest = [a for a in args if a is not neutral]
             out = neutral if not rest else rest[0] if len(rest) == 1 else Op(e.op, tuple(rest), e.params)
     elif isinstance(e, Op) and e.op == "not":
-        a = simplify(e.args[0], memo)
+        a = _rebuild(e.args[0], leaf, memo)
         out = FALSE if a is TRUE else TRUE if a is FALSE else Op("not", (a,))
     elif isinstance(e, Op):
-        args = [simplify(a, memo) for a in e.args]
+        args = [_rebuild(a, leaf, memo) for a in e.args]
         args = [Const(1.0 if a.value else 0.0) if isinstance(a, BoolConst) else a for a in args]
         out = op(e.op, *args, params=e.params)
     elif isinstance(e, Cast):
-        out = Cast(simplify(e.arg, memo), e.dtype)
+        out = Cast(_rebuild(e.arg, leaf, memo), e.dtype)
     else:
         out = e
     memo[e] = out
