@@ -91,14 +91,39 @@ def direct_call_blocker(gm: fx.GraphModule, n_inputs: int) -> Optional[str]:
     return next((why for bad, why in checks if bad), None)
 
 
-def direct_call(fn: Callable) -> Callable:
+def direct_call(fn: Callable, eager: Optional[Callable] = None, report=None) -> Callable:
     """Dynamo's compiled function for a graph that needs no AOTAutograd runtime wrapper: runs
-    with grad disabled, as AOTAutograd runs inference graphs."""
-    def call(*args):
+    with grad disabled, as AOTAutograd runs inference graphs.
+
+    ``eager`` (Dynamo's graph: the model's own ops, as PyTorch runs them): where the compiled
+    graph raises at run time on inputs Dynamo's guards admitted, that call and every later one
+    runs ``eager`` instead, with one ``FxoptFallbackWarning`` naming the error (recorded in
+    ``report.executor_details["runtime_fallback"]``). Such an inference graph writes no input, so
+    the failed call changed nothing. E.g. torch's metadata for CPU ``native_group_norm`` says
+    contiguous where its kernel keeps channels_last, and a ``view`` planned on that metadata fails.
+    """
+    state = [fn]
+
+    def run(f, args):
         if torch.is_grad_enabled():
             with torch.no_grad():
-                return fn(*args)
-        return fn(*args)
+                return f(*args)
+        return f(*args)
+
+    def call(*args):
+        f = state[0]
+        try:
+            return run(f, args)
+        except Exception as e:
+            if eager is None or f is eager:
+                raise
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            warnings.warn(f"fxopt: the compiled graph failed at run time ({why}); running this graph as "
+                          "PyTorch's own ops from now on", FxoptFallbackWarning, stacklevel=2)
+            if report is not None:
+                report.executor_details["runtime_fallback"] = why
+            state[0] = eager
+            return run(eager, args)
 
     call.fxopt_direct = True
     return call
@@ -124,6 +149,7 @@ class FxoptCompiler:
             if isinstance(ex, torch.nn.Parameter) or _PARAM_SOURCE.search(source):
                 self.params[i] = qualname_from_source(source) or node.name
         self.example_inputs = example_inputs
+        self.eager = dynamo_gm  # what a compiled inference graph that fails at run time falls back to
         # Parameters Dynamo kept as graph attributes (it does so with Inductor's global freezing
         # flag set): AOTAutograd lifts them in front of the inputs, in this order
         self.lifted = list({**dict(dynamo_gm.named_parameters(remove_duplicate=False)),
@@ -192,7 +218,8 @@ class FxoptCompiler:
         if kind == "inference" and self.options.direct_call:
             why = direct_call_blocker(gm, self.n_inputs)
             report.executor_details["aot_runtime_wrapper"] = why or "skipped (direct call)"
-            self.direct = direct_call(compiled) if why is None else None
+            eager = None if self.options.strict else self.eager
+            self.direct = direct_call(compiled, eager, report) if why is None else None
         if self.sink is not None:
             self.sink.append(report)
         self.example_inputs = None if kind == "inference" else self.example_inputs

@@ -95,6 +95,67 @@ def test_failing_pass_warns_and_falls_back(monkeypatch):
     assert r.fallback and "fuse_conv_epilogue" in r.fallback
 
 
+def _failing_at_run_time(monkeypatch):
+    import fxopt.backends as backends
+
+    real = backends.lower
+
+    def lower(gm, ctx, kind):
+        fn, info = real(gm, ctx, kind)
+
+        def broken(*args):
+            raise RuntimeError("deliberate run-time failure")
+        return broken, info
+    monkeypatch.setattr(backends, "lower", lower)
+
+
+def test_a_compiled_graph_failing_at_run_time_falls_back_to_eager_ops_once(monkeypatch):
+    _failing_at_run_time(monkeypatch)
+    m, x = SmallResNet().eval(), torch.randn(2, 3, 32, 32)
+    graphs = []
+    compiled = fxopt.testing.compile_with_fxopt(m, None, graphs)
+    with pytest.warns(fxopt.FxoptFallbackWarning, match="failed at run time.*deliberate run-time failure") as w:
+        with torch.no_grad():
+            got = compiled(x)
+    assert len([x for x in w if issubclass(x.category, fxopt.FxoptFallbackWarning)]) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(got, m(x))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", fxopt.FxoptFallbackWarning)  # later calls: eager ops, silently
+            torch.testing.assert_close(compiled(x * 2), m(x * 2))
+    assert "deliberate run-time failure" in graphs[0].executor_details["runtime_fallback"]
+
+
+def test_a_compiled_graph_failing_at_run_time_raises_when_strict(monkeypatch):
+    _failing_at_run_time(monkeypatch)
+    compiled = torch.compile(SmallResNet().eval(), backend="fxopt", options={"strict": True})
+    with pytest.raises(Exception, match="deliberate run-time failure"):
+        with torch.no_grad():
+            compiled(torch.randn(2, 3, 32, 32))
+
+
+class _NormChain(torch.nn.Module):
+    """LayerNorm over channels, then GroupNorm and InstanceNorm: on the CPU, torch's metadata for
+    group_norm (contiguous) and its kernel (channels_last kept) disagree, and a view AOTAutograd
+    planned on the metadata fails at run time, aot_eager too."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(2, elementwise_affine=False)
+        self.gn, self.inorm = torch.nn.GroupNorm(1, 2, affine=False), torch.nn.InstanceNorm2d(2)
+
+    def forward(self, x):
+        return self.inorm(self.gn(self.ln(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)))
+
+
+def test_models_that_torchs_own_metadata_breaks_still_give_eagers_result():
+    m, x = _NormChain().eval(), torch.randn(2, 2, 3, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxopt.FxoptFallbackWarning)
+        with torch.no_grad():
+            torch.testing.assert_close(torch.compile(m, backend="fxopt")(x), m(x))
+
+
 def test_failing_pass_strict_raises(monkeypatch):
     from fxopt import pipeline
 

@@ -171,6 +171,37 @@ def test_a_value_two_kernels_share_is_stored_once_at_the_end_of_its_chain(layout
     assert len(sched.regions) <= 2 * 3 + 1, _regions_by_ops(sched)  # + a copy per conv input, + the input's
 
 
+class LayerNormThenGroupNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.gn = nn.LayerNorm(4, elementwise_affine=False), nn.GroupNorm(2, 4, affine=False)
+
+    def forward(self, x):
+        return self.gn(self.ln(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2))
+
+
+def test_region_strides_are_checked_against_eager_or_where_torch_disagrees_with_itself_its_metadata(monkeypatch):
+    """The group norm gets a channels_last input: its CPU kernel keeps that layout, its metadata
+    (and its CUDA kernel) do not; the generated kernel writes what the metadata says. A kernel
+    writing other strides than both fails the check."""
+    from fxopt.backends.cuda.schedule import fusion
+    from fxopt.testing.strategies import CNNCase
+
+    case = CNNCase(LayerNormThenGroupNorm().eval(), (torch.randn(2, 4, 3, 5),), torch.float32)
+    assert check_fusion(case)
+    real = fusion._out_buffer
+
+    def transposed(n):  # H and W swapped in memory: the same values, other (dense) strides
+        b = real(n)
+        if len(b.shape) != 4 or b.shape[1] != 4:
+            return b
+        _, c, h, w = b.shape
+        return ir.Buffer(b.name, b.shape, (c * h * w, h * w, 1, h), b.dtype)
+    monkeypatch.setattr(fusion, "_out_buffer", transposed)
+    with pytest.raises(AssertionError, match="strides"):
+        check_fusion(case)
+
+
 class SoftmaxGate(nn.Module):
     def forward(self, x):
         return torch.softmax(x, dim=1) * x.amax((2, 3), keepdim=True)
