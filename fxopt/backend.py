@@ -96,10 +96,11 @@ def direct_call(fn: Callable, eager: Optional[Callable] = None, report=None) -> 
     with grad disabled, as AOTAutograd runs inference graphs.
 
     ``eager`` (Dynamo's graph: the model's own ops, as PyTorch runs them): where the compiled
-    graph raises at run time on inputs Dynamo's guards admitted, that call and every later one
-    runs ``eager`` instead, with one ``FxoptFallbackWarning`` naming the error (recorded in
-    ``report.executor_details["runtime_fallback"]``). Such an inference graph writes no input, so
-    the failed call changed nothing. E.g. torch's metadata for CPU ``native_group_norm`` says
+    graph raises at run time on inputs Dynamo's guards admitted and ``eager`` does not, that call
+    and every later one runs ``eager`` instead, with one ``FxoptFallbackWarning`` naming the error
+    (recorded in ``report.executor_details["runtime_fallback"]``); where ``eager`` raises too, its
+    error is the caller's. Such an inference graph writes no input, so the failed call changed
+    nothing. E.g. torch's metadata for CPU ``native_group_norm`` says
     contiguous where its kernel keeps channels_last, and a ``view`` planned on that metadata fails.
     """
     state = [fn]
@@ -117,13 +118,14 @@ def direct_call(fn: Callable, eager: Optional[Callable] = None, report=None) -> 
         except Exception as e:
             if eager is None or f is eager:
                 raise
+            out = run(eager, args)  # inputs eager rejects too: eager's error, and the graph stays
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
             warnings.warn(f"fxopt: the compiled graph failed at run time ({why}); running this graph as "
                           "PyTorch's own ops from now on", FxoptFallbackWarning, stacklevel=2)
             if report is not None:
                 report.executor_details["runtime_fallback"] = why
             state[0] = eager
-            return run(eager, args)
+            return out
 
     call.fxopt_direct = True
     return call

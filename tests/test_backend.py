@@ -134,6 +134,27 @@ def test_a_compiled_graph_failing_at_run_time_raises_when_strict(monkeypatch):
             compiled(torch.randn(2, 3, 32, 32))
 
 
+def test_inputs_eager_rejects_too_get_eagers_error_and_keep_the_compiled_graph():
+    class Gather(nn.Module):
+        def forward(self, x, idx):
+            return torch.relu(x).gather(1, idx) * 2
+
+    m, x = Gather().eval(), torch.randn(2, 4)
+    graphs = []
+    compiled = fxopt.testing.compile_with_fxopt(m, None, graphs)
+    good, bad = torch.tensor([[0, 1], [2, 3]]), torch.tensor([[0, 1], [2, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, good), m(x, good))
+        with pytest.raises(RuntimeError) as want:
+            m(x, bad)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", fxopt.FxoptFallbackWarning)
+            with pytest.raises(RuntimeError) as got:
+                compiled(x, bad)
+    assert str(got.value) == str(want.value)
+    assert "runtime_fallback" not in graphs[0].executor_details
+
+
 class _NormChain(torch.nn.Module):
     """LayerNorm over channels, then GroupNorm and InstanceNorm: on the CPU, torch's metadata for
     group_norm (contiguous) and its kernel (channels_last kept) disagree, and a view AOTAutograd
