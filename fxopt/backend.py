@@ -105,20 +105,18 @@ def direct_call(fn: Callable, eager: Optional[Callable] = None, report=None) -> 
     """
     state = [fn]
 
-    def run(f, args):
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                return f(*args)
-        return f(*args)
-
     def call(*args):
         f = state[0]
         try:
-            return run(f, args)
+            if torch.is_grad_enabled():
+                with torch.no_grad():
+                    return f(*args)
+            return f(*args)
         except Exception as e:
             if eager is None or f is eager:
                 raise
-            out = run(eager, args)  # inputs eager rejects too: eager's error, and the graph stays
+            with torch.no_grad():  # inputs eager rejects too: eager's error, and the graph stays
+                out = eager(*args)
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
             warnings.warn(f"fxopt: the compiled graph failed at run time ({why}); running this graph as "
                           "PyTorch's own ops from now on", FxoptFallbackWarning, stacklevel=2)

@@ -90,7 +90,8 @@ def check_fusion(case, options=None, compile_kernels: bool = False) -> list:
         regions = schedule(rewritten, strict=True).regions
         rewrite(rewritten, regions, [RegionReference(rewritten, r) for r in regions])
         rewritten.graph.lint()
-        got = [_values(rewritten, example)[n] for n in _outputs(rewritten)]  # as planned: see _values
+        rvals = _values(rewritten, example)  # as planned: see _values
+        got = [rvals[n] for n in _outputs(rewritten)]
         for g, e in zip(got, expected):
             if isinstance(e, torch.Tensor):
                 torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
@@ -109,13 +110,12 @@ def check_regions(gm: fx.GraphModule, inputs: list, rtol: float, atol: float, co
     sched = schedule(gm, strict=True)
     for region in sched.regions:
         k = region.kernel
-        ins = [vals[n] for n in region.inputs]
-        laid = [_as_planned(t, b) for t, b in zip(ins, k.inputs)]
+        ins = [vals[n] for n in region.inputs]  # laid out as the kernel's buffers say (_values)
         outs = [torch.full(b.shape, float("nan"), dtype=b.dtype).as_strided(b.shape, b.strides)
                 if _dense_fill(b) else torch.empty_strided(b.shape, b.strides, dtype=b.dtype) for b in k.outputs]
-        ir.evaluate(k, laid, outs)
+        ir.evaluate(k, ins, outs)
         module = reference_module(gm, region)
-        ref = module(*laid)
+        ref = module(*ins)
         planned = wide = None
         for i, (o, r, b) in enumerate(zip(outs, ref, k.outputs)):
             try:
@@ -125,7 +125,7 @@ def check_regions(gm: fx.GraphModule, inputs: list, rtol: float, atol: float, co
                 # a 16-bit region computes in float32 and rounds once where its ops round after
                 # each; where they lose more than the tolerance (an ill-conditioned LayerNorm over
                 # two values), the kernel must match the same ops run in float32
-                wide = _float32_reference(module, laid) if wide is None else wide
+                wide = _float32_reference(module, ins) if wide is None else wide
                 if o.dtype == torch.float32 or wide is None:
                     raise
                 torch.testing.assert_close(o, wide[i].to(o.dtype), rtol=rtol, atol=atol, equal_nan=True,
@@ -134,7 +134,7 @@ def check_regions(gm: fx.GraphModule, inputs: list, rtol: float, atol: float, co
                 # where torch's own metadata for these ops differs from its kernels on this device
                 # (CPU group_norm keeps channels_last, its metadata and CUDA kernel do not), the
                 # metadata is what the graph was planned with and what the kernel must write
-                planned = _fake_strides(module, laid) if planned is None else planned
+                planned = _fake_strides(module, ins) if planned is None else planned
                 assert planned[i] != tuple(r.stride()) and _same_strides(o, planned[i]), \
                     f"region {region.name}: strides {o.stride()} != {r.stride()}"
         if compile_kernels:
@@ -152,17 +152,6 @@ def _float32_reference(module, inputs: list):
         return list(module(*wide))
     except Exception:  # noqa: BLE001 - an op that needs its 16-bit dtype: no float32 reference
         return None
-
-
-def _as_planned(t, b):
-    """An input with the strides its kernel was generated for: where an op's CPU kernel gave
-    other strides than the graph's metadata (see ``_fake_strides``), the generated kernel would not
-    run on it (it declines tensors that do not fit); the same values laid out as planned."""
-    if not isinstance(t, torch.Tensor) or _same_strides(t, b.strides):
-        return t
-    out = torch.empty_strided(tuple(b.shape), tuple(b.strides), dtype=t.dtype)
-    out.copy_(t)
-    return out
 
 
 def _same_strides(t: torch.Tensor, strides) -> bool:

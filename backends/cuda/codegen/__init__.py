@@ -13,8 +13,8 @@ from typing import Any, Mapping
 
 import torch
 
-from .templates import (BINARY_OPS, FAST_MATH_OPS, UNARY_OPS, WINO_AT, WINO_BT, WINO_G, act_lines, bounds, c_unary,
-                        ctype as _ctype, decompose as _decompose, lit as _lit, load,
+from .templates import (BINARY_OPS, UNARY_OPS, WINO_AT, WINO_BT, WINO_G, act_lines, bounds, c_unary,
+                        ctype as _ctype, decompose as _decompose, fast_math_prefix, lit as _lit, load,
                         norm_acts as _norm_acts, prelude as _prelude, winograd_transform_code,
                         wino_decompose as _wino_decompose)
 
@@ -258,12 +258,11 @@ def generate_pointwise(region: PointwiseRegion, layout: str = "nchw", vector_wid
     full vector go through a scalar tail loop. ``fast_math`` (16-bit results only): the
     activations' exp and quotient approximate, as in the generated region kernels."""
     region.validate()
-    fast = (fast_math and region.out_dtype in (torch.float16, torch.bfloat16)
-            and any(op.op in FAST_MATH_OPS for _, op in region.ops))
+    prefix = fast_math_prefix(fast_math, [region.out_dtype], (op.op for _, op in region.ops))
     lay, vec = _layout(layout), int(vector_width)
     if vec not in (1, 2, 4, 8) or any(vec * d.itemsize > 32 for d in region.dtypes()):
         raise ValueError(f"unsupported vector width {vector_width}")
-    name = f"fx_pw_{_ident(region.name)[:40]}_{lay}_v{vec}{'_i64' if index64 else ''}{'_fm' if fast else ''}"
+    name = f"fx_pw_{_ident(region.name)[:40]}_{lay}_v{vec}{'_i64' if index64 else ''}{'_fm' if prefix else ''}"
     var = {a.name: f"x{j}" for j, a in enumerate(region.inputs)}
     body = []
     for k, (ssa, op) in enumerate(region.ops):
@@ -308,10 +307,9 @@ def generate_pointwise(region: PointwiseRegion, layout: str = "nchw", vector_wid
         vector_loop=vector_loop, tail_start="nvec * %d" % vec if vec > 1 else "0",
         scalar_loads="\n".join(sloads), out_t=out_t, scalar_args=", ".join(sargs))
     all_params = tuple(params) + (("numel", "long long"), ("C", "long long"), ("HW", "long long"))
-    if fast:
-        src = "#define FXOPT_FAST_MATH 1\n" + src
-    return KernelSource(name, src, all_params, "pointwise",
-                        {"layout": lay, "vec": vec, "region": region, "fast_math": fast}, (block, 1, 1), index64)
+    return KernelSource(name, prefix + src, all_params, "pointwise",
+                        {"layout": lay, "vec": vec, "region": region, "fast_math": bool(prefix)}, (block, 1, 1),
+                        index64)
 
 
 # ---------------------------------------------------------------------------- pooling

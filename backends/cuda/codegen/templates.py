@@ -45,6 +45,16 @@ _UNARY_C = {
 FAST_MATH_OPS = frozenset({"silu", "sigmoid", "hardswish", "hardsigmoid", "exp"})
 
 
+def fast_math_prefix(fast_math: bool, out_dtypes, op_names) -> str:
+    """What option ``fast_math`` puts in front of a kernel's source: ``#define FXOPT_FAST_MATH``
+    where the kernel computes one of ``FAST_MATH_OPS`` and its floating results are all 16-bit
+    (the approximate exp and division, relative error below 2e-5 by CUDA's documented bounds,
+    vanish in their rounding); else nothing (float32 results keep IEEE arithmetic)."""
+    if not fast_math or not all(d in (torch.float16, torch.bfloat16) or not d.is_floating_point for d in out_dtypes):
+        return ""
+    return "#define FXOPT_FAST_MATH 1\n" if any(op in FAST_MATH_OPS for op in op_names) else ""
+
+
 @functools.lru_cache(maxsize=None)
 def load(name: str) -> Template:
     """The template ``templates/<name>`` shipped with the package."""
