@@ -525,6 +525,13 @@ def start_cell(backend: str, base_model: nn.Module, x_cpu: torch.Tensor, ref: Op
             _sync(device)
         if device == "cuda" and live.prepared.tracks_memory:
             cell["peak_mem_mb"] = (torch.cuda.max_memory_allocated() - base_mem) / 2 ** 20
+        if device == "cuda":
+            # counted now, before the next backend compiles: a profiler session that traces CUDA
+            # graph replays after other graphs were captured and destroyed around an earlier
+            # session crashed the process (SIGSEGV in the replay; torch 2.11, CUDA 13.0)
+            with torch.no_grad(), spec.context(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cell["kernels_per_call"] = _kernels_per_call(live.prepared.fn, live.prepared.inputs)
     except KeyboardInterrupt:
         raise
     except Exception as exc:
@@ -594,7 +601,6 @@ def finish_cell(live: LiveCell, device: str, rounds: int = 1) -> Dict[str, Any]:
                 with torch.no_grad(), BACKENDS[live.backend].context(), warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     cell["host_ms"] = host_ms_per_call(live.prepared.fn, live.prepared.inputs)
-                    cell["kernels_per_call"] = _kernels_per_call(live.prepared.fn, live.prepared.inputs)
             st = stats(live.samples)
             cell.update({f"{k}_ms": v for k, v in st.items() if k != "n"})
             cell["n"] = st["n"]
