@@ -421,7 +421,7 @@ BACKENDS: Dict[str, BackendSpec] = {s.name: s for s in [
     BackendSpec("fxopt-direct", _fxopt({"conv_algorithm": "direct"}), is_fxopt=True, default=False),
     BackendSpec("fxopt-auto", _fxopt({"conv_algorithm": "auto"}), is_fxopt=True, default=False),
     BackendSpec("fxopt-no-fusion", _fxopt({"fusion": False}), is_fxopt=True, default=False),
-    BackendSpec("fxopt-fast-math", _fxopt({"fast_math": True}), is_fxopt=True, default=False),
+    BackendSpec("fxopt-ieee", _fxopt({"fast_math": False}), is_fxopt=True, default=False),
     BackendSpec("fxopt-onnxruntime", _fxopt({"executor": "onnxruntime"}), is_fxopt=True, default=False),
     # built once, loaded without torch.compile (AOTInductor builds for minutes: not run by default)
     BackendSpec("fxopt-package", _deploy("prepare_package"), is_fxopt=True, deploy=True),
