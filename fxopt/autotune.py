@@ -223,8 +223,20 @@ def time_ms(fn, inputs: list, device_type: str, warmup: int = 3, iters: int = 10
     return statistics.median(times)
 
 
+def direct_channels_first_too(sig) -> bool:
+    """Whether ``direct`` is also timed channels-first for this conv: a channels_last depthwise 2-D
+    conv on CUDA with a kernel the cuda executor also runs channels-first (its ``nchw`` candidate,
+    conversions included). cuDNN's depthwise kernels for large filters differ by memory format by
+    up to 7x, so timing direct in one format only can hand the conv to FFT wrongly."""
+    from fxopt.backends.cuda.schedule.conv import NCHW_MIN_KERNEL
+
+    return (sig.device_type == "cuda" and sig.channels_last and sig.ndim == 2 and sig.groups > 1
+            and sig.w_shape[1] == 1 and max(sig.kernel) >= NCHW_MIN_KERNEL)
+
+
 def measure(sig, batch: int, candidates: list[str], device: torch.device) -> ConvChoice:
-    """Time every candidate on random data of the conv's shape; reject inaccurate ones."""
+    """Time every candidate on random data of the conv's shape; reject inaccurate ones. ``direct``
+    takes the faster memory format where ``direct_channels_first_too`` says both are run."""
     from fxopt.backends.conv_algorithms import get_algorithm
 
     # generated where it is used: at large batches, random inputs made on the host cost seconds
@@ -263,6 +275,11 @@ def measure(sig, batch: int, candidates: list[str], device: torch.device) -> Con
                     continue
                 choice.candidates[name] = time_ms(lambda x: algo.run(x, weight, packed, bias, sig), inputs,
                                                    device.type)
+                if name == "direct" and direct_channels_first_too(sig):
+                    cl = torch.channels_last
+                    choice.candidates[name] = min(choice.candidates[name], time_ms(
+                        lambda x: algo.run(x.contiguous(), weight, packed, bias, sig).contiguous(memory_format=cl),
+                        inputs, device.type))
             except Exception as e:  # noqa: BLE001 - a failing candidate is simply not chosen
                 choice.rejected[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 choice.candidates[name] = None

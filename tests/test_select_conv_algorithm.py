@@ -193,3 +193,39 @@ def test_accuracy_is_checked_on_a_few_images_of_a_large_batch(monkeypatch):
     assert choice.errors["gemm"] < 1e-3
     assert [b for n, dt, b in seen if dt == torch.float64] == [CHECK_BATCH]
     assert ("gemm", torch.float32, CHECK_BATCH) in seen and ("gemm", torch.float32, 16) in seen
+
+
+
+def test_direct_is_timed_in_both_formats_for_a_large_kernel_depthwise_conv(monkeypatch):
+    """A channels_last depthwise conv with a large kernel: direct's time is the faster of its two
+    memory formats (the cuda executor's channels-first candidate realizes it), so FFT does not win
+    against the slow format alone; other convs time direct once, in their own format."""
+    import dataclasses
+
+    import fxopt.autotune as A
+    from fxopt.backends.conv_algorithms import ALGORITHMS
+
+    runs = []
+    for name in ("direct", "fft"):
+        algo = ALGORITHMS[name]
+        monkeypatch.setattr(algo, "run", (lambda run, n: lambda x, *a: runs.append(
+            (n, "cf" if x.is_contiguous() else "cl")) or run(x, *a))(algo.run, name))
+    fake_ms = {("direct", "cl"): 1.3, ("direct", "cf"): 0.3, ("fft", "cl"): 0.5}
+    timed = []
+
+    def time_ms(fn, inputs, device_type, warmup=3, iters=10):
+        fn(inputs[0])
+        timed.append(runs[-1])
+        return fake_ms[runs[-1]]
+
+    monkeypatch.setattr(A, "time_ms", time_ms)
+    dw = dataclasses.replace(_sig((None, 8, 20, 20), (8, 1, 9, 9), padding=4, groups=8, dtype=torch.float32),
+                             device_type="cuda")
+    assert A.direct_channels_first_too(dw)
+    choice = A.measure(dw, 2, ["direct", "fft"], torch.device("cpu"))
+    assert timed == [("direct", "cl"), ("direct", "cf"), ("fft", "cl")]
+    assert choice.candidates == {"direct": 0.3, "fft": 0.5} and choice.algorithm == "direct", choice
+    for other in (dataclasses.replace(dw, channels_last=False), dataclasses.replace(dw, device_type="cpu"),
+                  dataclasses.replace(dw, w_shape=(8, 1, 3, 3), padding=(1, 1)),
+                  _sig((None, 8, 20, 20), (8, 8, 9, 9), padding=4, dtype=torch.float32)):
+        assert not A.direct_channels_first_too(other), other
