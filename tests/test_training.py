@@ -273,3 +273,33 @@ def test_training_under_float16_autocast_on_gpu(case):
     case.model.cuda()
     case.inputs = tuple(t.cuda() for t in case.inputs)
     check_equivalence(case, autocast=torch.float16)
+
+
+def test_ddp_checks_take_eager_channels_last_spread_and_require_equal_replicas():
+    """The DDP checks: a compiled backend's distance from eager DDP may be as large as eager
+    channels_last's own (the memory format's rounding, amplified by the optimizer); replicas whose
+    parameters differ across ranks (gradients not all-reduced) fail whatever the losses say."""
+    from types import SimpleNamespace
+
+    from fxopt.bench.ddp import PARAM_TOLERANCE, _summarize
+
+    def cell(loss_diff=None, param_diff=None, replica=0.0, fx=None):
+        return {"status": "ok", "median_ms": 10.0, "images_per_s": 12800.0, "images_per_s_per_device": 6400.0,
+                "losses_max_rel_diff": loss_diff, "param_rel_diff": param_diff, "replica_diff": replica,
+                "fxopt": fx}
+
+    fx = {"graphs": ["forward", "backward"], "fallbacks": []}
+    a = SimpleNamespace(backends=["eager", "eager-channels-last", "fxopt"], amp="float16")
+    ranks = [{"single": {}, "ddp": {"eager": cell(), "eager-channels-last": cell(0.05, 0.7),
+                                    "fxopt": cell(0.05, 0.7, fx=fx)}} for _ in range(2)]
+    out = _summarize(ranks, a, 0.02)
+    assert out["tolerances"] == {"losses": 0.05, "parameters": 0.7}
+    assert all(c["ok"] for c in out["checks"]), out["checks"]
+    ranks[1]["ddp"]["fxopt"]["replica_diff"] = 1e-3
+    bad = {c["backend"]: c for c in _summarize(ranks, a, 0.02)["checks"]}["fxopt"]
+    assert not bad["ok"] and "replicas" in bad["reason"]
+    a.backends = ["eager", "fxopt"]  # no channels_last reference: the precision's tolerances
+    ranks[1]["ddp"]["fxopt"]["replica_diff"] = 0.0
+    out = _summarize(ranks, a, 0.02)
+    assert out["tolerances"] == {"losses": 0.02, "parameters": PARAM_TOLERANCE["float16"]}
+    assert "losses differ" in out["checks"][-1]["reason"] and "parameters differ" in out["checks"][-1]["reason"]

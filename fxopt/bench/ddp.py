@@ -16,9 +16,16 @@ seeded batches (per rank), from the same initial weights:
    splits the model's graph at the bucket boundaries (so that each bucket's all-reduce can start
    while the backward of the pieces before it runs); every piece is compiled by the backend, which
    fxopt's reports show (one forward and one backward graph per piece).
-3. checks: each compiled backend's losses (every rank's first ``--losses``) and its parameters
-   after the last step against eager DDP's, within the tolerance of the precision; fxopt compiled
-   every piece without falling back.
+3. checks: the replicas' parameters are identical on every rank after the last step (the
+   gradients were all-reduced: a backward whose gradients DDP missed would let them drift apart);
+   each compiled backend's losses (every rank's first ``--losses``) and its parameters after the
+   last step against eager DDP's, within the tolerance of the precision or, where
+   ``eager-channels-last`` ran, at least its own distance from eager DDP (the same model in the other
+   memory format: other cuDNN kernels and rounding, amplified by every optimizer step); fxopt
+   compiled every piece without falling back.
+4. on CUDA, ``--profile-steps`` DDP steps under torch.profiler: compute kernel time, NCCL kernel
+   time and host time per step; and the all-reduce of one buffer the size of the gradients alone
+   (the communication floor).
 
 Rank 0 writes results.json and results.md to ``--out``: per backend the step time, images/s per
 device and in all, the scaling over one device (all devices' images/s / one device's), the loss
@@ -30,6 +37,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
@@ -47,11 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="resnet50", help="a fxopt.bench model (default resnet50)")
     p.add_argument("--batch", type=int, default=64, help="batch per process (default 64)")
     p.add_argument("--amp", choices=["float16", "bfloat16", "none"], help="default float16 on cuda, none on cpu")
-    p.add_argument("--backends", default="eager,fxopt", help=f"comma list (eager always; known: {','.join(TRAIN_BACKENDS)})")
+    p.add_argument("--backends", default="eager,eager-channels-last,fxopt",
+                   help=f"comma list (eager always; known: {','.join(TRAIN_BACKENDS)})")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50, help="timed steps")
     p.add_argument("--losses", type=int, default=20, help="losses compared with eager DDP's")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (DDP's default 25)")
+    p.add_argument("--profile-steps", type=int, default=3, help="DDP steps under torch.profiler on cuda (0: none)")
+    p.add_argument("--trace", action="store_true",
+                   help="rank 0 writes the profiled DDP steps' timeline per backend (trace_BACKEND.json in --out)")
+    p.add_argument("--ddp-options", default=None, metavar="JSON",
+                   help='more DistributedDataParallel arguments, e.g. {"gradient_as_bucket_view": true}')
     p.add_argument("--single", action=argparse.BooleanOptionalAction, default=True,
                    help="also time each process training alone (the one-device baseline)")
     p.add_argument("--image-size", type=int, help="input height/width of the ImageNet models (default 224)")
@@ -80,9 +94,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     bad = [b for b in a.backends if b not in TRAIN_BACKENDS]
     if bad:
         p.error(f"unknown backend(s) {bad}; known: {', '.join(TRAIN_BACKENDS)}")
-    if a.batch < 2 or a.iters < 1 or a.warmup < 0 or a.losses < 0:
-        p.error("--batch >= 2, --iters >= 1, --warmup and --losses >= 0")
+    if a.batch < 2 or a.iters < 1 or min(a.warmup, a.losses, a.profile_steps) < 0:
+        p.error("--batch >= 2, --iters >= 1, --warmup, --losses and --profile-steps >= 0")
     a.fxopt_options = json.loads(a.fxopt_options) if a.fxopt_options else {}
+    a.ddp_options = json.loads(a.ddp_options) if a.ddp_options else {}
     a.final_steps = 0
     return a
 
@@ -138,6 +153,37 @@ def _param_rel_diff(model, reference) -> float:
     return num / den if den else num
 
 
+def _replica_diff(model) -> float:
+    """max |p - p_rank0| over the parameters (a collective: every rank calls it). Data parallelism
+    keeps the replicas bitwise equal: the same start, the same all-reduced gradients, the same
+    optimizer step. BatchNorm's running statistics are left out: each rank updates them from its
+    own batch after the last broadcast."""
+    import torch
+    import torch.distributed as dist
+
+    worst = 0.0
+    with torch.no_grad():
+        for p in model.parameters():
+            ref = p.detach().clone()
+            dist.broadcast(ref, 0)
+            worst = max(worst, (p.detach().float() - ref.float()).abs().max().item())
+    return worst
+
+
+def _allreduce_ms(model, device: str, iters: int = 20) -> float:
+    """Median time of one all-reduce of a float32 buffer with as many elements as the model's
+    parameters (the gradients' bytes in one collective; a collective on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    from .runners import time_calls
+
+    buf = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
+    for _ in range(3):
+        dist.all_reduce(buf)
+    return statistics.median(time_calls(lambda _: dist.all_reduce(buf), None, torch.device(device).type, iters))
+
+
 def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
     """This process's part; returns the results on rank 0 (None elsewhere)."""
     import torch
@@ -147,7 +193,7 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
     from fxopt.testing.training import AMP_DTYPES, LOSS_TOLERANCE, make_batches, max_rel_diff
 
     from . import _device_info, _versions
-    from .train import Trainee, _build
+    from .train import Trainee, _build, _guarded, step_profile
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     if a.device == "cuda":
@@ -170,13 +216,21 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
                 single[be] = _cell(t, a, 1)
                 del t
         dist.barrier()
-        bucket = {"bucket_cap_mb": a.bucket_cap_mb, **({"device_ids": [local]} if a.device == "cuda" else {})}
+        comm_ms = _allreduce_ms(base, device)
+        bucket = {"bucket_cap_mb": a.bucket_cap_mb, **({"device_ids": [local]} if a.device == "cuda" else {}),
+                  **a.ddp_options}
         trainees = {}
         for be in a.backends:
             torch._dynamo.reset()
             t = Trainee(be, base, batches, device, a.amp, a.lr, a.fxopt_options,
                         wrap_model=lambda m: DDP(m, **bucket), seed=a.seed + 1000 * rank)
             _train(t, a)
+            if a.device == "cuda" and a.profile_steps and t.cell["status"] == "ok":
+                trace = os.path.join(a.out, f"trace_{be}.json") if a.trace and rank == 0 else None
+                if trace:
+                    os.makedirs(a.out, exist_ok=True)
+                _guarded(t, lambda: t.cell.update(step_profile(t, a.profile_steps, trace)), [], "profile")
+            t.cell["replica_diff"] = _replica_diff(t.model)
             trainees[be] = t
             dist.barrier()
         eager = trainees["eager"]
@@ -190,7 +244,8 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
                 cell["param_rel_diff"] = _param_rel_diff(t.model, eager.model)
             ddp[be] = cell
         gathered: List[Any] = [None] * world
-        dist.all_gather_object(gathered, {"rank": rank, "device": device, "single": single, "ddp": ddp})
+        dist.all_gather_object(gathered, {"rank": rank, "device": device, "single": single, "ddp": ddp,
+                                          "allreduce_ms": comm_ms})
     finally:
         dist.barrier()
         dist.destroy_process_group()
@@ -206,14 +261,16 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
             "dynamo_optimize_ddp": str(torch._dynamo.config.optimize_ddp),
             "config": {k: getattr(a, k) for k in ("model", "batch", "amp", "backends", "warmup", "iters", "losses",
                                                    "bucket_cap_mb", "single", "image_size", "data_batches", "lr",
-                                                   "seed", "fxopt_options")},
+                                                   "seed", "fxopt_options", "profile_steps", "ddp_options")},
+            "allreduce_ms": gathered[0]["allreduce_ms"],
+            "gradient_mb": sum(p.numel() for p in base.parameters()) * 4 / 2**20,
             "loss_tolerance": tol, "param_tolerance": PARAM_TOLERANCE[a.amp]}
     return {"meta": meta, "ranks": gathered, "summary": _summarize(gathered, a, tol)}
 
 
 def _summarize(ranks: List[Dict[str, Any]], a, tol: float) -> Dict[str, Any]:
-    """Per backend: rank 0's step time, throughput and scaling; the worst loss/parameter difference
-    over the ranks; fxopt's graphs; the checks."""
+    """Per backend: rank 0's step time, throughput, scaling and profile; the worst loss, parameter
+    and replica difference over the ranks; fxopt's graphs; the checks."""
     out: Dict[str, Any] = {"backends": {}, "checks": []}
     for be in a.backends:
         cells = [r["ddp"][be] for r in ranks]
@@ -223,27 +280,38 @@ def _summarize(ranks: List[Dict[str, Any]], a, tol: float) -> Dict[str, Any]:
                "ddp_step_ms": c0.get("median_ms"), "ddp_images_per_s_per_device": c0.get("images_per_s_per_device"),
                "ddp_images_per_s": c0.get("images_per_s"), "first_step_s": c0.get("first_step_s"),
                "single_step_ms": s0.get("median_ms"), "single_images_per_s": s0.get("images_per_s"),
-               "fxopt": c0.get("fxopt")}
+               "replica_diff": max((c.get("replica_diff", float("inf")) for c in cells), default=None),
+               "fxopt": c0.get("fxopt"),
+               **{k: c0[k] for k in ("gpu_kernel_ms", "comm_kernel_ms", "host_ms", "kernels_per_step") if k in c0}}
         if row["ddp_images_per_s"] and row["single_images_per_s"]:
             row["scaling"] = row["ddp_images_per_s"] / row["single_images_per_s"]
         if be != "eager":
-            diffs = [c.get("losses_max_rel_diff") for c in cells]
-            pdiffs = [c.get("param_rel_diff") for c in cells]
-            row["losses_max_rel_diff"] = None if None in diffs else max(diffs)
-            row["param_rel_diff"] = None if None in pdiffs else max(pdiffs)
-            problems = []
-            if row["status"] != "ok":
-                problems.append(row["status"])
-            elif row["losses_max_rel_diff"] is None or not row["losses_max_rel_diff"] <= tol:
-                problems.append(f"losses differ from eager DDP's by {row['losses_max_rel_diff']} > {tol:g}")
-            if row.get("param_rel_diff") is not None and not row["param_rel_diff"] <= PARAM_TOLERANCE[a.amp]:
-                problems.append(f"parameters differ from eager DDP's by {row['param_rel_diff']:.3g}")
-            fx = [c.get("fxopt") for c in cells if c.get("fxopt")]
+            for key in ("losses_max_rel_diff", "param_rel_diff"):
+                diffs = [c.get(key) for c in cells]
+                row[key] = None if None in diffs else max(diffs)
+        out["backends"][be] = row
+    reference = out["backends"].get("eager-channels-last", {})
+    spread = {k: reference.get(k) or 0.0 for k in ("losses_max_rel_diff", "param_rel_diff")}
+    loss_tol, param_tol = max(tol, spread["losses_max_rel_diff"]), max(PARAM_TOLERANCE[a.amp], spread["param_rel_diff"])
+    out["tolerances"] = {"losses": loss_tol, "parameters": param_tol}
+    for be, row in out["backends"].items():
+        problems = []
+        if row["status"] != "ok":
+            if be == "eager-channels-last":
+                continue  # a reference, not a compiler under test
+            problems.append(row["status"])
+        elif row["replica_diff"] != 0.0:
+            problems.append(f"the replicas' parameters differ by {row['replica_diff']:.3g} (gradients not all-reduced)")
+        if be not in ("eager", "eager-channels-last") and row["status"] == "ok":
+            if row["losses_max_rel_diff"] is None or not row["losses_max_rel_diff"] <= loss_tol:
+                problems.append(f"losses differ from eager DDP's by {row['losses_max_rel_diff']} > {loss_tol:g}")
+            if row["param_rel_diff"] is not None and not row["param_rel_diff"] <= param_tol:
+                problems.append(f"parameters differ from eager DDP's by {row['param_rel_diff']:.3g} > {param_tol:.3g}")
             if be.startswith("fxopt"):
+                fx = [c.get("fxopt") for c in (r["ddp"][be] for r in ranks) if c.get("fxopt")]
                 if not fx or any(f["fallbacks"] for f in fx):
                     problems.append("fxopt compiled no graph" if not fx else f"fxopt fell back: {fx[0]['fallbacks']}")
-            out["checks"].append({"backend": be, "ok": not problems, "reason": "; ".join(problems) or None})
-        out["backends"][be] = row
+        out["checks"].append({"backend": be, "ok": not problems, "reason": "; ".join(problems) or None})
     return out
 
 
@@ -264,10 +332,15 @@ def render_markdown(results: Dict[str, Any]) -> str:
               "- versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v),
               f"- date: {m['date']}", f"- command: `{m['command']}`",
               f"- loop: {_precision(cfg['amp'])}, Adam, cross-entropy; median of {cfg['iters']} steps after {cfg['warmup']} warm-up steps (rank 0); "
-              f"DDP buckets of {cfg['bucket_cap_mb']} MB; Dynamo optimize_ddp={m['dynamo_optimize_ddp']}", "",
+              f"DDP buckets of {cfg['bucket_cap_mb']} MB"
+              + "".join(f", {k}={v}" for k, v in (cfg.get("ddp_options") or {}).items())
+              + f"; Dynamo optimize_ddp={m['dynamo_optimize_ddp']}", "",
+              f"- all-reduce of the gradients' {m.get('gradient_mb', 0):.1f} MB (float32) alone: "
+              f"{f(m.get('allreduce_ms'), '.3f')} ms (median of 20)", "",
               "| backend | status | 1 device ms/step | 1 device img/s | DDP ms/step | DDP img/s per device | "
-              "DDP img/s all | scaling | first DDP step s | losses max rel diff | params rel diff | fxopt graphs |",
-              "|" + "---|" * 12]
+              "DDP img/s all | scaling | compute / NCCL kernels / host ms | first DDP step s | losses max rel diff | "
+              "params rel diff | replicas differ by | fxopt graphs |",
+              "|" + "---|" * 14]
     for be, r in s["backends"].items():
         fx = r.get("fxopt")
         graphs = (", ".join(f"{fx['graphs'].count(k)} {k}" for k in dict.fromkeys(fx["graphs"]))
@@ -276,12 +349,17 @@ def render_markdown(results: Dict[str, Any]) -> str:
             be, r["status"], f(r.get("single_step_ms"), ".3f"), f(r.get("single_images_per_s"), ".0f"),
             f(r.get("ddp_step_ms"), ".3f"), f(r.get("ddp_images_per_s_per_device"), ".0f"),
             f(r.get("ddp_images_per_s"), ".0f"), f(r.get("scaling")) + ("×" if r.get("scaling") else ""),
+            " / ".join(f(r.get(k)) for k in ("gpu_kernel_ms", "comm_kernel_ms", "host_ms")),
             f(r.get("first_step_s")), f(r.get("losses_max_rel_diff"), ".2e"), f(r.get("param_rel_diff"), ".2e"),
-            graphs]) + " |")
+            f(r.get("replica_diff"), ".3g"), graphs]) + " |")
     checks = s["checks"]
     bad = [c for c in checks if not c["ok"]]
     lines += ["", f"scaling = DDP images/s on all {m['world_size']} devices / one device's images/s without DDP. "
-              f"Tolerances: losses {m['loss_tolerance']}, parameters {m['param_tolerance']}.", "",
+              f"Tolerances: losses {s['tolerances']['losses']:.3g}, parameters {s['tolerances']['parameters']:.3g} (the "
+              f"precision's {m['loss_tolerance']:g} and {m['param_tolerance']:g}, or eager-channels-last's own distance "
+              "from eager DDP where larger). compute / NCCL kernels / host = per DDP step under torch.profiler: the "
+              "compute kernels' time, NCCL's kernels' time (overlapping the compute) and the host's time outside "
+              "waits (an upper bound).", "",
               f"Checks: {len(checks) - len(bad)}/{len(checks)} passed."]
     lines += [f"- FAILED {c['backend']}: {c['reason']}" for c in bad]
     return "\n".join(lines) + "\n"

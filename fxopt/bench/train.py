@@ -267,9 +267,11 @@ _WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchroniz
           "cudaMemcpyAsync")
 
 
-def step_profile(t: Trainee, steps: int) -> Dict[str, float]:
+def step_profile(t: Trainee, steps: int, trace: Optional[str] = None) -> Dict[str, float]:
     """GPU kernels per step, GPU kernel time per step and host time per step (CPU time of the step
-    outside waits for the GPU), from ``steps`` steps under torch.profiler (CUDA only)."""
+    outside waits for the GPU), from ``steps`` steps under torch.profiler (CUDA only). NCCL's
+    kernels (data parallel) are not counted there but as ``comm_kernel_ms``. ``trace``: also write
+    the steps' timeline there (Chrome trace format)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -279,17 +281,24 @@ def step_profile(t: Trainee, steps: int) -> Dict[str, float]:
         t.steps(steps)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    kernels, gpu_us, wait_us = 0, 0.0, 0.0
+    if trace:
+        prof.export_chrome_trace(trace)
+    kernels, gpu_us, comm_us, wait_us = 0, 0.0, 0.0, 0.0
     for e in prof.events():
         kind = getattr(getattr(e, "device_type", None), "name", None)
         if kind == "CUDA":
-            if not e.name.startswith(("Memcpy", "Memset")):
+            if e.name.startswith("nccl"):  # collectives (DDP): they overlap the compute kernels
+                comm_us += e.time_range.elapsed_us()
+            elif not e.name.startswith(("Memcpy", "Memset")):
                 kernels += 1
                 gpu_us += e.time_range.elapsed_us()
         elif e.name in _WAITS:
             wait_us += e.time_range.elapsed_us()
-    return {"kernels_per_step": kernels / steps, "gpu_kernel_ms": gpu_us / 1e3 / steps,
-            "host_ms": max(0.0, wall * 1e3 - wait_us / 1e3) / steps}
+    out = {"kernels_per_step": kernels / steps, "gpu_kernel_ms": gpu_us / 1e3 / steps,
+           "host_ms": max(0.0, wall * 1e3 - wait_us / 1e3) / steps}
+    if comm_us:
+        out["comm_kernel_ms"] = comm_us / 1e3 / steps
+    return out
 
 
 def _graph_summary(reports: List) -> Dict[str, Any]:
