@@ -44,6 +44,9 @@ __all__ = ["ConvSig", "ConvAlgorithm", "ALGORITHMS", "get_algorithm", "legal_alg
            "compute_dtype", "FFT_MAX_SPECTRUM_BYTES"]
 
 FFT_MAX_SPECTRUM_BYTES = 512 * 2**20
+#: depthwise kernels from this size up (either side) run channels-first too where the graph is
+#: channels_last: the cuda executor's ``nchw`` candidate, and ``direct``'s time in autotune.measure
+NCHW_MIN_KERNEL = 7
 _DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 

@@ -228,7 +228,7 @@ def direct_channels_first_too(sig) -> bool:
     conv on CUDA with a kernel the cuda executor also runs channels-first (its ``nchw`` candidate,
     conversions included). cuDNN's depthwise kernels for large filters differ by memory format by
     up to 7x, so timing direct in one format only can hand the conv to FFT wrongly."""
-    from fxopt.backends.cuda.schedule.conv import NCHW_MIN_KERNEL
+    from fxopt.backends.conv_algorithms import NCHW_MIN_KERNEL
 
     return (sig.device_type == "cuda" and sig.channels_last and sig.ndim == 2 and sig.groups > 1
             and sig.w_shape[1] == 1 and max(sig.kernel) >= NCHW_MIN_KERNEL)

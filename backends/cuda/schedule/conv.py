@@ -45,6 +45,7 @@ from fxopt.backends.cuda.schedule import TemplateCandidate, dense_strides, ints,
 from fxopt.backends.cuda.runtime.launch import (launch_depthwise_conv2d, launch_direct_conv2d, launch_pointwise,
                                                 memory_layout_ok, pool2d_output_size, vector_width_ok, weight_fits,
                                                 weight_layout_of)
+from fxopt.backends.conv_algorithms import NCHW_MIN_KERNEL
 from fxopt.ops import conv_by_algorithm, fused_conv_ref
 
 aten = torch.ops.aten
@@ -148,8 +149,6 @@ def plan_conv_epilogue(node: fx.Node, fast_math: bool = False) -> Optional[Gener
 
 
 # ---------------------------------------------------------------------------- one conv channels-first
-#: depthwise kernels from this size up (either side) get the channels-first candidate
-NCHW_MIN_KERNEL = 7
 
 
 def plan_conv_in_nchw(node: fx.Node) -> bool:
