@@ -23,9 +23,9 @@ seeded batches (per rank), from the same initial weights:
    ``eager-channels-last`` ran, at least its own distance from eager DDP (the same model in the other
    memory format: other cuDNN kernels and rounding, amplified by every optimizer step); fxopt
    compiled every piece without falling back.
-4. on CUDA, ``--profile-steps`` DDP steps under torch.profiler: compute kernel time, NCCL kernel
-   time and host time per step; and the all-reduce of one buffer the size of the gradients alone
-   (the communication floor).
+4. the time of one all-reduce of a buffer the size of the gradients, alone (the communication floor);
+   on CUDA with ``--profile-steps N``, N DDP steps under torch.profiler: compute kernel time, NCCL
+   kernel time and host time per step.
 
 Rank 0 writes results.json and results.md to ``--out``: per backend the step time, images/s per
 device and in all, the scaling over one device (all devices' images/s / one device's), the loss
@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=50, help="timed steps")
     p.add_argument("--losses", type=int, default=20, help="losses compared with eager DDP's")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (DDP's default 25)")
-    p.add_argument("--profile-steps", type=int, default=3, help="DDP steps under torch.profiler on cuda (0: none)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="DDP steps under torch.profiler on cuda (default 0: a profiler session after other CUDA "
+                        "graphs were captured and destroyed crashed the process once, see README)")
     p.add_argument("--trace", action="store_true",
                    help="rank 0 writes the profiled DDP steps' timeline per backend (trace_BACKEND.json in --out)")
     p.add_argument("--ddp-options", default=None, metavar="JSON",

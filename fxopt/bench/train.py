@@ -14,7 +14,8 @@ batch ``i mod --data-batches``). Per (model, batch, precision, backend) it recor
 - the first ``--losses`` losses (default 20) and their max relative difference from eager's, and
   with ``--final-steps N`` the loss after N steps (mean over the last pass through the data)
   against eager's (within 5%);
-- on CUDA, over ``--profile-steps`` steps under ``torch.profiler``: GPU kernels launched per step,
+- on CUDA, over ``--profile-steps`` steps under ``torch.profiler`` (right after the warm-up, before
+  the next backend compiles; for every backend at the same step): GPU kernels launched per step,
   GPU kernel time per step (the rest of a step is time the GPU waits for the host) and host time
   per step (CPU time outside waits for the GPU; profiler overhead included: an upper bound);
   and the peak memory;
@@ -491,6 +492,8 @@ def run_training_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] 
                 _guarded(t, lambda: t.steps(a.warmup), errors, "warm-up")
                 if a.device == "cuda":  # before the next backend allocates: this one's compile and steps
                     t.cell["peak_mem_mb"] = (torch.cuda.max_memory_allocated() - t.base_mem) / 2 ** 20
+                if a.device == "cuda" and a.profile_steps:  # before the next backend compiles (README: profiling)
+                    _guarded(t, lambda: t.cell.update(step_profile(t, a.profile_steps)), errors, "profile")
                 trainees.append(t)
                 bar.update(1)
             for _ in range(a.rounds):
@@ -499,8 +502,6 @@ def run_training_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] 
                         _guarded(t, lambda: t.steps(a.rewarm), errors, "re-warm")
                     _guarded(t, lambda: t.timed(per_round), errors, "timed steps")
             for t in trainees:
-                if a.device == "cuda" and a.profile_steps:
-                    _guarded(t, lambda: t.cell.update(step_profile(t, a.profile_steps)), errors, "profile")
                 left = max(a.final_steps, a.losses) - len(t.losses)
                 if left > 0:
                     _guarded(t, lambda: t.steps(left), errors, "further steps")
