@@ -303,3 +303,13 @@ def test_ddp_checks_take_eager_channels_last_spread_and_require_equal_replicas()
     out = _summarize(ranks, a, 0.02)
     assert out["tolerances"] == {"losses": 0.02, "parameters": PARAM_TOLERANCE["float16"]}
     assert "losses differ" in out["checks"][-1]["reason"] and "parameters differ" in out["checks"][-1]["reason"]
+
+
+def test_ddp_arguments_profile_only_on_request():
+    from fxopt.bench.ddp import parse_args
+
+    a = parse_args(["--device", "cpu", "--model", "seedcnn2"])
+    assert a.profile_steps == 0 and a.backends == ["eager", "eager-channels-last", "fxopt"] and a.ddp_options == {}
+    a = parse_args(["--device", "cpu", "--model", "seedcnn2", "--trace", "--ddp-options", '{"static_graph": true}'])
+    assert a.profile_steps == 2 and a.ddp_options == {"static_graph": True}
+    assert parse_args(["--device", "cpu", "--model", "seedcnn2", "--trace", "--profile-steps", "4"]).profile_steps == 4

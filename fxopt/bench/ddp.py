@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DDP steps under torch.profiler on cuda (default 0: a profiler session after other CUDA "
                         "graphs were captured and destroyed crashed the process once, see README)")
     p.add_argument("--trace", action="store_true",
-                   help="rank 0 writes the profiled DDP steps' timeline per backend (trace_BACKEND.json in --out)")
+                   help="rank 0 writes the profiled DDP steps' timeline per backend (trace_BACKEND.json in --out; "
+                        "2 profiled steps unless --profile-steps says otherwise)")
     p.add_argument("--ddp-options", default=None, metavar="JSON",
                    help='more DistributedDataParallel arguments, e.g. {"gradient_as_bucket_view": true}')
     p.add_argument("--single", action=argparse.BooleanOptionalAction, default=True,
@@ -100,6 +101,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--batch >= 2, --iters >= 1, --warmup, --losses and --profile-steps >= 0")
     a.fxopt_options = json.loads(a.fxopt_options) if a.fxopt_options else {}
     a.ddp_options = json.loads(a.ddp_options) if a.ddp_options else {}
+    if a.trace and not a.profile_steps:
+        a.profile_steps = 2  # a timeline needs profiled steps
     a.final_steps = 0
     return a
 
