@@ -44,8 +44,7 @@ __all__ = ["ConvSig", "ConvAlgorithm", "ALGORITHMS", "get_algorithm", "legal_alg
            "compute_dtype", "FFT_MAX_SPECTRUM_BYTES"]
 
 FFT_MAX_SPECTRUM_BYTES = 512 * 2**20
-#: depthwise kernels from this size up (either side) run channels-first too where the graph is
-#: channels_last: the cuda executor's ``nchw`` candidate, and ``direct``'s time in autotune.measure
+#: depthwise kernels from this size up (either side): see ``channels_first_candidate``
 NCHW_MIN_KERNEL = 7
 _DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -114,6 +113,15 @@ class ConvSig:
         cl = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
         return cls((None if dynamic_batch else x.shape[0], *x.shape[1:]), tuple(weight.shape),
                    stride, padding, dilation, groups, x.dtype, x.device.type, cl)
+
+
+def channels_first_candidate(sig: "ConvSig") -> bool:
+    """A channels_last depthwise 2-D conv with a kernel of ``NCHW_MIN_KERNEL`` or more: cuDNN's
+    kernels for it differ by memory format by up to 7x, so it is also run channels-first (its
+    conversions included): the cuda executor's ``nchw`` candidate, and ``direct``'s time in
+    ``fxopt.autotune.measure`` (else FFT could win against the slow format alone)."""
+    return (sig.channels_last and sig.ndim == 2 and sig.groups > 1 and sig.w_shape[1] == 1
+            and max(sig.kernel) >= NCHW_MIN_KERNEL)
 
 
 def compute_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:

@@ -223,21 +223,10 @@ def time_ms(fn, inputs: list, device_type: str, warmup: int = 3, iters: int = 10
     return statistics.median(times)
 
 
-def direct_channels_first_too(sig) -> bool:
-    """Whether ``direct`` is also timed channels-first for this conv: a channels_last depthwise 2-D
-    conv on CUDA with a kernel the cuda executor also runs channels-first (its ``nchw`` candidate,
-    conversions included). cuDNN's depthwise kernels for large filters differ by memory format by
-    up to 7x, so timing direct in one format only can hand the conv to FFT wrongly."""
-    from fxopt.backends.conv_algorithms import NCHW_MIN_KERNEL
-
-    return (sig.device_type == "cuda" and sig.channels_last and sig.ndim == 2 and sig.groups > 1
-            and sig.w_shape[1] == 1 and max(sig.kernel) >= NCHW_MIN_KERNEL)
-
-
 def measure(sig, batch: int, candidates: list[str], device: torch.device) -> ConvChoice:
-    """Time every candidate on random data of the conv's shape; reject inaccurate ones. ``direct``
-    takes the faster memory format where ``direct_channels_first_too`` says both are run."""
-    from fxopt.backends.conv_algorithms import get_algorithm
+    """Time every candidate on random data of the conv's shape; reject inaccurate ones. On CUDA,
+    ``direct`` takes the faster memory format where ``channels_first_candidate`` holds."""
+    from fxopt.backends.conv_algorithms import channels_first_candidate, get_algorithm
 
     # generated where it is used: at large batches, random inputs made on the host cost seconds
     gen = torch.Generator(device=device).manual_seed(0)
@@ -275,7 +264,7 @@ def measure(sig, batch: int, candidates: list[str], device: torch.device) -> Con
                     continue
                 choice.candidates[name] = time_ms(lambda x: algo.run(x, weight, packed, bias, sig), inputs,
                                                    device.type)
-                if name == "direct" and direct_channels_first_too(sig):
+                if name == "direct" and sig.device_type == "cuda" and channels_first_candidate(sig):
                     cl = torch.channels_last
                     choice.candidates[name] = min(choice.candidates[name], time_ms(
                         lambda x: algo.run(x.contiguous(), weight, packed, bias, sig).contiguous(memory_format=cl),

@@ -199,11 +199,11 @@ def test_accuracy_is_checked_on_a_few_images_of_a_large_batch(monkeypatch):
 def test_direct_is_timed_in_both_formats_for_a_large_kernel_depthwise_conv(monkeypatch):
     """A channels_last depthwise conv with a large kernel: direct's time is the faster of its two
     memory formats (the cuda executor's channels-first candidate realizes it), so FFT does not win
-    against the slow format alone; other convs time direct once, in their own format."""
+    against the slow format alone; other convs, and any conv off CUDA, time direct once."""
     import dataclasses
 
     import fxopt.autotune as A
-    from fxopt.backends.conv_algorithms import ALGORITHMS
+    from fxopt.backends.conv_algorithms import ALGORITHMS, channels_first_candidate
 
     runs = []
     for name in ("direct", "fft"):
@@ -221,11 +221,14 @@ def test_direct_is_timed_in_both_formats_for_a_large_kernel_depthwise_conv(monke
     monkeypatch.setattr(A, "time_ms", time_ms)
     dw = dataclasses.replace(_sig((None, 8, 20, 20), (8, 1, 9, 9), padding=4, groups=8, dtype=torch.float32),
                              device_type="cuda")
-    assert A.direct_channels_first_too(dw)
+    assert channels_first_candidate(dw)
     choice = A.measure(dw, 2, ["direct", "fft"], torch.device("cpu"))
     assert timed == [("direct", "cl"), ("direct", "cf"), ("fft", "cl")]
     assert choice.candidates == {"direct": 0.3, "fft": 0.5} and choice.algorithm == "direct", choice
-    for other in (dataclasses.replace(dw, channels_last=False), dataclasses.replace(dw, device_type="cpu"),
+    timed.clear()
+    choice = A.measure(dataclasses.replace(dw, device_type="cpu"), 2, ["direct", "fft"], torch.device("cpu"))
+    assert timed == [("direct", "cl"), ("fft", "cl")] and choice.algorithm == "fft", choice
+    for other in (dataclasses.replace(dw, channels_last=False),
                   dataclasses.replace(dw, w_shape=(8, 1, 3, 3), padding=(1, 1)),
                   _sig((None, 8, 20, 20), (8, 8, 9, 9), padding=4, dtype=torch.float32)):
-        assert not A.direct_channels_first_too(other), other
+        assert not channels_first_candidate(other), other

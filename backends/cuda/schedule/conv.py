@@ -22,8 +22,8 @@ what it was generated for, so that the reference runs):
   direct convolution with the epilogue fused (``codegen/direct_conv.py``), in two output-channel
   tilings; with few output pixels (a small batch, where a thread's serial reduction is the time)
   the smallest tiling also with each output's input channels split over 2-8 lanes of a warp.
-- ``plan_conv_in_nchw`` -> ``conv_in_nchw``: a depthwise conv with a large kernel (``NCHW_MIN_KERNEL``
-  and up: ConvNeXt, large-kernel CNNs) in a channels_last graph, computed channels-first (input,
+- ``plan_conv_in_nchw`` -> ``conv_in_nchw``: a depthwise conv with a large kernel
+  (``conv_algorithms.channels_first_candidate``: ConvNeXt, large-kernel CNNs) in a channels_last graph, computed channels-first (input,
   weight and residual converted, the result converted back): the layout chosen for that conv alone,
   measured with its conversions against the conv as the layout pass left it. Nothing to compile.
 - ``plan_conv_maxpool``: a ``max_pool2d_with_indices`` whose indices nobody reads, fed by such a
@@ -45,8 +45,8 @@ from fxopt.backends.cuda.schedule import TemplateCandidate, dense_strides, ints,
 from fxopt.backends.cuda.runtime.launch import (launch_depthwise_conv2d, launch_direct_conv2d, launch_pointwise,
                                                 memory_layout_ok, pool2d_output_size, vector_width_ok, weight_fits,
                                                 weight_layout_of)
-from fxopt.backends.conv_algorithms import NCHW_MIN_KERNEL
-from fxopt.ops import conv_by_algorithm, fused_conv_ref
+from fxopt.backends.conv_algorithms import channels_first_candidate
+from fxopt.ops import conv_by_algorithm, conv_sig_of, fused_conv_ref
 
 aten = torch.ops.aten
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -152,23 +152,17 @@ def plan_conv_epilogue(node: fx.Node, fast_math: bool = False) -> Optional[Gener
 
 
 def plan_conv_in_nchw(node: fx.Node) -> bool:
-    """Whether ``conv_in_nchw`` is a candidate for this node: a plain depthwise 2-D conv whose
-    input and output are channels_last, with a kernel of ``NCHW_MIN_KERNEL`` or more. cuDNN's
-    kernels for such convs differ by layout more than for dense convs, and the layout pass chose
-    channels_last for the graph as a whole."""
+    """Whether ``conv_in_nchw`` is a candidate for this node: a conv run by the library (``direct``)
+    whose input and output are channels_last and that ``channels_first_candidate`` names (a
+    depthwise conv with a large kernel; the layout pass chose channels_last for the whole graph)."""
     if node.op != "call_function" or node.target is not fused_conv_ref:
         return False
     x, w, out = node_val(node.args[0]), node_val(node.args[1]), node.meta.get("val")
     if x is None or w is None or out is None or x.dim() != 4 or out.dtype not in _DTYPES:
         return False  # only 2-D convolutions in fp32/fp16/bf16
-    if layout_name(x) != "nhwc" or layout_name(out) != "nhwc":
-        return False  # already channels-first (or neither): nothing to choose
-    groups, algorithm = node.args[7], node.args[10]
-    if algorithm != "direct" or not isinstance(groups, int) or groups == 1 or w.shape[1] != 1:
-        return False  # not a depthwise conv run by the library
-    if not all(isinstance(d, int) for d in w.shape[2:]) or max(w.shape[2:]) < NCHW_MIN_KERNEL:
-        return False  # a small kernel: the generated depthwise candidates cover it
-    return True
+    if node.args[10] != "direct" or not isinstance(node.args[7], int) or layout_name(out) != "nhwc":
+        return False  # another algorithm, or a channels-first result: nothing to choose
+    return channels_first_candidate(conv_sig_of(x, w, *node.args[4:8]))
 
 
 def conv_in_nchw(x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
