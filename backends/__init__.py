@@ -14,6 +14,7 @@ import torch.fx as fx
 from fxopt.backends import torch_ref
 from fxopt.backends.cuda.runtime.cudagraphs import CudaGraphRunner, unsafe_reason
 from fxopt.autotune import cudnn_choice
+from fxopt.passinfra import written_in_place
 
 
 def resolve_executor(choice: str, device_type: str, kind: str) -> str:
@@ -74,7 +75,7 @@ def lower(gm: fx.GraphModule, ctx, kind: str):
         runnable = attach_kernels(runnable, ctx, info)
     want = ctx.options.cudagraphs
     training = kind != "inference"
-    reason = unsafe_reason(gm, kind, ctx.device_type)
+    reason = unsafe_reason(gm, kind, ctx.device_type, ctx.param_placeholders)
     if training and ctx.training_link is None and not reason:
         reason = "training graph compiled without its forward/backward link"
     # cuDNN chooses as the user set it in training (fxopt measures no conv algorithms there); in
@@ -102,7 +103,9 @@ def lower(gm: fx.GraphModule, ctx, kind: str):
                              baseline=None if baseline is None else cudnn_choice(baseline, search),
                              baseline_watched=baseline_watched,
                              decisions_cache=_decisions_cache(ctx, runnable, baseline),
-                             training=ctx.training_link if training else None)
+                             training=ctx.training_link if training else None,
+                             written=_placeholder_indices(gm, [n.name for n in gm.graph.nodes
+                                                               if n.op == "placeholder" and written_in_place(n)]))
     info["cudagraphs"] = f"on (up to {ctx.options.cudagraph_max_signatures} signatures)"
     info["baseline_check"] = baseline is not None
     info["cudagraph_runner"] = runner  # its decisions() say, per signature, replay vs plain timings

@@ -258,6 +258,12 @@ class FxoptCompiler:
         return self.compile(gm, args, "backward")
 
 
+def _autograd_graph(example_inputs: list) -> bool:
+    """AOTAutograd's own test for a forward/backward pair rather than an inference graph: grad
+    mode on and an input that requires grad (Dynamo compiles under the frame's grad mode)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+
+
 def fxopt_backend(gm: fx.GraphModule, example_inputs: list, options=None, mode=None, _sink=None):
     """The Dynamo backend entry point (``backend="fxopt"``)."""
     from torch._dynamo.backends.common import aot_autograd
@@ -271,5 +277,10 @@ def fxopt_backend(gm: fx.GraphModule, example_inputs: list, options=None, mode=N
         bw_compiler=compiler.backward,
         inference_compiler=compiler.inference,
         partition_fn=compiler.partitioner,
+        # training: buffers the model updates in place (BatchNorm's running statistics) are
+        # written by the forward graph itself (aten.copy_ at its end, one CUDA-graph replay)
+        # rather than returned, copied out and copied back by AOTAutograd's wrapper, two
+        # launches per buffer per call; inference graphs keep them as outputs
+        keep_inference_input_mutations=_autograd_graph(example_inputs),
     )(gm, example_inputs)
     return compiler.direct or compiled

@@ -281,6 +281,37 @@ def test_training_step_gradients_match():
         torch.testing.assert_close(b2, b, msg=lambda s: f"{name}: {s}")
 
 
+def _buffers_written_in_place(gm) -> set:
+    return {n.args[0].name for n in gm.graph.nodes if n.op == "call_function"
+            and n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder"}
+
+
+def test_training_forward_writes_the_buffers_and_inference_graphs_return_them():
+    """A training forward updates BatchNorm's running statistics itself (AOTAutograd keeps the
+    copy_ into each buffer in the graph: no outputs to copy back per buffer and call); an
+    inference graph (no_grad) returns them for AOTAutograd to copy back, so the CPU executor's
+    timing runs cannot write them. Either way the buffers are eager's after every call."""
+    from fxopt.backend import fxopt_backend
+
+    torch.manual_seed(0)
+    m = SmallResNet().train()
+    ref = copy.deepcopy(m)
+    reports: list = []
+    compiled = torch.compile(m, backend=lambda gm, ex: fxopt_backend(gm, ex, _sink=reports))
+    x = torch.randn(4, 3, 32, 32)
+    for step in range(3):
+        for model in (compiled, ref):
+            model(x).square().mean().backward()
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), ref(x), rtol=1e-4, atol=1e-5)
+        for (name, b), b2 in zip(ref.named_buffers(), m.buffers()):
+            torch.testing.assert_close(b2, b, msg=lambda s: f"step {step} {name}: {s}")
+    forward = next(r for r in reports if r.kind == "forward")
+    inference = next(r for r in reports if r.kind == "inference")
+    assert len(_buffers_written_in_place(forward.after)) == len(list(m.buffers()))
+    assert not _buffers_written_in_place(inference.after)
+
+
 def test_train_eval_switch():
     m = SmallResNet()
     ref = copy.deepcopy(m)

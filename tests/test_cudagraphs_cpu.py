@@ -116,6 +116,47 @@ def test_cudagraphs_refused_where_the_graph_writes_an_input():
     assert reason == "input x is written in place", reason
 
 
+
+def test_cudagraphs_allowed_where_the_graph_writes_only_parameters_and_buffers():
+    # a training forward that updates BatchNorm's running statistics (copy_ kept in the graph):
+    # the buffers are read in place by every replay, so the replay writes them where they live
+    g = torch.fx.Graph()
+    x, rm = g.placeholder("x"), g.placeholder("running_mean")
+    y = g.call_function(torch.ops.aten.mean.dim, (x, [0]))
+    g.call_function(torch.ops.aten.copy_.default, (rm, y))
+    g.output((y,))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert unsafe_reason(gm, "forward", "cuda", static={"running_mean"}) is None
+    assert unsafe_reason(gm, "forward", "cuda") == "input running_mean is written in place"
+
+
+def test_runs_that_are_not_the_calls_own_leave_written_inputs_as_they_were(monkeypatch):
+    """Warm-ups before a capture and the timing runs write a buffer the graph updates in place;
+    each call must change it exactly once, as an uncaptured run would."""
+    from fxopt.backends.cuda.runtime import cudagraphs
+
+    def timing_runs(fns):  # each candidate runs (and writes the buffer) a few times
+        for fn in fns.values():
+            for _ in range(3):
+                fn()
+        return {"graph_ms": 1.0, "plain_ms": 2.0}
+
+    monkeypatch.setattr(cudagraphs, "_alternating_medians", timing_runs)
+
+    def step(buf, x):
+        buf.mul_(0.5).add_(x.sum())
+        return (x * 2,)
+
+    buf, x = torch.zeros(3), torch.ones(2)
+    runner = _simulated_runner(step, [0], real_decide=True, written=[0])
+    expected = torch.zeros(3)
+    for _ in range(3):
+        torch.testing.assert_close(runner(buf, x)[0], x * 2)
+        expected = expected * 0.5 + 2
+        torch.testing.assert_close(buf, expected)
+    with pytest.raises(ValueError, match="written in place but not static"):
+        _simulated_runner(step, [], written=[0])
+
 # ---------------------------------------------------------------------------- the runner's call path
 class _SimulatedGraph:
     """Stands in for a captured CUDA graph on the CPU: a replay recomputes the outputs in place
@@ -173,7 +214,7 @@ class _SimulatedRunner:
         from fxopt.backends.cuda.runtime.cudagraphs import _side_runs
 
         type(self).captures += 1
-        with _side_runs():  # a capture draws no random numbers
+        with _side_runs(self.writes(call_args)):  # a capture draws no random numbers, writes nothing
             outputs = fn(*call_args)
         return _SimulatedGraph(fn, call_args, outputs, self), outputs, pool if pool is not None else object()
 
@@ -326,7 +367,7 @@ def _sim_training(monkeypatch):
         def _decide(self, entry, args):
             entry.timings = {"graph_ms": 0.0, "plain_ms": 1.0}
 
-    monkeypatch.setattr(backends, "unsafe_reason", lambda gm, kind, device_type: None)
+    monkeypatch.setattr(backends, "unsafe_reason", lambda gm, kind, device_type, static=(): None)
     monkeypatch.setattr(backends, "CudaGraphRunner", Simulated)
     return Simulated
 

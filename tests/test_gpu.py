@@ -79,8 +79,12 @@ def test_training_replays_linked_cuda_graphs_and_matches_eager():
             assert relative_error(p, q) <= 5e-3, name  # fp32 convolutions use TF32 (cuDNN default)
     for (name, b), rb in zip(model.named_buffers(), ref.buffers()):
         assert relative_error(b.float(), rb.float()) <= 5e-3, name
+        if not b.is_floating_point():  # num_batches_tracked: one update per forward, no more
+            assert torch.equal(b, rb), name
     fw, bw = (g for g in graphs if g.kind in ("forward", "backward"))
     assert fw.cudagraphs.startswith("on") and bw.cudagraphs.startswith("on")
+    # the running statistics are written by the forward's replay itself (no copies back)
+    assert len(fw.executor_details["cudagraph_runner"].written) == len(list(model.buffers()))
     bw_runs = bw.executor_details["cudagraph_runner"].decisions()
     assert "read in place" in bw_runs[0]["inputs"]  # the saved activations: no copies
 

@@ -28,18 +28,23 @@ Contract (what a caller can rely on):
   previous outputs released, no in-place change of a parameter that feeds folded constants) replays
   the same capture after that one check; anything else takes the full path above.
 - Training (``training``, a ``TrainingLink``): AOTAutograd's forward and backward graphs get a runner
-  each. The forward's first ``num_fwd_outputs`` outputs (what the caller sees: the model's outputs,
-  BatchNorm's new running statistics) are copied out on every call; the values saved for backward
-  are lent to AOTAutograd, which releases them when the backward has run, and outputs that are the
-  forward's own arguments (parameters saved for backward) are handed back as they are. The
+  each. The forward's first ``num_fwd_outputs`` outputs (what the caller sees: the model's outputs;
+  BatchNorm's running statistics are written in place, below) are copied out on every call; the
+  values saved for backward are lent to AOTAutograd, which releases them when the backward has run,
+  and outputs that are the forward's own arguments (parameters saved for backward) are handed back
+  as they are. The
   backward reads the saved values in place where they are the forward capture's lent memory (no
   copy of the activations), copies the incoming gradients into static buffers and lends its
   gradients: AccumulateGrad may keep one as ``.grad`` (``zero_grad(set_to_none=True)`` releases it);
   while one is held, another capture serves, as for any held output. Parameters are read in place
   in both, so the optimizer's in-place updates are seen by the next replay, and GradScaler's
   unscale and inf checks run on the returned gradients as usual.
-- Off where unsafe: CPU inputs, graphs that write an input in place, ops that synchronize with the
-  host or allocate data-dependent shapes; the reason is recorded in the report.
+- Inputs the graph writes in place: only parameters and buffers (read in place, at fixed
+  addresses), e.g. the running statistics a training forward updates (``written``). A replay writes
+  them as an uncaptured run would; the runs that are not the call's own (warm-ups, timing runs)
+  leave them as they found them.
+- Off where unsafe: CPU inputs, graphs that write another input in place, ops that synchronize with
+  the host or allocate data-dependent shapes; the reason is recorded in the report.
 - Measured, not assumed: after capturing a signature, replay (with its input and output copies)
   and a plain run are timed a few times with CUDA events; if the plain run is faster (large
   activations, where the copies cost more than the launches saved), that signature runs uncaptured.
@@ -60,7 +65,7 @@ import contextlib
 import itertools
 import time
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -77,13 +82,15 @@ UNSAFE_OPS = {
 }
 
 
-def unsafe_reason(gm: fx.GraphModule, kind: str, device_type: str) -> Optional[str]:
+def unsafe_reason(gm: fx.GraphModule, kind: str, device_type: str,
+                  static: Collection[str] = ()) -> Optional[str]:
     """None when CUDA graphs are safe for this graph (inference, or a training forward or
-    backward), else why not."""
+    backward), else why not. ``static``: the placeholders that hold parameters and buffers (read
+    in place by every replay), which the graph may write in place."""
     if device_type != "cuda":
         return "inputs are not on CUDA"
     for node in gm.graph.nodes:
-        if node.op == "placeholder" and written_in_place(node):
+        if node.op == "placeholder" and node.name not in static and written_in_place(node):
             return f"input {node.name} is written in place"
         if node.op == "call_function" and node.target in UNSAFE_OPS:
             return f"{node.target} synchronizes or has a data-dependent shape"
@@ -242,13 +249,18 @@ class _Entry:
 
 
 @contextlib.contextmanager
-def _side_runs():
+def _side_runs(written: Sequence[torch.Tensor] = ()):
     """Runs that are not the call's own (warm-ups before a capture, timing runs) leave the CUDA
-    generator (seed and offset) of the current device as they found it."""
+    generator (seed and offset) of the current device as they found it, and the inputs the graph
+    writes in place (``written``: BatchNorm's running statistics in a training forward) as they
+    were: each is copied before and copied back after, on the current stream."""
     state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    saved = [t.clone() for t in written]
     try:
         yield
     finally:
+        for t, v in zip(written, saved):
+            t.copy_(v)
         if state is not None:
             torch.cuda.set_rng_state(state)
 
@@ -281,7 +293,8 @@ class CudaGraphRunner:
                  max_graphs: int = 8, warmup: int = 2, watched: Optional[Sequence[int]] = None,
                  baseline: Optional[Callable] = None, baseline_watched: Optional[Sequence[int]] = None,
                  margin: float = 0.03, max_instances: int = 3, versioned: Optional[Sequence[int]] = None,
-                 decisions_cache: Optional[tuple] = None, training: Optional[TrainingLink] = None):
+                 decisions_cache: Optional[tuple] = None, training: Optional[TrainingLink] = None,
+                 written: Sequence[int] = ()):
         """static_indices: parameter/buffer inputs (read in place, never copied); watched: those of
         them the graph reads (default all), checked on every call for replacement; versioned: those
         whose in-place changes ``refresh`` must see (default: all watched ones when there is a
@@ -289,8 +302,12 @@ class CudaGraphRunner:
         signature; baseline_watched: the parameters it reads. decisions_cache: (AutotuneCache, device,
         graph key): a signature decided before (same graphs, same device) is not measured again, and
         a losing baseline is then not even captured. training: a ``TrainingLink`` for AOTAutograd's
-        forward and backward graphs (module docstring)."""
+        forward and backward graphs (module docstring). written: the inputs (among the static ones)
+        the graph writes in place, restored after the runs that are not the call's own."""
+        if not set(written) <= set(static_indices):
+            raise ValueError(f"inputs {sorted(set(written) - set(static_indices))} are written in place but not static")
         self.fn, self.training = fn, training
+        self.written = sorted(written)
         self.decisions_cache = decisions_cache
         self.baseline, self.margin = baseline, margin
         self.baseline_watched = (None if baseline_watched is None
@@ -358,7 +375,7 @@ class CudaGraphRunner:
         captured in ``pool`` (a new one by default)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), _side_runs():
+        with torch.cuda.stream(stream), _side_runs(self.writes(call_args)):
             for _ in range(self.warmup):  # allocator and library handles settle before capture
                 fn(*call_args)
         torch.cuda.current_stream().wait_stream(stream)
@@ -367,6 +384,10 @@ class CudaGraphRunner:
         with torch.cuda.graph(graph, pool=pool):
             outputs = fn(*call_args)
         return graph, outputs, pool
+
+    def writes(self, args) -> list:
+        """The arguments the graph writes in place."""
+        return [args[i] for i in self.written]
 
     def _first_capture_reads(self, args) -> frozenset:
         """Which inputs the first capture of a signature reads in place. Inference: all of them,
@@ -474,7 +495,7 @@ class CudaGraphRunner:
             if self.baseline is not None:
                 base = self._capture_baseline(entry, args)
                 fns["baseline_graph_ms"] = lambda: self._replay(base, args)
-            with _side_runs():
+            with _side_runs(self.writes(args)):
                 entry.timings = _alternating_medians(fns)
             entry.runs = choose(entry.timings, self.margin)
             if key:
