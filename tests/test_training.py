@@ -215,6 +215,7 @@ def test_bench_train_arguments():
 
     a = T.parse_args(["--device", "cpu"])
     assert a.rows == list(T.CPU_SUITE.items()) and a.amp == "bfloat16" and a.rounds == 1
+    assert a.profile_steps == 0  # profiling only on request (README: the profiler crash)
     a = T.parse_args(["--device", "cpu", "--models", "resnet50,seedcnn2:16", "--batch", "6", "--backends", "fxopt"])
     assert a.rows == [("resnet50", 6), ("seedcnn2", 16)] and a.backends == ["eager", "fxopt"]
     for bad in (["--models", "nope"], ["--models", "seedcnn2:1"], ["--backends", "nope"]):

@@ -14,11 +14,12 @@ batch ``i mod --data-batches``). Per (model, batch, precision, backend) it recor
 - the first ``--losses`` losses (default 20) and their max relative difference from eager's, and
   with ``--final-steps N`` the loss after N steps (mean over the last pass through the data)
   against eager's (within 5%);
-- on CUDA, over ``--profile-steps`` steps under ``torch.profiler`` (right after the warm-up, before
-  the next backend compiles; for every backend at the same step): GPU kernels launched per step,
-  GPU kernel time per step (the rest of a step is time the GPU waits for the host) and host time
-  per step (CPU time outside waits for the GPU; profiler overhead included: an upper bound);
-  and the peak memory;
+- on CUDA, with ``--profile-steps N`` (default none), over N steps under ``torch.profiler`` (right
+  after the warm-up, before the next backend compiles; for every backend at the same step): GPU
+  kernels launched per step, GPU kernel time per step (the rest of a step is time the GPU waits for
+  the host) and host time per step (CPU time outside waits for the GPU; profiler overhead included:
+  an upper bound);
+- the peak memory;
 - for fxopt: its graphs (forward/backward, per Dynamo graph), fallbacks, why CUDA graphs are off
   for them, and what the partition saved for backward (``fxopt.training``).
 
@@ -134,7 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--losses", type=int, default=20, help="losses compared with eager's (default 20)")
     p.add_argument("--final-steps", type=int, default=0, metavar="N",
                    help="train every backend to N steps and compare the final loss with eager's (slow; e.g. 200)")
-    p.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler on cuda (0: none)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="steps under torch.profiler on cuda (default 0: a profiler session tracing CUDA-graph "
+                        "replays after other backends' graphs were captured and destroyed crashed the process, "
+                        "see README)")
     p.add_argument("--data-batches", type=int, default=4, help="distinct batches the steps cycle through")
     p.add_argument("--image-size", type=int, help=f"input height/width of the ImageNet models (default 224; "
                    f"{CPU_IMAGE_SIZE} on cpu)")
