@@ -32,11 +32,10 @@ Contract (what a caller can rely on):
   BatchNorm's running statistics are written in place, below) are copied out on every call; the
   values saved for backward are lent to AOTAutograd, which releases them when the backward has run,
   and outputs that are the forward's own arguments (parameters saved for backward) are handed back
-  as they are. The
-  backward reads the saved values in place where they are the forward capture's lent memory (no
-  copy of the activations), copies the incoming gradients into static buffers and lends its
-  gradients: AccumulateGrad may keep one as ``.grad`` (``zero_grad(set_to_none=True)`` releases it);
-  while one is held, another capture serves, as for any held output. Parameters are read in place
+  as they are. The backward reads the saved values in place where they are the forward capture's
+  lent memory (no copy of the activations), copies the incoming gradients into static buffers and
+  lends its gradients: AccumulateGrad may keep one as ``.grad`` (``zero_grad(set_to_none=True)``
+  releases it); while one is held, another capture serves, as for any held output. Parameters are read in place
   in both, so the optimizer's in-place updates are seen by the next replay, and GradScaler's
   unscale and inf checks run on the returned gradients as usual.
 - Inputs the graph writes in place: only parameters and buffers (read in place, at fixed
