@@ -289,6 +289,61 @@ def test_a_graph_with_in_place_ops_is_not_fused():
     assert sched.regions == [] and all("in place" in why for why in sched.unfused.values()) and sched.unfused
 
 
+def _writes_graph(tail_ok: bool = True, dst_is_input: bool = True, read_after: bool = False):
+    """x, buf -> relu(x) * 2 + x, and buf <- mean(x) (the shape of a training forward writing a
+    BatchNorm buffer); variants move the write before a read or into a non-input."""
+    g = fx.Graph()
+    x, buf = g.placeholder("x"), g.placeholder("buf")
+    x.meta["val"], buf.meta["val"] = torch.randn(4, 4), torch.randn(4)
+    mean = g.call_function(aten.mean.dim, (x, [0]))
+    mean.meta["val"] = torch.randn(4)
+    new = g.call_function(aten.clone.default, (mean,))
+    new.meta["val"] = torch.randn(4)
+    r = g.call_function(aten.relu.default, (x,))
+    r.meta["val"] = torch.randn(4, 4)
+    dst = buf if dst_is_input else g.call_function(aten.zeros.default, ([4],), {"device": torch.device("cpu")})
+    dst.meta["val"] = torch.randn(4)
+
+    def write():
+        w = g.call_function(aten.copy_.default, (dst, new))
+        w.meta["val"] = torch.randn(4)
+    if not tail_ok:
+        write()
+    m = g.call_function(aten.mul.Tensor, (r, 2.0))
+    m.meta["val"] = torch.randn(4, 4)
+    src = buf if read_after else x
+    out = g.call_function(aten.add.Tensor, (m, src))
+    out.meta["val"] = torch.randn(4, 4)
+    if tail_ok:
+        write()
+    g.output((out,))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_copies_into_inputs_after_every_other_op_do_not_stop_fusion_and_stay_last():
+    gm = _writes_graph()
+    x, buf = torch.randn(4, 4), torch.randn(4)
+    want_buf, want = x.mean(0), torch.relu(x) * 2 + x
+    sched = schedule(gm, strict=True)
+    assert {"aten.relu.default", "aten.mul.Tensor", "aten.add.Tensor"} in [set(r.ops) for r in sched.regions]
+    assert list(sched.unfused.values()) == ["no rule for aten.copy_.default"], sched.unfused
+    rewrite(gm, sched.regions, [RegionReference(gm, r) for r in sched.regions])
+    gm.graph.lint()
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert calls[-1].target is aten.copy_.default  # the write is still the last op
+    got, = gm(x, buf)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(buf, want_buf)
+
+
+@pytest.mark.parametrize("variant", ["write_before_other_ops", "write_into_a_non_input"])
+def test_other_in_place_writes_still_leave_the_graph_unfused(variant):
+    gm = _writes_graph(tail_ok=variant != "write_before_other_ops", dst_is_input=variant != "write_into_a_non_input")
+    sched = schedule(gm)
+    assert sched.regions == [] and sched.unfused
+    assert all("in place" in why for why in sched.unfused.values()), sched.unfused
+
+
 def test_integer_tensors_are_left_to_pytorch_with_a_reason():
     class M(nn.Module):
         def forward(self, x):
@@ -296,6 +351,26 @@ def test_integer_tensors_are_left_to_pytorch_with_a_reason():
 
     _, _, sched = _schedule_of(M().eval(), torch.randn(3, 4))
     assert any("int64" in why or "conversion" in why for why in sched.unfused.values())
+
+
+def test_many_declined_nodes_settle_in_one_round_each():
+    """Every node whose rule declines in a round is left to PyTorch at once: a training forward
+    of a deep network increments one int64 counter per BatchNorm (more than the scheduler's
+    rounds), and the float work around them is still fused."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.randn(4, 4)
+    outs = [g.call_function(aten.mul.Tensor, (g.call_function(aten.relu.default, (x,)), 2.0))]
+    outs[0].args[0].meta["val"] = outs[0].meta["val"] = torch.randn(4, 4)
+    for i in range(80):
+        c = g.placeholder(f"c{i}")
+        c.meta["val"] = torch.zeros((), dtype=torch.int64)
+        outs.append(g.call_function(aten.add.Tensor, (c, 1)))
+        outs[-1].meta["val"] = torch.zeros((), dtype=torch.int64)
+    g.output(tuple(outs))
+    sched = schedule(fx.GraphModule(torch.nn.Module(), g), max_rounds=3)
+    assert _regions_by_ops(sched) == [["aten.mul.Tensor", "aten.relu.default"]], sched.unfused
+    assert sum("int64" in why for why in sched.unfused.values()) == 80
 
 
 def test_scheduling_a_rewritten_graph_again_changes_nothing():

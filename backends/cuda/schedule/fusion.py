@@ -20,7 +20,7 @@ How (``schedule``):
    it is used.
 3. One kernel per realized fusible value (a ``PointwiseKernel`` over its shape) and per reduction
    (a ``ReductionKernel``: LayerNorm, softmax, GroupNorm, a mean... with its pointwise prologue
-   inlined). A node whose rule declines is made a library node and the decisions are redone.
+   inlined). Every node whose rule declines is made a library node and the decisions are redone.
 4. ``arrange`` orders each kernel's loops by the memory order of what it writes (reductions:
    of their largest input) and merges adjacent loops that every access walks contiguously,
    so a kernel over dense tensors is one flat loop; reductions pick the thread mapping
@@ -30,8 +30,9 @@ How (``schedule``):
 Produces ``Region``s: the IR kernel, the graph nodes it reads and writes, the nodes it covers
 (for the reference implementation and the report). ``rewrite`` replaces each region by one
 node. Illegal / declined: graphs with in-place ops (the order of reads and writes would
-matter), symbolic sizes, dtypes other than float32/float16/bfloat16 in memory; every such node
-stays as PyTorch runs it, with the reason in ``Schedule.unfused``.
+matter) other than a tail of ``copy_`` into graph inputs (``_in_place_writes``), symbolic sizes,
+dtypes other than float32/float16/bfloat16 in memory; every such node stays as PyTorch runs it,
+with the reason in ``Schedule.unfused``.
 """
 from __future__ import annotations
 
@@ -81,6 +82,30 @@ def _target_name(node: fx.Node) -> str:
 def _is_mutating(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return bool(schema is not None and schema.is_mutable)
+
+
+def _in_place_writes(graph: fx.Graph) -> Optional[str]:
+    """Why in-place ops make the graph's schedule illegal, or None. Legal: none, or only
+    ``copy_`` of a computed value into a graph input, all after every other op (a training forward
+    writing BatchNorm's running statistics into its buffers, as AOTAutograd emits it). Every read
+    then precedes every write, wherever the scheduler computes the reads, and each ``copy_`` stays
+    a library node (its source a stored tensor)."""
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    first = next((i for i, n in enumerate(nodes) if _is_mutating(n)), None)
+    if first is None:
+        return None
+    tail = nodes[first:]
+    written = {n.args[0] for n in tail if n.target is aten.copy_.default}
+    for n in tail:
+        if n.target is not aten.copy_.default:
+            return f"the graph mutates tensors in place ({_target_name(n)} before other ops end)" \
+                if _is_mutating(n) else "the graph mutates tensors in place before its last op"
+        dst, src = n.args[0], n.args[1]
+        if dst.op != "placeholder" or n.users:
+            return "the graph mutates tensors in place (a copy_ into a non-input, or one that is read)"
+        if not isinstance(src, fx.Node) or view_root(src) in written:
+            return "the graph mutates tensors in place (a copy_ reads a tensor another one writes)"
+    return None
 
 
 def _container_items(node: fx.Node) -> Optional[list]:
@@ -575,14 +600,13 @@ def schedule(gm: fx.GraphModule, skip: set = frozenset(), max_rounds: int = 50, 
     A rule that fails with anything else than ``Decline`` leaves its node to PyTorch too (with
     the error as the reason), unless ``strict``."""
     graph = gm.graph
-    mutating = [n for n in graph.nodes if n.op == "call_function" and _is_mutating(n)]
-    if mutating:
-        return Schedule([], {n.name: "the graph mutates tensors in place" for n in graph.nodes
-                             if n.op == "call_function"})
+    why = _in_place_writes(graph)
+    if why:
+        return Schedule([], {n.name: why for n in graph.nodes if n.op == "call_function"})
     classes = _Classes(gm, set(skip))
     for _ in range(max_rounds):
         realized = _Plan(gm, classes).realized()
-        regions, failed = [], None
+        regions, failed = [], {}
         for n in graph.nodes:
             if n not in realized:
                 continue
@@ -597,14 +621,15 @@ def schedule(gm: fx.GraphModule, skip: set = frozenset(), max_rounds: int = 50, 
             except Exception as e:  # noqa: BLE001 - a rule's failure only costs its node's fusion
                 if strict and not isinstance(e, (Decline, ValueError)):
                     raise
-                failed = (b.failing or n, str(e) if isinstance(e, (Decline, ValueError))
-                          else f"{type(e).__name__}: {e}")
-                break
+                failed.setdefault(b.failing or n, str(e) if isinstance(e, (Decline, ValueError))
+                                  else f"{type(e).__name__}: {e}")
+                continue
             covered = list(dict.fromkeys(b.covered))
             regions.append(Region(k, b.inputs, outs, covered, _ops_of(covered)))
-        if failed is None:
+        if not failed:
             break
-        classes.demote(*failed)  # that node runs as PyTorch runs it; decide again
+        for node, reason in failed.items():  # these run as PyTorch runs them; decide again
+            classes.demote(node, reason)
     else:
         return Schedule([], {"*": "the scheduler did not settle"})
     for r in regions:
