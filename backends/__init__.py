@@ -18,10 +18,12 @@ from fxopt.passinfra import written_in_place
 
 
 def resolve_executor(choice: str, device_type: str, kind: str) -> str:
+    """Option ``executor`` for a graph: "auto" is the cuda executor for CUDA inputs (inference and
+    training graphs), the cpu executor for CPU inference and the torch executor for CPU training."""
     if choice == "auto":
-        if kind != "inference":
-            return "torch"
-        return "cuda" if device_type == "cuda" else "cpu"
+        if device_type == "cuda":
+            return "cuda"
+        return "cpu" if kind == "inference" else "torch"
     return choice
 
 

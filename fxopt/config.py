@@ -29,7 +29,7 @@ class Options:
     strict: bool = False
     #: run the example inputs after every pass and name the first pass that changes the result
     verify: bool = False
-    #: "auto" (inference: cuda for CUDA inputs, cpu for CPU inputs; training: torch), "torch",
+    #: "auto" (cuda for CUDA inputs; CPU inputs: cpu for inference, torch for training), "torch",
     #: "cpu", "cuda", "onnxruntime"
     executor: str = "auto"
     #: None (auto on CUDA, heuristic on CPU) | "auto" | "heuristic" | an algorithm name

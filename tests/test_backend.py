@@ -312,6 +312,42 @@ def test_training_forward_writes_the_buffers_and_inference_graphs_return_them():
     assert not _buffers_written_in_place(inference.after)
 
 
+def test_training_forward_that_writes_its_buffers_is_fused_by_the_cuda_executor():
+    """The copy_ into the buffers at the end of a training forward leaves the rest of the graph to
+    the fusion scheduler (regions with the ReLUs and residual adds); on the CPU the regions run as
+    their references, the buffers and gradients as eager's."""
+    from fxopt.backend import fxopt_backend
+
+    torch.manual_seed(0)
+    m = SmallResNet().train()
+    ref = copy.deepcopy(m)
+    reports: list = []
+    compiled = torch.compile(m, backend=lambda gm, ex: fxopt_backend(gm, ex, options={"executor": "cuda"},
+                                                                     _sink=reports))
+    x = torch.randn(4, 3, 32, 32)
+    for step in range(2):
+        for model in (compiled, ref):
+            model.zero_grad()
+            model(x).square().mean().backward()
+        for (name, b), b2 in zip(ref.named_buffers(), m.buffers()):
+            torch.testing.assert_close(b2, b, msg=lambda s: f"step {step} {name}: {s}")
+        for (name, p), p2 in zip(ref.named_parameters(), m.parameters()):
+            torch.testing.assert_close(p2.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda s: f"{name}.grad: {s}")
+    forward = next(r for r in reports if r.kind == "forward")
+    assert len(_buffers_written_in_place(forward.after)) == len(list(m.buffers()))
+    fused_ops = {op for k in forward.kernels for op in k.ops}
+    assert "aten.relu.default" in fused_ops, forward.executor_details.get("unfused")
+    assert not any("in place" in why for why in forward.executor_details["unfused"].values())
+
+
+def test_option_executor_auto_is_the_cuda_executor_for_every_cuda_graph():
+    from fxopt.backends import resolve_executor
+
+    assert [resolve_executor("auto", "cuda", k) for k in ("inference", "forward", "backward")] == ["cuda"] * 3
+    assert [resolve_executor("auto", "cpu", k) for k in ("inference", "forward", "backward")] == ["cpu", "torch", "torch"]
+    assert resolve_executor("torch", "cuda", "forward") == "torch"
+
+
 def test_train_eval_switch():
     m = SmallResNet()
     ref = copy.deepcopy(m)

@@ -83,6 +83,8 @@ def test_training_replays_linked_cuda_graphs_and_matches_eager():
             assert torch.equal(b, rb), name
     fw, bw = (g for g in graphs if g.kind in ("forward", "backward"))
     assert fw.cudagraphs.startswith("on") and bw.cudagraphs.startswith("on")
+    assert fw.executor == bw.executor == "cuda"  # the default for CUDA training graphs
+    assert fw.executor_details.get("regions") and bw.executor_details.get("regions")  # both fused
     # the running statistics are written by the forward's replay itself (no copies back)
     assert len(fw.executor_details["cudagraph_runner"].written) == len(list(model.buffers()))
     bw_runs = bw.executor_details["cudagraph_runner"].decisions()

@@ -106,7 +106,7 @@ TRAIN_BACKENDS: Dict[str, tuple] = {
     "inductor-max-autotune": (_inductor("max-autotune"), False),
     "fxopt": (_fxopt({}), True),
     "fxopt-default-partition": (_fxopt({"partitioner": "default"}), False),
-    "fxopt-cuda-executor": (_fxopt({"executor": "cuda"}), False),
+    "fxopt-torch-executor": (_fxopt({"executor": "torch"}), False),  # ATen kernels, CUDA graphs
     "floor-aot-eager": (_floor_aot_eager, False),
 }
 DEFAULT_BACKENDS = [n for n, (_, default) in TRAIN_BACKENDS.items() if default]
