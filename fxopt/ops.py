@@ -15,6 +15,14 @@ ONNX export all see an ordinary operator.
 
     y = activation(x @ weight.T + bias, *act_params)
 
+``fxopt::batch_norm_relu`` / ``fxopt::batch_norm_relu_backward`` are training BatchNorm with its
+ReLU (and a residual add before it) and their joint gradient::
+
+    y = relu(batch_norm(x, weight, bias, training=True) (+ z))  # with the new running statistics
+
+``backend="cudnn"`` runs cuDNN's fused kernels (``fxopt.backends.cuda.runtime.cudnn_batchnorm``),
+``"native"`` PyTorch's native BatchNorm kernels and separate ops (any device).
+
 ``fxopt::prepack_conv_weight`` is the weight-only half of an algorithm
 (Winograd filter transform, FFT kernel spectrum...). It only ever depends on
 weights, so under freezing it is evaluated once at compile time.
@@ -204,3 +212,59 @@ def _prepack_fake(weight, algorithm, x_shape, stride, padding, dilation, groups,
 FUSED_CONV = torch.ops.fxopt.fused_conv.default
 FUSED_LINEAR = torch.ops.fxopt.fused_linear.default
 PREPACK = torch.ops.fxopt.prepack_conv_weight.default
+
+
+def _channels_last(t: Tensor) -> Tensor:
+    return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t.contiguous()
+
+
+@torch.library.custom_op("fxopt::batch_norm_relu", mutates_args=())
+def batch_norm_relu(
+    x: Tensor, weight: Tensor, bias: Tensor, running_mean: Tensor, running_var: Tensor, z: Optional[Tensor],
+    momentum: float, eps: float, reserve_bytes: int, backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(y, save_mean, save_invstd, reserve, new_running_mean, new_running_var)."""
+    if backend == "cudnn":
+        from fxopt.backends.cuda.runtime import cudnn_batchnorm
+
+        return cudnn_batchnorm.forward(x, z, weight, bias, running_mean, running_var, momentum, eps)
+    out, mean, invstd, new_mean, new_var = torch.ops.aten._native_batch_norm_legit_functional(
+        x, weight, bias, running_mean, running_var, True, momentum, eps)
+    y = torch.relu(out + z if z is not None else out)
+    return (_channels_last(y), mean, invstd, x.new_empty(reserve_bytes, dtype=torch.uint8), new_mean, new_var)
+
+
+@batch_norm_relu.register_fake
+def _batch_norm_relu_fake(x, weight, bias, running_mean, running_var, z, momentum, eps, reserve_bytes, backend):
+    c = x.shape[1]
+    stat = x.new_empty(c, dtype=torch.float32)
+    return (torch.empty_like(x, memory_format=torch.channels_last), stat, torch.empty_like(stat),
+            x.new_empty(reserve_bytes, dtype=torch.uint8), torch.empty_like(running_mean), torch.empty_like(running_var))
+
+
+@torch.library.custom_op("fxopt::batch_norm_relu_backward", mutates_args=())
+def batch_norm_relu_backward(
+    grad: Tensor, x: Tensor, y: Tensor, weight: Tensor, bias: Tensor, save_mean: Tensor, save_invstd: Tensor,
+    reserve: Tensor, eps: float, with_add: bool, backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad of x, of weight, of bias, of z (empty without the add))."""
+    if backend == "cudnn":
+        from fxopt.backends.cuda.runtime import cudnn_batchnorm
+
+        return cudnn_batchnorm.backward(grad, x, y, weight, bias, save_mean, save_invstd, reserve, eps, with_add)
+    g = torch.ops.aten.threshold_backward(grad, y, 0)
+    dx, dw, db = torch.ops.aten.native_batch_norm_backward(g, x, weight, None, None, save_mean, save_invstd,
+                                                           True, eps, [True, True, True])
+    return _channels_last(dx), dw, db, (_channels_last(g) if with_add else x.new_empty(0))
+
+
+@batch_norm_relu_backward.register_fake
+def _batch_norm_relu_backward_fake(grad, x, y, weight, bias, save_mean, save_invstd, reserve, eps, with_add,
+                                   backend):
+    dx = torch.empty_like(x, memory_format=torch.channels_last)
+    dz = torch.empty_like(x, memory_format=torch.channels_last) if with_add else x.new_empty(0)
+    return dx, torch.empty_like(weight), torch.empty_like(bias), dz
+
+
+BATCH_NORM_RELU = torch.ops.fxopt.batch_norm_relu.default
+BATCH_NORM_RELU_BACKWARD = torch.ops.fxopt.batch_norm_relu_backward.default

@@ -18,7 +18,8 @@ import torch
 import torch.fx as fx
 
 from fxopt.passes import (dead_code, fold_batchnorm, fold_constants, fuse_conv_epilogue, layout,
-                          select_conv_algorithm, training_batchnorm, training_layout)
+                          select_conv_algorithm, training_batchnorm, training_batchnorm_relu,
+                          training_layout)
 from fxopt.passinfra import PassContext
 from fxopt.report import PassRecord
 from fxopt.tolerances import outputs_close
@@ -49,6 +50,9 @@ JOINT_PIPELINE = [
     ("training_batchnorm", training_batchnorm.run),
     # autocast's casts before convolutions write channels_last: NHWC convolutions end to end.
     ("training_layout", training_layout.run),
+    # BatchNorm (+ residual add) + ReLU and their gradients as cuDNN's fused kernels; needs the
+    # channels_last layout above and the reserve space of training_batchnorm's form.
+    ("training_batchnorm_relu", training_batchnorm_relu.run),
 ]
 PASS_NAMES = tuple(name for name, _ in PIPELINE)
 JOINT_PASS_NAMES = tuple(name for name, _ in JOINT_PIPELINE)

@@ -135,3 +135,159 @@ def test_activation_gradients_fuse_into_one_region_matching_aten(dtype):
     assert not sched.unfused, sched.unfused  # nothing left to ATen
     ops = {o for r in sched.regions for o in r.ops}
     assert {"aten.threshold_backward.default", "aten.hardtanh_backward.default"} <= ops, ops
+
+
+# ---------------------------------------------------------------------------- training_batchnorm_relu
+class _ResidualBlock(nn.Module):
+    """conv-BN-ReLU, conv-BN-add-ReLU (a residual block), and a BN followed by something else."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.c2, self.b2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.c3, self.b3 = nn.Conv2d(c, c, 1, bias=False), nn.BatchNorm2d(c)
+        self.head = nn.Linear(c, 5)
+
+    def forward(self, x):
+        y = torch.relu(self.b1(self.c1(x)))
+        y = torch.relu(self.b2(self.c2(y)) + x)
+        y = torch.sigmoid(self.b3(self.c3(y)))
+        return self.head(y.mean((2, 3)))
+
+
+def _native_joint_pipeline(monkeypatch):
+    """JOINT_PIPELINE with training_batchnorm_relu on its ``native`` backend (any device)."""
+    import functools
+
+    from fxopt import pipeline
+    from fxopt.passes import training_batchnorm_relu
+
+    entries = [(name, functools.partial(training_batchnorm_relu.run, backend="native")
+                if name == "training_batchnorm_relu" else fn) for name, fn in pipeline.JOINT_PIPELINE]
+    monkeypatch.setattr(pipeline, "JOINT_PIPELINE", entries)
+
+
+def test_batchnorm_relu_fuses_forward_and_backward_and_trains_as_eager(monkeypatch):
+    from fxopt.backend import fxopt_backend
+    from fxopt.ops import BATCH_NORM_RELU, BATCH_NORM_RELU_BACKWARD
+
+    _native_joint_pipeline(monkeypatch)
+    torch.manual_seed(0)
+    model = _ResidualBlock()
+    ref = copy.deepcopy(model)
+    reports: list = []
+    compiled = torch.compile(model, backend=lambda gm, ex: fxopt_backend(gm, ex, _sink=reports))
+    batches = make_batches(2, 4, (8, 6, 6), 5)
+    losses = [run_steps(TrainLoop(m, m_.parameters(), "cpu", amp=None), batches, 3)
+              for m, m_ in ((compiled, model), (ref, ref))]
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]))
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, msg=name)
+    for (name, b), rb in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b, rb, msg=name)
+    fw, bw = (r for r in reports if r.kind in ("forward", "backward"))
+    fw_ops = [n.target for n in fw.before.graph.nodes]
+    bw_ops = [n.target for n in bw.before.graph.nodes]
+    assert fw_ops.count(BATCH_NORM_RELU) == 2 and bw_ops.count(BATCH_NORM_RELU_BACKWARD) == 2
+    assert aten.relu.default not in fw_ops and aten.threshold_backward.default not in bw_ops
+    fused = [n for n in fw.before.graph.nodes if n.target is BATCH_NORM_RELU]
+    assert [n.args[5] is not None for n in fused] == [False, True]  # the second one adds the residual
+    rec = {p["name"]: p for p in fw.training["joint_passes"]}["training_batchnorm_relu"]
+    assert rec["changed"] and any("followed by sigmoid" in n for n in rec["notes"]), rec["notes"]
+
+
+def _fake_bn_joint(dtype=F16, channels_last=True, residual=True, extra_reader=False, shortcut_bn=False):
+    """A joint-like graph of BN (+ add) + ReLU and their gradients, by hand, with fake CUDA values
+    on its inputs (tracing BatchNorm on fake CUDA tensors would ask cuDNN for its reserve size)."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    g = torch.fx.Graph()
+    with FakeTensorMode():
+        vals = {"x": torch.empty(2, 8, 4, 4, device="cuda", dtype=dtype).to(memory_format=fmt)}
+        vals["z"], vals["g"] = torch.empty_like(vals["x"]), torch.empty_like(vals["x"])
+        vals.update({k: torch.empty(8, device="cuda") for k in ("w", "b", "rm", "rv")})
+    ph = {}
+    for name in ("x", "w", "b", "rm", "rv", "z", "g"):
+        ph[name] = g.placeholder(name)
+        ph[name].meta["val"] = vals[name]
+    call = g.call_function
+    bn = call(aten._batch_norm_with_update_functional.default, tuple(ph[k] for k in ("x", "w", "b", "rm", "rv")) + (0.1, 1e-5))
+    items = [call(operator.getitem, (bn, i)) for i in range(6)]
+    z = ph["z"]
+    if shortcut_bn:  # the residual is another BatchNorm's output (a projection shortcut)
+        bn2 = call(aten._batch_norm_with_update_functional.default,
+                   tuple(ph[k] for k in ("z", "w", "b", "rm", "rv")) + (0.1, 1e-5))
+        items2 = [call(operator.getitem, (bn2, i)) for i in range(6)]
+        z = items2[0]
+        z.meta["val"] = vals["z"]
+    s = call(aten.add.Tensor, (z, items[0]) if shortcut_bn else (items[0], z)) if residual else items[0]
+    r = call(aten.relu.default, (s,))
+    t = call(aten.threshold_backward.default, (ph["g"], call(aten.detach.default, (r,)), 0))
+    gx = call(aten.batch_norm_backward.default, (t, ph["x"], ph["w"], items[4], items[5], items[1], items[2], True,
+                                                 1e-5, [True, True, True], items[3]))
+    if shortcut_bn:  # the shortcut BatchNorm's backward reads the same gradient
+        gz = call(aten.batch_norm_backward.default, (t, ph["z"], ph["w"], items2[4], items2[5], items2[1], items2[2],
+                                                     True, 1e-5, [True, True, True], items2[3]))
+        t = call(operator.getitem, (gz, 0))
+    extra = (call(aten.mul.Tensor, (s, 2)),) if extra_reader else ()
+    z_grad = (t,) if residual else ()  # what reaches z is the ReLU's gradient
+    g.output((r, *[call(operator.getitem, (gx, i)) for i in range(3)], *z_grad, items[4], items[5], *extra))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+@pytest.mark.parametrize("variant,reason", [
+    ({}, None), ({"residual": False}, None),
+    ({"dtype": torch.float32}, "float32 input"), ({"channels_last": False}, "not channels_last"),
+    ({"extra_reader": True}, "followed by"), ({"shortcut_bn": True}, None),
+])
+def test_batchnorm_relu_match_and_its_reasons(variant, reason):
+    from fxopt.passes.training_batchnorm_relu import BN, match
+
+    gm = _fake_bn_joint(**variant)
+    bn = next(n for n in gm.graph.nodes if n.target is BN)
+    m, why = match(bn)
+    if reason is None:
+        assert m is not None, why
+        assert (m.add is not None) == variant.get("residual", True)
+        assert m.grad.target is aten.threshold_backward.default
+        assert m.backward.args[1] is bn.args[0]  # this BatchNorm's backward, not the shortcut's
+    else:
+        assert m is None and reason in why, why
+
+
+def test_batchnorm_relu_on_a_fake_cuda_graph_asks_cudnn():
+    """Without a GPU cuDNN cannot be asked, and the pass says so; with one it fuses."""
+    from fxopt.passes import training_batchnorm_relu
+    from fxopt.passinfra import PassContext
+
+    gm = _fake_bn_joint()
+    ctx = PassContext(options=Options(), mode="training", device_type="cuda")
+    ctx.current_pass = "training_batchnorm_relu"
+    result = training_batchnorm_relu.run(gm, ctx)
+    notes = ctx.notes.get("training_batchnorm_relu", [])
+    if torch.cuda.is_available():
+        assert result.modified, notes
+    else:
+        assert not result.modified and any("cuDNN" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_batchnorm_relu_rewrite_leaves_one_op_each_way_and_is_idempotent(residual):
+    from fxopt.ops import BATCH_NORM_RELU, BATCH_NORM_RELU_BACKWARD
+    from fxopt.passes import training_batchnorm_relu
+    from fxopt.passinfra import PassContext
+
+    gm = _fake_bn_joint(residual=residual)
+    ctx = PassContext(options=Options(), mode="training", device_type="cuda")
+    assert training_batchnorm_relu.run(gm, ctx, backend="native").modified
+    gm.graph.lint()
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops.count(BATCH_NORM_RELU) == 1 and ops.count(BATCH_NORM_RELU_BACKWARD) == 1
+    gone = (aten.relu.default, aten.add.Tensor, aten.threshold_backward.default, aten.batch_norm_backward.default,
+            aten._batch_norm_with_update_functional.default, aten.detach.default)
+    assert not set(ops) & set(gone), ops
+    fused = next(n for n in gm.graph.nodes if n.target is BATCH_NORM_RELU)
+    assert (fused.args[5] is not None) == residual
+    outputs = gm.graph.find_nodes(op="output")[0].args[0]
+    if residual:  # z's gradient is the fused backward's fourth output
+        assert outputs[4].target is operator.getitem and outputs[4].args[1] == 3
+    assert not training_batchnorm_relu.run(gm, ctx, backend="native").modified
