@@ -227,7 +227,11 @@ def batch_norm_relu(
     if backend == "cudnn":
         from fxopt.backends.cuda.runtime import cudnn_batchnorm
 
-        return cudnn_batchnorm.forward(x, z, weight, bias, running_mean, running_var, momentum, eps)
+        out = cudnn_batchnorm.forward(x, z, weight, bias, running_mean, running_var, momentum, eps)
+        if out[3].numel() != reserve_bytes:  # the graph was traced with another reserve size
+            raise cudnn_batchnorm.CudnnError(f"cuDNN's reserve space is {out[3].numel()} bytes, "
+                                             f"the graph's {reserve_bytes}")
+        return out
     out, mean, invstd, new_mean, new_var = torch.ops.aten._native_batch_norm_legit_functional(
         x, weight, bias, running_mean, running_var, True, momentum, eps)
     y = torch.relu(out + z if z is not None else out)
