@@ -261,6 +261,7 @@ def test_bench_train_on_gpu_profiles_the_step(tmp_path):
     cells = {c["backend"]: c for c in json.loads((out / "results.json").read_text())["cells"]}
     for c in cells.values():
         assert c["kernels_per_step"] > 0 and c["gpu_kernel_ms"] > 0 and c["host_ms"] > 0 and c["peak_mem_mb"] > 0
+        assert 0 < c["step_peak_mem_mb"] <= c["peak_mem_mb"] + 1  # compiled steps need no more than compiling
     assert cells["fxopt"]["losses_max_rel_diff"] <= LOSS_TOLERANCE[torch.float16]
 
 

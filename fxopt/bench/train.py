@@ -19,7 +19,8 @@ batch ``i mod --data-batches``). Per (model, batch, precision, backend) it recor
   kernels launched per step, GPU kernel time per step (the rest of a step is time the GPU waits for
   the host) and host time per step (CPU time outside waits for the GPU; profiler overhead included:
   an upper bound);
-- the peak memory;
+- the peak memory: over the backend's compile, first step and warm-up (``peak_mem_mb``), and over
+  two steps after them (``step_peak_mem_mb``: what training keeps needing once compiled);
 - for fxopt: its graphs (forward/backward, per Dynamo graph), fallbacks, why CUDA graphs are off
   for them, and what the partition saved for backward (``fxopt.training``).
 
@@ -496,6 +497,9 @@ def run_training_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] 
                 _guarded(t, lambda: t.steps(a.warmup), errors, "warm-up")
                 if a.device == "cuda":  # before the next backend allocates: this one's compile and steps
                     t.cell["peak_mem_mb"] = (torch.cuda.max_memory_allocated() - t.base_mem) / 2 ** 20
+                    torch.cuda.reset_peak_memory_stats()  # then steps alone, compiled and warm
+                    _guarded(t, lambda: t.steps(2), errors, "steady steps")
+                    t.cell["step_peak_mem_mb"] = (torch.cuda.max_memory_allocated() - t.base_mem) / 2 ** 20
                 if a.device == "cuda" and a.profile_steps:  # before the next backend compiles (README: profiling)
                     _guarded(t, lambda: t.cell.update(step_profile(t, a.profile_steps)), errors, "profile")
                 trainees.append(t)
@@ -655,8 +659,8 @@ def render_markdown(results: Dict[str, Any], summary_only: bool = False) -> str:
     lines += [f"- FAILED {c['model']} b{c['batch']} {c['dtype']} {c['backend']}: {c.get('reason')}" for c in failed]
     lines += ["", "## Where a step's time goes", "",
               "| model | batch | backend | median ms | first step s | fxopt compile s | kernels/step | "
-              "GPU kernel ms/step | GPU idle ms/step | host ms/step | peak mem MiB | losses max rel diff | "
-              "final loss (eager) |", "|" + "---|" * 13]
+              "GPU kernel ms/step | GPU idle ms/step | host ms/step | peak mem MiB (compile / step) | "
+              "losses max rel diff | final loss (eager) |", "|" + "---|" * 13]
     for c in cells:
         idle = (c["median_ms"] - c["gpu_kernel_ms"]) if c.get("median_ms") and c.get("gpu_kernel_ms") else None
         final = (f"{c['final_loss']:.4f}" + (f" ({c['eager_final_loss']:.4f})" if c.get("eager_final_loss") else "")
@@ -666,7 +670,8 @@ def render_markdown(results: Dict[str, Any], summary_only: bool = False) -> str:
             _f(c.get("median_ms")) if c.get("status") == "ok" else f"{c.get('status')}: {c.get('error') or ''}"[:60],
             _f(c.get("first_step_s"), ".2f"), _f(c.get("fxopt_compile_s"), ".2f"),
             _f(c.get("kernels_per_step"), ".0f"), _f(c.get("gpu_kernel_ms")), _f(idle), _f(c.get("host_ms")),
-            _f(c.get("peak_mem_mb"), ".0f"), _f(c.get("losses_max_rel_diff"), ".2e"), final]) + " |")
+            f"{_f(c.get('peak_mem_mb'), '.0f')} / {_f(c.get('step_peak_mem_mb'), '.0f')}",
+            _f(c.get("losses_max_rel_diff"), ".2e"), final]) + " |")
     lines += ["", "GPU kernel ms = kernel time per step under torch.profiler; GPU idle = median − kernel time "
               "(the GPU waiting for the host); host ms = CPU time of a step outside waits for the GPU, under "
               "the profiler (an upper bound). first step = compile + one step (each backend first trained a tiny "
