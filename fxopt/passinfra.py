@@ -172,3 +172,13 @@ def apply_rules(gm: fx.GraphModule, ctx: PassContext, rules: list[PatternRule]) 
                     count += 1
                     break
     return count
+
+
+def finish(gm: fx.GraphModule, ctx: PassContext, changed: int, what: str) -> PassResult:
+    """A pass's end: after ``changed`` rewrites, the graph linted and recompiled and a note
+    "``changed`` ``what``"; the result says whether anything changed."""
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+        ctx.note(f"{changed} {what}")
+    return PassResult(gm, changed > 0)

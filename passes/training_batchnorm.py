@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from fxopt.passinfra import PassContext, PassResult, copy_meta, is_call
+from fxopt.passinfra import PassContext, PassResult, copy_meta, finish, is_call
 
 aten = torch.ops.aten
 
@@ -125,8 +125,4 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         _rewrite(gm.graph, node)
         changed += 1
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-        ctx.note(f"{changed} BatchNorm(s) run as eager runs them (with cuDNN's reserve space where it applies)")
-    return PassResult(gm, changed > 0)
+    return finish(gm, ctx, changed, "BatchNorm(s) run as eager runs them (with cuDNN's reserve space where it applies)")

@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 
 from fxopt.ops import BATCH_NORM_RELU, BATCH_NORM_RELU_BACKWARD
-from fxopt.passinfra import PassContext, PassResult, copy_meta, is_call, val
+from fxopt.passinfra import PassContext, PassResult, copy_meta, finish, getitem_users, is_call, val
 
 aten = torch.ops.aten
 BN = aten._batch_norm_with_update_functional.default
@@ -61,15 +61,6 @@ class Match:
     relu: fx.Node
     grad: fx.Node         # threshold_backward
     backward: fx.Node     # batch_norm_backward
-
-
-def _items(node: fx.Node) -> Optional[dict]:
-    out = {}
-    for u in node.users:
-        if not is_call(u, operator.getitem):
-            return None
-        out[u.args[1]] = u
-    return out
 
 
 def _gradient_of(relu: fx.Node) -> tuple[Optional[fx.Node], Optional[str]]:
@@ -117,7 +108,7 @@ def _io_reason(m_bn: fx.Node, z: Optional[fx.Node], cuda: bool) -> Optional[str]
 def match(bn: fx.Node, cuda: bool = True) -> tuple[Optional[Match], Optional[str]]:
     """The pattern of the module docstring at ``bn``, or (None, why not). ``cuda=False`` leaves
     out the device, dtype and layout requirements of cuDNN (the ``native`` backend)."""
-    items = _items(bn)
+    items = getitem_users(bn)
     if items is None or 0 not in items:
         return None, "used other than through its outputs"
     out = items[0]
@@ -225,9 +216,5 @@ def run(gm: fx.GraphModule, ctx: PassContext, backend: str = "cudnn") -> PassRes
             continue
         _rewrite(gm.graph, m, reserve, backend)
         changed += 1
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-        ctx.note(f"{changed} BatchNorm + ReLU pair(s) fused with their gradients ({backend})")
-    return PassResult(gm, changed > 0)
+    return finish(gm, ctx, changed, f"BatchNorm + ReLU pair(s) fused with their gradients ({backend})")
 

@@ -70,19 +70,26 @@ def test_training_layout_declines_a_graph_whose_views_need_nchw_and_is_an_option
     assert {r.name: r for r in records}["training_layout"].status == "disabled"
 
 
-def test_training_batchnorm_runs_eager_kernels_with_the_reserve_and_keeps_eager_numbers():
+def _train_both(model, shape, steps):
+    """(eager's copy, [fxopt's losses, eager's], fxopt's reports) after ``steps`` float32 CPU steps
+    of ``model`` compiled with fxopt and of a copy run eagerly, from the same weights and batches."""
     from fxopt.backend import fxopt_backend
 
+    ref = copy.deepcopy(model)
+    reports: list = []
+    compiled = torch.compile(model, backend=lambda gm, ex: fxopt_backend(gm, ex, _sink=reports))
+    batches = make_batches(2, 4, shape, 5)
+    losses = [run_steps(TrainLoop(m, m_.parameters(), "cpu", amp=None), batches, steps)
+              for m, m_ in ((compiled, model), (ref, ref))]
+    return ref, losses, reports
+
+
+def test_training_batchnorm_runs_eager_kernels_with_the_reserve_and_keeps_eager_numbers():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
                           nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8, affine=False), nn.ReLU(),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
-    ref = copy.deepcopy(model)
-    reports: list = []
-    compiled = torch.compile(model, backend=lambda gm, ex: fxopt_backend(gm, ex, _sink=reports))
-    batches = make_batches(2, 4, (3, 8, 8), 5)
-    losses = [run_steps(TrainLoop(m, m_.parameters(), "cpu", amp=None), batches, 4)
-              for m, m_ in ((compiled, model), (ref, ref))]
+    ref, losses, reports = _train_both(model, (3, 8, 8), steps=4)
     assert [float(a) for a in losses[0]] == [float(b) for b in losses[1]]  # the same kernels as eager
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
@@ -168,18 +175,12 @@ def _native_joint_pipeline(monkeypatch):
 
 
 def test_batchnorm_relu_fuses_forward_and_backward_and_trains_as_eager(monkeypatch):
-    from fxopt.backend import fxopt_backend
     from fxopt.ops import BATCH_NORM_RELU, BATCH_NORM_RELU_BACKWARD
 
     _native_joint_pipeline(monkeypatch)
     torch.manual_seed(0)
     model = _ResidualBlock()
-    ref = copy.deepcopy(model)
-    reports: list = []
-    compiled = torch.compile(model, backend=lambda gm, ex: fxopt_backend(gm, ex, _sink=reports))
-    batches = make_batches(2, 4, (8, 6, 6), 5)
-    losses = [run_steps(TrainLoop(m, m_.parameters(), "cpu", amp=None), batches, 3)
-              for m, m_ in ((compiled, model), (ref, ref))]
+    ref, losses, reports = _train_both(model, (8, 6, 6), steps=3)
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]))
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, msg=name)
