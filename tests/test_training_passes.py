@@ -5,12 +5,14 @@ import operator
 
 import pytest
 import torch
+from hypothesis import given, settings
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxopt.config import Options
 from fxopt.pipeline import ALL_PASS_NAMES, run_joint_pipeline
+from fxopt.testing import check_equivalence, cnn_cases
 from fxopt.testing.training import TrainLoop, make_batches, run_steps
 
 aten = torch.ops.aten
@@ -292,3 +294,21 @@ def test_batchnorm_relu_rewrite_leaves_one_op_each_way_and_is_idempotent(residua
     if residual:  # z's gradient is the fused backward's fourth output
         assert outputs[4].target is operator.getitem and outputs[4].args[1] == 3
     assert not training_batchnorm_relu.run(gm, ctx, backend="native").modified
+
+
+@settings(max_examples=12 if settings.default.max_examples <= 25 else settings.default.max_examples, deadline=None)
+@given(cnn_cases(dtypes=(torch.float32,), ndims=(2,), training=True, min_batch=2, max_layers=4))
+def test_property_batchnorm_relu_rewrite_of_random_training_graphs_matches_eager(case):
+    """training_batchnorm_relu on its native backend, over the training graphs the strategies draw
+    (BatchNorm, ReLU, residual blocks): loss, gradients and buffers as eager's; the cuDNN backend's
+    kernels are checked against float64 on the GPU (tests/test_gpu.py)."""
+    import functools
+    from unittest import mock
+
+    from fxopt import pipeline
+    from fxopt.passes import training_batchnorm_relu
+
+    entries = [(name, functools.partial(training_batchnorm_relu.run, backend="native")
+                if name == "training_batchnorm_relu" else fn) for name, fn in pipeline.JOINT_PIPELINE]
+    with mock.patch.object(pipeline, "JOINT_PIPELINE", entries):
+        check_equivalence(case)
