@@ -161,9 +161,11 @@ class Report:
     def table(self) -> str:
         rows = [("graph", "pass", "changed", "nodes", "ms", "summary")]
         for i, g in enumerate(self.graphs):
-            for p in g.passes:
+            joint = (g.training or {}).get("joint_passes", []) if g.kind == "forward" else []
+            records = [(f"{i}:joint", PassRecord(**d)) for d in joint]  # before the split, once per pair
+            for label, p in records + [(f"{i}:{g.kind}", p) for p in g.passes]:
                 nodes = f"{p.nodes_before}->{p.nodes_after}" if p.status == "ran" else "-"
-                rows.append((f"{i}:{g.kind}", p.name, "yes" if p.changed else ("-" if p.status != "ran" else "no"),
+                rows.append((label, p.name, "yes" if p.changed else ("-" if p.status != "ran" else "no"),
                              nodes, f"{p.ms:.1f}", p.summary[:90]))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]

@@ -87,7 +87,8 @@ def training_details(graph: fx.GraphModule, kind: str, partitioner: Partitioner)
     reads from its forward (``saved_for_backward``)."""
     details: dict = {"partitioner": partitioner.used,
                      "joint_passes": [{"name": r.name, "status": r.status, "changed": r.changed,
-                                       "notes": list(r.notes), **({"error": r.error} if r.error else {})}
+                                       "nodes_before": r.nodes_before, "nodes_after": r.nodes_after,
+                                       "ms": r.ms, "notes": list(r.notes), **({"error": r.error} if r.error else {})}
                                       for r in partitioner.joint_passes]}
     if kind == "backward":
         details["saved_for_backward"] = saved_for_backward(graph)
