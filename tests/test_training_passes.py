@@ -312,3 +312,19 @@ def test_property_batchnorm_relu_rewrite_of_random_training_graphs_matches_eager
                 if name == "training_batchnorm_relu" else fn) for name, fn in pipeline.JOINT_PIPELINE]
     with mock.patch.object(pipeline, "JOINT_PIPELINE", entries):
         check_equivalence(case)
+
+
+@pytest.mark.skipif(not torch.backends.cudnn.is_available(), reason="this PyTorch has no cuDNN")
+def test_cudnn_batchnorm_bindings_resolve_in_the_library_pytorch_loaded():
+    """The CPU-testable half of the cuDNN path: every function it calls exists in the cuDNN
+    library PyTorch loaded, with the argument count it is declared with, and a call that needs no
+    device answers; without a device the probe declines with that reason."""
+    from fxopt.backends.cuda.runtime import cudnn_batchnorm as cb
+
+    lib = cb._lib()
+    for name, args in cb._SIGNATURES.items():
+        assert len(getattr(lib, name).argtypes) == len(args), name
+    assert lib.cudnnGetErrorString(0) == b"CUDNN_STATUS_SUCCESS"
+    if not torch.cuda.is_available():
+        reserve, why = cb.probe((2, 8, 4, 4), F16, True)
+        assert (reserve, why) == (None, "cuDNN needs a CUDA device")

@@ -61,9 +61,11 @@ _SIGNATURES = {
 
 @functools.lru_cache(maxsize=None)
 def _lib() -> ctypes.CDLL:
-    """The cuDNN library this process's PyTorch loaded (the one its own kernels use)."""
-    if not (torch.cuda.is_available() and torch.backends.cudnn.is_available()):
-        raise CudnnError("cuDNN needs a CUDA device")
+    """The cuDNN library this process's PyTorch loaded (the one its own kernels use), with the
+    signatures of the functions used here. Loading needs no device; every call but the error
+    strings does."""
+    if not torch.backends.cudnn.is_available():
+        raise CudnnError("this PyTorch has no cuDNN")
     torch.backends.cudnn.version()  # makes PyTorch load it
     lib = None
     with open("/proc/self/maps") as maps:
@@ -93,6 +95,8 @@ _handles = threading.local()
 
 def _handle(device: torch.device) -> ctypes.c_void_p:
     """This thread's cuDNN handle for ``device``, bound to PyTorch's current stream."""
+    if not torch.cuda.is_available():
+        raise CudnnError("cuDNN needs a CUDA device")
     cache = getattr(_handles, "by_device", None)
     if cache is None:
         cache = _handles.by_device = {}
@@ -149,9 +153,11 @@ def _ptr(t: Optional[torch.Tensor]) -> ctypes.c_void_p:
 _ONE, _ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
 
-def _sizes(h, ops: int, x: torch.Tensor) -> tuple:
-    """(forward workspace, backward workspace, reserve) bytes for ``x``'s shape and layout."""
-    xk = _key(x)
+@functools.lru_cache(maxsize=1024)
+def _sizes(ops: int, xk: tuple, device_index: int) -> tuple:
+    """(forward workspace, backward workspace, reserve) bytes for an input of key ``xk`` (dtype,
+    shape, strides): asked once per shape, not per call."""
+    h = _handle(torch.device("cuda", device_index))
     xd, bd, act = _tensor_desc(*xk), _bn_desc(xk), _relu_desc()
     zd = xd if ops == OPS_BN_ADD_ACTIVATION else None
     fw, bw, rs = _S(), _S(), _S()
@@ -165,12 +171,6 @@ def _sizes(h, ops: int, x: torch.Tensor) -> tuple:
     return fw.value, bw.value, rs.value
 
 
-def reserve_bytes(x: torch.Tensor, with_add: bool) -> int:
-    """The reserve space the forward hands the backward (the ReLU's mask), for ``x``'s shape."""
-    x = _nhwc(x)
-    return _sizes(_handle(x.device), OPS_BN_ADD_ACTIVATION if with_add else OPS_BN_ACTIVATION, x)[2]
-
-
 def forward(x, z, weight, bias, running_mean, running_var, momentum: float, eps: float):
     """relu(batch_norm(x) (+ z)): (y, save_mean, save_invstd, reserve, new_running_mean,
     new_running_var); ``y`` channels_last, the running statistics new tensors."""
@@ -178,8 +178,8 @@ def forward(x, z, weight, bias, running_mean, running_var, momentum: float, eps:
     x = _nhwc(x)
     z = _nhwc(z) if z is not None else None
     h = _handle(x.device)
-    fw, _, rs = _sizes(h, ops, x)
     xk = _key(x)
+    fw, _, rs = _sizes(ops, xk, x.device.index)
     xd, bd = _tensor_desc(*xk), _bn_desc(xk)
     c = x.shape[1]
     y = torch.empty_like(x, memory_format=torch.channels_last)
@@ -202,10 +202,10 @@ def backward(dy, x, y, weight, bias, save_mean, save_invstd, reserve, eps: float
     ops = OPS_BN_ADD_ACTIVATION if with_add else OPS_BN_ACTIVATION
     x, y, dy = _nhwc(x), _nhwc(y), _nhwc(dy)
     h = _handle(x.device)
-    _, bw, rs = _sizes(h, ops, x)
+    xk = _key(x)
+    _, bw, rs = _sizes(ops, xk, x.device.index)
     if reserve.numel() != rs:
         raise CudnnError(f"reserve space of {reserve.numel()} bytes, cuDNN needs {rs}")
-    xk = _key(x)
     xd, bd = _tensor_desc(*xk), _bn_desc(xk)
     dx = torch.empty_like(x, memory_format=torch.channels_last)
     dz = torch.empty_like(x, memory_format=torch.channels_last) if with_add else x.new_empty(0)
@@ -223,10 +223,12 @@ def backward(dy, x, y, weight, bias, save_mean, save_invstd, reserve, eps: float
 @functools.lru_cache(maxsize=256)
 def probe(shape: tuple, dtype: torch.dtype, with_add: bool, device_index: int = 0) -> tuple:
     """(reserve bytes, None) where cuDNN runs the fused forward and backward for this input shape
-    and dtype (both are run once on random data and checked against PyTorch's unfused ops), or
-    (None, why not)."""
+    and dtype (both run once on random data; the forward's output is checked against PyTorch's
+    unfused ops), or (None, why not)."""
     if dtype not in (torch.float16, torch.bfloat16) or len(shape) != 4:
         return None, f"cuDNN fuses the activation for 4-D float16/bfloat16 inputs, not {len(shape)}-D {dtype}"
+    if not torch.cuda.is_available():
+        return None, "cuDNN needs a CUDA device"
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     try:
