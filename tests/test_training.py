@@ -227,13 +227,14 @@ def test_bench_train_arguments():
 def test_ddp_gloo_two_processes_matches_eager_ddp(tmp_path):
     """torch.compile(DistributedDataParallel(model), backend="fxopt") in 2 processes (gloo): Dynamo's
     DDPOptimizer splits the graph at the bucket boundary (1 MB buckets: SeedCNN2's fc1 weight is one),
-    fxopt compiles every piece, and losses and parameters are eager DDP's."""
+    fxopt compiles every piece, and losses and parameters are eager DDP's; the one-device models
+    are timed in the same rounds as the DDP ones."""
     out = tmp_path / "ddp"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "fxopt.bench.ddp", "--device", "cpu", "--model", "seedcnn2", "--batch", "8", "--amp", "none",
-           "--warmup", "1", "--iters", "3", "--losses", "5", "--bucket-cap-mb", "1", "--no-single",
-           "--out", str(out)]
+           "--warmup", "1", "--iters", "4", "--rounds", "2", "--losses", "5", "--bucket-cap-mb", "1",
+           "--backends", "fxopt", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     res = json.loads((out / "results.json").read_text())
@@ -241,11 +242,16 @@ def test_ddp_gloo_two_processes_matches_eager_ddp(tmp_path):
     fx = res["summary"]["backends"]["fxopt"]
     assert fx["status"] == "ok" and fx["losses_max_rel_diff"] <= LOSS_TOLERANCE[None]
     assert fx["param_rel_diff"] <= 1e-4
+    # one-device and DDP models timed in the same 2 rounds, 2 steps each: the scaling compares like with like
+    assert res["meta"]["config"]["rounds"] == 2 and fx["scaling"] > 0
+    for rank in res["ranks"]:
+        assert [rank["single"][be]["n"] for be in ("eager", "fxopt")] == [4, 4]
+        assert [rank["ddp"][be]["n"] for be in ("eager", "fxopt")] == [4, 4]
     for rank in res["ranks"]:
         graphs = rank["ddp"]["fxopt"]["fxopt"]
         assert graphs["graphs"].count("forward") >= 2 and graphs["graphs"].count("backward") >= 2, graphs
         assert graphs["fallbacks"] == []
-        assert len(rank["ddp"]["fxopt"]["losses"]) == 5
+        assert len(rank["ddp"]["fxopt"]["losses"]) == 1 + 1 + 2 * (2 + 2)  # first, warm-up, 2 x (re-warm + timed)
     assert all(c["ok"] for c in res["summary"]["checks"])
 
 

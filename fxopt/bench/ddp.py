@@ -16,6 +16,12 @@ seeded batches (per rank), from the same initial weights:
    splits the model's graph at the bucket boundaries (so that each bucket's all-reduce can start
    while the backward of the pieces before it runs); every piece is compiled by the backend, which
    fxopt's reports show (one forward and one backward graph per piece).
+
+   Every model is compiled and warmed up first; the timed steps are then spread over ``--rounds``
+   rounds in which, per backend, the one-device model and the DDP model take turns, every process
+   starting each turn together (a barrier): both are timed under the same conditions (no process
+   compiling meanwhile, the host and the GPUs as warm), so their ratio, the scaling, does not
+   carry the drift between two phases of the run.
 3. checks: the replicas' parameters are identical on every rank after the last step (the
    gradients were all-reduced: a backward whose gradients DDP missed would let them drift apart);
    each compiled backend's losses (every rank's first ``--losses``) and its parameters after the
@@ -54,11 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], help="default cuda if available (NCCL), else cpu (gloo)")
     p.add_argument("--model", default="resnet50", help="a fxopt.bench model (default resnet50)")
     p.add_argument("--batch", type=int, default=64, help="batch per process (default 64)")
-    p.add_argument("--amp", choices=["float16", "bfloat16", "none"], help="default float16 on cuda, none on cpu")
+    p.add_argument("--amp", choices=["float16", "bfloat16", "none"],
+                   help="default float16 on cuda, none on cpu; none on cuda also turns TF32 off (float32 throughout)")
     p.add_argument("--backends", default="eager,eager-channels-last,fxopt",
                    help=f"comma list (eager always; known: {','.join(TRAIN_BACKENDS)})")
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--iters", type=int, default=50, help="timed steps")
+    p.add_argument("--iters", type=int, default=50, help="timed steps (of each model)")
+    p.add_argument("--rounds", type=int, help="spread the timed steps over this many rounds in which the one-device "
+                   "and the DDP model of each backend take turns (default 5 on cuda, 1 on cpu)")
+    p.add_argument("--rewarm", type=int, default=2, help="untimed steps before each turn (rounds > 1)")
     p.add_argument("--losses", type=int, default=20, help="losses compared with eager DDP's")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (DDP's default 25)")
     p.add_argument("--profile-steps", type=int, default=0,
@@ -97,8 +107,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     bad = [b for b in a.backends if b not in TRAIN_BACKENDS]
     if bad:
         p.error(f"unknown backend(s) {bad}; known: {', '.join(TRAIN_BACKENDS)}")
-    if a.batch < 2 or a.iters < 1 or min(a.warmup, a.losses, a.profile_steps) < 0:
-        p.error("--batch >= 2, --iters >= 1, --warmup, --losses and --profile-steps >= 0")
+    a.rounds = a.rounds or (5 if a.device == "cuda" else 1)
+    if a.batch < 2 or min(a.iters, a.rounds) < 1 or min(a.warmup, a.rewarm, a.losses, a.profile_steps) < 0:
+        p.error("--batch >= 2, --iters and --rounds >= 1, --warmup, --rewarm, --losses and --profile-steps >= 0")
     a.fxopt_options = json.loads(a.fxopt_options) if a.fxopt_options else {}
     a.ddp_options = json.loads(a.ddp_options) if a.ddp_options else {}
     if a.trace and not a.profile_steps:
@@ -107,8 +118,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return a
 
 
-def _train(t, a) -> None:
-    """First step (timed: compile), warm-up, timed steps; a failure marks the cell."""
+def _prepare(t, a) -> None:
+    """First step (timed: compile) and warm-up; a failure marks the cell."""
     from .train import _guarded, _sync
 
     errors: List[str] = []
@@ -121,9 +132,35 @@ def _train(t, a) -> None:
 
     _guarded(t, first, errors, "first step")
     _guarded(t, lambda: t.steps(a.warmup), errors, "warm-up")
-    _guarded(t, lambda: t.timed(a.iters), errors, "timed steps")
     if errors:
         print(errors[0], file=sys.stderr)
+
+
+def _timed_rounds(pairs: List[tuple], a) -> None:
+    """The timed steps: ``a.rounds`` rounds, in each of which every model of ``pairs`` (per backend:
+    the one-device model or None, the DDP model) runs ``iters / rounds`` timed steps after
+    ``a.rewarm`` untimed ones, all processes starting each turn together. A model whose steps
+    failed sits out; every process skips it alike (its DDP steps are collectives)."""
+    import torch.distributed as dist
+
+    from .train import _guarded
+
+    per_round = -(-a.iters // a.rounds)
+    for _ in range(a.rounds):
+        for pair in pairs:
+            for t in pair:
+                if t is None:
+                    continue
+                ok = [None] * dist.get_world_size()
+                dist.all_gather_object(ok, t.cell["status"] == "ok")
+                if not all(ok):
+                    continue
+                errors: List[str] = []
+                if a.rounds > 1:
+                    _guarded(t, lambda: t.steps(a.rewarm), errors, "re-warm")
+                _guarded(t, lambda: t.timed(per_round), errors, "timed steps")
+                if errors:
+                    print(errors[0], file=sys.stderr)
 
 
 def _cell(t, a, world: int) -> Dict[str, Any]:
@@ -134,7 +171,7 @@ def _cell(t, a, world: int) -> Dict[str, Any]:
     cell["losses"] = [float(x) for x in t.losses]
     if t.samples and cell["status"] == "ok":
         st = stats(t.samples)
-        cell.update(median_ms=st["median"], iqr_ms=st["iqr"])
+        cell.update(median_ms=st["median"], iqr_ms=st["iqr"], n=st["n"])
         cell["images_per_s_per_device"] = a.batch / (st["median"] / 1e3)
         cell["images_per_s"] = cell["images_per_s_per_device"] * world
     if t.reports:
@@ -204,6 +241,9 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
     if a.device == "cuda":
         torch.cuda.set_device(local)
         torch.backends.cudnn.benchmark = True
+        if a.amp == "none":  # float32 means float32: losses then compare at its tolerance
+            torch.backends.cudnn.allow_tf32 = False
+            torch.backends.cuda.matmul.allow_tf32 = False
     device = f"cuda:{local}" if a.device == "cuda" else "cpu"
     dist.init_process_group("nccl" if a.device == "cuda" else "gloo",
                             timeout=datetime.timedelta(minutes=a.timeout_min),
@@ -212,32 +252,33 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
     try:
         base, shape, classes = _build(a.model, a)
         batches = make_batches(a.data_batches, a.batch, shape, classes, device, seed=a.seed + 1000 * rank)
-        single: Dict[str, Any] = {}
+        torch._dynamo.reset()
+        singles: Dict[str, Any] = {}
         if a.single:
             for be in a.backends:
-                torch._dynamo.reset()
-                t = Trainee(be, base, batches, device, a.amp, a.lr, a.fxopt_options, seed=a.seed + 1000 * rank)
-                _train(t, a)
-                single[be] = _cell(t, a, 1)
-                del t
+                singles[be] = Trainee(be, base, batches, device, a.amp, a.lr, a.fxopt_options,
+                                      seed=a.seed + 1000 * rank)
+                _prepare(singles[be], a)
         dist.barrier()
         comm_ms = _allreduce_ms(base, device)
         bucket = {"bucket_cap_mb": a.bucket_cap_mb, **({"device_ids": [local]} if a.device == "cuda" else {}),
                   **a.ddp_options}
         trainees = {}
         for be in a.backends:
-            torch._dynamo.reset()
             t = Trainee(be, base, batches, device, a.amp, a.lr, a.fxopt_options,
                         wrap_model=lambda m: DDP(m, **bucket), seed=a.seed + 1000 * rank)
-            _train(t, a)
+            _prepare(t, a)
             if a.device == "cuda" and a.profile_steps and t.cell["status"] == "ok":
                 trace = os.path.join(a.out, f"trace_{be}.json") if a.trace and rank == 0 else None
                 if trace:
                     os.makedirs(a.out, exist_ok=True)
                 _guarded(t, lambda: t.cell.update(step_profile(t, a.profile_steps, trace)), [], "profile")
-            t.cell["replica_diff"] = _replica_diff(t.model)
             trainees[be] = t
             dist.barrier()
+        _timed_rounds([(singles.get(be), trainees[be]) for be in a.backends], a)
+        single = {be: _cell(t, a, 1) for be, t in singles.items()}
+        for t in trainees.values():
+            t.cell["replica_diff"] = _replica_diff(t.model)
         eager = trainees["eager"]
         ddp: Dict[str, Any] = {}
         for be, t in trainees.items():
@@ -264,7 +305,8 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
             "kind": "ddp", "world_size": world, "backend_comm": "nccl" if a.device == "cuda" else "gloo",
             "device_type": a.device, **_device_info(a.device), "versions": _versions(),
             "dynamo_optimize_ddp": str(torch._dynamo.config.optimize_ddp),
-            "config": {k: getattr(a, k) for k in ("model", "batch", "amp", "backends", "warmup", "iters", "losses",
+            "config": {k: getattr(a, k) for k in ("model", "batch", "amp", "backends", "warmup", "iters", "rounds",
+                                                   "rewarm", "losses",
                                                    "bucket_cap_mb", "single", "image_size", "data_batches", "lr",
                                                    "seed", "fxopt_options", "profile_steps", "ddp_options")},
             "allreduce_ms": gathered[0]["allreduce_ms"],
@@ -336,7 +378,12 @@ def render_markdown(results: Dict[str, Any]) -> str:
     lines += [f"- device: {m.get('device_name')} × {m['world_size']}, `{m['device_type']}`",
               "- versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v),
               f"- date: {m['date']}", f"- command: `{m['command']}`",
-              f"- loop: {_precision(cfg['amp'])}, Adam, cross-entropy; median of {cfg['iters']} steps after {cfg['warmup']} warm-up steps (rank 0); "
+              f"- loop: {_precision(cfg['amp'])}"
+              + (" (TF32 off)" if cfg["amp"] == "none" and m["device_type"] == "cuda" else "")
+              + f", Adam, cross-entropy; median of {cfg['iters']} steps after {cfg['warmup']} warm-up steps (rank 0)"
+              + ("" if not cfg.get("single") else
+                 f", in {cfg['rounds']} round(s) in which each backend's one-device and DDP models take turns"
+                 if "rounds" in cfg else ", the one-device models timed first, then the DDP ones") + "; "
               f"DDP buckets of {cfg['bucket_cap_mb']} MB"
               + "".join(f", {k}={v}" for k, v in (cfg.get("ddp_options") or {}).items())
               + f"; Dynamo optimize_ddp={m['dynamo_optimize_ddp']}", "",
