@@ -323,6 +323,39 @@ def test_replay_decisions_are_cached_and_a_losing_baseline_is_not_captured_again
     assert len(measured) == 2 and other[0].shape == (4, 5)
 
 
+def test_measuring_declines_what_would_not_fit_in_memory_and_survives_running_out(monkeypatch):
+    """The plain run and the baseline's capture each need about what the optimized capture took:
+    with less free than that, or when one runs out of memory all the same, the optimized graph is
+    replayed unmeasured, the reason recorded and nothing cached."""
+    from fxopt.autotune import AutotuneCache
+    from fxopt.backends.cuda.runtime import cudagraphs
+
+    reserved = iter(range(0, 10**6, 100))  # every capture adds 100 bytes to what is reserved
+    monkeypatch.setattr(cudagraphs, "_reserved_bytes", lambda: next(reserved))
+    monkeypatch.setattr(cudagraphs, "_free_bytes", lambda: 150)  # not 2 x 100
+    measured = []
+    monkeypatch.setattr(cudagraphs, "_alternating_medians", lambda fns, *a: measured.append(fns) or {})
+    cache, w, x = AutotuneCache(None), torch.randn(5, 3), torch.randn(2, 3)
+    r = _simulated_runner(lambda w, x: (x @ w.T,), [0], real_decide=True, baseline=lambda w, x: (x @ w.T,),
+                          decisions_cache=(cache, "dev", "h"))
+    torch.testing.assert_close(r(w, x)[0], x @ w.T)
+    d = r.decisions()[0]
+    assert d["runs"] == "optimized graph" and "MiB free" in d["not_measured"]
+    assert r.captures == 1 and measured == [] and cache.get("dev", r._decision_key([w, x])) is None
+
+    def baseline(w, x):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(cudagraphs, "_free_bytes", lambda: float("inf"))
+    r = _simulated_runner(lambda w, x: (x @ w.T,), [0], real_decide=True, baseline=baseline,
+                          decisions_cache=(cache, "dev", "h"))
+    torch.testing.assert_close(r(w, x)[0], x @ w.T)
+    torch.testing.assert_close(r(w, x)[0], x @ w.T)  # and replays after
+    d = r.decisions()[0]
+    assert d["runs"] == "optimized graph" and d["not_measured"].startswith("out of memory") and measured == []
+    assert cache.get("dev", r._decision_key([w, x])) is None
+
+
 def test_a_cached_baseline_decision_captures_and_replays_the_baseline():
     from fxopt.autotune import AutotuneCache
 

@@ -53,6 +53,11 @@ Contract (what a caller can rely on):
   over, before any pass: PyTorch's own kernels), that graph is captured too and timed in
   alternation with the optimized one; where it is faster by more than ``margin`` the signature
   replays the baseline instead. ``decisions()`` says which one runs and the times behind it.
+- Measuring never runs the device out of memory: the baseline's capture and the plain runs each
+  need about what the optimized capture took (its growth of the memory PyTorch reserves, training's
+  saved activations included); where the device has less free than they would need together, or
+  one of them runs out of memory all the same, the optimized graph is replayed unmeasured, and
+  ``decisions()`` says why (``not_measured``; such a decision is not cached).
 - Random numbers as eager draws them: the runs that are not the call's own (warm-ups before a
   capture, the timing runs) leave the CUDA generator as they found it, and a replay reads the
   generator's seed and offset as an uncaptured kernel would, so dropout draws the masks eager
@@ -176,6 +181,7 @@ class _Instance:
     def __init__(self, graph, static_inputs: dict, input_ptrs: Optional[dict], outputs, args, lend: bool = True,
                  copied: frozenset = frozenset(), training: bool = False, pool=None, pool_shared: bool = False):
         self.graph, self.static_inputs, self.input_ptrs, self.outputs = graph, static_inputs, input_ptrs, outputs
+        self.footprint = 0  # bytes the capture added to what the allocator reserves (set by the runner)
         self.pool, self.pool_shared = pool, pool_shared  # the memory pool; whether another capture's
         self.sharers: list = []  # weak references to the backward captures made in this pool
         flat = _flat(outputs)
@@ -264,6 +270,19 @@ def _side_runs(written: Sequence[torch.Tensor] = ()):
             torch.cuda.set_rng_state(state)
 
 
+def _reserved_bytes() -> int:
+    """Memory PyTorch's caching allocator holds on the current device (0 without CUDA)."""
+    return torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
+
+
+def _free_bytes() -> float:
+    """Memory a new allocation can get on the current device: free on the device, plus what the
+    caching allocator holds unused (it releases that before failing); unbounded without CUDA."""
+    if not torch.cuda.is_available():
+        return float("inf")
+    return torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+
 def _alternating_medians(fns: dict, rounds: int = 4, runs: int = 3) -> dict:
     """Median CUDA-event ms of each function, in alternating rounds (``fxopt.autotune``)."""
     from fxopt.autotune import alternating_medians
@@ -279,6 +298,8 @@ def choose(timings: dict, margin: float) -> str:
     """Which way a signature runs, from its measured times (ms): the optimized graph replayed, the
     optimized graph uncaptured, or the baseline replayed. The baseline must win by more than
     ``margin`` (a fraction): a tie keeps the optimized graph."""
+    if "plain_ms" not in timings:  # not measured
+        return "optimized graph"
     best = "optimized graph" if timings["graph_ms"] <= timings["plain_ms"] else "optimized plain"
     best_ms = min(timings["graph_ms"], timings["plain_ms"])
     base = timings.get("baseline_graph_ms")
@@ -346,6 +367,7 @@ class CudaGraphRunner:
         """Capture ``fn`` on ``args``, in a memory pool of its own (``share``, a backward: in the pool
         of the forward capture it reads, where that one shares with no other): the inputs at
         ``in_place`` are read where they are, the others from static buffers that each replay fills."""
+        reserved = _reserved_bytes()
         static_inputs, input_ptrs = {}, {}
         call_args = list(args)
         for i in self.dynamic:
@@ -366,6 +388,7 @@ class CudaGraphRunner:
                          pool=pool, pool_shared=lender is not None)
         if lender is not None:
             lender.sharers.append(weakref.ref(inst))
+        inst.footprint = max(0, _reserved_bytes() - reserved)
         self._lent_ptrs.update(inst.out_ptrs)
         return inst
 
@@ -490,14 +513,11 @@ class CudaGraphRunner:
         if cached is not None and cached.get("runs") in ("optimized graph", "optimized plain", "baseline graph"):
             entry.timings, entry.runs = dict(cached["timings"], cached=True), cached["runs"]
         else:
-            fns = {"graph_ms": lambda: self._replay(entry, args), "plain_ms": lambda: self.fn(*args)}
-            if self.baseline is not None:
-                base = self._capture_baseline(entry, args)
-                fns["baseline_graph_ms"] = lambda: self._replay(base, args)
-            with _side_runs(self.writes(args)):
-                entry.timings = _alternating_medians(fns)
+            base, why = self._measure(entry, args)
             entry.runs = choose(entry.timings, self.margin)
-            if key:
+            if why:
+                entry.timings["not_measured"] = why
+            elif key:
                 self.decisions_cache[0].put(self.decisions_cache[1], key,
                                             {"runs": entry.runs, "timings": dict(entry.timings)})
         entry.use_graph = entry.runs != "optimized plain"
@@ -506,6 +526,30 @@ class CudaGraphRunner:
             entry.fn, entry.instances = base.fn, base.instances
             self._watch_baseline_params(args)
         # a losing baseline capture is dropped on return: its memory goes back to the pool
+
+    def _measure(self, entry: _Entry, args) -> tuple:
+        """Time the optimized replay against the plain run and the baseline's replay into
+        ``entry.timings``: (the baseline's capture or None, why the others were not timed or None)."""
+        need = entry.instances[0].footprint * (2 if self.baseline is not None else 1)
+        free = _free_bytes()
+        if need > free:
+            entry.timings = {}
+            return None, (f"the plain run and the baseline would need about {need / 2**20:.0f} MiB, "
+                          f"{free / 2**20:.0f} MiB free")
+        base = None
+        fns = {"graph_ms": lambda: self._replay(entry, args), "plain_ms": lambda: self.fn(*args)}
+        try:
+            if self.baseline is not None:
+                base = self._capture_baseline(entry, args)
+                fns["baseline_graph_ms"] = lambda: self._replay(base, args)
+            with _side_runs(self.writes(args)):
+                entry.timings = _alternating_medians(fns)
+        except torch.OutOfMemoryError:
+            base = fns = None  # the baseline's capture and the plain runs' memory go back
+            entry.timings = {}
+            torch.cuda.empty_cache()
+            return None, "out of memory while measuring the plain run and the baseline"
+        return base, None
 
     def _capture_baseline(self, entry: _Entry, args) -> _Entry:
         reads = frozenset(entry.instances[0].input_ptrs or ())
