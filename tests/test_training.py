@@ -170,9 +170,35 @@ def test_bench_train_on_cpu(tmp_path):
     assert fx["fxopt"]["graphs"] == ["forward", "backward"] and fx["fxopt"]["fallbacks"] == []
     assert fx["fxopt"]["partitioner"] == ["min_cut"] and fx["fxopt"]["saved_activations"] > 0
     assert all("inputs are not on CUDA" in s for s in fx["fxopt"]["cudagraphs"])
+    assert fx["fxopt"]["cudagraph_decisions"] == []  # no CUDA-graph runner on the CPU
     assert [c["ok"] for c in res["checks"]] == [True]
     md = (out / "results.md").read_text()
     assert "## fxopt's training graphs" in md and "seedcnn2" in (out / "summary.md").read_text()
+
+
+def test_bench_train_keeps_the_cuda_graph_runners_decisions():
+    """The results say, per fxopt graph and signature, which way its CUDA-graph runner runs it and
+    the times behind the choice (or why nothing was measured)."""
+    from types import SimpleNamespace
+
+    from fxopt.bench.train import _graph_summary
+
+    class Runner:
+        def __init__(self, *decisions):
+            self._d = list(decisions)
+
+        def decisions(self):
+            return self._d
+
+    fwd = {"runs": "optimized graph", "graph_ms": 1.0, "plain_ms": 1.5, "baseline_graph_ms": 1.2, "captures": 1}
+    bwd = {"runs": "optimized graph", "not_measured": "out of memory while measuring the plain run and the baseline"}
+    reports = [SimpleNamespace(kind=k, fallback=None, cudagraphs="on", executor="cuda", training={},
+                               executor_details={"cudagraph_runner": Runner(d)}) for k, d in
+               (("forward", fwd), ("backward", bwd))]
+    got = _graph_summary(reports)["cudagraph_decisions"]
+    assert got == [{"graph": "forward", "runs": "optimized graph", "graph_ms": 1.0, "plain_ms": 1.5,
+                    "baseline_graph_ms": 1.2},
+                   {"graph": "backward", **bwd}]
 
 
 def test_bench_train_check_fails_on_a_diverging_backend(tmp_path, monkeypatch):
@@ -269,6 +295,9 @@ def test_bench_train_on_gpu_profiles_the_step(tmp_path):
         assert c["kernels_per_step"] > 0 and c["gpu_kernel_ms"] > 0 and c["host_ms"] > 0 and c["peak_mem_mb"] > 0
         assert 0 < c["step_peak_mem_mb"] <= c["peak_mem_mb"] + 1  # compiled steps need no more than compiling
     assert cells["fxopt"]["losses_max_rel_diff"] <= LOSS_TOLERANCE[torch.float16]
+    decisions = cells["fxopt"]["fxopt"]["cudagraph_decisions"]
+    assert {d["graph"] for d in decisions} == {"forward", "backward"}
+    assert all(d["runs"] in ("optimized graph", "optimized plain", "baseline graph") for d in decisions)
 
 
 @pytest.mark.gpu

@@ -22,7 +22,8 @@ batch ``i mod --data-batches``). Per (model, batch, precision, backend) it recor
 - the peak memory: over the backend's compile, first step and warm-up (``peak_mem_mb``), and over
   two steps after them (``step_peak_mem_mb``: what training keeps needing once compiled);
 - for fxopt: its graphs (forward/backward, per Dynamo graph), fallbacks, why CUDA graphs are off
-  for them, and what the partition saved for backward (``fxopt.training``).
+  for them, what the partition saved for backward (``fxopt.training``) and, per graph and input
+  signature, which way its CUDA-graph runner runs it and the times behind the choice.
 
 Every step of a backend, timed or not, is a training step, and every backend runs the same number
 of steps in the same order, so loss ``i`` of one backend compares with loss ``i`` of eager's.
@@ -319,7 +320,23 @@ def _graph_summary(reports: List) -> Dict[str, Any]:
         "partitioner": sorted({str(r.training.get("partitioner")) for r in reports if r.kind != "inference"}),
         "saved_activations": sum(s["activations"] for s in saved),
         "saved_activation_mb": sum(s["activation_bytes"] for s in saved) / 2 ** 20,
+        "cudagraph_decisions": _runner_decisions(reports),
     }
+
+
+#: what a CUDA-graph runner's decision (``CudaGraphRunner.decisions()``) the results keep
+_DECISION_KEYS = ("runs", "graph_ms", "plain_ms", "baseline_graph_ms", "not_measured", "cached")
+
+
+def _runner_decisions(reports: List) -> List[Dict[str, Any]]:
+    """Per graph and input signature of fxopt's CUDA-graph runners: which way it runs (the optimized
+    graph replayed or uncaptured, or the unoptimized graph replayed) and the times behind it."""
+    out = []
+    for r in reports:
+        runner = (r.executor_details or {}).get("cudagraph_runner")
+        for d in runner.decisions() if runner is not None and hasattr(runner, "decisions") else []:
+            out.append({"graph": r.kind, **{k: d[k] for k in _DECISION_KEYS if k in d}})
+    return out
 
 
 def _fail(cell: Dict[str, Any], exc: BaseException, errors: List[str], what: str) -> None:
