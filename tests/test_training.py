@@ -267,7 +267,7 @@ def test_ddp_gloo_two_processes_matches_eager_ddp(tmp_path):
     assert res["meta"]["world_size"] == 2 and res["meta"]["backend_comm"] == "gloo"
     fx = res["summary"]["backends"]["fxopt"]
     assert fx["status"] == "ok" and fx["losses_max_rel_diff"] <= LOSS_TOLERANCE[None]
-    assert fx["param_rel_diff"] <= 1e-4
+    assert fx["param_rel_diff"] <= 1e-4 and fx["param_rel_diff_parameters"] <= 1e-4
     # one-device and DDP models timed in the same 2 rounds, 2 steps each: the scaling compares like with like
     assert res["meta"]["config"]["rounds"] == 2 and fx["scaling"] > 0
     for rank in res["ranks"]:
@@ -340,6 +340,27 @@ def test_ddp_checks_take_eager_channels_last_spread_and_require_equal_replicas()
     out = _summarize(ranks, a, 0.02)
     assert out["tolerances"] == {"losses": 0.02, "parameters": PARAM_TOLERANCE["float16"]}
     assert "losses differ" in out["checks"][-1]["reason"] and "parameters differ" in out["checks"][-1]["reason"]
+    for r in ranks:  # where the ranks say which part differs, the reason does too
+        r["ddp"]["fxopt"].update(param_rel_diff_parameters=0.01, param_rel_diff_buffers=0.7)
+    assert "(parameters 0.01, buffers 0.7)" in _summarize(ranks, a, 0.02)["checks"][-1]["reason"]
+
+
+def test_ddp_parameter_distance_over_parameters_and_buffers_and_apart():
+    from fxopt.bench.ddp import _param_rel_diff
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 1), torch.nn.BatchNorm2d(3))
+    with torch.no_grad():
+        ref[1].running_var.fill_(4.0)
+    other = copy.deepcopy(ref)
+    with torch.no_grad():
+        other[0].weight[0, 0, 0, 0] += 0.5
+        other[1].running_var[1] += 1.0
+    d = _param_rel_diff(other, ref)
+    w_max = max(p.abs().max().item() for p in ref.parameters())
+    assert d["parameters"] == pytest.approx(0.5 / w_max) and d["buffers"] == pytest.approx(1.0 / 4.0)
+    assert d["all"] == pytest.approx(1.0 / 4.0)  # the largest difference over the largest magnitude of all
+    assert _param_rel_diff(ref, copy.deepcopy(ref)) == {"all": 0.0, "parameters": 0.0, "buffers": 0.0}
 
 
 def test_ddp_arguments_profile_only_on_request():

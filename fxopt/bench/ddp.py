@@ -28,7 +28,8 @@ seeded batches (per rank), from the same initial weights:
    last step against eager DDP's, within the tolerance of the precision or, where
    ``eager-channels-last`` ran, at least its own distance from eager DDP (the same model in the other
    memory format: other cuDNN kernels and rounding, amplified by every optimizer step); fxopt
-   compiled every piece without falling back.
+   compiled every piece without falling back. The parameter distance is also kept apart for the
+   trained parameters and for BatchNorm's running statistics (which a training step does not read).
 4. the time of one all-reduce of a buffer the size of the gradients, alone (the communication floor);
    on CUDA with ``--profile-steps N``, N DDP steps under torch.profiler: compute kernel time, NCCL
    kernel time and host time per step.
@@ -179,20 +180,28 @@ def _cell(t, a, world: int) -> Dict[str, Any]:
     return cell
 
 
-def _param_rel_diff(model, reference) -> float:
+def _param_rel_diff(model, reference) -> dict:
     """max |p - p_ref| / max |p_ref| over the parameters and floating-point buffers (BatchNorm's
-    running statistics)."""
+    running statistics): ``all`` (what the check bounds), and apart, ``parameters`` (what the
+    optimizer trains) and ``buffers`` (statistics, which training-mode steps do not read)."""
     import torch
 
-    def state(m):
-        return [t for t in [*m.parameters(), *m.buffers()] if t.is_floating_point()]
+    def worst(ts, refs):
+        num = den = 0.0
+        with torch.no_grad():
+            for p, q in zip(ts, refs):
+                num = max(num, (p.float() - q.float()).abs().max().item())
+                den = max(den, q.float().abs().max().item())
+        return num, den
 
-    num = den = 0.0
-    with torch.no_grad():
-        for p, q in zip(state(model), state(reference)):
-            num = max(num, (p.float() - q.float()).abs().max().item())
-            den = max(den, q.float().abs().max().item())
-    return num / den if den else num
+    def floats(ts):
+        return [t for t in ts if t.is_floating_point()]
+
+    pn, pd = worst(floats(model.parameters()), floats(reference.parameters()))
+    bn, bd = worst(floats(model.buffers()), floats(reference.buffers()))
+    num, den = max(pn, bn), max(pd, bd)
+    return {"all": num / den if den else num, "parameters": pn / pd if pd else pn,
+            "buffers": bn / bd if bd else bn}
 
 
 def _replica_diff(model) -> float:
@@ -287,7 +296,9 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
                 mine, ref = cell["losses"], [float(x) for x in eager.losses]
                 n = min(a.losses, len(mine), len(ref))
                 cell["losses_max_rel_diff"] = max_rel_diff(mine[:n], ref[:n])
-                cell["param_rel_diff"] = _param_rel_diff(t.model, eager.model)
+                diffs = _param_rel_diff(t.model, eager.model)
+                cell["param_rel_diff"] = diffs["all"]
+                cell["param_rel_diff_parameters"], cell["param_rel_diff_buffers"] = diffs["parameters"], diffs["buffers"]
             ddp[be] = cell
         gathered: List[Any] = [None] * world
         dist.all_gather_object(gathered, {"rank": rank, "device": device, "single": single, "ddp": ddp,
@@ -333,7 +344,7 @@ def _summarize(ranks: List[Dict[str, Any]], a, tol: float) -> Dict[str, Any]:
         if row["ddp_images_per_s"] and row["single_images_per_s"]:
             row["scaling"] = row["ddp_images_per_s"] / row["single_images_per_s"]
         if be != "eager":
-            for key in ("losses_max_rel_diff", "param_rel_diff"):
+            for key in ("losses_max_rel_diff", "param_rel_diff", "param_rel_diff_parameters", "param_rel_diff_buffers"):
                 diffs = [c.get(key) for c in cells]
                 row[key] = None if None in diffs else max(diffs)
         out["backends"][be] = row
@@ -353,7 +364,10 @@ def _summarize(ranks: List[Dict[str, Any]], a, tol: float) -> Dict[str, Any]:
             if row["losses_max_rel_diff"] is None or not row["losses_max_rel_diff"] <= loss_tol:
                 problems.append(f"losses differ from eager DDP's by {row['losses_max_rel_diff']} > {loss_tol:g}")
             if row["param_rel_diff"] is not None and not row["param_rel_diff"] <= param_tol:
-                problems.append(f"parameters differ from eager DDP's by {row['param_rel_diff']:.3g} > {param_tol:.3g}")
+                apart = [f"{k} {row[f'param_rel_diff_{k}']:.3g}" for k in ("parameters", "buffers")
+                         if row.get(f"param_rel_diff_{k}") is not None]
+                problems.append(f"parameters differ from eager DDP's by {row['param_rel_diff']:.3g} > {param_tol:.3g}"
+                                + (f" ({', '.join(apart)})" if apart else ""))
             if be.startswith("fxopt"):
                 fx = [c.get("fxopt") for c in (r["ddp"][be] for r in ranks) if c.get("fxopt")]
                 if not fx or any(f["fallbacks"] for f in fx):
