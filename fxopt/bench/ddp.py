@@ -46,7 +46,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from typing import Any, Dict, List, Optional, Sequence
 
 #: relative difference (max |p - p_eager| / max |p_eager| over parameters and buffers) after the steps
@@ -121,17 +120,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def _prepare(t, a) -> None:
     """First step (timed: compile) and warm-up; a failure marks the cell."""
-    from .train import _guarded, _sync
+    from .train import _guarded
 
     errors: List[str] = []
-
-    def first():
-        t0 = time.perf_counter()
-        t.steps(1)
-        _sync(t.device)
-        t.cell["first_step_s"] = time.perf_counter() - t0
-
-    _guarded(t, first, errors, "first step")
+    _guarded(t, t.first_step, errors, "first step")
     _guarded(t, lambda: t.steps(a.warmup), errors, "warm-up")
     if errors:
         print(errors[0], file=sys.stderr)

@@ -334,7 +334,7 @@ def _runner_decisions(reports: List) -> List[Dict[str, Any]]:
     out = []
     for r in reports:
         runner = (r.executor_details or {}).get("cudagraph_runner")
-        for d in runner.decisions() if runner is not None and hasattr(runner, "decisions") else []:
+        for d in runner.decisions() if runner is not None else []:
             out.append({"graph": r.kind, **{k: d[k] for k in _DECISION_KEYS if k in d}})
     return out
 
