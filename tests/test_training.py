@@ -172,7 +172,12 @@ def test_bench_train_on_cpu(tmp_path):
     assert all("inputs are not on CUDA" in s for s in fx["fxopt"]["cudagraphs"])
     assert fx["fxopt"]["cudagraph_decisions"] == []  # no CUDA-graph runner on the CPU
     assert [c["ok"] for c in res["checks"]] == [True]
+    refs = cells["eager"]["rounding_references"]  # default 4: eager with gradients perturbed by one rounding
+    assert [r["status"] for r in refs] == ["ok"] * 4 and len({r["noise_seed"] for r in refs}) == 4
+    assert all(0 < r["losses_max_rel_diff"] <= LOSS_TOLERANCE[torch.float16] for r in refs)
+    assert res["checks"][0]["tol"] == max(LOSS_TOLERANCE[torch.float16], *(r["losses_max_rel_diff"] for r in refs))
     md = (out / "results.md").read_text()
+    assert "Rounding spread of the first losses" in md
     assert "## fxopt's training graphs" in md and "seedcnn2" in (out / "summary.md").read_text()
 
 
@@ -216,6 +221,56 @@ def test_bench_train_check_fails_on_a_diverging_backend(tmp_path, monkeypatch):
     assert rc == 1 and not res["checks"][0]["ok"] and "losses differ" in res["checks"][0]["reason"]
 
 
+def test_bench_train_rounding_references_do_not_hide_a_wrong_backward(tmp_path, monkeypatch):
+    """The rounding references widen a bound only as far as rounding moves eager (float32: about
+    1e-7 here); a backward whose gradient is up to 10% off (seeded noise on the logits' gradient)
+    leaves it within 20 steps."""
+    from fxopt.bench import train as T
+
+    def wrong(model, options, sink):
+        gen = torch.Generator().manual_seed(0)
+
+        def run(x):
+            out = model(x)
+            out.register_hook(lambda g: g * (0.9 + 0.2 * torch.rand(g.shape, generator=gen)))
+            return out
+        return run
+
+    monkeypatch.setitem(T.TRAIN_BACKENDS, "wrong-backward", (wrong, False))
+    out = tmp_path / "wrong"
+    rc = T.main(["--device", "cpu", "--models", "seedcnn2:8", "--backends", "eager,wrong-backward", "--amp", "none",
+                 "--warmup", "0", "--iters", "1", "--losses", "20", "--rounding-references", "2", "--out", str(out)])
+    res = json.loads((out / "results.json").read_text())
+    eager = next(c for c in res["cells"] if c["backend"] == "eager")
+    spread = max(r["losses_max_rel_diff"] for r in eager["rounding_references"])
+    assert 0 < spread < 1e-5 and res["checks"][0]["tol"] == LOSS_TOLERANCE[None]
+    assert rc == 1 and not res["checks"][0]["ok"] and "losses differ" in res["checks"][0]["reason"]
+
+
+def test_train_loop_gradient_noise_is_seeded_and_one_rounding():
+    """``TrainLoop(grad_noise=(eps, seed))``: every gradient times 1 + eps*u, u in [-1, 1]; the same
+    seed draws the same numbers (data-parallel replicas stay equal), another seed others."""
+    from fxopt.testing.training import UNIT_ROUNDOFF
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(8, 3)
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+
+    def grads(noise):
+        m = copy.deepcopy(base)
+        loop = TrainLoop(m, m.parameters(), "cpu", amp=None, grad_noise=noise)
+        loop.optimizer.step = lambda: None  # look at the gradients the optimizer would see
+        loop.step(x, y)
+        return [p.grad.clone() for p in m.parameters()]
+
+    clean, a, b, c = grads(None), grads((1e-3, 1)), grads((1e-3, 1)), grads((1e-3, 2))
+    assert all(torch.equal(p, q) for p, q in zip(a, b)) and not all(torch.equal(p, q) for p, q in zip(a, c))
+    for g, g0 in zip(a, clean):
+        rel = (g / g0 - 1).abs()
+        assert 0 < rel.max() <= 1e-3 * (1 + 1e-3)
+    assert UNIT_ROUNDOFF[torch.float16] == 2 ** -11 and UNIT_ROUNDOFF[None] == 2 ** -24
+
+
 def test_bench_train_checks_widen_to_eagers_own_layout_spread():
     """A row that ran eager in channels_last: a backend is held to the larger of the tolerance and
     eager's own distance between its two memory formats, no further."""
@@ -234,6 +289,13 @@ def test_bench_train_checks_widen_to_eagers_own_layout_spread():
     assert got[("m", "a")]["ok"] and got[("m", "a")]["tol"] == 0.03
     assert not got[("m", "b")]["ok"] and "losses differ" in got[("m", "b")]["reason"]
     assert not got[("n", "a")]["ok"] and got[("n", "a")]["tol"] == 0.02
+    # eager's rounding references widen the bound to the largest of their distances (a failed one counts not)
+    cells[0]["rounding_references"] = [{"status": "ok", "losses_max_rel_diff": 0.025, "final_loss_rel_diff": 0.01},
+                                       {"status": "ok", "losses_max_rel_diff": 0.032, "final_loss_rel_diff": 0.02},
+                                       {"status": "error", "losses_max_rel_diff": 0.5}]
+    got = {(c["model"], c["backend"]): c for c in _checks(cells, 0.02)}
+    assert got[("m", "b")]["ok"] and got[("m", "b")]["tol"] == 0.032
+    assert not got[("n", "a")]["ok"]  # another row's references do not widen this one's bound
 
 
 def test_bench_train_arguments():
@@ -260,7 +322,7 @@ def test_ddp_gloo_two_processes_matches_eager_ddp(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "fxopt.bench.ddp", "--device", "cpu", "--model", "seedcnn2", "--batch", "8", "--amp", "none",
            "--warmup", "1", "--iters", "4", "--rounds", "2", "--losses", "5", "--bucket-cap-mb", "1",
-           "--backends", "fxopt", "--out", str(out)]
+           "--backends", "fxopt", "--rounding-references", "1", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     res = json.loads((out / "results.json").read_text())
@@ -278,6 +340,9 @@ def test_ddp_gloo_two_processes_matches_eager_ddp(tmp_path):
         assert graphs["graphs"].count("forward") >= 2 and graphs["graphs"].count("backward") >= 2, graphs
         assert graphs["fallbacks"] == []
         assert len(rank["ddp"]["fxopt"]["losses"]) == 1 + 1 + 2 * (2 + 2)  # first, warm-up, 2 x (re-warm + timed)
+    # eager DDP with gradients perturbed by one float32 rounding, the same noise on both ranks
+    (ref,) = res["summary"]["rounding_references"]
+    assert ref["status"] == "ok" and 0 < ref["param_rel_diff"] <= 1e-4
     assert all(c["ok"] for c in res["summary"]["checks"])
 
 
@@ -343,6 +408,18 @@ def test_ddp_checks_take_eager_channels_last_spread_and_require_equal_replicas()
     for r in ranks:  # where the ranks say which part differs, the reason does too
         r["ddp"]["fxopt"].update(param_rel_diff_parameters=0.01, param_rel_diff_buffers=0.7)
     assert "(parameters 0.01, buffers 0.7)" in _summarize(ranks, a, 0.02)["checks"][-1]["reason"]
+    # eager DDP's rounding references: the bounds widen to their largest distance over the ranks and seeds
+    for i, r in enumerate(ranks):
+        r["ddp"]["eager"]["rounding_references"] = [
+            {"status": "ok", "noise_seed": 1, "grad_noise": 2 ** -11, "losses_max_rel_diff": 0.03 + 0.02 * i,
+             "param_rel_diff": 0.5},
+            {"status": "ok", "noise_seed": 2, "grad_noise": 2 ** -11, "losses_max_rel_diff": 0.01,
+             "param_rel_diff": 0.6 + 0.1 * i}]
+    out = _summarize(ranks, a, 0.02)
+    assert out["tolerances"] == {"losses": 0.05, "parameters": 0.7} and out["checks"][-1]["ok"]
+    assert [r["losses_max_rel_diff"] for r in out["rounding_references"]] == [0.05, 0.01]
+    ranks[1]["ddp"]["eager"]["rounding_references"][1]["status"] = "error"  # a failed reference widens nothing
+    assert _summarize(ranks, a, 0.02)["tolerances"] == {"losses": 0.05, "parameters": 0.5}
 
 
 def test_ddp_parameter_distance_over_parameters_and_buffers_and_apart():

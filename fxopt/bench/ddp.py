@@ -25,10 +25,12 @@ seeded batches (per rank), from the same initial weights:
 3. checks: the replicas' parameters are identical on every rank after the last step (the
    gradients were all-reduced: a backward whose gradients DDP missed would let them drift apart);
    each compiled backend's losses (every rank's first ``--losses``) and its parameters after the
-   last step against eager DDP's, within the tolerance of the precision or, where
-   ``eager-channels-last`` ran, at least its own distance from eager DDP (the same model in the other
-   memory format: other cuDNN kernels and rounding, amplified by every optimizer step); fxopt
-   compiled every piece without falling back. The parameter distance is also kept apart for the
+   last step against eager DDP's, within the tolerance of the precision or the rounding spread where
+   larger: the largest distance from eager DDP of ``--rounding-references`` runs of eager DDP whose
+   gradients are perturbed by one rounding of the precision at every step (one seed each, the same
+   on every rank) and of ``eager-channels-last`` where it ran (other cuDNN kernels and rounding);
+   training amplifies rounding at every optimizer step, so a correct backend lands anywhere inside
+   that spread. fxopt compiled every piece without falling back. The parameter distance is also kept apart for the
    trained parameters and for BatchNorm's running statistics (which a training step does not read).
 4. the time of one all-reduce of a buffer the size of the gradients, alone (the communication floor);
    on CUDA with ``--profile-steps N``, N DDP steps under torch.profiler: compute kernel time, NCCL
@@ -70,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "and the DDP model of each backend take turns (default 5 on cuda, 1 on cpu)")
     p.add_argument("--rewarm", type=int, default=2, help="untimed steps before each turn (rounds > 1)")
     p.add_argument("--losses", type=int, default=20, help="losses compared with eager DDP's")
+    p.add_argument("--rounding-references", type=int, default=4, metavar="K",
+                   help="K untimed runs of eager DDP with every gradient perturbed by one rounding of the precision "
+                        "(one seed each): their largest distance from eager DDP (losses, parameters) bounds every "
+                        "backend's (default 4)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (DDP's default 25)")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="DDP steps under torch.profiler on cuda (default 0: a profiler session after other CUDA "
@@ -108,8 +114,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if bad:
         p.error(f"unknown backend(s) {bad}; known: {', '.join(TRAIN_BACKENDS)}")
     a.rounds = a.rounds or (5 if a.device == "cuda" else 1)
-    if a.batch < 2 or min(a.iters, a.rounds) < 1 or min(a.warmup, a.rewarm, a.losses, a.profile_steps) < 0:
-        p.error("--batch >= 2, --iters and --rounds >= 1, --warmup, --rewarm, --losses and --profile-steps >= 0")
+    if a.batch < 2 or min(a.iters, a.rounds) < 1 or min(a.warmup, a.rewarm, a.losses, a.profile_steps,
+                                                          a.rounding_references) < 0:
+        p.error("--batch >= 2, --iters and --rounds >= 1, --warmup, --rewarm, --losses, --profile-steps and "
+                "--rounding-references >= 0")
     a.fxopt_options = json.loads(a.fxopt_options) if a.fxopt_options else {}
     a.ddp_options = json.loads(a.ddp_options) if a.ddp_options else {}
     if a.trace and not a.profile_steps:
@@ -196,6 +204,18 @@ def _param_rel_diff(model, reference) -> dict:
             "buffers": bn / bd if bd else bn}
 
 
+def _distances(t, eager, a) -> Dict[str, float]:
+    """``t``'s distance from eager DDP on this rank: its first ``a.losses`` losses and its parameters
+    after the same number of steps (``param_rel_diff``: all, and apart)."""
+    from fxopt.testing.training import max_rel_diff
+
+    mine, ref = [float(x) for x in t.losses], [float(x) for x in eager.losses]
+    n = min(a.losses, len(mine), len(ref))
+    diffs = _param_rel_diff(t.model, eager.model)
+    return {"losses_max_rel_diff": max_rel_diff(mine[:n], ref[:n]), "param_rel_diff": diffs["all"],
+            "param_rel_diff_parameters": diffs["parameters"], "param_rel_diff_buffers": diffs["buffers"]}
+
+
 def _replica_diff(model) -> float:
     """max |p - p_rank0| over the parameters (a collective: every rank calls it). Data parallelism
     keeps the replicas bitwise equal: the same start, the same all-reduced gradients, the same
@@ -233,7 +253,7 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from fxopt.testing.training import AMP_DTYPES, LOSS_TOLERANCE, make_batches, max_rel_diff
+    from fxopt.testing.training import AMP_DTYPES, LOSS_TOLERANCE, UNIT_ROUNDOFF, make_batches
 
     from . import _device_info, _versions
     from .train import Trainee, _build, _guarded, step_profile
@@ -285,13 +305,19 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
         for be, t in trainees.items():
             cell = _cell(t, a, world)
             if be != "eager" and cell["status"] == "ok" and eager.cell["status"] == "ok":
-                mine, ref = cell["losses"], [float(x) for x in eager.losses]
-                n = min(a.losses, len(mine), len(ref))
-                cell["losses_max_rel_diff"] = max_rel_diff(mine[:n], ref[:n])
-                diffs = _param_rel_diff(t.model, eager.model)
-                cell["param_rel_diff"] = diffs["all"]
-                cell["param_rel_diff_parameters"], cell["param_rel_diff_buffers"] = diffs["parameters"], diffs["buffers"]
+                cell.update(_distances(t, eager, a))
             ddp[be] = cell
+        if eager.cell["status"] == "ok" and a.rounding_references:
+            eps = UNIT_ROUNDOFF[AMP_DTYPES[a.amp]]
+            refs = []
+            for k in range(1, a.rounding_references + 1):  # untimed, as many steps as eager DDP took
+                t = Trainee("eager", base, batches, device, a.amp, a.lr, wrap_model=lambda m: DDP(m, **bucket),
+                            seed=a.seed + 1000 * rank, grad_noise=(eps, a.seed + k))
+                _guarded(t, lambda: t.steps(len(eager.losses)), [], f"rounding reference {k}")
+                refs.append({"grad_noise": eps, "noise_seed": a.seed + k, "status": t.cell["status"],
+                             **(_distances(t, eager, a) if t.cell["status"] == "ok" else {})})
+                del t
+            ddp["eager"]["rounding_references"] = refs
         gathered: List[Any] = [None] * world
         dist.all_gather_object(gathered, {"rank": rank, "device": device, "single": single, "ddp": ddp,
                                           "allreduce_ms": comm_ms})
@@ -310,7 +336,7 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
             "dynamo_optimize_ddp": str(torch._dynamo.config.optimize_ddp),
             "config": {k: getattr(a, k) for k in ("model", "batch", "amp", "backends", "warmup", "iters", "rounds",
                                                    "rewarm", "losses",
-                                                   "bucket_cap_mb", "single", "image_size", "data_batches", "lr",
+                                                   "rounding_references", "bucket_cap_mb", "single", "image_size", "data_batches", "lr",
                                                    "seed", "fxopt_options", "profile_steps", "ddp_options")},
             "allreduce_ms": gathered[0]["allreduce_ms"],
             "gradient_mb": sum(p.numel() for p in base.parameters()) * 4 / 2**20,
@@ -340,8 +366,20 @@ def _summarize(ranks: List[Dict[str, Any]], a, tol: float) -> Dict[str, Any]:
                 diffs = [c.get(key) for c in cells]
                 row[key] = None if None in diffs else max(diffs)
         out["backends"][be] = row
-    reference = out["backends"].get("eager-channels-last", {})
-    spread = {k: reference.get(k) or 0.0 for k in ("losses_max_rel_diff", "param_rel_diff")}
+    # the rounding spread: the largest distance from eager DDP of eager channels_last and of eager's
+    # rounding references (over the ranks)
+    refs = [out["backends"].get("eager-channels-last", {})]
+    per_rank = [r["ddp"].get("eager", {}).get("rounding_references") or [] for r in ranks]
+    for k, ref in enumerate(per_rank[0]):
+        got = [rr[k] for rr in per_rank if len(rr) > k]
+        ok = all(g["status"] == "ok" for g in got)
+        row = {"status": "ok" if ok else "error", "noise_seed": ref["noise_seed"], "grad_noise": ref["grad_noise"]}
+        for key in ("losses_max_rel_diff", "param_rel_diff", "param_rel_diff_parameters", "param_rel_diff_buffers"):
+            row[key] = max(g.get(key) or 0.0 for g in got) if ok else None
+        out.setdefault("rounding_references", []).append(row)
+        if ok:
+            refs.append(row)
+    spread = {k: max(r.get(k) or 0.0 for r in refs) for k in ("losses_max_rel_diff", "param_rel_diff")}
     loss_tol, param_tol = max(tol, spread["losses_max_rel_diff"]), max(PARAM_TOLERANCE[a.amp], spread["param_rel_diff"])
     out["tolerances"] = {"losses": loss_tol, "parameters": param_tol}
     for be, row in out["backends"].items():
@@ -414,8 +452,12 @@ def render_markdown(results: Dict[str, Any]) -> str:
     bad = [c for c in checks if not c["ok"]]
     lines += ["", f"scaling = DDP images/s on all {m['world_size']} devices / one device's images/s without DDP. "
               f"Tolerances: losses {s['tolerances']['losses']:.3g}, parameters {s['tolerances']['parameters']:.3g} (the "
-              f"precision's {m['loss_tolerance']:g} and {m['param_tolerance']:g}, or eager-channels-last's own distance "
-              "from eager DDP where larger). compute / NCCL kernels / host = per DDP step under torch.profiler: the "
+              f"precision's {m['loss_tolerance']:g} and {m['param_tolerance']:g}, or the rounding spread where larger: the "
+              "largest distance from eager DDP of eager-channels-last and of eager DDP with every gradient perturbed by "
+              "one rounding of the precision, per seed)."
+              + "".join(f" Rounding reference {r['noise_seed']}: losses {f(r.get('losses_max_rel_diff'), '.3g')}, "
+                        f"parameters {f(r.get('param_rel_diff'), '.3g')}." for r in s.get("rounding_references") or [])
+              + "  compute / NCCL kernels / host = per DDP step under torch.profiler: the "
               "compute kernels' time, NCCL's kernels' time (overlapping the compute) and the host's time outside "
               "waits (an upper bound).", "",
               f"Checks: {len(checks) - len(bad)}/{len(checks)} passed."]

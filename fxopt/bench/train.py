@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--losses", type=int, default=20, help="losses compared with eager's (default 20)")
     p.add_argument("--final-steps", type=int, default=0, metavar="N",
                    help="train every backend to N steps and compare the final loss with eager's (slow; e.g. 200)")
+    p.add_argument("--rounding-references", type=int, default=4, metavar="K",
+                   help="per row, K untimed runs of eager with every gradient perturbed by one rounding of the "
+                        "precision (one seed each): their largest distance from eager's losses bounds every "
+                        "backend's (default 4; 0: the fixed tolerance and eager channels_last only)")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="steps under torch.profiler on cuda (default 0: a profiler session tracing CUDA-graph "
                         "replays after other backends' graphs were captured and destroyed crashed the process, "
@@ -185,8 +189,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if "eager" not in a.backends:
         a.backends.insert(0, "eager")  # the reference every loss curve is compared with
     a.rounds = a.rounds or (5 if a.device == "cuda" else 1)
-    if min(a.iters, a.rounds, a.data_batches) < 1 or min(a.warmup, a.rewarm, a.losses, a.profile_steps) < 0:
-        p.error("--iters, --rounds, --data-batches must be >= 1; --warmup, --rewarm, --losses, --profile-steps >= 0")
+    if min(a.iters, a.rounds, a.data_batches) < 1 or min(a.warmup, a.rewarm, a.losses, a.profile_steps,
+                                                          a.rounding_references) < 0:
+        p.error("--iters, --rounds, --data-batches must be >= 1; --warmup, --rewarm, --losses, --profile-steps, "
+                "--rounding-references >= 0")
     a.image_size = a.image_size or (CPU_IMAGE_SIZE if a.device == "cpu" else None)
     try:
         a.fxopt_options = json.loads(a.fxopt_options) if a.fxopt_options else {}
@@ -203,11 +209,12 @@ class Trainee:
     ``device`` may name a device index (``cuda:1``); ``wrap_model`` wraps the copy before the
     backend compiles it (``DistributedDataParallel`` in ``fxopt.bench.ddp``). Step ``i`` starts from
     ``torch.manual_seed(seed + 1000 + i)`` (``fxopt.testing.training.run_steps``): the backends train in
-    turns, and dropout draws the same masks at step ``i`` in each."""
+    turns, and dropout draws the same masks at step ``i`` in each. ``grad_noise``: see ``TrainLoop``
+    (the rounding references)."""
 
     def __init__(self, backend: str, base_model, batches, device: str, amp: str, lr: float = 1e-3,
                  fxopt_options: Optional[Dict[str, Any]] = None, wrap_model: Optional[Callable] = None,
-                 seed: int = 0):
+                 seed: int = 0, grad_noise: Optional[tuple] = None):
         import torch
 
         from fxopt.testing.training import AMP_DTYPES, TrainLoop
@@ -223,7 +230,8 @@ class Trainee:
         self.module = wrap_model(self.model) if wrap_model is not None else self.model
         wrap, _ = TRAIN_BACKENDS[backend]
         self.trained = wrap(self.module, fxopt_options, self.reports)
-        self.loop = TrainLoop(self.trained, self.module.parameters(), self.device, amp=AMP_DTYPES[amp], lr=lr)
+        self.loop = TrainLoop(self.trained, self.module.parameters(), self.device, amp=AMP_DTYPES[amp], lr=lr,
+                              grad_noise=grad_noise)
         self.base_mem = 0
         if self.device == "cuda":
             torch.cuda.synchronize()
@@ -416,6 +424,24 @@ def _finish(t: Trainee, eager: Optional[Trainee], a, rounds: int) -> Dict[str, A
     return cell
 
 
+def _rounding_references(base, batches, eager: Trainee, a, errors: List[str]) -> List[Dict[str, Any]]:
+    """``a.rounding_references`` runs of eager whose gradients are perturbed by one rounding of the
+    loop's precision at every step (``TrainLoop(grad_noise=...)``, one seed each), untimed, as many
+    steps as the loss checks read: how far rounding alone moves eager's loss curve from eager's.
+    The largest of their distances (and eager channels_last's) bounds every backend's."""
+    from fxopt.testing.training import AMP_DTYPES, UNIT_ROUNDOFF
+
+    eps = UNIT_ROUNDOFF[AMP_DTYPES[a.amp]]
+    out = []
+    for k in range(1, a.rounding_references + 1):
+        t = Trainee("eager", base, batches, a.device, a.amp, a.lr, seed=a.seed, grad_noise=(eps, a.seed + k))
+        _guarded(t, lambda: t.steps(max(a.final_steps, a.losses)), errors, f"rounding reference {k}")
+        cell = _finish(t, eager, a, 0)
+        out.append({"grad_noise": eps, "noise_seed": a.seed + k, "status": cell["status"],
+                    **{key: cell.get(key) for key in ("losses_max_rel_diff", "final_loss_rel_diff") if key in cell}})
+    return out
+
+
 def _tiny_model():
     """What each backend trains for one step before the suite, so that the one-time costs of a
     process (imports, Dynamo's and the compiler's first use) are not counted in the first row's
@@ -471,6 +497,7 @@ def run_training_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] 
             "config": {"rows": a.rows, "amp": a.amp, "grad_scaler": a.amp == "float16", "optimizer": "Adam",
                        "lr": a.lr, "backends": a.backends, "warmup": a.warmup, "iters": a.iters,
                        "rounds": a.rounds, "rewarm": a.rewarm, "losses": a.losses, "final_steps": a.final_steps,
+                       "rounding_references": a.rounding_references,
                        "profile_steps": a.profile_steps if a.device == "cuda" else 0,
                        "data_batches": a.data_batches, "image_size": a.image_size, "seed": a.seed}}
     results: Dict[str, Any] = {"meta": meta, "cells": [], "checks": []}
@@ -531,8 +558,12 @@ def run_training_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] 
                 if left > 0:
                     _guarded(t, lambda: t.steps(left), errors, "further steps")
             eager = next((t for t in trainees if t.backend == "eager"), None)
-            for t in trainees:
-                results["cells"].append({**row, **_finish(t, eager, a, a.rounds)})
+            cells = [{**row, **_finish(t, eager, a, a.rounds)} for t in trainees]
+            if eager is not None and eager.cell["status"] == "ok" and a.rounding_references:
+                bar.set_postfix_str(f"{name} b{batch} rounding references")
+                eager_cell = next(c for c in cells if c["backend"] == "eager")
+                eager_cell["rounding_references"] = _rounding_references(base, batches, eager, a, errors)
+            results["cells"] += cells
             del trainees
             torch._dynamo.reset()
             if a.device == "cuda":
@@ -553,15 +584,25 @@ def run_training_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] 
 
 def _checks(cells: List[Dict[str, Any]], tol: float) -> List[Dict[str, Any]]:
     """Per non-eager backend that ran: first losses within ``tol`` of eager's, the final loss within
-    5%, and (fxopt) no fallback. Where the row also ran ``eager-channels-last``, each bound is at
-    least that backend's own distance from eager: eager PyTorch in the other memory format (other
-    cuDNN kernels, other rounding, amplified by every optimizer step) sets the spread that no
-    layout change can stay inside; ``tol`` in a check says which bound applied."""
-    spread = {}  # row -> eager channels_last's own distance from eager (first losses, final loss)
+    5%, and (fxopt) no fallback. Each bound is at least the row's rounding spread: the largest
+    distance from eager of eager's rounding references (eager with every gradient perturbed by one
+    rounding of the precision, per seed) and of ``eager-channels-last`` where it ran (other cuDNN
+    kernels, other rounding). Training amplifies rounding at every optimizer step, so a curve that
+    differs from eager's only in rounding lands anywhere inside that spread; ``tol`` in a check
+    says which bound applied."""
+    spread: Dict[tuple, tuple] = {}  # row -> largest reference distance from eager (first losses, final loss)
+
+    def widen(key, c):
+        first, final = spread.get(key, (0.0, 0.0))
+        spread[key] = (max(first, c.get("losses_max_rel_diff") or 0.0), max(final, c.get("final_loss_rel_diff") or 0.0))
+
     for c in cells:
+        key = (c["model"], c["batch"], c["dtype"])
         if c["backend"] == "eager-channels-last" and c["status"] == "ok":
-            spread[(c["model"], c["batch"], c["dtype"])] = (c.get("losses_max_rel_diff") or 0.0,
-                                                            c.get("final_loss_rel_diff") or 0.0)
+            widen(key, c)
+        for ref in c.get("rounding_references") or []:
+            if ref["status"] == "ok":
+                widen(key, ref)
     out = []
     for c in cells:
         if c["backend"] == "eager" or c["status"] == "skipped":
@@ -635,8 +676,10 @@ def render_markdown(results: Dict[str, Any], summary_only: bool = False) -> str:
               f"{m.get('loss_tolerance')})" + (f"; final loss after {cfg['final_steps']} steps (mean over the "
                                                f"last pass through the data) within 5% of eager's"
                                                if cfg.get("final_steps") else "")
-              + "; where eager-channels-last ran, a bound is at least its own distance from eager (the spread "
-                "between eager's two memory formats) and each step starts from the same seed for every backend",
+              + "; each bound is at least the row's rounding spread: the largest distance from eager of "
+                f"{cfg.get('rounding_references', 0)} runs of eager with every gradient perturbed by one rounding of "
+                "the precision (one seed each) and of eager-channels-last where it ran; each step starts from the "
+                "same seed for every backend",
               ""]
     if m.get("fxopt_options"):
         lines.insert(-1, f"- fxopt options: `{json.dumps(m['fxopt_options'])}`")
@@ -674,6 +717,19 @@ def render_markdown(results: Dict[str, Any], summary_only: bool = False) -> str:
     failed = [c for c in checks if not c.get("ok")]
     lines += ["## Checks", "", f"{len(checks) - len(failed)}/{len(checks)} passed."]
     lines += [f"- FAILED {c['model']} b{c['batch']} {c['dtype']} {c['backend']}: {c.get('reason')}" for c in failed]
+    spreads = [c for c in cells if c.get("rounding_references")]
+    if spreads:
+        lines += ["", "Rounding spread of the first losses (max relative difference from eager's) per row: eager "
+                  "with gradients perturbed by one rounding (per seed), eager-channels-last, and the bound that applied."]
+        for c in spreads:
+            key = (c["model"], c["batch"], c["dtype"])
+            cl = next((x for x in cells if (x["model"], x["batch"], x["dtype"]) == key
+                       and x["backend"] == "eager-channels-last" and x.get("status") == "ok"), None)
+            tol = next((x["tol"] for x in checks if (x["model"], x["batch"], x["dtype"]) == key), None)
+            lines.append(f"- {c['model']} b{c['batch']}: " + ", ".join(
+                _f(r.get("losses_max_rel_diff"), ".3g") for r in c["rounding_references"])
+                + (f"; eager-channels-last {_f(cl.get('losses_max_rel_diff'), '.3g')}" if cl else "")
+                + (f"; bound {_f(tol, '.3g')}" if tol is not None else ""))
     lines += ["", "## Where a step's time goes", "",
               "| model | batch | backend | median ms | first step s | fxopt compile s | kernels/step | "
               "GPU kernel ms/step | GPU idle ms/step | host ms/step | peak mem MiB (compile / step) | "

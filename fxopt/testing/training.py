@@ -36,22 +36,47 @@ LOSS_TOLERANCE = {None: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 #: final loss (after a few hundred steps) within this relative distance of eager's
 FINAL_LOSS_TOLERANCE = 0.05
 
+#: one rounding of the loop's precision (unit roundoff), by autocast dtype: the size of the
+#: perturbation ``TrainLoop(grad_noise=...)`` gives the rounding references of the benchmarks
+UNIT_ROUNDOFF = {None: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
 
 def amp_name(amp: Optional[torch.dtype]) -> str:
     return "none" if amp is None else str(amp).replace("torch.", "")
 
 
 class TrainLoop:
-    """The reference loop over ``model`` (eager or compiled; ``params`` are what Adam updates)."""
+    """The reference loop over ``model`` (eager or compiled; ``params`` are what Adam updates).
+
+    ``grad_noise=(eps, seed)`` multiplies every gradient, before the optimizer step, by
+    ``1 + eps * u`` with ``u`` uniform in [-1, 1] from a generator seeded with ``seed`` (the same
+    numbers on every data-parallel rank: replicas stay equal): another implementation's rounding,
+    at every step, for runs of eager that set how far rounding alone moves a loss curve (the
+    benchmarks' rounding references)."""
 
     def __init__(self, model, params: Iterable[torch.nn.Parameter], device: str,
-                 amp: Optional[torch.dtype] = torch.float16, lr: float = 1e-3, scaler: Optional[bool] = None):
+                 amp: Optional[torch.dtype] = torch.float16, lr: float = 1e-3, scaler: Optional[bool] = None,
+                 grad_noise: Optional[tuple[float, int]] = None):
         if amp not in AMP_DTYPES.values():
             raise ValueError(f"amp must be one of {list(AMP_DTYPES)}, got {amp!r}")
         self.model, self.device, self.amp = model, device, amp
-        self.optimizer = torch.optim.Adam(list(params), lr=lr)
+        self.params = list(params)
+        self.optimizer = torch.optim.Adam(self.params, lr=lr)
         use_scaler = amp == torch.float16 if scaler is None else scaler
         self.scaler = torch.amp.GradScaler(device) if use_scaler else None
+        self.grad_noise = None
+        if grad_noise is not None:
+            eps, seed = grad_noise
+            dev = self.params[0].device if self.params else torch.device(device)
+            self.grad_noise = (float(eps), torch.Generator(device=dev).manual_seed(int(seed)))
+
+    def _perturb_gradients(self) -> None:
+        eps, gen = self.grad_noise
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    u = torch.rand(p.grad.shape, generator=gen, device=p.grad.device, dtype=torch.float32)
+                    p.grad.mul_(u.mul_(2 * eps).add_(1 - eps).to(p.grad.dtype))
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One training step on the batch ``(x, y)``; returns the loss (detached, float32)."""
@@ -59,12 +84,13 @@ class TrainLoop:
         amp = torch.autocast(self.device, dtype=self.amp) if self.amp is not None else contextlib.nullcontext()
         with amp:
             loss = F.cross_entropy(self.model(x), y)
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        if self.grad_noise is not None:
+            self._perturb_gradients()
         if self.scaler is not None:
-            self.scaler.scale(loss).backward()
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
-            loss.backward()
             self.optimizer.step()
         return loss.detach().float()
 
