@@ -164,7 +164,8 @@ def test_bench_train_on_cpu(tmp_path):
     cells = {c["backend"]: c for c in res["cells"]}
     assert set(cells) == {"eager", "fxopt"} and all(c["status"] == "ok" for c in cells.values())
     fx = cells["fxopt"]
-    assert fx["n"] == 3 and fx["steps"] == 8 and len(fx["losses"]) == 6
+    assert fx["n"] == 3 and fx["steps"] == 6 and len(fx["losses"]) == 6
+    assert fx["learning_task_steps"] == 8  # the second training, on the learning task
     assert fx["losses_max_rel_diff"] <= LOSS_TOLERANCE[torch.float16]
     assert fx["final_loss_rel_diff"] <= 0.05 and fx["first_step_s"] > 0
     assert fx["fxopt"]["graphs"] == ["forward", "backward"] and fx["fxopt"]["fallbacks"] == []
@@ -245,6 +246,24 @@ def test_bench_train_rounding_references_do_not_hide_a_wrong_backward(tmp_path, 
     spread = max(r["losses_max_rel_diff"] for r in eager["rounding_references"])
     assert 0 < spread < 1e-5 and res["checks"][0]["tol"] == LOSS_TOLERANCE[None]
     assert rc == 1 and not res["checks"][0]["ok"] and "losses differ" in res["checks"][0]["reason"]
+
+
+def test_learning_task_is_seeded_fresh_and_learnable():
+    """LearningTask: batch i is the same for the same seed and i, new for every i; SeedCNN2 learns
+    the rule (the loss falls far below ln(10)) without the loss collapsing to zero."""
+    from fxopt.testing.training import LearningTask
+
+    task = LearningTask(200, 32, (3, 32, 32), 10, "cpu", seed=0)
+    (x0, y0), (x1, _) = task[0], task[1]
+    assert torch.equal(x0, task[0][0]) and torch.equal(y0, task[0][1]) and not torch.equal(x0, x1)
+    assert len(task) == 200 and y0.dtype == torch.int64 and 0 <= int(y0.min()) and int(y0.max()) < 10
+    with pytest.raises(IndexError):
+        task[200]
+    torch.manual_seed(0)
+    model = SeedCNN2()
+    losses = [float(v) for v in run_steps(TrainLoop(model, model.parameters(), "cpu", amp=None), task, 200, seed=0)]
+    final = sum(losses[-50:]) / 50
+    assert losses[0] > 2.0 and 0.01 < final < 0.5 * losses[0], (losses[0], final)
 
 
 def test_train_loop_gradient_noise_is_seeded_and_one_rounding():

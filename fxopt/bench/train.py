@@ -12,8 +12,10 @@ batch ``i mod --data-batches``). Per (model, batch, precision, backend) it recor
   of a row take turns, as in the inference harness;
 - the wall time of the first step (compile + one step; fxopt's own share from its reports);
 - the first ``--losses`` losses (default 20) and their max relative difference from eager's, and
-  with ``--final-steps N`` the loss after N steps (mean over the last pass through the data)
-  against eager's (within 5%);
+  with ``--final-steps N`` the final loss of a second training from the same initial weights (the
+  compiled model, a fresh optimizer) on N fresh batches of a task the model learns
+  (``fxopt.testing.training.LearningTask``): the mean loss over the last 50 steps against eager's
+  (within 5%);
 - on CUDA, with ``--profile-steps N`` (default none), over N steps under ``torch.profiler`` (right
   after the warm-up, before the next backend compiles; for every backend at the same step): GPU
   kernels launched per step, GPU kernel time per step (the rest of a step is time the GPU waits for
@@ -136,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rewarm", type=int, default=2, help="untimed steps at the start of every round (rounds > 1)")
     p.add_argument("--losses", type=int, default=20, help="losses compared with eager's (default 20)")
     p.add_argument("--final-steps", type=int, default=0, metavar="N",
-                   help="train every backend to N steps and compare the final loss with eager's (slow; e.g. 200)")
+                   help="train every backend's model again from the initial weights for N steps of a learning task "
+                        "(fresh batches) and compare its final loss (mean of the last 50) with eager's (e.g. 200)")
     p.add_argument("--rounding-references", type=int, default=4, metavar="K",
                    help="per row, K untimed runs of eager with every gradient perturbed by one rounding of the "
                         "precision (one seed each): their largest distance from eager's losses bounds every "
@@ -220,6 +223,8 @@ class Trainee:
         from fxopt.testing.training import AMP_DTYPES, TrainLoop
 
         self.backend, self.batches, self.seed = backend, batches, seed + 1000
+        self.amp, self.lr, self.grad_noise = amp, lr, grad_noise
+        self.final_losses: List = []
         self.device = torch.device(device).type
         self.cell: Dict[str, Any] = {"backend": backend, "status": "ok", "error": None}
         self.reports: List = []
@@ -250,6 +255,17 @@ class Trainee:
         self.cell["first_step_s"] = time.perf_counter() - t0
         if self.reports:
             self.cell["fxopt_compile_s"] = sum(r.compile_ms for r in self.reports) / 1e3
+
+    def converge(self, base_model, task) -> None:
+        """Train again from ``base_model``'s weights (copied in place: compiled graphs read the
+        parameters where they live) with a fresh optimizer, one step per batch of ``task``
+        (``fxopt.testing.training.LearningTask``); the losses in ``final_losses``."""
+        from fxopt.testing.training import AMP_DTYPES, TrainLoop, run_steps
+
+        self.model.load_state_dict(base_model.state_dict())
+        loop = TrainLoop(self.trained, self.module.parameters(), self.device, amp=AMP_DTYPES[self.amp], lr=self.lr,
+                         grad_noise=self.grad_noise)
+        self.final_losses = run_steps(loop, task, len(task), seed=self.seed + 10 ** 6)
 
     def timed(self, n: int) -> None:
         got = _time_steps(self, n)
@@ -389,7 +405,7 @@ def _build(name: str, a) -> tuple:
 
 def _finish(t: Trainee, eager: Optional[Trainee], a, rounds: int) -> Dict[str, Any]:
     """The backend's cell: step time statistics, loss comparison, fxopt's graphs."""
-    from fxopt.testing.training import FINAL_LOSS_TOLERANCE, max_rel_diff
+    from fxopt.testing.training import FINAL_LOSS_STEPS, FINAL_LOSS_TOLERANCE, max_rel_diff
 
     from .runners import stats
 
@@ -405,29 +421,32 @@ def _finish(t: Trainee, eager: Optional[Trainee], a, rounds: int) -> Dict[str, A
         cell["n"], cell["rounds"] = st["n"], rounds
         cell["round_medians_ms"] = [round(s, 5) for s in t.round_medians]
         cell["samples_ms"] = [round(s, 5) for s in t.samples]
-    ref = [float(x) for x in eager.losses] if eager is not None and eager.cell["status"] == "ok" else None
-    k = min(a.data_batches, a.final_steps)
+    ok = eager is not None and eager.cell["status"] == "ok"
+    ref = [float(x) for x in eager.losses] if ok else None
 
-    def final(xs):  # the mean loss over the last pass through the data before step N
-        return sum(xs[a.final_steps - k:a.final_steps]) / k
+    def final(xs):  # the mean loss over the last FINAL_LOSS_STEPS steps of the learning task
+        k = min(FINAL_LOSS_STEPS, len(xs))
+        return sum(float(x) for x in xs[-k:]) / k if a.final_steps and len(xs) == a.final_steps else None
 
-    if a.final_steps and len(losses) >= a.final_steps:
-        cell["final_loss"] = final(losses)
+    cell["learning_task_steps"] = len(t.final_losses)
+    if final(t.final_losses) is not None:
+        cell["final_loss"] = final(t.final_losses)
     if ref is not None and t is not eager and cell["status"] == "ok":
         n = min(a.losses, len(losses), len(ref))
         cell["losses_max_rel_diff"] = max_rel_diff(losses[:n], ref[:n]) if n else None
-        if "final_loss" in cell and len(ref) >= a.final_steps:
-            cell["eager_final_loss"] = final(ref)
+        if "final_loss" in cell and final(eager.final_losses) is not None:
+            cell["eager_final_loss"] = final(eager.final_losses)
             cell["final_loss_rel_diff"] = abs(cell["final_loss"] - cell["eager_final_loss"]) / abs(
                 cell["eager_final_loss"])
             cell["final_loss_tol"] = FINAL_LOSS_TOLERANCE
     return cell
 
 
-def _rounding_references(base, batches, eager: Trainee, a, errors: List[str]) -> List[Dict[str, Any]]:
+def _rounding_references(base, batches, task, eager: Trainee, a, errors: List[str]) -> List[Dict[str, Any]]:
     """``a.rounding_references`` runs of eager whose gradients are perturbed by one rounding of the
     loop's precision at every step (``TrainLoop(grad_noise=...)``, one seed each), untimed, as many
-    steps as the loss checks read: how far rounding alone moves eager's loss curve from eager's.
+    steps as the loss checks read (and the learning task): how far rounding alone moves eager's loss
+    curve from eager's.
     The largest of their distances (and eager channels_last's) bounds every backend's."""
     from fxopt.testing.training import AMP_DTYPES, UNIT_ROUNDOFF
 
@@ -435,7 +454,9 @@ def _rounding_references(base, batches, eager: Trainee, a, errors: List[str]) ->
     out = []
     for k in range(1, a.rounding_references + 1):
         t = Trainee("eager", base, batches, a.device, a.amp, a.lr, seed=a.seed, grad_noise=(eps, a.seed + k))
-        _guarded(t, lambda: t.steps(max(a.final_steps, a.losses)), errors, f"rounding reference {k}")
+        _guarded(t, lambda: t.steps(a.losses), errors, f"rounding reference {k}")
+        if a.final_steps:
+            _guarded(t, lambda: t.converge(base, task), errors, f"rounding reference {k}, learning task")
         cell = _finish(t, eager, a, 0)
         out.append({"grad_noise": eps, "noise_seed": a.seed + k, "status": cell["status"],
                     **{key: cell.get(key) for key in ("losses_max_rel_diff", "final_loss_rel_diff") if key in cell}})
@@ -477,7 +498,7 @@ def run_training_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] 
     import torch
     from tqdm import tqdm
 
-    from fxopt.testing.training import AMP_DTYPES, LOSS_TOLERANCE, make_batches
+    from fxopt.testing.training import AMP_DTYPES, LOSS_TOLERANCE, LearningTask, make_batches
 
     from .environment import _device_info, _versions
 
@@ -554,15 +575,20 @@ def run_training_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] 
                         _guarded(t, lambda: t.steps(a.rewarm), errors, "re-warm")
                     _guarded(t, lambda: t.timed(per_round), errors, "timed steps")
             for t in trainees:
-                left = max(a.final_steps, a.losses) - len(t.losses)
+                left = a.losses - len(t.losses)
                 if left > 0:
                     _guarded(t, lambda: t.steps(left), errors, "further steps")
+            task = LearningTask(a.final_steps, batch, shape, classes, a.device, a.seed) if a.final_steps else None
+            if task is not None:
+                for t in trainees:
+                    bar.set_postfix_str(f"{name} b{batch} {t.backend} learning task")
+                    _guarded(t, lambda: t.converge(base, task), errors, "learning task")
             eager = next((t for t in trainees if t.backend == "eager"), None)
             cells = [{**row, **_finish(t, eager, a, a.rounds)} for t in trainees]
             if eager is not None and eager.cell["status"] == "ok" and a.rounding_references:
                 bar.set_postfix_str(f"{name} b{batch} rounding references")
                 eager_cell = next(c for c in cells if c["backend"] == "eager")
-                eager_cell["rounding_references"] = _rounding_references(base, batches, eager, a, errors)
+                eager_cell["rounding_references"] = _rounding_references(base, batches, task, eager, a, errors)
             results["cells"] += cells
             del trainees
             torch._dynamo.reset()
@@ -673,8 +699,9 @@ def render_markdown(results: Dict[str, Any], summary_only: bool = False) -> str:
                                   f"{cfg.get('rewarm')} untimed steps)" if cfg["rounds"] > 1 else "") + f" ({timer}); ± is the IQR"
               + ("; cudnn.benchmark on for every backend" if m.get("cudnn.benchmark") else ""),
               f"- losses: the first {cfg['losses']} against eager's (max relative difference, tolerance "
-              f"{m.get('loss_tolerance')})" + (f"; final loss after {cfg['final_steps']} steps (mean over the "
-                                               f"last pass through the data) within 5% of eager's"
+              f"{m.get('loss_tolerance')})" + (f"; final loss: a second training from the initial weights, "
+                                               f"{cfg['final_steps']} steps of a learning task (fresh batches, labels "
+                                               f"from a fixed rule), mean loss of the last 50 steps within 5% of eager's"
                                                if cfg.get("final_steps") else "")
               + "; each bound is at least the row's rounding spread: the largest distance from eager of "
                 f"{cfg.get('rounding_references', 0)} runs of eager with every gradient perturbed by one rounding of "

@@ -19,7 +19,8 @@ detached tensor (no host synchronisation: read the values after the steps to be 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Optional, Sequence
+from collections.abc import Sequence
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +34,11 @@ AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "none": None
 #: convolutions and matrix products run in TF32 as in eager).
 LOSS_TOLERANCE = {None: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 
-#: final loss (after a few hundred steps) within this relative distance of eager's
+#: final loss (after a few hundred steps of a ``LearningTask``) within this relative distance of eager's
 FINAL_LOSS_TOLERANCE = 0.05
+#: the final loss: the mean over this many last steps (as many fresh batches; trainings that
+#: differ by rounding reach nearby but not equal weights, whose loss on one batch differs more)
+FINAL_LOSS_STEPS = 50
 
 #: one rounding of the loop's precision (unit roundoff), by autocast dtype: the size of the
 #: perturbation ``TrainLoop(grad_noise=...)`` gives the rounding references of the benchmarks
@@ -102,6 +106,35 @@ def make_batches(n: int, batch: int, shape: Sequence[int], classes: int, device:
     gen = torch.Generator().manual_seed(seed + 4242)
     return [(torch.randn((batch, *shape), generator=gen).to(device),
              torch.randint(0, classes, (batch,), generator=gen).to(device)) for _ in range(n)]
+
+
+class LearningTask(Sequence):
+    """Batches of a task a CNN learns and cannot memorize, for loss curves that converge: batch ``i``
+    is drawn afresh (seeded by ``seed`` and ``i``, on ``device``): every sample gets a random
+    per-channel offset (a colour cast) on unit Gaussian noise, and its label is the class (of the
+    first ``min(classes, task_classes)``) whose fixed random direction the offset is closest to.
+    The loss falls from ln(classes) as the model learns the rule and levels off above zero (near-ties
+    between classes stay), so a final loss compares how far two trainings got, not how two
+    memorizations of a few batches round (which reach ~1e-4, where rounding alone moves the relative
+    difference by several percent). ``len`` is ``steps``."""
+
+    def __init__(self, steps: int, batch: int, shape: Sequence[int], classes: int, device: str = "cpu",
+                 seed: int = 0, task_classes: int = 10):
+        gen = torch.Generator().manual_seed(seed + 777)
+        self.steps, self.batch, self.shape, self.device, self.seed = steps, batch, tuple(shape), device, seed
+        self.teacher = torch.randn(shape[0], min(classes, task_classes), generator=gen).to(device)
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < self.steps:
+            raise IndexError(i)
+        gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + i)
+        cast = torch.randn((self.batch, self.shape[0]) + (1,) * (len(self.shape) - 1), generator=gen,
+                           device=self.device)
+        x = torch.randn((self.batch, *self.shape), generator=gen, device=self.device) + cast
+        return x, (cast.flatten(1) @ self.teacher).argmax(1)
 
 
 def run_steps(loop: TrainLoop, batches: Sequence, steps: int, start: int = 0,
