@@ -396,49 +396,53 @@ def test_training_under_float16_autocast_on_gpu(case):
     check_equivalence(case, autocast=torch.float16)
 
 
-def test_ddp_checks_take_eager_channels_last_spread_and_require_equal_replicas():
+def test_ddp_checks_take_the_rounding_spread_apart_per_part_and_require_equal_replicas():
     """The DDP checks: a compiled backend's distance from eager DDP may be as large as eager
-    channels_last's own (the memory format's rounding, amplified by the optimizer); replicas whose
+    channels_last's own or eager DDP's rounding references' (the largest over ranks and seeds), the
+    trained parameters and BatchNorm's buffers each bounded by their own spread; replicas whose
     parameters differ across ranks (gradients not all-reduced) fail whatever the losses say."""
     from types import SimpleNamespace
 
     from fxopt.bench.ddp import PARAM_TOLERANCE, _summarize
 
-    def cell(loss_diff=None, param_diff=None, replica=0.0, fx=None):
+    def cell(loss_diff=None, params=None, buffers=None, replica=0.0, fx=None):
         return {"status": "ok", "median_ms": 10.0, "images_per_s": 12800.0, "images_per_s_per_device": 6400.0,
-                "losses_max_rel_diff": loss_diff, "param_rel_diff": param_diff, "replica_diff": replica,
+                "losses_max_rel_diff": loss_diff, "param_rel_diff": None if params is None else max(params, buffers),
+                "param_rel_diff_parameters": params, "param_rel_diff_buffers": buffers, "replica_diff": replica,
                 "fxopt": fx}
 
     fx = {"graphs": ["forward", "backward"], "fallbacks": []}
     a = SimpleNamespace(backends=["eager", "eager-channels-last", "fxopt"], amp="float16")
-    ranks = [{"single": {}, "ddp": {"eager": cell(), "eager-channels-last": cell(0.05, 0.7),
-                                    "fxopt": cell(0.05, 0.7, fx=fx)}} for _ in range(2)]
+    ranks = [{"single": {}, "ddp": {"eager": cell(), "eager-channels-last": cell(0.05, 0.04, 0.7),
+                                    "fxopt": cell(0.05, 0.04, 0.7, fx=fx)}} for _ in range(2)]
     out = _summarize(ranks, a, 0.02)
-    assert out["tolerances"] == {"losses": 0.05, "parameters": 0.7}
+    assert out["tolerances"] == {"losses": 0.05, "parameters": 0.04, "buffers": 0.7}
     assert all(c["ok"] for c in out["checks"]), out["checks"]
-    ranks[1]["ddp"]["fxopt"]["replica_diff"] = 1e-3
+    ranks[1]["ddp"]["fxopt"]["param_rel_diff_parameters"] = 0.05  # buffers far apart do not hide the parameters
+    bad = {c["backend"]: c for c in _summarize(ranks, a, 0.02)["checks"]}["fxopt"]
+    assert not bad["ok"] and bad["reason"] == "parameters differ from eager DDP's by 0.05 > 0.04"
+    ranks[1]["ddp"]["fxopt"].update(param_rel_diff_parameters=0.04, replica_diff=1e-3)
     bad = {c["backend"]: c for c in _summarize(ranks, a, 0.02)["checks"]}["fxopt"]
     assert not bad["ok"] and "replicas" in bad["reason"]
-    a.backends = ["eager", "fxopt"]  # no channels_last reference: the precision's tolerances
+    a.backends = ["eager", "fxopt"]  # no reference ran: the precision's tolerances
     ranks[1]["ddp"]["fxopt"]["replica_diff"] = 0.0
     out = _summarize(ranks, a, 0.02)
-    assert out["tolerances"] == {"losses": 0.02, "parameters": PARAM_TOLERANCE["float16"]}
-    assert "losses differ" in out["checks"][-1]["reason"] and "parameters differ" in out["checks"][-1]["reason"]
-    for r in ranks:  # where the ranks say which part differs, the reason does too
-        r["ddp"]["fxopt"].update(param_rel_diff_parameters=0.01, param_rel_diff_buffers=0.7)
-    assert "(parameters 0.01, buffers 0.7)" in _summarize(ranks, a, 0.02)["checks"][-1]["reason"]
+    assert out["tolerances"] == {"losses": 0.02, "parameters": PARAM_TOLERANCE["float16"],
+                                 "buffers": PARAM_TOLERANCE["float16"]}
+    reason = out["checks"][-1]["reason"]
+    assert "losses differ" in reason and "parameters differ" in reason and "buffers differ" in reason
     # eager DDP's rounding references: the bounds widen to their largest distance over the ranks and seeds
     for i, r in enumerate(ranks):
         r["ddp"]["eager"]["rounding_references"] = [
             {"status": "ok", "noise_seed": 1, "grad_noise": 2 ** -11, "losses_max_rel_diff": 0.03 + 0.02 * i,
-             "param_rel_diff": 0.5},
+             "param_rel_diff_parameters": 0.04, "param_rel_diff_buffers": 0.5},
             {"status": "ok", "noise_seed": 2, "grad_noise": 2 ** -11, "losses_max_rel_diff": 0.01,
-             "param_rel_diff": 0.6 + 0.1 * i}]
+             "param_rel_diff_parameters": 0.03, "param_rel_diff_buffers": 0.6 + 0.1 * i}]
     out = _summarize(ranks, a, 0.02)
-    assert out["tolerances"] == {"losses": 0.05, "parameters": 0.7} and out["checks"][-1]["ok"]
+    assert out["tolerances"] == {"losses": 0.05, "parameters": 0.04, "buffers": 0.7} and out["checks"][-1]["ok"]
     assert [r["losses_max_rel_diff"] for r in out["rounding_references"]] == [0.05, 0.01]
     ranks[1]["ddp"]["eager"]["rounding_references"][1]["status"] = "error"  # a failed reference widens nothing
-    assert _summarize(ranks, a, 0.02)["tolerances"] == {"losses": 0.05, "parameters": 0.5}
+    assert _summarize(ranks, a, 0.02)["tolerances"] == {"losses": 0.05, "parameters": 0.04, "buffers": 0.5}
 
 
 def test_ddp_parameter_distance_over_parameters_and_buffers_and_apart():

@@ -647,6 +647,8 @@ def _checks(cells: List[Dict[str, Any]], tol: float) -> List[Dict[str, Any]]:
         elif not c["losses_max_rel_diff"] <= row_tol:
             problems.append(f"losses differ from eager's by {c['losses_max_rel_diff']:.3g} > {row_tol:g}")
         final_tol = max(c.get("final_loss_tol") or 0.0, final_spread)
+        if c.get("final_loss_rel_diff") is not None:
+            chk["final_tol"] = final_tol
         if c.get("final_loss_rel_diff") is not None and not c["final_loss_rel_diff"] <= final_tol:
             problems.append(f"final loss {c['final_loss']:.4f} vs eager {c['eager_final_loss']:.4f}")
         if (c.get("fxopt") or {}).get("fallbacks") or c.get("fallback"):
@@ -746,17 +748,22 @@ def render_markdown(results: Dict[str, Any], summary_only: bool = False) -> str:
     lines += [f"- FAILED {c['model']} b{c['batch']} {c['dtype']} {c['backend']}: {c.get('reason')}" for c in failed]
     spreads = [c for c in cells if c.get("rounding_references")]
     if spreads:
-        lines += ["", "Rounding spread of the first losses (max relative difference from eager's) per row: eager "
-                  "with gradients perturbed by one rounding (per seed), eager-channels-last, and the bound that applied."]
+        lines += ["", "Rounding spread per row (relative distance from eager's: first losses, and final loss where "
+                  "measured): eager with gradients perturbed by one rounding (per seed), eager-channels-last, and "
+                  "the bound that applied."]
         for c in spreads:
             key = (c["model"], c["batch"], c["dtype"])
             cl = next((x for x in cells if (x["model"], x["batch"], x["dtype"]) == key
                        and x["backend"] == "eager-channels-last" and x.get("status") == "ok"), None)
-            tol = next((x["tol"] for x in checks if (x["model"], x["batch"], x["dtype"]) == key), None)
-            lines.append(f"- {c['model']} b{c['batch']}: " + ", ".join(
-                _f(r.get("losses_max_rel_diff"), ".3g") for r in c["rounding_references"])
-                + (f"; eager-channels-last {_f(cl.get('losses_max_rel_diff'), '.3g')}" if cl else "")
-                + (f"; bound {_f(tol, '.3g')}" if tol is not None else ""))
+            chk = next((x for x in checks if (x["model"], x["batch"], x["dtype"]) == key), {})
+            for what, k, bound in (("first losses", "losses_max_rel_diff", "tol"),
+                                   ("final loss", "final_loss_rel_diff", "final_tol")):
+                if all(r.get(k) is None for r in c["rounding_references"]):
+                    continue
+                lines.append(f"- {c['model']} b{c['batch']}, {what}: " + ", ".join(
+                    _f(r.get(k), ".3g") for r in c["rounding_references"])
+                    + (f"; eager-channels-last {_f(cl.get(k), '.3g')}" if cl else "")
+                    + (f"; bound {_f(chk[bound], '.3g')}" if chk.get(bound) is not None else ""))
     lines += ["", "## Where a step's time goes", "",
               "| model | batch | backend | median ms | first step s | fxopt compile s | kernels/step | "
               "GPU kernel ms/step | GPU idle ms/step | host ms/step | peak mem MiB (compile / step) | "
