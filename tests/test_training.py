@@ -178,7 +178,7 @@ def test_bench_train_on_cpu(tmp_path):
     assert all(0 < r["losses_max_rel_diff"] <= LOSS_TOLERANCE[torch.float16] for r in refs)
     assert res["checks"][0]["tol"] == max(LOSS_TOLERANCE[torch.float16], *(r["losses_max_rel_diff"] for r in refs))
     md = (out / "results.md").read_text()
-    assert "Rounding spread of the first losses" in md
+    assert "Rounding spread per row" in md and "- seedcnn2 b4, final loss: " in md
     assert "## fxopt's training graphs" in md and "seedcnn2" in (out / "summary.md").read_text()
 
 
