@@ -446,8 +446,8 @@ def _rounding_references(base, batches, task, eager: Trainee, a, errors: List[st
     """``a.rounding_references`` runs of eager whose gradients are perturbed by one rounding of the
     loop's precision at every step (``TrainLoop(grad_noise=...)``, one seed each), untimed, as many
     steps as the loss checks read (and the learning task): how far rounding alone moves eager's loss
-    curve from eager's.
-    The largest of their distances (and eager channels_last's) bounds every backend's."""
+    curve from eager's. The largest of their distances (and eager channels_last's) bounds every
+    backend's."""
     from fxopt.testing.training import AMP_DTYPES, UNIT_ROUNDOFF
 
     eps = UNIT_ROUNDOFF[AMP_DTYPES[a.amp]]

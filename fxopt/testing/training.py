@@ -112,11 +112,11 @@ class LearningTask(Sequence):
     """Batches of a task a CNN learns and cannot memorize, for loss curves that converge: batch ``i``
     is drawn afresh (seeded by ``seed`` and ``i``, on ``device``): every sample gets a random
     per-channel offset (a colour cast) on unit Gaussian noise, and its label is the class (of the
-    first ``min(classes, task_classes)``) whose fixed random direction the offset is closest to.
-    The loss falls from ln(classes) as the model learns the rule and levels off above zero (near-ties
-    between classes stay), so a final loss compares how far two trainings got, not how two
-    memorizations of a few batches round (which reach ~1e-4, where rounding alone moves the relative
-    difference by several percent). ``len`` is ``steps``."""
+    first ``min(classes, task_classes)``) whose fixed random direction has the largest dot product
+    with the offset. The loss falls from ln(classes) as the model learns the rule and levels off
+    above zero (near-ties between classes stay), so a final loss compares how far two trainings got,
+    not how two memorizations of a few batches round (their loss ends near 4e-4, where rounding alone
+    moves the relative difference by several percent). ``len`` is ``steps``."""
 
     def __init__(self, steps: int, batch: int, shape: Sequence[int], classes: int, device: str = "cpu",
                  seed: int = 0, task_classes: int = 10):
