@@ -220,8 +220,6 @@ class Trainee:
                  seed: int = 0, grad_noise: Optional[tuple] = None):
         import torch
 
-        from fxopt.testing.training import AMP_DTYPES, TrainLoop
-
         self.backend, self.batches, self.seed = backend, batches, seed + 1000
         self.amp, self.lr, self.grad_noise = amp, lr, grad_noise
         self.final_losses: List = []
@@ -235,8 +233,7 @@ class Trainee:
         self.module = wrap_model(self.model) if wrap_model is not None else self.model
         wrap, _ = TRAIN_BACKENDS[backend]
         self.trained = wrap(self.module, fxopt_options, self.reports)
-        self.loop = TrainLoop(self.trained, self.module.parameters(), self.device, amp=AMP_DTYPES[amp], lr=lr,
-                              grad_noise=grad_noise)
+        self.loop = self._new_loop()
         self.base_mem = 0
         if self.device == "cuda":
             torch.cuda.synchronize()
@@ -256,16 +253,21 @@ class Trainee:
         if self.reports:
             self.cell["fxopt_compile_s"] = sum(r.compile_ms for r in self.reports) / 1e3
 
+    def _new_loop(self):
+        """The reference loop over the trained module, with a fresh optimizer (and GradScaler)."""
+        from fxopt.testing.training import AMP_DTYPES, TrainLoop
+
+        return TrainLoop(self.trained, self.module.parameters(), self.device, amp=AMP_DTYPES[self.amp], lr=self.lr,
+                         grad_noise=self.grad_noise)
+
     def converge(self, base_model, task) -> None:
         """Train again from ``base_model``'s weights (copied in place: compiled graphs read the
         parameters where they live) with a fresh optimizer, one step per batch of ``task``
         (``fxopt.testing.training.LearningTask``); the losses in ``final_losses``."""
-        from fxopt.testing.training import AMP_DTYPES, TrainLoop, run_steps
+        from fxopt.testing.training import run_steps
 
         self.model.load_state_dict(base_model.state_dict())
-        loop = TrainLoop(self.trained, self.module.parameters(), self.device, amp=AMP_DTYPES[self.amp], lr=self.lr,
-                         grad_noise=self.grad_noise)
-        self.final_losses = run_steps(loop, task, len(task), seed=self.seed + 10 ** 6)
+        self.final_losses = run_steps(self._new_loop(), task, len(task), seed=self.seed + 10 ** 6)
 
     def timed(self, n: int) -> None:
         got = _time_steps(self, n)
@@ -676,6 +678,8 @@ def _precision(amp: str) -> str:
 
 
 def render_markdown(results: Dict[str, Any], summary_only: bool = False) -> str:
+    from fxopt.testing.training import FINAL_LOSS_STEPS
+
     from .report import _cell_text, _failed_checks, _is_fxopt, speedups
 
     m, cfg = results["meta"], results["meta"]["config"]
@@ -703,7 +707,8 @@ def render_markdown(results: Dict[str, Any], summary_only: bool = False) -> str:
               f"- losses: the first {cfg['losses']} against eager's (max relative difference, tolerance "
               f"{m.get('loss_tolerance')})" + (f"; final loss: a second training from the initial weights, "
                                                f"{cfg['final_steps']} steps of a learning task (fresh batches, labels "
-                                               f"from a fixed rule), mean loss of the last 50 steps within 5% of eager's"
+                                               f"from a fixed rule), mean loss of the last {FINAL_LOSS_STEPS} steps "
+                                               f"within 5% of eager's"
                                                if cfg.get("final_steps") else "")
               + "; each bound is at least the row's rounding spread: the largest distance from eager of "
                 f"{cfg.get('rounding_references', 0)} runs of eager with every gradient perturbed by one rounding of "
