@@ -249,6 +249,71 @@ def test_a_conv_epilogue_read_only_by_generated_kernels_moves_into_them():
                for n in gm.graph.nodes) == 2
 
 
+class _RowNorms(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.ln = nn.LayerNorm(c)
+
+    def forward(self, x):
+        return torch.softmax(self.ln(x), -1)
+
+
+def _row_kernels(c, dtype=torch.float16, hw=5):
+    (report, _), = capture(_RowNorms(c).eval().to(dtype), (torch.randn(2, hw, hw, c).to(dtype),), {"executor": "torch"})
+    gm = torch_ref.lower(report.after)
+    return [r.kernel for r in schedule(gm, strict=True).regions if isinstance(r.kernel, ir.ReductionKernel)]
+
+
+@pytest.mark.parametrize("c, vec, tpr, iters, tail", [(96, 8, 16, 1, True), (384, 8, 32, 2, True),
+                                                      (768, 8, 32, 3, False), (40, 8, 8, 1, True),
+                                                      (7, 1, 8, 1, True), (1000, 8, 32, 4, True)])
+def test_rows_that_fit_in_registers_are_loaded_once_in_vectors(c, vec, tpr, iters, tail):
+    """LayerNorm and softmax over the channels of a channels-last row: each thread loads its
+    ``iters`` x ``vec`` values once (16-byte loads where the row allows) and keeps them for every
+    phase and the output; a partial last chunk is guarded, never read out of bounds."""
+    from fxopt.backends.cuda.codegen.kernel import generate_kernel, vector_width
+    from fxopt.backends.cuda.codegen.row_reduction import row_plan
+
+    kernels = _row_kernels(c)
+    assert kernels
+    for k in kernels:
+        assert vector_width(k) == vec
+        plan = row_plan(k, vec)
+        assert (plan.vec, plan.tpr, plan.iters) == (vec, tpr, iters) and plan.tpr * plan.iters * vec >= c
+        src = generate_kernel(k, vec).source
+        row_input = next(ld.buf for ph in k.phases for ld in ir.walk(ph.value) if isinstance(ld, ir.Load))
+        if vec > 1:  # the row arrives in vector loads only, each once
+            assert src.count(f"(in{row_input} + ") == iters and f"in{row_input}[" not in src
+        else:
+            assert src.count(f"in{row_input}[") == iters
+        assert ("ok0_" in src or f"ok{iters - 1}_" in src) == tail
+        assert src.count("__shfl_xor_sync") == len(k.phases)
+
+
+def test_rows_too_long_for_registers_keep_the_strided_loops():
+    from fxopt.backends.cuda.codegen.kernel import generate_kernel, vector_width
+    from fxopt.backends.cuda.codegen.row_reduction import row_plan
+
+    for k in _row_kernels(4096, hw=2):
+        assert row_plan(k, 8) is None and vector_width(k) == 1
+        src = generate_kernel(k, 1).source
+        assert "_rows" not in src and "for (idx_t r_ = lane_" in src
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_register_rows_compile_for_every_width(dtype):
+    from fxopt.backends.cuda.codegen.kernel import generate_kernel, vector_width
+    from fxopt.backends.cuda.compiler import compile_ptx
+
+    for c in (40, 384):
+        for k in _row_kernels(c, dtype):
+            for vec in {vector_width(k), 1}:
+                ks = generate_kernel(k, vec)
+                assert ks.meta["vec"] == vec and (vec == 1) == (not ks.meta["aligned"])
+                assert ".entry" in compile_ptx(ks.source, ks.name, "sm_90")
+
+
 @needs_nvrtc
 def test_fast_math_approximates_exp_and_division_only_in_kernels_with_16_bit_results():
     from fxopt.backends.cuda.codegen.kernel import generate_kernel

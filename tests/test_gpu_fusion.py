@@ -93,10 +93,12 @@ def test_fast_math_activations_match_eager_at_their_limits(dtype):
             torch.testing.assert_close(g, w, rtol=TOL[dtype], atol=1e-6, equal_nan=True)
 
 
-@pytest.mark.parametrize("shape", [(1, 8, 1, 1), (3, 5, 7, 9), (2, 64, 56, 56), (1, 384, 14, 14), (64, 32, 8, 8)])
+@pytest.mark.parametrize("shape", [(1, 8, 1, 1), (3, 5, 7, 9), (2, 64, 56, 56), (1, 384, 14, 14), (64, 32, 8, 8),
+                                   (2, 96, 7, 7), (3, 40, 5, 5), (2, 768, 7, 7), (1, 1000, 2, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_reductions_of_every_geometry(shape, dtype):
-    """Rows shorter and longer than a warp and a block, few and many rows, both thread mappings."""
+    """Rows shorter and longer than a warp and a block, few and many rows, both thread mappings,
+    rows kept in registers with and without a partial last chunk."""
     class Norms(torch.nn.Module):
         def __init__(self, c):
             super().__init__()

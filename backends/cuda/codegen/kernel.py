@@ -13,8 +13,9 @@
   consecutive elements of the innermost loop, and every unconditional access that walks that
   loop with stride 1 (from a ``vec``-aligned start) is one 16-byte (at most) vector load or store;
   the other accesses stay scalar, one per lane. The launcher checks the pointers' alignment;
-- reductions, ``inner`` mapping: one warp per row (row <= 1024 elements: 8 rows per block) or one
-  block per row (longer rows), each thread striding over the row, combined by warp shuffles
+- reductions, ``inner`` mapping: rows that fit in registers as ``row_reduction.py`` maps them (each
+  value loaded once, vector loads and stores); other rows one warp per row (row <= 1024 elements: 8
+  rows per block) or one block per row (longer rows), each thread striding over the row, combined by warp shuffles
   (and shared memory across the warps of a block); ``outer`` mapping: a block of 32 consecutive
   rows x ``TR`` threads, each thread striding over the reduced index of its row, combined in
   shared memory. Every thread ends a phase with the row's result (the next phase may use it);
@@ -33,6 +34,7 @@ from fxopt.backends.cuda.schedule.ir import (BoolConst, Cast, Const, FloorDiv, I
                                              Red, ReductionKernel, Var, Where)
 
 from . import KernelSource, needs_index64
+from .row_reduction import generate_row_reduction, row_plan, row_vector_width
 from .templates import c_unary, ctype, fast_math_prefix, lit, prelude
 
 _MAX_GRID = 65535
@@ -361,8 +363,21 @@ def _reduction_geometry(k: ReductionKernel) -> dict:
     return {"block": block, "row_threads": block, "rows_per_block": 1, "grid": max(1, min(rows, _MAX_GRID))}
 
 
-def generate_reduction_kernel(k: ReductionKernel, fast_math: bool = False) -> KernelSource:
-    """``fast_math``: option fast_math (``templates.fast_math_prefix``)."""
+def generate_reduction_kernel(k: ReductionKernel, fast_math: bool = False, vec: int = 1) -> KernelSource:
+    """``fast_math``: option fast_math (``templates.fast_math_prefix``); ``vec``: the row's vector
+    width (rows that fit in registers, ``row_reduction.py``; 1: scalar loads)."""
+    plan = row_plan(k, vec)
+    if plan is not None:
+        prefix = _fast_math_prefix(k, fast_math)
+        index64 = _index64(k)
+        name = _uname(k, f"rows{plan.block}v{plan.vec}" + "f" * bool(prefix))
+        ps = _params(k)
+        lines, aligned = generate_row_reduction(k, plan, name, _header(k, name, plan.block, ps, index64, prefix))
+        grid = max(1, min(-(-k.rows // plan.rpb), _MAX_GRID))
+        meta = {"kernel": k, "grid": (grid, 1, 1), "geometry": vars(plan) | {"block": plan.block},
+                "aligned": aligned, "vec": plan.vec, "fast_math": bool(prefix)}
+        return KernelSource(name, "\n".join(lines) + "\n", tuple(ps), "fused_reduction", meta, (plan.block, 1, 1),
+                            index64)
     geo = _reduction_geometry(k)
     block = geo["block"]
     index64 = _index64(k)
@@ -454,18 +469,20 @@ def _outer_outputs(k: ReductionKernel, cond: str, ind: str) -> list:
 
 
 def generate_kernel(k, vec: int = 1, fast_math: bool = False) -> KernelSource:
-    """The source of an IR kernel (``vec``: pointwise vector width, ignored for reductions;
+    """The source of an IR kernel (``vec``: vector width of the innermost (pointwise) or reduced loop;
     ``fast_math``: option fast_math, see ``templates.fast_math_prefix``)."""
     if isinstance(k, PointwiseKernel):
         return generate_pointwise_kernel(k, vec, fast_math=fast_math)
     if isinstance(k, ReductionKernel):
-        return generate_reduction_kernel(k, fast_math)
+        return generate_reduction_kernel(k, fast_math, vec)
     raise TypeError(f"not an IR kernel: {type(k).__name__}")
 
 
 def vector_width(k) -> int:
     """The widest vector (at most 16 bytes per output element group) the kernel's innermost loop
     allows (of a split kernel: the widest any of its parts allows), or 1."""
+    if isinstance(k, ReductionKernel):
+        return row_vector_width(k)
     if isinstance(k, PointwiseKernel) and k.parts:
         return max(vector_width(p) for p in k.parts)
     if not isinstance(k, PointwiseKernel) or not k.vars:
