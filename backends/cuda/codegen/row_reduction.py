@@ -31,6 +31,9 @@ from typing import Optional
 from fxopt.backends.cuda.schedule import ir
 from fxopt.backends.cuda.schedule.ir import Ix, Load, ReductionKernel, Var
 
+from .emit import _COMBINE, _INIT, _Emitter, ix_c
+from .templates import ctype
+
 MAX_ELEMS_PER_THREAD = 32   # row values one thread keeps per loaded input
 MAX_REGS_PER_THREAD = 64    # row values one thread keeps over all its loaded inputs
 BLOCK = 256
@@ -52,8 +55,6 @@ class RowPlan:
 
 def _row_loads(k: ReductionKernel, phases_only: bool = False) -> list:
     """Loads evaluated unconditionally in the phases (and the row outputs) that walk the row."""
-    from .kernel import _Emitter
-
     red = set(k.reduced)
     roots = [p.value for p in k.phases] + ([] if phases_only else [s.value for s in k.row_stores])
     hoist = _Emitter(k, "", {}).unconditional(roots)
@@ -115,9 +116,6 @@ def _split(lin: str, vars_: list) -> list:
 
 def generate_row_reduction(k: ReductionKernel, plan: RowPlan, name: str, header: list) -> tuple:
     """(lines of the kernel after ``header``, aligned accesses) for ``k`` mapped by ``plan``."""
-    from .kernel import _COMBINE, _INIT, _Emitter, ix_c
-    from .templates import ctype
-
     vec, tpr, rpb, chunks, iters = plan.vec, plan.tpr, plan.rpb, plan.chunks, plan.iters
     rows, inner = k.rows, k.reduced[-1]
     lines = list(header)
