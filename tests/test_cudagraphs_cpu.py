@@ -55,6 +55,14 @@ def test_choose_keeps_the_optimized_graph_unless_the_baseline_clearly_wins():
     # compared with the faster of the two optimized ways
     assert choose({"graph_ms": 2.0, "plain_ms": 1.0, "baseline_graph_ms": 1.5}, 0.03) == "optimized plain"
     assert choose({"graph_ms": 2.0, "plain_ms": 1.0, "baseline_graph_ms": 0.5}, 0.03) == "baseline graph"
+    # the capture without programmatic dependent launch: like the baseline, only past the margin,
+    # and the baseline then has to beat it
+    no_pdl = "optimized graph, no early launch"
+    assert choose({"graph_ms": 1.0, "plain_ms": 2.0, "graph_no_pdl_ms": 0.98}, 0.03) == "optimized graph"
+    assert choose({"graph_ms": 1.0, "plain_ms": 2.0, "graph_no_pdl_ms": 0.9}, 0.03) == no_pdl
+    assert choose({"graph_ms": 1.0, "plain_ms": 2.0, "graph_no_pdl_ms": 0.9, "baseline_graph_ms": 0.88}, 0.03) == no_pdl
+    assert choose({"graph_ms": 1.0, "plain_ms": 2.0, "graph_no_pdl_ms": 0.9, "baseline_graph_ms": 0.8},
+                  0.03) == "baseline graph"
 
 
 def test_baseline_check_is_an_option():
@@ -321,6 +329,65 @@ def test_replay_decisions_are_cached_and_a_losing_baseline_is_not_captured_again
     assert second.decisions()[0]["cached"] is True and second.decisions()[0]["runs"] == "optimized graph"
     other = second(w, torch.randn(4, 3))  # a new signature is measured
     assert len(measured) == 2 and other[0].shape == (4, 5)
+
+
+def _launching(early):
+    """x @ w.T, recording (in ``early``) whether each run's kernel launch was allowed to go early
+    (programmatic dependent launch), counted as fxopt's launcher counts it."""
+    from fxopt.backends.cuda import compiler
+
+    def fn(w, x):
+        early.append(not compiler._NO_PDL.active)
+        if not compiler._NO_PDL.active:
+            compiler._NO_PDL.launches += 1
+        return (x @ w.T,)
+    return fn
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_a_graph_is_captured_without_early_launches_too_and_replays_so_where_faster(monkeypatch, faster):
+    from fxopt.autotune import AutotuneCache
+    from fxopt.backends.cuda.runtime import cudagraphs
+
+    measured = []
+    no_pdl_ms = 0.8 if faster else 0.99
+    monkeypatch.setattr(cudagraphs, "_alternating_medians",
+                        lambda fns, *a: measured.append(sorted(fns)) or {"graph_ms": 1.0, "plain_ms": 2.0,
+                                                                         "graph_no_pdl_ms": no_pdl_ms})
+    early, cache = [], AutotuneCache(None)
+    w, x = torch.randn(5, 3), torch.randn(2, 3)
+    r = _simulated_runner(_launching(early), [0], real_decide=True, decisions_cache=(cache, "dev", "h"), max_instances=2)
+    held = r(w, x)
+    torch.testing.assert_close(held[0], x @ w.T)
+    assert measured == [["graph_ms", "graph_no_pdl_ms", "plain_ms"]] and r.captures == 2
+    d = r.decisions()[0]
+    assert d["runs"] == ("optimized graph, no early launch" if faster else "optimized graph")
+    entry = next(iter(r.graphs.values()))
+    assert entry.pdl is (not faster) and len(entry.instances) == 1
+    # while the first output is held, a second capture serves: made the way the decision says
+    # (the simulated capture runs the function once, then the simulated replay once more)
+    early.clear()
+    torch.testing.assert_close(r(w, x)[0], x @ w.T)
+    assert len(entry.instances) == 2 and early[0] is (not faster)
+    # a cached decision: no measuring, the chosen way captured directly
+    measured.clear()
+    early.clear()
+    again = _simulated_runner(_launching(early), [0], real_decide=True, decisions_cache=(cache, "dev", "h"))
+    torch.testing.assert_close(again(w, x)[0], x @ w.T)
+    assert measured == [] and again.decisions()[0]["runs"] == d["runs"]
+    assert next(iter(again.graphs.values())).pdl is (not faster) and (False in early) is faster
+
+
+def test_graphs_without_early_launches_or_in_training_are_not_captured_twice(monkeypatch):
+    from fxopt.backends.cuda.runtime import cudagraphs
+
+    measured = []
+    monkeypatch.setattr(cudagraphs, "_alternating_medians",
+                        lambda fns, *a: measured.append(sorted(fns)) or {"graph_ms": 1.0, "plain_ms": 2.0})
+    w, x = torch.randn(5, 3), torch.randn(2, 3)
+    r = _simulated_runner(lambda w, x: (x @ w.T,), [0], real_decide=True)  # no kernel of fxopt's
+    torch.testing.assert_close(r(w, x)[0], x @ w.T)
+    assert measured == [["graph_ms", "plain_ms"]] and r.captures == 1
 
 
 def test_measuring_declines_what_would_not_fit_in_memory_and_survives_running_out(monkeypatch):

@@ -16,6 +16,7 @@ floats -> float32, numpy/ctypes scalars pass through unchanged.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -139,7 +140,10 @@ class CompiledKernel:
         dev = torch.cuda.current_device()
         kernel = self.load(dev)
         ts = torch.cuda.current_stream() if stream is None else stream
-        _launch(kernel, grid, block, int(shared_mem), ts, kargs, self._pdl[dev])
+        pdl = self._pdl[dev] and not _NO_PDL.active
+        if pdl:
+            _NO_PDL.launches += 1
+        _launch(kernel, grid, block, int(shared_mem), ts, kargs, pdl)
 
 
 def _dim3(d) -> tuple[int, int, int]:
@@ -180,6 +184,31 @@ _STREAMS: dict[int, Any] = {}
 
 # the kernel's first statement waits for the previous grid (prelude.cuh)
 _PDL_FIRST = re.compile(r"__global__[^{;]*\{\s*fx_pdl_begin\(\);")
+
+
+class _NoPdl(threading.local):
+    active = False   # launches on this thread leave programmatic dependent launch off
+    launches = 0     # launches on this thread that asked for it
+
+
+_NO_PDL = _NoPdl()
+
+
+@contextlib.contextmanager
+def without_programmatic_launch():
+    """Kernels launched on this thread inside the block go without programmatic dependent launch
+    (the CUDA-graph runner captures a graph both ways and keeps the faster: the early launch
+    holds SM resources with waiting blocks, which some graphs pay for)."""
+    old, _NO_PDL.active = _NO_PDL.active, True
+    try:
+        yield
+    finally:
+        _NO_PDL.active = old
+
+
+def programmatic_launches() -> int:
+    """Launches on this thread so far that used programmatic dependent launch."""
+    return _NO_PDL.launches
 
 
 def programmatic_launch_enabled() -> bool:

@@ -53,6 +53,11 @@ Contract (what a caller can rely on):
   over, before any pass: PyTorch's own kernels), that graph is captured too and timed in
   alternation with the optimized one; where it is faster by more than ``margin`` the signature
   replays the baseline instead. ``decisions()`` says which one runs and the times behind it.
+- Programmatic dependent launch measured too (inference): where the optimized capture launched
+  fxopt's kernels early (each starts while its predecessor finishes, its blocks waiting on the SM),
+  the graph is captured once more with those launches plain and timed with the others; it replays
+  instead where it is faster by more than ``margin`` (the waiting blocks hold SM resources that
+  some graphs' kernels need), as do the further captures of that signature.
 - Measuring never runs the device out of memory: the baseline's capture and the plain runs each
   need about what the optimized capture took (its growth of the memory PyTorch reserves, training's
   saved activations included); where the device has less free than they would need together, or
@@ -74,6 +79,7 @@ from typing import Callable, Collection, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from fxopt.backends.cuda.compiler import programmatic_launches, without_programmatic_launch
 from fxopt.passinfra import written_in_place
 from fxopt.weights import _PTRS_EQUAL, WeightWatch
 
@@ -251,6 +257,7 @@ class _Entry:
         self.use_graph = True
         self.runs = "optimized graph"
         self.timings: dict = {}
+        self.pdl = True  # its captures may launch kernels early (programmatic dependent launch)
 
 
 @contextlib.contextmanager
@@ -294,14 +301,22 @@ def _median_ms(fn, runs: int = 5) -> float:
     return _alternating_medians({"t": fn}, rounds=1, runs=runs)["t"]
 
 
+NO_PDL = "optimized graph, no early launch"
+RUNS = ("optimized graph", "optimized plain", "baseline graph", NO_PDL)
+
+
 def choose(timings: dict, margin: float) -> str:
-    """Which way a signature runs, from its measured times (ms): the optimized graph replayed, the
-    optimized graph uncaptured, or the baseline replayed. The baseline must win by more than
-    ``margin`` (a fraction): a tie keeps the optimized graph."""
+    """Which way a signature runs, from its measured times (ms): the optimized graph replayed (with
+    or without programmatic dependent launch), the optimized graph uncaptured, or the baseline
+    replayed. The capture without early launches and the baseline must win by more than ``margin``
+    (a fraction): a tie keeps the optimized graph."""
     if "plain_ms" not in timings:  # not measured
         return "optimized graph"
     best = "optimized graph" if timings["graph_ms"] <= timings["plain_ms"] else "optimized plain"
     best_ms = min(timings["graph_ms"], timings["plain_ms"])
+    plain_launch = timings.get("graph_no_pdl_ms")
+    if plain_launch is not None and plain_launch < best_ms * (1.0 - margin):
+        best, best_ms = NO_PDL, plain_launch
     base = timings.get("baseline_graph_ms")
     if base is not None and base < best_ms * (1.0 - margin):
         return "baseline graph"
@@ -363,10 +378,11 @@ class CudaGraphRunner:
         return tuple(key)
 
     def _capture(self, args, fn: Callable, lend: bool = True, in_place: Sequence[int] = (),
-                 share: bool = False) -> _Instance:
+                 share: bool = False, pdl: bool = True) -> _Instance:
         """Capture ``fn`` on ``args``, in a memory pool of its own (``share``, a backward: in the pool
         of the forward capture it reads, where that one shares with no other): the inputs at
-        ``in_place`` are read where they are, the others from static buffers that each replay fills."""
+        ``in_place`` are read where they are, the others from static buffers that each replay fills.
+        ``pdl`` False: fxopt's kernels launched without programmatic dependent launch."""
         reserved = _reserved_bytes()
         static_inputs, input_ptrs = {}, {}
         call_args = list(args)
@@ -382,13 +398,17 @@ class CudaGraphRunner:
             static_inputs[i] = call_args[i] = buf
         link = self.training
         lender = link.lender(args, in_place) if share and link is not None else None
-        graph, outputs, pool = self._record(fn, call_args, None if lender is None else lender.pool)
+        launches = programmatic_launches()
+        with contextlib.nullcontext() if pdl else without_programmatic_launch():
+            graph, outputs, pool = self._record(fn, call_args, None if lender is None else lender.pool)
+        early = programmatic_launches() > launches
         inst = _Instance(graph, static_inputs, input_ptrs or None, outputs, args, lend,
                          copied=link.copied(outputs) if link is not None else frozenset(), training=link is not None,
                          pool=pool, pool_shared=lender is not None)
         if lender is not None:
             lender.sharers.append(weakref.ref(inst))
         inst.footprint = max(0, _reserved_bytes() - reserved)
+        inst.early_launches = early
         self._lent_ptrs.update(inst.out_ptrs)
         return inst
 
@@ -478,11 +498,11 @@ class CudaGraphRunner:
             # capture whose outputs are never lent (copied out on every call)
             if len(entry.instances) < self.max_instances:
                 reads = self._first_capture_reads(args) if self.training is not None else ()
-                inst = self._capture(args, entry.fn, in_place=reads, share=True)
+                inst = self._capture(args, entry.fn, in_place=reads, share=True, pdl=entry.pdl)
                 entry.instances.append(inst)
             else:
                 if entry.private is None:
-                    entry.private = self._capture(args, entry.fn, lend=False)
+                    entry.private = self._capture(args, entry.fn, lend=False, pdl=entry.pdl)
                 inst = entry.private
         return inst.run(args)
 
@@ -508,12 +528,12 @@ class CudaGraphRunner:
         return f"cudagraph_runner|{self.decisions_cache[2]}|baseline={self.baseline is not None}|{sig}"
 
     def _decide(self, entry: _Entry, args) -> None:
-        key, base = self._decision_key(args), None
+        key, base, plain = self._decision_key(args), None, None
         cached = self.decisions_cache[0].get(self.decisions_cache[1], key) if key else None
-        if cached is not None and cached.get("runs") in ("optimized graph", "optimized plain", "baseline graph"):
+        if cached is not None and cached.get("runs") in RUNS:
             entry.timings, entry.runs = dict(cached["timings"], cached=True), cached["runs"]
         else:
-            base, why = self._measure(entry, args)
+            base, plain, why = self._measure(entry, args)
             entry.runs = choose(entry.timings, self.margin)
             if why:
                 entry.timings["not_measured"] = why
@@ -521,6 +541,9 @@ class CudaGraphRunner:
                 self.decisions_cache[0].put(self.decisions_cache[1], key,
                                             {"runs": entry.runs, "timings": dict(entry.timings)})
         entry.use_graph = entry.runs != "optimized plain"
+        if entry.runs == NO_PDL:
+            plain = plain or self._capture_without_early_launch(entry, args)  # a cached decision: captured now
+            entry.instances, entry.pdl = plain.instances, False
         if entry.runs == "baseline graph":
             base = base or self._capture_baseline(entry, args)  # a cached decision: captured now
             entry.fn, entry.instances = base.fn, base.instances
@@ -528,28 +551,39 @@ class CudaGraphRunner:
         # a losing baseline capture is dropped on return: its memory goes back to the pool
 
     def _measure(self, entry: _Entry, args) -> tuple:
-        """Time the optimized replay against the plain run and the baseline's replay into
-        ``entry.timings``: (the baseline's capture or None, why the others were not timed or None)."""
-        need = entry.instances[0].footprint * (2 if self.baseline is not None else 1)
+        """Time the optimized replay against the plain run, the replay without early launches and
+        the baseline's replay into ``entry.timings``: (the baseline's capture or None, the capture
+        without early launches or None, why the others were not timed or None)."""
+        early = self.training is None and getattr(entry.instances[0], "early_launches", False)
+        need = entry.instances[0].footprint * (1 + (self.baseline is not None) + early)
         free = _free_bytes()
         if need > free:
             entry.timings = {}
-            return None, (f"the plain run and the baseline would need about {need / 2**20:.0f} MiB, "
-                          f"{free / 2**20:.0f} MiB free")
-        base = None
+            return None, None, (f"the plain run and the other captures would need about {need / 2**20:.0f} MiB, "
+                                f"{free / 2**20:.0f} MiB free")
+        base = plain = None
         fns = {"graph_ms": lambda: self._replay(entry, args), "plain_ms": lambda: self.fn(*args)}
         try:
+            if early:
+                plain = self._capture_without_early_launch(entry, args)
+                fns["graph_no_pdl_ms"] = lambda: self._replay(plain, args)
             if self.baseline is not None:
                 base = self._capture_baseline(entry, args)
                 fns["baseline_graph_ms"] = lambda: self._replay(base, args)
             with _side_runs(self.writes(args)):
                 entry.timings = _alternating_medians(fns)
         except torch.OutOfMemoryError:
-            base = fns = None  # the baseline's capture and the plain runs' memory go back
+            base = plain = fns = None  # the other captures' and the plain runs' memory go back
             entry.timings = {}
             torch.cuda.empty_cache()
-            return None, "out of memory while measuring the plain run and the baseline"
-        return base, None
+            return None, None, "out of memory while measuring the plain run and the other captures"
+        return base, plain, None
+
+    def _capture_without_early_launch(self, entry: _Entry, args) -> _Entry:
+        reads = frozenset(entry.instances[0].input_ptrs or ())
+        plain = _Entry(self.fn, self._capture(args, self.fn, in_place=reads, pdl=False))
+        plain.pdl = False
+        return plain
 
     def _capture_baseline(self, entry: _Entry, args) -> _Entry:
         reads = frozenset(entry.instances[0].input_ptrs or ())
