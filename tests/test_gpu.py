@@ -180,6 +180,35 @@ def test_compiled_model_reports_the_baseline_check():
     assert "baseline_graph_ms" not in graphs[0].executor_details["cudagraph_runner"].decisions()[0]
 
 
+def test_graphs_with_early_launches_are_also_timed_without_and_replay_the_choice_correctly(monkeypatch):
+    """On sm_90 fxopt's kernels launch early (programmatic dependent launch): the runner captures
+    the graph without too, times both, and whichever it replays (here each forced in turn) gives
+    eager's outputs, later captures of the signature included."""
+    from fxopt.backends.cuda.compiler import programmatic_launch_supported
+    from fxopt.backends.cuda.runtime import cudagraphs
+
+    if not programmatic_launch_supported(torch.cuda.current_device()):
+        pytest.skip("no programmatic dependent launch on this device")
+    m = SmallResNet().cuda().eval().half()
+    x = torch.randn(2, 3, 32, 32, device="cuda", dtype=torch.half)
+    with torch.no_grad():
+        want = m(x)
+    real = cudagraphs.choose
+    for forced in (None, cudagraphs.NO_PDL, "optimized graph"):
+        monkeypatch.setattr(cudagraphs, "choose", real if forced is None else (lambda t, margin, f=forced: f))
+        graphs = []
+        compiled = fxopt.testing.compile_with_fxopt(m, {"autotune_cache": False}, graphs)  # measured each time
+        with torch.no_grad():
+            held = [compiled(x) for _ in range(3)]  # held outputs: further captures serve
+        for out in held:
+            torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
+        (d,) = graphs[0].executor_details["cudagraph_runner"].decisions()
+        assert "graph_no_pdl_ms" in d and d["runs"] in cudagraphs.RUNS, d
+        if forced is not None:
+            assert d["runs"] == forced and d["captures"] >= 2
+        torch.compiler.reset()
+
+
 def test_cudagraph_lends_released_outputs_and_never_writes_held_ones():
     m = SeedCNN().cuda().eval()
     graphs = []
