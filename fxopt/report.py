@@ -67,6 +67,22 @@ class GraphReport:
     training: dict = field(default_factory=dict)
 
 
+_CUDA_GRAPH_TIMES = (("optimized replay", "graph_ms"), ("without early launch", "graph_no_pdl_ms"),
+                     ("uncaptured", "plain_ms"), ("unoptimized replay", "baseline_graph_ms"))
+
+
+def _cuda_graph_lines(i: int, runner) -> list:
+    """Per input signature of a graph's CUDA-graph runner: which way it runs and the times behind it."""
+    lines = []
+    for d in runner.decisions() if runner is not None else []:
+        times = ", ".join(f"{name} {d[key]:.3f} ms" for name, key in _CUDA_GRAPH_TIMES if key in d)
+        why = d.get("not_measured")
+        lines.append(f"graph {i}: CUDA graph runs the {d['runs']}"
+                     + (f": {times}" if times else "") + (f" (not measured: {why})" if isinstance(why, str) else "")
+                     + (" (cached decision)" if d.get("cached") else ""))
+    return lines
+
+
 def _jsonable(x: Any) -> Any:
     if is_dataclass(x) and not isinstance(x, type):
         return _jsonable(asdict(x))
@@ -199,6 +215,7 @@ class Report:
                 lines.append(f"graph {i}: ops run as PyTorch runs them")
                 for node, why in unfused.items():
                     lines.append(f"  {node}: {why}")
+            lines += _cuda_graph_lines(i, g.executor_details.get("cudagraph_runner"))
         if self.kernels_per_call:
             lines.append("kernels launched per call: " + ", ".join(f"{k} {v}" for k, v in self.kernels_per_call.items()))
         return "\n".join(lines)

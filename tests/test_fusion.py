@@ -542,6 +542,32 @@ def test_explain_lists_each_fused_kernels_ops_and_the_ops_left_to_pytorch():
     assert "kernels_per_call" in report.to_dict()
 
 
+def test_report_says_which_way_each_cuda_graph_runs_and_the_times_behind_it():
+    import fxopt
+
+    class Runner:
+        def __init__(self, decisions):
+            self._d = decisions
+
+        def decisions(self):
+            return self._d
+
+    report = fxopt.explain(ConvNeXtBlock().eval(), torch.randn(2, 8, 5, 5), options={"executor": "cuda"})
+    (g,) = report.graphs
+    g.executor_details["cudagraph_runner"] = Runner([
+        {"runs": "optimized graph, no early launch", "graph_ms": 0.486, "graph_no_pdl_ms": 0.446, "plain_ms": 9.6,
+         "baseline_graph_ms": 0.687},
+        {"runs": "optimized graph", "cached": True, "graph_ms": 2.2},
+        {"runs": "optimized graph", "not_measured": "out of memory while measuring"}])
+    lines = [ln for ln in report.fusion_table().splitlines() if "CUDA graph" in ln]
+    assert lines == [
+        "graph 0: CUDA graph runs the optimized graph, no early launch: optimized replay 0.486 ms, without early "
+        "launch 0.446 ms, uncaptured 9.600 ms, unoptimized replay 0.687 ms",
+        "graph 0: CUDA graph runs the optimized graph: optimized replay 2.200 ms (cached decision)",
+        "graph 0: CUDA graph runs the optimized graph (not measured: out of memory while measuring)"]
+    assert lines[0] in str(report)
+
+
 def test_bench_report_has_a_kernels_per_call_table():
     from fxopt.bench.report import _kernel_lines
 
