@@ -188,6 +188,7 @@ class _Instance:
                  copied: frozenset = frozenset(), training: bool = False, pool=None, pool_shared: bool = False):
         self.graph, self.static_inputs, self.input_ptrs, self.outputs = graph, static_inputs, input_ptrs, outputs
         self.footprint = 0  # bytes the capture added to what the allocator reserves (set by the runner)
+        self.early_launches = False  # fxopt's kernels launched early in it (set by the runner)
         self.pool, self.pool_shared = pool, pool_shared  # the memory pool; whether another capture's
         self.sharers: list = []  # weak references to the backward captures made in this pool
         flat = _flat(outputs)
@@ -554,7 +555,7 @@ class CudaGraphRunner:
         """Time the optimized replay against the plain run, the replay without early launches and
         the baseline's replay into ``entry.timings``: (the baseline's capture or None, the capture
         without early launches or None, why the others were not timed or None)."""
-        early = self.training is None and getattr(entry.instances[0], "early_launches", False)
+        early = self.training is None and entry.instances[0].early_launches
         need = entry.instances[0].footprint * (1 + (self.baseline is not None) + early)
         free = _free_bytes()
         if need > free:
