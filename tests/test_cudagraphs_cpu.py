@@ -392,8 +392,9 @@ def test_graphs_without_early_launches_or_in_training_are_not_captured_twice(mon
 
 def test_measuring_declines_what_would_not_fit_in_memory_and_survives_running_out(monkeypatch):
     """The plain run and the baseline's capture each need about what the optimized capture took:
-    with less free than that, or when one runs out of memory all the same, the optimized graph is
-    replayed unmeasured, the reason recorded and nothing cached."""
+    with less free than that, or when one runs out of memory all the same (or fails with another
+    error, as an allocation failing inside a capture may), the optimized graph is replayed
+    unmeasured, the reason recorded and nothing cached."""
     from fxopt.autotune import AutotuneCache
     from fxopt.backends.cuda.runtime import cudagraphs
 
@@ -420,6 +421,19 @@ def test_measuring_declines_what_would_not_fit_in_memory_and_survives_running_ou
     torch.testing.assert_close(r(w, x)[0], x @ w.T)  # and replays after
     d = r.decisions()[0]
     assert d["runs"] == "optimized graph" and d["not_measured"].startswith("out of memory") and measured == []
+    assert cache.get("dev", r._decision_key([w, x])) is None
+
+    def failing_capture(w, x):  # an allocation failing inside a capture, raised as another error
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture\nmore")
+
+    r = _simulated_runner(lambda w, x: (x @ w.T,), [0], real_decide=True, baseline=failing_capture,
+                          decisions_cache=(cache, "dev", "h2"))
+    torch.testing.assert_close(r(w, x)[0], x @ w.T)
+    torch.testing.assert_close(r(w, x)[0], x @ w.T)
+    d = r.decisions()[0]
+    assert d["runs"] == "optimized graph" and measured == []
+    assert d["not_measured"] == ("measuring failed (RuntimeError: CUDA error: operation failed due to a previous "
+                                 "error during capture)")
     assert cache.get("dev", r._decision_key([w, x])) is None
 
 

@@ -61,7 +61,8 @@ Contract (what a caller can rely on):
 - Measuring never runs the device out of memory: the baseline's capture and the plain runs each
   need about what the optimized capture took (its growth of the memory PyTorch reserves, training's
   saved activations included); where the device has less free than they would need together, or
-  one of them runs out of memory all the same, the optimized graph is replayed unmeasured, and
+  one of them runs out of memory all the same (or fails otherwise: an allocation failing inside a
+  capture may surface as another error), the optimized graph is replayed unmeasured, and
   ``decisions()`` says why (``not_measured``; such a decision is not cached).
 - Random numbers as eager draws them: the runs that are not the call's own (warm-ups before a
   capture, the timing runs) leave the CUDA generator as they found it, and a replay reads the
@@ -578,6 +579,12 @@ class CudaGraphRunner:
             entry.timings = {}
             torch.cuda.empty_cache()
             return None, None, "out of memory while measuring the plain run and the other captures"
+        except Exception as exc:  # noqa: BLE001 - e.g. an allocation failing inside a capture, raised as
+            # another error: the optimized capture, made and checked before, is kept
+            base = plain = fns = None
+            entry.timings = {}
+            text = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+            return None, None, f"measuring failed ({type(exc).__name__}: {text})"
         return base, plain, None
 
     def _capture_without_early_launch(self, entry: _Entry, args) -> _Entry:
