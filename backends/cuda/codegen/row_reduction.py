@@ -158,12 +158,12 @@ def generate_row_reduction(k: ReductionKernel, plan: RowPlan, name: str, header:
     def load_lines(which: list, its: range) -> list:
         out = []
         for j, ld in enumerate(loads):
-            if ld not in which or (j, its.start) in loaded or vec == 1:
+            if ld not in which or (j, its.start) in loaded or vec == 1:  # (all of ``its`` loaded together)
                 continue
             item = k.inputs[ld.buf].dtype.itemsize
             if not vector_ok(ld.offset, inner, vec, item):
                 continue
-            loaded.add((j, its.start))
+            loaded.update((j, it) for it in its)
             t = ctype(k.inputs[ld.buf].dtype)
             for it in its:
                 off = ld.offset.substitute(subs[it][0])
@@ -176,10 +176,8 @@ def generate_row_reduction(k: ReductionKernel, plan: RowPlan, name: str, header:
 
     # (the phases' loads: all iterations at once, before the first phase; the outputs' own loads
     # one iteration at a time, just before its stores)
-
     phase_loads = [ld for ld in loads if ld in in_phases]
     lines += load_lines(phase_loads, range(iters))
-    loaded = {(j, it) for j, _ in loaded for it in range(iters)}
     em = _Emitter(k, ind, {}, alias)
     for ph in k.phases:
         acc = f"acc_{ph.name}"
