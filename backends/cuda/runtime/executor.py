@@ -11,7 +11,9 @@ Library nodes keep their own candidates (``schedule/conv.py``, ``schedule/linear
 the epilogue ops), ``generated`` (conv without bias, then one generated bias/residual/activation
 kernel in place), ``cudnn_fused`` (cuDNN's conv + ReLU (+ add)), ``generated_depthwiseconv``
 (depthwise convs, k <= 7: one direct kernel with the epilogue fused) and
-``generated_directconv_t<tile>[_split<lanes>]`` (few input channels: stems, small CNNs), ``nchw``
+``generated_directconv_t<tile>[_split<lanes>]`` (few input channels: stems, small CNNs),
+``generated_groupedconv_t<channels>`` (grouped convs on channels_last tensors: one direct kernel
+with the epilogue fused), ``nchw``
 (a channels_last depthwise conv with a kernel of 7 or more, run channels-first with its
 conversions: the layout chosen per conv, by measurement). A
 ``fused_linear`` over at most 16 rows gets ``generated_linear`` (bias and activation fused)
@@ -48,6 +50,7 @@ from fxopt.backends.cuda.schedule.generated import GeneratedRegion, RegionRefere
 from fxopt.backends.cuda.schedule.conv import (GeneratedEpilogue, conv_in_nchw, cudnn_conv_relu,
                                                plan_conv_epilogue, plan_conv_in_nchw, plan_conv_maxpool,
                                                plan_depthwise, plan_depthwise_vec, plan_direct_conv,
+                                               plan_grouped_conv,
                                                with_generated_epilogue)
 from fxopt.backends.cuda.schedule.groups import fuse_conv_maxpool, fuse_linear_chain
 from fxopt.backends.cuda.schedule.linear import plan_linear, plan_linear_chains
@@ -56,7 +59,8 @@ from fxopt.ops import fused_conv_ref
 
 
 #: per-node candidates of library nodes (and of pools the fusion scheduler left alone)
-PLANNERS = (plan_depthwise, plan_depthwise_vec, plan_maxpool, plan_global_avgpool, plan_direct_conv, plan_linear)
+PLANNERS = (plan_depthwise, plan_depthwise_vec, plan_grouped_conv, plan_maxpool, plan_global_avgpool, plan_direct_conv,
+            plan_linear)
 
 
 @dataclass

@@ -15,6 +15,10 @@ what it was generated for, so that the reference runs):
   algorithm ``direct``: one direct depthwise kernel with bias, residual and activation fused (cuDNN
   runs such a conv and its epilogue as two kernels). It reads the conv weight (C, 1, KH, KW) as it
   is, so folded weights refreshed in place are seen by CUDA graph replays.
+- ``plan_grouped_conv`` -> ``GroupedConv``: a grouped conv (not depthwise) on channels_last tensors,
+  algorithm ``direct`` or chosen automatically: one direct kernel per conv with the epilogue fused
+  (``codegen/grouped_conv.py``), in two channels-per-thread variants. For some group widths cuDNN
+  runs a grouped conv as transforms around its GEMM (RegNet's 24 channels per group: seven kernels).
 - ``plan_direct_conv`` -> ``DirectConv``: convs with a small reduction (C_in <= 16, C_out <= 128,
   C_in*KH*KW <= 512, groups 1: stems and small CNNs; wider convs are GEMMs that cuDNN runs better,
   and each candidate costs an NVRTC compilation and a measurement), algorithm ``direct`` or one chosen
@@ -41,6 +45,7 @@ import torch.fx as fx
 from fxopt.backends.cuda.codegen import Epilogue, layout_name, needs_index64
 from fxopt.backends.cuda.codegen.direct_conv import (MAX_CIN, MAX_COUT, MAX_REDUCTION, MAX_UNROLLED, SMEM_FLOATS,
                                                      cout_tile, generate_direct_conv2d, split_lanes)
+from fxopt.backends.cuda.codegen.grouped_conv import channel_tile, generate_grouped_conv2d_nhwc
 from fxopt.backends.cuda.schedule import TemplateCandidate, dense_strides, ints, node_val
 from fxopt.backends.cuda.runtime.launch import (launch_depthwise_conv2d, launch_direct_conv2d, launch_pointwise,
                                                 memory_layout_ok, pool2d_output_size, vector_width_ok, weight_fits,
@@ -283,6 +288,94 @@ def plan_depthwise_vec(node: fx.Node) -> Optional[DepthwiseConvVec]:
     if x.shape[1] % (16 // out.dtype.itemsize) or not isinstance(x.shape[0], int):
         return None
     return DepthwiseConvVec(node, out, dw.k, dw.stride, dw.padding, dw.dilation)
+
+
+# ---------------------------------------------------------------------------- grouped conv
+class GroupedConv(TemplateCandidate):
+    """NHWC grouped conv with every size compiled in: one output pixel x ``cot`` channels of a group
+    per thread, the block's weights in shared memory, the epilogue fused
+    (``codegen/grouped_conv.py``)."""
+
+    def __init__(self, node: fx.Node, spec: dict, cot: int):
+        self.label = f"groupedconv_t{cot}"
+        self.spec = spec
+        n, cin, h, w = spec["x_shape"]
+        self.out_shape = spec["out_shape"]
+        super().__init__(f"gconv_{node.name}_t{cot}", generate_grouped_conv2d_nhwc(
+            n, cin, spec["cout"], spec["groups"], h, w, self.out_shape[2], self.out_shape[3], spec["k"],
+            spec["stride"], spec["padding"], spec["dilation"], spec["dtype"], spec["epilogue"],
+            spec["weight_layout"], cot))
+
+    def __call__(self, x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
+                 algorithm="direct", prepacked=None):
+        s, epi = self.spec, self.spec["epilogue"]
+        if self.kernel is None or not x.is_cuda or tuple(x.shape) != s["x_shape"] or x.dtype != s["dtype"]:
+            return None
+        if not memory_layout_ok(x, "nhwc") or x.data_ptr() % 16 or weight.dtype != x.dtype:
+            return None
+        if tuple(weight.shape) != s["w_shape"] or not weight_fits(weight, s["weight_layout"]):
+            return None
+        if (bias is not None) != epi.bias or (residual is not None) != epi.residual:
+            return None
+        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+            return None
+        if residual is not None and (not memory_layout_ok(residual, "nhwc") or residual.dtype != x.dtype
+                                     or tuple(residual.shape) != self.out_shape):
+            return None
+        out = torch.empty_strided(self.out_shape, dense_strides("nhwc", self.out_shape), dtype=x.dtype,
+                                  device=x.device)
+        if out.numel():
+            self.kernel.launch(self.sources[0].meta["grid"], self.sources[0].block,
+                               [x, weight] + [t for t in (bias, residual) if t is not None] + [out])
+        return out
+
+
+def _grouped_spec(node: fx.Node) -> Optional[dict]:
+    """What ``GroupedConv`` needs of a fused_conv node, or None where it does not apply."""
+    if node.op != "call_function" or node.target is not fused_conv_ref or len(node.args) < 11:
+        return None
+    x, w, out = node_val(node.args[0]), node_val(node.args[1]), node.meta.get("val")
+    if x is None or w is None or out is None or x.dim() != 4 or w.dim() != 4 or out.dtype not in _DTYPES:
+        return None  # only 2-D convolutions in fp32/fp16/bf16
+    if not all(isinstance(d, int) for d in (*x.shape, *w.shape, *out.shape)):
+        return None  # symbolic sizes
+    if w.dtype != x.dtype or out.dtype != x.dtype:
+        return None  # mixed dtypes
+    groups = node.args[7]
+    if not isinstance(groups, int) or groups < 2 or int(w.shape[1]) < 2:
+        return None  # a dense conv, or a depthwise one (its own kernels)
+    if node.args[10] != "direct" and node.meta.get("fxopt_conv_algorithm_how", "forced").startswith("forced"):
+        return None  # an algorithm the user asked for; one chosen automatically is measured against
+    k, stride, padding, dilation = ints(w.shape[2:]), ints(node.args[4]), ints(node.args[5]), ints(node.args[6])
+    if None in (k, stride, padding, dilation):
+        return None
+    if layout_name(x) != "nhwc" or layout_name(out) != "nhwc" or weight_layout_of(w) is None:
+        return None  # channels-first tensors: cuDNN runs grouped convs there without transforms
+    for t in (node.args[2], node.args[3]):
+        if t is not None and (node_val(t) is None or node_val(t).dtype != out.dtype):
+            return None
+    act = node.args[8]
+    return {"x_shape": tuple(int(d) for d in x.shape), "w_shape": tuple(int(d) for d in w.shape),
+            "out_shape": tuple(int(d) for d in out.shape), "cout": int(w.shape[0]), "groups": groups, "k": k,
+            "stride": stride, "padding": padding, "dilation": dilation, "dtype": out.dtype,
+            "weight_layout": weight_layout_of(w),
+            "epilogue": Epilogue(node.args[2] is not None, node.args[3] is not None,
+                                 None if act == "none" else (act, tuple(node.args[9])))}
+
+
+def plan_grouped_conv(node: fx.Node) -> list[GroupedConv]:
+    """Grouped-conv candidates for a fused_conv node: ``cot`` = the largest power of two up to 8
+    dividing the group's output channels, and half of it (twice the threads: small batches); []
+    where none applies or the weights of one channel tile exceed shared memory."""
+    spec = _grouped_spec(node)
+    if spec is None:
+        return []
+    cgo, red = spec["cout"] // spec["groups"], spec["w_shape"][1] * spec["k"][0] * spec["k"][1]
+    cot = 8
+    while cgo % cot:
+        cot //= 2
+    cots = [c for c in (cot, cot // 2) if c >= 1 and channel_tile(cgo, red, c)]
+    return [GroupedConv(node, spec, c) for c in dict.fromkeys(cots)]
 
 
 # ---------------------------------------------------------------------------- direct conv (+ max pool)
