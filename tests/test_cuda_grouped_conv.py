@@ -80,6 +80,17 @@ def test_declines_channels_first_graphs_and_forced_algorithms():
     assert all(len(plan_grouped_conv(n)) == 2 for n in grouped)
 
 
+def test_two_pixels_per_thread_only_where_the_grid_has_threads_to_spare():
+    gm = lowered(Grouped().eval(), torch.randn(64, 48, 32, 32), {"layout": "channels_last"})
+    first = next(n for n in convs(gm) if n.args[7] == 2)  # 64 x 32 x 32 pixels x 48 / 8 channels: 393216 threads
+    assert [(c.sources[0].meta["cot"], c.sources[0].meta["ppt"]) for c in plan_grouped_conv(first)] == [
+        (8, 1), (4, 1), (8, 2)]
+    assert plan_grouped_conv(first)[2].label == "groupedconv_t8p2"
+    gm = lowered(Grouped().eval(), torch.randn(1, 48, 32, 32), {"layout": "channels_last"})
+    first = next(n for n in convs(gm) if n.args[7] == 2)
+    assert all(c.sources[0].meta["ppt"] == 1 for c in plan_grouped_conv(first))
+
+
 def test_channels_per_thread_follow_the_group_width():
     gm = lowered(nn.Sequential(nn.Conv2d(12, 18, 3, groups=3)).eval(), torch.randn(1, 12, 9, 9),
                  {"layout": "channels_last"})
@@ -99,6 +110,8 @@ def test_tile_vector_and_argument_checks():
         generate_grouped_conv2d_nhwc(1, 8, 8, 1, 4, 4, 4, 4, 3, padding=1)
     with pytest.raises(ValueError, match="power of two"):
         generate_grouped_conv2d_nhwc(1, 48, 48, 2, 4, 4, 4, 4, 3, padding=1, cot=3)
+    with pytest.raises(ValueError, match="pixels per thread"):
+        generate_grouped_conv2d_nhwc(1, 48, 48, 2, 4, 4, 4, 4, 3, padding=1, ppt=3)
     with pytest.raises(ValueError, match="weight_layout"):
         generate_grouped_conv2d_nhwc(1, 48, 48, 2, 4, 4, 4, 4, 3, padding=1, weight_layout="hwio")
 
@@ -106,17 +119,18 @@ def test_tile_vector_and_argument_checks():
 @needs_nvrtc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_every_variant_compiles_with_nvrtc(dtype):
-    cases = [  # (n, cin, cout, groups, hw, k, stride, padding, dilation, weight layout, epilogue, cot)
-        (1, 336, 336, 14, 14, 3, 1, 1, 1, "ohwi", Epilogue(True, False, "relu"), 8),
-        (32, 48, 48, 2, 56, 3, 2, 1, 1, "oihw", Epilogue(True, True, ("hardtanh", (0.0, 6.0))), 4),
-        (2, 12, 18, 3, 9, 5, 1, 4, 2, "oihw", Epilogue(False, False, None), 2),
-        (2, 1024, 1024, 32, 7, 3, 1, 1, 1, "ohwi", Epilogue(True, True, "silu"), 8),
-        (1, 6, 6, 3, 5, 1, 1, 0, 1, "ohwi", Epilogue(True, False, None), 1),
+    cases = [  # (n, cin, cout, groups, hw, k, stride, padding, dilation, weight layout, epilogue, cot, ppt)
+        (1, 336, 336, 14, 14, 3, 1, 1, 1, "ohwi", Epilogue(True, False, "relu"), 8, 1),
+        (32, 48, 48, 2, 56, 3, 2, 1, 1, "oihw", Epilogue(True, True, ("hardtanh", (0.0, 6.0))), 4, 2),
+        (2, 12, 18, 3, 9, 5, 1, 4, 2, "oihw", Epilogue(False, False, None), 2, 2),
+        (2, 1024, 1024, 32, 7, 3, 1, 1, 1, "ohwi", Epilogue(True, True, "silu"), 8, 2),
+        (1, 6, 6, 3, 5, 1, 1, 0, 1, "ohwi", Epilogue(True, False, None), 1, 1),
     ]
     sources = []
-    for n, cin, cout, groups, hw, k, s, p, d, wl, epi, cot in cases:
+    for n, cin, cout, groups, hw, k, s, p, d, wl, epi, cot, ppt in cases:
         o = (hw + 2 * p - d * (k - 1) - 1) // s + 1
-        sources.append(generate_grouped_conv2d_nhwc(n, cin, cout, groups, hw, hw, o, o, k, s, p, d, dtype, epi, wl, cot))
+        sources.append(generate_grouped_conv2d_nhwc(n, cin, cout, groups, hw, hw, o, o, k, s, p, d, dtype, epi, wl,
+                                                    cot, ppt))
     for ks, kernel in zip(sources, compile_many(sources)):
         assert kernel.compiled, ks.name
         assert ks.block[0] % (ks.meta["cout_tile"] // ks.meta["cot"]) == 0
@@ -147,9 +161,9 @@ def _reference(x, w, b, res, stride, padding, dilation, groups, act):
        dilation=st.integers(1, 2), hw=st.integers(5, 17),
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), wl=st.sampled_from(["oihw", "ohwi"]),
        bias=st.booleans(), residual=st.booleans(), act=st.sampled_from([None, "relu", ("hardtanh", (0.0, 6.0)), "silu"]),
-       cot=st.sampled_from([1, 2, 4, 8, 16]))
+       cot=st.sampled_from([1, 2, 4, 8, 16]), ppt=st.sampled_from([1, 2]))
 def test_kernels_match_pytorch_on_gpu(n, groups, cgi, cgo_mult, k, stride, padding, dilation, hw, dtype, wl, bias,
-                                      residual, act, cot):
+                                      residual, act, cot, ppt):
     cin, cout = groups * cgi, groups * cgi * cgo_mult
     o = (hw + 2 * padding - dilation * (k - 1) - 1) // stride + 1
     cgo = cout // groups
@@ -162,7 +176,7 @@ def test_kernels_match_pytorch_on_gpu(n, groups, cgi, cgo_mult, k, stride, paddi
     b = torch.randn(cout, device="cuda", dtype=dtype) if bias else None
     res = torch.randn(n, cout, o, o, device="cuda", dtype=dtype).contiguous(memory_format=cl) if residual else None
     ks = generate_grouped_conv2d_nhwc(n, cin, cout, groups, hw, hw, o, o, k, stride, padding, dilation, dtype,
-                                      Epilogue(bias, residual, act), wl, cot)
+                                      Epilogue(bias, residual, act), wl, cot, ppt)
     out = torch.full((n, cout, o, o), float("nan"), device="cuda", dtype=dtype).contiguous(memory_format=cl)
     ks.compile().launch(ks.meta["grid"], ks.block, [x, w] + [t for t in (b, res) if t is not None] + [out])
     want = _reference(x, w, b, res, stride, padding, dilation, groups, act)
@@ -172,7 +186,7 @@ def test_kernels_match_pytorch_on_gpu(n, groups, cgi, cgo_mult, k, stride, paddi
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("batch", [1, 64])
 def test_compiled_model_matches_eager_and_measures_the_grouped_kernels(dtype, batch, tmp_path):
     m = Grouped().eval().cuda().to(dtype)
     graphs = []
@@ -185,3 +199,5 @@ def test_compiled_model_matches_eager_and_measures_the_grouped_kernels(dtype, ba
     measured = [v for v in graphs[0].executor_details["node_choices"].values()
                 if any(name.startswith("generated_groupedconv_t") for name in v.get("ms", {}))]
     assert len(measured) == 2, graphs[0].executor_details["node_choices"]
+    if batch == 64:  # 64 x 28 x 28 pixels x 6 threads each: the first conv's two-pixel variant is measured too
+        assert any("generated_groupedconv_t8p2" in v["ms"] for v in measured), measured

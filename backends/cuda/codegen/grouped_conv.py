@@ -7,11 +7,12 @@ kernels where one would do, and most of the conv's time. A grouped conv's reduct
 (C_in / groups x KH x KW: 216 for RegNet's 3x3 convs) and every output channel reads only its own
 group, so a direct kernel computes it in one pass.
 
-What it generates: each thread computes one output pixel for ``cot`` consecutive output channels of
-one group, reading the pixel's input window of that group in vectors of up to 16 bytes (the threads
+What it generates: each thread computes one or two output pixels (``ppt``) for ``cot`` consecutive
+output channels of one group, reading the pixel's input window of that group in vectors of up to 16 bytes (the threads
 of a pixel read the same addresses: one transaction) and the weights from shared memory, where the
 block's ``ct`` output channels are staged as ``ws[(tap * CGI + ci) * CT + channel]`` so that a
-thread's ``cot`` weights of one input value are one to four 16-byte reads. The epilogue (bias,
+thread's ``cot`` weights of one input value are one to four 16-byte reads, used for each of its
+pixels. The epilogue (bias,
 residual, activation) is applied in registers and the ``cot`` outputs stored as one vector. fp32
 accumulation for every dtype; every size compiled in. Which convolutions get it and the variants
 measured: ``schedule/conv.py`` (``plan_grouped_conv``).
@@ -47,27 +48,34 @@ def channel_tile(cgo: int, reduction: int, cot: int) -> int:
     return 0
 
 
-def _fma(cot: int, ct: int) -> str:
-    """The multiply-adds of one input value ``xv`` into ``sum[0..cot)``, the weights ``wc[0..cot)``
-    read as float4 where the tile allows it (every thread's first weight 16-byte aligned)."""
+def _fma(cot: int, ct: int, ppt: int) -> str:
+    """The multiply-adds of one input value per pixel (``xv[u]``) into ``sum[u][0..cot)``, the weights
+    ``wc[0..cot)`` read once for all pixels, as float4 where the tile allows it (every thread's first
+    weight 16-byte aligned)."""
     ind = " " * 12
     if cot % 4 == 0 and ct % 4 == 0:
         lines = []
         for q in range(cot // 4):
             lines.append(f"{ind}{{ const float4 w4 = *reinterpret_cast<const float4*>(wc + {4 * q});")
-            lines += [f"{ind}  sum[{4 * q + i}] += xv * w4.{'xyzw'[i]};" for i in range(4)]
+            lines += [f"{ind}  sum[{u}][{4 * q + i}] += xv[{u}] * w4.{'xyzw'[i]};" for u in range(ppt) for i in range(4)]
             lines.append(f"{ind}}}")
         return "\n".join(lines)
-    return "\n".join(f"{ind}sum[{j}] += xv * wc[{j}];" for j in range(cot))
+    lines = []
+    for j in range(cot):
+        lines.append(f"{ind}{{ const float wj = wc[{j}];")
+        lines += [f"{ind}  sum[{u}][{j}] += xv[{u}] * wj;" for u in range(ppt)]
+        lines.append(f"{ind}}}")
+    return "\n".join(lines)
 
 
 def generate_grouped_conv2d_nhwc(n: int, cin: int, cout: int, groups: int, h: int, w: int, oh: int, ow: int,
                                  k, stride=1, padding=0, dilation=1, dtype: torch.dtype = torch.float16,
                                  epilogue: Epilogue | None = None, weight_layout: str = "oihw", cot: int = 8,
-                                 block: int = 256) -> KernelSource:
+                                 ppt: int = 1, block: int = 256) -> KernelSource:
     """Grouped conv on NHWC tensors (x (n, cin, h, w) -> y (n, cout, oh, ow), weight
     (cout, cin / groups, KH, KW) in ``weight_layout`` "oihw" or channels_last "ohwi"), ``cot``
-    (a power of two dividing cout / groups) output channels per thread. Requires 16-byte aligned x,
+    (a power of two dividing cout / groups) output channels per thread, for ``ppt`` (1 or 2) output pixels
+    (the weights read from shared memory once for both). Requires 16-byte aligned x,
     y and residual, channels_last and dense (checked by the caller). Launch args: x, w, [bias],
     [res], y; grid and block in ``meta``."""
     (KH, KW), (SH, SW), (PH, PW), (DH, DW) = _pair(k), _pair(stride), _pair(padding), _pair(dilation)
@@ -78,6 +86,8 @@ def generate_grouped_conv2d_nhwc(n: int, cin: int, cout: int, groups: int, h: in
     cgi, cgo = cin // groups, cout // groups
     if cot < 1 or cot & (cot - 1) or cgo % cot or cot > 16:
         raise ValueError(f"grouped conv: {cot} channels per thread must be a power of two <= 16 dividing {cgo}")
+    if ppt not in (1, 2):
+        raise ValueError(f"grouped conv: {ppt} pixels per thread (1 or 2)")
     red = cgi * KH * KW
     ct = channel_tile(cgo, red, cot)
     if not ct:
@@ -90,21 +100,23 @@ def generate_grouped_conv2d_nhwc(n: int, cin: int, cout: int, groups: int, h: in
     block = tc * tp
     pixels = n * oh * ow
     index64 = needs_index64(max(n * h * w * cin, pixels * cout))
-    name = _uname(f"fx_gconv{KH}x{KW}_g{groups}_c{cgi}x{cgo}_{_SHORT[dtype]}_nhwc_t{cot}", n, cin, cout, groups,
-                  h, w, oh, ow, KH, KW, SH, SW, PH, PW, DH, DW, epi, weight_layout, cot, block, index64)
+    tag = f"t{cot}" + (f"p{ppt}" if ppt > 1 else "")
+    name = _uname(f"fx_gconv{KH}x{KW}_g{groups}_c{cgi}x{cgo}_{_SHORT[dtype]}_nhwc_{tag}", n, cin, cout, groups, h, w, oh, ow, KH, KW, SH, SW, PH, PW, DH, DW, epi, weight_layout, cot, ppt,
+                  block, index64)
     w_at = "(idx_t)(co0 + c) * $R + ci * $KK + kk" if weight_layout == "oihw" else "(idx_t)(co0 + c) * $R + r"
     w_at = w_at.replace("$R", str(red)).replace("$KK", str(KH * KW))
     src = load("grouped_conv2d_nhwc.cu").substitute(
         prelude=prelude({dtype}), KH=KH, KW=KW, SH=SH, SW=SW, PH=PH, PW=PW, DH=DH, DW=DW, G=groups, CGI=cgi,
         CGO=cgo, CIN=cin, COUT=cout, COT=cot, CT=ct, TC=tc, TP=tp, V=vec, R=red, H=h, W=w, OH=oh, OW=ow,
         PIXELS=pixels, block=block, name=name, T=lay_ct, idx=_idx(index64), extra_params=epi.params(lay_ct),
-        epi_desc=epi.describe(), w_at=w_at, fma=_fma(cot, ct), ci_unroll="" if cgi // vec <= 8 else "4",
+        epi_desc=epi.describe(), w_at=w_at, fma=_fma(cot, ct, ppt), PPT=ppt,
+        ci_unroll="" if cgi // vec <= 8 else "4",
         epilogue=epi.code(" " * 6, "fx_to_f32(bias[c])", "fx_to_f32(res[o])"))
     params = [("x", f"const {lay_ct}*"), ("w", f"const {lay_ct}*")]
     params += [("bias", f"const {lay_ct}*")] * epi.bias + [("res", f"const {lay_ct}*")] * epi.residual
     params += [("y", f"{lay_ct}*")]
-    grid = (max(1, min(-(-pixels // tp), _MAX_BLOCKS)), cout // ct, 1)
+    grid = (max(1, min(-(-pixels // (tp * ppt)), _MAX_BLOCKS)), cout // ct, 1)
     meta = {"layout": "nhwc", "k": (KH, KW), "stride": (SH, SW), "padding": (PH, PW), "dilation": (DH, DW),
-            "groups": groups, "epilogue": epi, "weight_layout": weight_layout, "cot": cot, "cout_tile": ct,
+            "groups": groups, "epilogue": epi, "weight_layout": weight_layout, "cot": cot, "ppt": ppt, "cout_tile": ct,
             "vec": vec, "grid": grid, "shape": (n, cin, h, w, cout, oh, ow)}
     return KernelSource(name, src, tuple(params), "grouped_conv2d_nhwc", meta, (block, 1, 1), index64)

@@ -17,7 +17,8 @@ what it was generated for, so that the reference runs):
   is, so folded weights refreshed in place are seen by CUDA graph replays.
 - ``plan_grouped_conv`` -> ``GroupedConv``: a grouped conv (not depthwise) on channels_last tensors,
   algorithm ``direct`` or chosen automatically: one direct kernel per conv with the epilogue fused
-  (``codegen/grouped_conv.py``), in two channels-per-thread variants. For some group widths cuDNN
+  (``codegen/grouped_conv.py``), in two channels-per-thread variants (a third with two pixels per
+  thread where the grid has threads to spare). For some group widths cuDNN
   runs a grouped conv as transforms around its GEMM (RegNet's 24 channels per group: seven kernels).
 - ``plan_direct_conv`` -> ``DirectConv``: convs with a small reduction (C_in <= 16, C_out <= 128,
   C_in*KH*KW <= 512, groups 1: stems and small CNNs; wider convs are GEMMs that cuDNN runs better,
@@ -296,15 +297,16 @@ class GroupedConv(TemplateCandidate):
     per thread, the block's weights in shared memory, the epilogue fused
     (``codegen/grouped_conv.py``)."""
 
-    def __init__(self, node: fx.Node, spec: dict, cot: int):
-        self.label = f"groupedconv_t{cot}"
+    def __init__(self, node: fx.Node, spec: dict, cot: int, ppt: int = 1):
+        tag = f"t{cot}" + (f"p{ppt}" if ppt > 1 else "")
+        self.label = f"groupedconv_{tag}"
         self.spec = spec
         n, cin, h, w = spec["x_shape"]
         self.out_shape = spec["out_shape"]
-        super().__init__(f"gconv_{node.name}_t{cot}", generate_grouped_conv2d_nhwc(
+        super().__init__(f"gconv_{node.name}_{tag}", generate_grouped_conv2d_nhwc(
             n, cin, spec["cout"], spec["groups"], h, w, self.out_shape[2], self.out_shape[3], spec["k"],
             spec["stride"], spec["padding"], spec["dilation"], spec["dtype"], spec["epilogue"],
-            spec["weight_layout"], cot))
+            spec["weight_layout"], cot, ppt))
 
     def __call__(self, x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
                  algorithm="direct", prepacked=None):
@@ -363,10 +365,16 @@ def _grouped_spec(node: fx.Node) -> Optional[dict]:
                                  None if act == "none" else (act, tuple(node.args[9])))}
 
 
+#: threads (output pixels x channel groups of a thread) from which the two-pixel variant is measured
+#: too: below, halving the threads leaves SMs idle
+MANY_THREADS = 1 << 16
+
+
 def plan_grouped_conv(node: fx.Node) -> list[GroupedConv]:
     """Grouped-conv candidates for a fused_conv node: ``cot`` = the largest power of two up to 8
-    dividing the group's output channels, and half of it (twice the threads: small batches); []
-    where none applies or the weights of one channel tile exceed shared memory."""
+    dividing the group's output channels, and half of it (twice the threads: small batches); with
+    many threads also ``cot`` channels for two pixels per thread (each weight read from shared
+    memory once for both). [] where none applies or one channel tile's weights exceed shared memory."""
     spec = _grouped_spec(node)
     if spec is None:
         return []
@@ -374,8 +382,12 @@ def plan_grouped_conv(node: fx.Node) -> list[GroupedConv]:
     cot = 8
     while cgo % cot:
         cot //= 2
-    cots = [c for c in (cot, cot // 2) if c >= 1 and channel_tile(cgo, red, c)]
-    return [GroupedConv(node, spec, c) for c in dict.fromkeys(cots)]
+    if not channel_tile(cgo, red, cot):
+        return []
+    n, _, oh, ow = spec["out_shape"]
+    variants = [(cot, 1)] + [(cot // 2, 1)] * (cot > 1 and bool(channel_tile(cgo, red, cot // 2)))
+    variants += [(cot, 2)] * (n * oh * ow * spec["cout"] // cot >= 2 * MANY_THREADS)
+    return [GroupedConv(node, spec, c, p) for c, p in variants]
 
 
 # ---------------------------------------------------------------------------- direct conv (+ max pool)
