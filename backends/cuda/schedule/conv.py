@@ -292,6 +292,34 @@ def plan_depthwise_vec(node: fx.Node) -> Optional[DepthwiseConvVec]:
 
 
 # ---------------------------------------------------------------------------- grouped conv
+def _conv_args(node: fx.Node) -> Optional[dict]:
+    """What every generated conv kernel needs of a fused_conv node, where one may compete: a 2-D conv
+    in fp32/fp16/bf16 throughout (bias and residual too) with static sizes, run by ``direct`` or by an
+    algorithm chosen automatically (measured against; never one the user forced). Keys: x, w, out (the
+    values), groups, k, stride, padding, dilation, epilogue; None otherwise."""
+    if node.op != "call_function" or node.target is not fused_conv_ref or len(node.args) < 11:
+        return None
+    x, w, out = node_val(node.args[0]), node_val(node.args[1]), node.meta.get("val")
+    if x is None or w is None or out is None or x.dim() != 4 or w.dim() != 4 or out.dtype not in _DTYPES:
+        return None  # only 2-D convolutions in fp32/fp16/bf16
+    if not all(isinstance(d, int) for d in (*x.shape, *w.shape, *out.shape)):
+        return None  # symbolic sizes
+    if w.dtype != x.dtype or out.dtype != x.dtype:
+        return None  # mixed dtypes
+    if node.args[10] != "direct" and node.meta.get("fxopt_conv_algorithm_how", "forced").startswith("forced"):
+        return None  # an algorithm the user asked for; one chosen automatically is measured against
+    k, stride, padding, dilation = ints(w.shape[2:]), ints(node.args[4]), ints(node.args[5]), ints(node.args[6])
+    if None in (k, stride, padding, dilation):
+        return None
+    for t in (node.args[2], node.args[3]):
+        if t is not None and (node_val(t) is None or node_val(t).dtype != out.dtype):
+            return None  # a bias or residual of another dtype
+    act = node.args[8]
+    return {"x": x, "w": w, "out": out, "groups": node.args[7], "k": k, "stride": stride, "padding": padding,
+            "dilation": dilation, "epilogue": Epilogue(node.args[2] is not None, node.args[3] is not None,
+                                                       None if act == "none" else (act, tuple(node.args[9])))}
+
+
 class GroupedConv(TemplateCandidate):
     """NHWC grouped conv with every size compiled in: one output pixel x ``cot`` channels of a group
     per thread, the block's weights in shared memory, the epilogue fused
@@ -334,35 +362,18 @@ class GroupedConv(TemplateCandidate):
 
 def _grouped_spec(node: fx.Node) -> Optional[dict]:
     """What ``GroupedConv`` needs of a fused_conv node, or None where it does not apply."""
-    if node.op != "call_function" or node.target is not fused_conv_ref or len(node.args) < 11:
+    c = _conv_args(node)
+    if c is None:
         return None
-    x, w, out = node_val(node.args[0]), node_val(node.args[1]), node.meta.get("val")
-    if x is None or w is None or out is None or x.dim() != 4 or w.dim() != 4 or out.dtype not in _DTYPES:
-        return None  # only 2-D convolutions in fp32/fp16/bf16
-    if not all(isinstance(d, int) for d in (*x.shape, *w.shape, *out.shape)):
-        return None  # symbolic sizes
-    if w.dtype != x.dtype or out.dtype != x.dtype:
-        return None  # mixed dtypes
-    groups = node.args[7]
+    x, w, out, groups = c["x"], c["w"], c["out"], c["groups"]
     if not isinstance(groups, int) or groups < 2 or int(w.shape[1]) < 2:
         return None  # a dense conv, or a depthwise one (its own kernels)
-    if node.args[10] != "direct" and node.meta.get("fxopt_conv_algorithm_how", "forced").startswith("forced"):
-        return None  # an algorithm the user asked for; one chosen automatically is measured against
-    k, stride, padding, dilation = ints(w.shape[2:]), ints(node.args[4]), ints(node.args[5]), ints(node.args[6])
-    if None in (k, stride, padding, dilation):
-        return None
     if layout_name(x) != "nhwc" or layout_name(out) != "nhwc" or weight_layout_of(w) is None:
         return None  # channels-first tensors: cuDNN runs grouped convs there without transforms
-    for t in (node.args[2], node.args[3]):
-        if t is not None and (node_val(t) is None or node_val(t).dtype != out.dtype):
-            return None
-    act = node.args[8]
     return {"x_shape": tuple(int(d) for d in x.shape), "w_shape": tuple(int(d) for d in w.shape),
-            "out_shape": tuple(int(d) for d in out.shape), "cout": int(w.shape[0]), "groups": groups, "k": k,
-            "stride": stride, "padding": padding, "dilation": dilation, "dtype": out.dtype,
-            "weight_layout": weight_layout_of(w),
-            "epilogue": Epilogue(node.args[2] is not None, node.args[3] is not None,
-                                 None if act == "none" else (act, tuple(node.args[9])))}
+            "out_shape": tuple(int(d) for d in out.shape), "cout": int(w.shape[0]), "groups": groups,
+            "k": c["k"], "stride": c["stride"], "padding": c["padding"], "dilation": c["dilation"],
+            "dtype": out.dtype, "weight_layout": weight_layout_of(w), "epilogue": c["epilogue"]}
 
 
 #: threads (output pixels x channel groups of a thread) from which the two-pixel variant is measured
@@ -398,34 +409,19 @@ FEW_PIXELS = 1 << 14
 
 def _conv_spec(node: fx.Node) -> Optional[dict]:
     """What the template needs of a fused_conv node, or None where it does not apply."""
-    if node.op != "call_function" or node.target is not fused_conv_ref or len(node.args) < 11:
-        return None
-    x, w, out = node_val(node.args[0]), node_val(node.args[1]), node.meta.get("val")
-    if x is None or w is None or out is None or x.dim() != 4 or w.dim() != 4 or out.dtype not in _DTYPES:
-        return None  # only 2-D convolutions in fp32/fp16/bf16
-    if not all(isinstance(d, int) for d in (*x.shape, *w.shape, *out.shape)):
-        return None  # symbolic sizes
-    if node.args[7] != 1 or w.dtype != x.dtype or out.dtype != x.dtype:
-        return None  # grouped or mixed dtypes
-    if node.args[10] != "direct" and node.meta.get("fxopt_conv_algorithm_how", "forced").startswith("forced"):
-        return None  # an algorithm the user asked for; one chosen automatically is measured against
-    k, stride, padding, dilation = ints(w.shape[2:]), ints(node.args[4]), ints(node.args[5]), ints(node.args[6])
-    if None in (k, stride, padding, dilation):
-        return None
+    c = _conv_args(node)
+    if c is None or c["groups"] != 1:
+        return None  # see _conv_args; or grouped
+    x, w, out, k = c["x"], c["w"], c["out"], c["k"]
     cin, cout = int(w.shape[1]), int(w.shape[0])
     if cin * k[0] * k[1] > MAX_REDUCTION or cin > MAX_CIN or cout > MAX_COUT:
         return None  # a wide conv: a GEMM that cuDNN runs better (and measuring it costs compile time)
     layout, wl = layout_name(out), weight_layout_of(w)
     if layout is None or layout_name(x) != layout or wl is None:
         return None
-    for t in (node.args[2], node.args[3]):
-        if t is not None and (node_val(t) is None or node_val(t).dtype != out.dtype):
-            return None
-    act = node.args[8]
-    return {"cin": cin, "cout": cout, "k": k, "stride": stride, "padding": padding, "dilation": dilation,
-            "layout": layout, "weight_layout": wl, "dtype": out.dtype, "x_shape": tuple(x.shape[1:]),
-            "epilogue": Epilogue(node.args[2] is not None, node.args[3] is not None,
-                                 None if act == "none" else (act, tuple(node.args[9])))}
+    return {"cin": cin, "cout": cout, "k": k, "stride": c["stride"], "padding": c["padding"],
+            "dilation": c["dilation"], "layout": layout, "weight_layout": wl, "dtype": out.dtype,
+            "x_shape": tuple(x.shape[1:]), "epilogue": c["epilogue"]}
 
 
 class DirectConv:
