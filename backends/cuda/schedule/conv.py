@@ -229,23 +229,30 @@ class DepthwiseConvVec(TemplateCandidate):
 
     def __call__(self, x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
                  algorithm="direct", prepacked=None):
-        ks = self.sources[0]
         if self.kernel is None or not x.is_cuda or tuple(x.shape) != self.x_shape or x.dtype != self.dtype:
             return None
         if not memory_layout_ok(x, "nhwc") or not _ckk(weight) or weight.dtype != x.dtype or x.data_ptr() % 16:
             return None
-        if (bias is not None) != self.epilogue.bias or (residual is not None) != self.epilogue.residual:
-            return None
-        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
-            return None
-        if residual is not None and (not memory_layout_ok(residual, "nhwc") or residual.dtype != x.dtype
-                                     or tuple(residual.shape) != self.out_shape):
-            return None
-        out = torch.empty_strided(self.out_shape, dense_strides("nhwc", self.out_shape), dtype=x.dtype, device=x.device)
-        args = [x, weight] + [t for t in (bias, residual) if t is not None] + [out]
-        if out.numel():
-            self.kernel.launch(ks.meta["grid"], ks.block, args)
-        return out
+        return _launch_nhwc(self, self.epilogue, self.out_shape, x, weight, bias, residual)
+
+
+def _launch_nhwc(cand: TemplateCandidate, epi: Epilogue, out_shape: tuple, x, weight, bias, residual):
+    """Launch a channels_last conv template (its grid in the source's meta) with a new NHWC output of
+    ``out_shape``, after checking the epilogue's operands: present as compiled, of x's dtype, dense
+    (None where not: the reference runs)."""
+    if (bias is not None) != epi.bias or (residual is not None) != epi.residual:
+        return None
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+        return None
+    if residual is not None and (not memory_layout_ok(residual, "nhwc") or residual.dtype != x.dtype
+                                 or tuple(residual.shape) != out_shape):
+        return None
+    out = torch.empty_strided(out_shape, dense_strides("nhwc", out_shape), dtype=x.dtype, device=x.device)
+    if out.numel():
+        ks = cand.sources[0]
+        cand.kernel.launch(ks.meta["grid"], ks.block, [x, weight] + [t for t in (bias, residual) if t is not None]
+                           + [out])
+    return out
 
 
 def _ckk(w: torch.Tensor) -> bool:
@@ -345,19 +352,7 @@ class GroupedConv(TemplateCandidate):
             return None
         if tuple(weight.shape) != s["w_shape"] or not weight_fits(weight, s["weight_layout"]):
             return None
-        if (bias is not None) != epi.bias or (residual is not None) != epi.residual:
-            return None
-        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
-            return None
-        if residual is not None and (not memory_layout_ok(residual, "nhwc") or residual.dtype != x.dtype
-                                     or tuple(residual.shape) != self.out_shape):
-            return None
-        out = torch.empty_strided(self.out_shape, dense_strides("nhwc", self.out_shape), dtype=x.dtype,
-                                  device=x.device)
-        if out.numel():
-            self.kernel.launch(self.sources[0].meta["grid"], self.sources[0].block,
-                               [x, weight] + [t for t in (bias, residual) if t is not None] + [out])
-        return out
+        return _launch_nhwc(self, epi, self.out_shape, x, weight, bias, residual)
 
 
 def _grouped_spec(node: fx.Node) -> Optional[dict]:
