@@ -70,7 +70,7 @@ def test_plans_the_grouped_convs_of_a_channels_last_graph_and_declines_the_other
 
 def test_declines_channels_first_graphs_and_forced_algorithms():
     gm = lowered(Grouped().eval(), torch.randn(2, 48, 16, 16), {"layout": "contiguous"})
-    assert all(plan_grouped_conv(n) == [] for n in convs(gm))  # cuDNN runs NCHW grouped convs itself
+    assert all(plan_grouped_conv(n) == [] for n in convs(gm))  # channels-first: the kernel is channels_last only
     gm = lowered(Grouped().eval(), torch.randn(2, 48, 16, 16), {"layout": "channels_last", "conv_algorithm": "gemm"})
     grouped = [n for n in convs(gm) if n.args[7] in (2, 4)]
     assert [n.args[10] for n in grouped] == ["gemm", "gemm"]

@@ -364,7 +364,7 @@ def _grouped_spec(node: fx.Node) -> Optional[dict]:
     if not isinstance(groups, int) or groups < 2 or int(w.shape[1]) < 2:
         return None  # a dense conv, or a depthwise one (its own kernels)
     if layout_name(x) != "nhwc" or layout_name(out) != "nhwc" or weight_layout_of(w) is None:
-        return None  # channels-first tensors: cuDNN runs grouped convs there without transforms
+        return None  # the kernel reads and writes channels_last tensors only
     return {"x_shape": tuple(int(d) for d in x.shape), "w_shape": tuple(int(d) for d in w.shape),
             "out_shape": tuple(int(d) for d in out.shape), "cout": int(w.shape[0]), "groups": groups,
             "k": c["k"], "stride": c["stride"], "padding": c["padding"], "dilation": c["dilation"],
