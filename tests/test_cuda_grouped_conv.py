@@ -189,7 +189,8 @@ def _reference(x, w, b, res, stride, padding, dilation, groups, act):
        cgo_mult=st.sampled_from([1, 2]), k=st.integers(1, 5), stride=st.integers(1, 2), padding=st.integers(0, 2),
        dilation=st.integers(1, 2), hw=st.integers(5, 17),
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), wl=st.sampled_from(["oihw", "ohwi"]),
-       bias=st.booleans(), residual=st.booleans(), act=st.sampled_from([None, "relu", ("hardtanh", (0.0, 6.0)), "silu"]),
+       bias=st.booleans(), residual=st.booleans(),
+       act=st.sampled_from([None, "relu", ("hardtanh", (0.0, 6.0)), "silu"]),
        cot=st.sampled_from([1, 2, 4, 8, 16]), ppt=st.sampled_from([1, 2]))
 def test_kernels_match_pytorch_on_gpu(n, groups, cgi, cgo_mult, k, stride, padding, dilation, hw, dtype, wl, bias,
                                       residual, act, cot, ppt):

@@ -188,7 +188,8 @@ def test_graphs_with_early_launches_are_also_timed_without_and_replay_the_choice
     from fxopt.backends.cuda.runtime import cudagraphs
 
     if not programmatic_launch_supported(torch.cuda.current_device()):
-        pytest.skip("no programmatic dependent launch here: a device below sm_90, FXOPT_PDL=0, or a cuda.core without the launch attribute")
+        pytest.skip("no programmatic dependent launch here: a device below sm_90, FXOPT_PDL=0, "
+                    "or a cuda.core without the launch attribute")
     m = SmallResNet().cuda().eval().half()
     x = torch.randn(2, 3, 32, 32, device="cuda", dtype=torch.half)
     with torch.no_grad():

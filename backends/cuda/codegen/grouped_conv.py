@@ -57,7 +57,8 @@ def _fma(cot: int, ct: int, ppt: int) -> str:
         lines = []
         for q in range(cot // 4):
             lines.append(f"{ind}{{ const float4 w4 = *reinterpret_cast<const float4*>(wc + {4 * q});")
-            lines += [f"{ind}  sum[{u}][{4 * q + i}] += xv[{u}] * w4.{'xyzw'[i]};" for u in range(ppt) for i in range(4)]
+            lines += [f"{ind}  sum[{u}][{4 * q + i}] += xv[{u}] * w4.{'xyzw'[i]};"
+                      for u in range(ppt) for i in range(4)]
             lines.append(f"{ind}}}")
         return "\n".join(lines)
     lines = []
@@ -101,8 +102,8 @@ def generate_grouped_conv2d_nhwc(n: int, cin: int, cout: int, groups: int, h: in
     pixels = n * oh * ow
     index64 = needs_index64(max(n * h * w * cin, pixels * cout))
     tag = f"t{cot}" + (f"p{ppt}" if ppt > 1 else "")
-    name = _uname(f"fx_gconv{KH}x{KW}_g{groups}_c{cgi}x{cgo}_{_SHORT[dtype]}_nhwc_{tag}", n, cin, cout, groups, h, w, oh, ow, KH, KW, SH, SW, PH, PW, DH, DW, epi, weight_layout, cot, ppt,
-                  block, index64)
+    name = _uname(f"fx_gconv{KH}x{KW}_g{groups}_c{cgi}x{cgo}_{_SHORT[dtype]}_nhwc_{tag}", n, cin, cout, groups,
+                  h, w, oh, ow, KH, KW, SH, SW, PH, PW, DH, DW, epi, weight_layout, cot, ppt, block, index64)
     w_at = "(idx_t)(co0 + c) * $R + ci * $KK + kk" if weight_layout == "oihw" else "(idx_t)(co0 + c) * $R + r"
     w_at = w_at.replace("$R", str(red)).replace("$KK", str(KH * KW))
     src = load("grouped_conv2d_nhwc.cu").substitute(
