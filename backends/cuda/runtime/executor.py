@@ -49,9 +49,8 @@ from fxopt.backends.cuda.schedule.fusion import rewrite, schedule, split_conv_ep
 from fxopt.backends.cuda.schedule.generated import GeneratedRegion, RegionReference, template_candidates
 from fxopt.backends.cuda.schedule.conv import (GeneratedEpilogue, conv_in_nchw, cudnn_conv_relu,
                                                plan_conv_epilogue, plan_conv_in_nchw, plan_conv_maxpool,
-                                               plan_depthwise, plan_depthwise_vec, plan_direct_conv,
-                                               plan_grouped_conv,
-                                               with_generated_epilogue)
+                                               plan_depthwise, plan_depthwise_rows, plan_depthwise_vec,
+                                               plan_direct_conv, plan_grouped_conv, with_generated_epilogue)
 from fxopt.backends.cuda.schedule.groups import fuse_conv_maxpool, fuse_linear_chain
 from fxopt.backends.cuda.schedule.linear import plan_linear, plan_linear_chains
 from fxopt.backends.cuda.schedule.pool import plan_global_avgpool, plan_maxpool
@@ -59,8 +58,8 @@ from fxopt.ops import fused_conv_ref
 
 
 #: per-node candidates of library nodes (and of pools the fusion scheduler left alone)
-PLANNERS = (plan_depthwise, plan_depthwise_vec, plan_grouped_conv, plan_maxpool, plan_global_avgpool, plan_direct_conv,
-            plan_linear)
+PLANNERS = (plan_depthwise, plan_depthwise_vec, plan_depthwise_rows, plan_grouped_conv, plan_maxpool,
+            plan_global_avgpool, plan_direct_conv, plan_linear)
 
 
 @dataclass

@@ -14,7 +14,10 @@ what it was generated for, so that the reference runs):
 - ``plan_depthwise`` -> ``DepthwiseConv``: groups == C_in == C_out, kernel 1..7, stride 1..2,
   algorithm ``direct``: one direct depthwise kernel with bias, residual and activation fused (cuDNN
   runs such a conv and its epilogue as two kernels). It reads the conv weight (C, 1, KH, KW) as it
-  is, so folded weights refreshed in place are seen by CUDA graph replays.
+  is, so folded weights refreshed in place are seen by CUDA graph replays. On channels_last tensors
+  also ``plan_depthwise_vec`` (one pixel x a 16-byte channel vector per thread) and, where that
+  kernel has threads to spare, ``plan_depthwise_rows`` (several pixels of a row per thread, each
+  input column loaded once for all of them: ``codegen/depthwise_conv.py``).
 - ``plan_grouped_conv`` -> ``GroupedConv``: a grouped conv (not depthwise) on channels_last tensors,
   algorithm ``direct`` or chosen automatically: one direct kernel per conv with the epilogue fused
   (``codegen/grouped_conv.py``), in two channels-per-thread variants (a third with two pixels per
@@ -46,6 +49,7 @@ import torch.fx as fx
 from fxopt.backends.cuda.codegen import Epilogue, layout_name, needs_index64
 from fxopt.backends.cuda.codegen.direct_conv import (MAX_CIN, MAX_COUT, MAX_REDUCTION, MAX_UNROLLED, SMEM_FLOATS,
                                                      cout_tile, generate_direct_conv2d, split_lanes)
+from fxopt.backends.cuda.codegen.depthwise_conv import generate_depthwise_conv2d_nhwc_rows
 from fxopt.backends.cuda.codegen.grouped_conv import channel_tile, generate_grouped_conv2d_nhwc
 from fxopt.backends.cuda.schedule import TemplateCandidate, dense_strides, ints, node_val
 from fxopt.backends.cuda.runtime.launch import (launch_depthwise_conv2d, launch_direct_conv2d, launch_pointwise,
@@ -181,7 +185,11 @@ def conv_in_nchw(x, weight, bias, residual, stride, padding, dilation, groups, a
     return y.contiguous(memory_format=torch.channels_last)
 
 
-# ---------------------------------------------------------------------------- depthwise conv
+#: threads of a one-pixel-per-thread kernel (output pixels x channel vectors) from which variants with
+#: more pixels per thread are measured too: below, fewer threads would leave SMs idle
+MANY_THREADS = 1 << 16
+
+
 # ---------------------------------------------------------------------------- depthwise conv
 class DepthwiseConv(TemplateCandidate):
     def __init__(self, node: fx.Node, layout: str, out: torch.Tensor, k, stride, padding, dilation):
@@ -219,21 +227,37 @@ class DepthwiseConvVec(TemplateCandidate):
     def __init__(self, node: fx.Node, out: torch.Tensor, k, stride, padding, dilation):
         from fxopt.backends.cuda.codegen import generate_depthwise_conv2d_nhwc_vec
 
-        bias, res, act, act_params = node.args[2], node.args[3], node.args[8], node.args[9]
-        self.epilogue = Epilogue(bias is not None, res is not None, None if act == "none" else (act, tuple(act_params)))
-        x = node_val(node.args[0])
-        self.x_shape, self.out_shape, self.dtype = tuple(x.shape), tuple(out.shape), out.dtype
+        self._setup(node, out)
         n, c, h, w = self.x_shape
         super().__init__(f"dwv_{node.name}", generate_depthwise_conv2d_nhwc_vec(
             n, c, h, w, out.shape[2], out.shape[3], k, stride, padding, dilation, out.dtype, self.epilogue))
+        self.align = 16
+
+    def _setup(self, node: fx.Node, out: torch.Tensor) -> None:
+        bias, res, act, act_params = node.args[2], node.args[3], node.args[8], node.args[9]
+        self.epilogue = Epilogue(bias is not None, res is not None, None if act == "none" else (act, tuple(act_params)))
+        self.x_shape, self.out_shape, self.dtype = tuple(node_val(node.args[0]).shape), tuple(out.shape), out.dtype
 
     def __call__(self, x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
                  algorithm="direct", prepacked=None):
         if self.kernel is None or not x.is_cuda or tuple(x.shape) != self.x_shape or x.dtype != self.dtype:
             return None
-        if not memory_layout_ok(x, "nhwc") or not _ckk(weight) or weight.dtype != x.dtype or x.data_ptr() % 16:
+        if not memory_layout_ok(x, "nhwc") or not _ckk(weight) or weight.dtype != x.dtype or x.data_ptr() % self.align:
             return None
         return _launch_nhwc(self, self.epilogue, self.out_shape, x, weight, bias, residual)
+
+
+class DepthwiseConvRows(DepthwiseConvVec):
+    """NHWC depthwise conv, ``tw`` output pixels of a row x ``vec`` channels per thread, each input
+    column loaded once per kernel row for all of them (``codegen/depthwise_conv.py``)."""
+
+    def __init__(self, node: fx.Node, out: torch.Tensor, k, stride, padding, dilation, vec: int, tw: int):
+        self._setup(node, out)
+        n, c, h, w = self.x_shape
+        self.label = f"depthwiseconv_rows_v{vec}w{tw}"
+        TemplateCandidate.__init__(self, f"dwr_{node.name}_v{vec}w{tw}", generate_depthwise_conv2d_nhwc_rows(
+            n, c, h, w, out.shape[2], out.shape[3], k, stride, padding, dilation, out.dtype, self.epilogue, vec, tw))
+        self.align = vec * out.dtype.itemsize
 
 
 def _launch_nhwc(cand: TemplateCandidate, epi: Epilogue, out_shape: tuple, x, weight, bias, residual):
@@ -261,7 +285,10 @@ def _ckk(w: torch.Tensor) -> bool:
     return (w.stride(3) == 1 or kw == 1) and (w.stride(2) == kw or kh == 1) and (w.stride(0) == kh * kw or c == 1)
 
 
-def plan_depthwise(node: fx.Node) -> Optional[DepthwiseConv]:
+def _depthwise_spec(node: fx.Node) -> Optional[dict]:
+    """What the depthwise kernels need of a fused_conv node: a plain depthwise 2-D conv (channel
+    multiplier 1) in fp32/fp16/bf16 with static sizes, algorithm ``direct``, a kernel up to 7 and a
+    stride up to 2, input and output in one layout; keys layout, out, k, stride, padding, dilation."""
     if node.op != "call_function" or node.target is not fused_conv_ref:
         return None
     x, w, out = node_val(node.args[0]), node_val(node.args[1]), node.meta.get("val")
@@ -276,26 +303,59 @@ def plan_depthwise(node: fx.Node) -> Optional[DepthwiseConv]:
         return None  # channel multiplier != 1
     k, stride, padding, dilation = ints(w.shape[2:]), ints(node.args[4]), ints(node.args[5]), ints(node.args[6])
     if None in (k, stride, padding, dilation) or max(k) > 7 or max(stride) > 2:
-        return None  # outside the template's range
+        return None  # outside the templates' range
     layout = layout_name(out)
     if layout is None or layout_name(x) != layout:
         return None
     for t in (node.args[2], node.args[3]):
         if t is not None and (node_val(t) is None or node_val(t).dtype != out.dtype):
             return None
-    return DepthwiseConv(node, layout, out, k, stride, padding, dilation)
+    return {"layout": layout, "out": out, "k": k, "stride": stride, "padding": padding, "dilation": dilation}
+
+
+def plan_depthwise(node: fx.Node) -> Optional[DepthwiseConv]:
+    d = _depthwise_spec(node)
+    if d is None:
+        return None
+    return DepthwiseConv(node, d["layout"], d["out"], d["k"], d["stride"], d["padding"], d["dilation"])
+
+
+def _depthwise_nhwc_spec(node: fx.Node) -> Optional[dict]:
+    """``_depthwise_spec`` where the layout is channels_last, the channels a multiple of a 16-byte
+    vector and the batch static (the vectorized kernels' domain)."""
+    d = _depthwise_spec(node)
+    if d is None or d["layout"] != "nhwc":
+        return None
+    x, out = node_val(node.args[0]), d["out"]
+    if x.shape[1] % (16 // out.dtype.itemsize) or not isinstance(x.shape[0], int):
+        return None
+    return d
 
 
 def plan_depthwise_vec(node: fx.Node) -> Optional[DepthwiseConvVec]:
-    """The vectorized NHWC variant for a depthwise conv ``plan_depthwise`` takes, where the layout is
-    channels_last, the channels a multiple of the vector width and the batch static."""
-    dw = plan_depthwise(node)
-    if dw is None or dw.layout != "nhwc":
+    """The vectorized NHWC variant of a depthwise conv (``_depthwise_nhwc_spec``)."""
+    d = _depthwise_nhwc_spec(node)
+    if d is None:
         return None
-    x, out = node_val(node.args[0]), node.meta["val"]
-    if x.shape[1] % (16 // out.dtype.itemsize) or not isinstance(x.shape[0], int):
-        return None
-    return DepthwiseConvVec(node, out, dw.k, dw.stride, dw.padding, dw.dilation)
+    return DepthwiseConvVec(node, d["out"], d["k"], d["stride"], d["padding"], d["dilation"])
+
+
+def plan_depthwise_rows(node: fx.Node) -> list[DepthwiseConvRows]:
+    """Row-tiled variants of a vectorized NHWC depthwise conv, where its one-pixel kernel would have
+    threads to spare (``MANY_THREADS``): 8-byte channel vectors for 4 and for 8 pixels per thread, and
+    4-byte ones for 8 pixels (wide, small images: more threads). 16-byte vectors, with twice the
+    registers per thread, were slower than these on every conv measured. [] elsewhere (at small sizes
+    the one-pixel kernel's parallelism wins, and each variant costs a compilation and a measurement)."""
+    d = _depthwise_nhwc_spec(node)
+    if d is None:
+        return []
+    out = d["out"]
+    n, c, oh, ow = (int(s) for s in out.shape)
+    full = 16 // out.dtype.itemsize
+    if n * oh * ow * c // full < 2 * MANY_THREADS or ow < 4:
+        return []
+    return [DepthwiseConvRows(node, out, d["k"], d["stride"], d["padding"], d["dilation"], v, tw)
+            for v, tw in ((full // 2, 4), (full // 2, 8), (full // 4, 8))]
 
 
 # ---------------------------------------------------------------------------- grouped conv
@@ -369,11 +429,6 @@ def _grouped_spec(node: fx.Node) -> Optional[dict]:
             "out_shape": tuple(int(d) for d in out.shape), "cout": int(w.shape[0]), "groups": groups,
             "k": c["k"], "stride": c["stride"], "padding": c["padding"], "dilation": c["dilation"],
             "dtype": out.dtype, "weight_layout": weight_layout_of(w), "epilogue": c["epilogue"]}
-
-
-#: threads (output pixels x channel groups of a thread) from which the two-pixel variant is measured
-#: too: below, halving the threads leaves SMs idle
-MANY_THREADS = 1 << 16
 
 
 def plan_grouped_conv(node: fx.Node) -> list[GroupedConv]:
