@@ -168,3 +168,89 @@ def test_empty_batch_launches_nothing_on_gpu():
     ks = generate_linear(32, 8, 1, torch.float32)
     out = torch.empty(0, 8, device="cuda")
     assert launch_linear(ks, torch.empty(0, 32, device="cuda"), torch.randn(8, 32, device="cuda"), out) is out
+
+
+# ---------------------------------------------------------------------------- 1x1 convs on one pixel
+class SE(torch.nn.Module):
+    """conv -> ReLU, a squeeze-excite gate (mean, 1x1 conv + SiLU, 1x1 conv + sigmoid, multiply), a 1x1 conv
+    with a residual: only the gate's two convs are linear layers on one pixel."""
+
+    def __init__(self):
+        super().__init__()
+        from torchvision.ops import SqueezeExcitation
+
+        self.c = torch.nn.Conv2d(16, 64, 3, padding=1)
+        self.se = SqueezeExcitation(64, 16, activation=torch.nn.SiLU)
+        self.o = torch.nn.Conv2d(64, 64, 1)
+
+    def forward(self, x):
+        y = self.se(torch.relu(self.c(x)))
+        return self.o(y) + y
+
+
+def conv_nodes(gm):
+    from fxopt.ops import fused_conv_ref
+
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fused_conv_ref]
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
+def test_plans_the_gate_convs_of_one_pixel_as_linear_layers(layout):
+    from fxopt.backends.cuda.schedule.linear import ConvAsLinear, plan_conv_as_linear
+
+    gm = lowered(SE().eval().half(), torch.randn(2, 16, 8, 8).half(), {"layout": layout})
+    plans = [plan_conv_as_linear(n) for n in conv_nodes(gm)]
+    assert [p is not None for p in plans] == [False, True, True, False]  # 3x3; the gate's two; 1x1 on 8x8
+    fc1, fc2 = plans[1], plans[2]
+    assert isinstance(fc1, ConvAsLinear) and fc1.label == "linear"
+    assert (fc1.spec["k"], fc1.spec["n"], fc1.spec["rows"]) == (64, 16, 2)
+    assert fc1.spec["epilogue"] == Epilogue(True, False, ("silu", ()))
+    assert fc2.spec["epilogue"] == Epilogue(True, False, ("sigmoid", ()))
+    gm = lowered(SE().eval().half(), torch.randn(MAX_ROWS + 1, 16, 8, 8).half(), {"layout": layout})
+    assert all(plan_conv_as_linear(n) is None for n in conv_nodes(gm))  # a batch that is a real GEMM
+
+
+def test_the_conv_candidate_declines_what_its_views_cannot_take():
+    from fxopt.backends.cuda.schedule.linear import _dense, plan_conv_as_linear
+
+    gm = lowered(SE().eval().half(), torch.randn(2, 16, 8, 8).half(), {"layout": "channels_last"})
+    cand = plan_conv_as_linear(conv_nodes(gm)[1])
+    x, w, b = torch.randn(2, 64, 1, 1).half(), torch.randn(16, 64, 1, 1).half(), torch.randn(16).half()
+    args = ([1, 1], [0, 0], [1, 1], 1, "silu", [])
+    assert _dense(x) and _dense(x.contiguous(memory_format=torch.channels_last)) and _dense(w)
+    assert not _dense(torch.randn(64, 2, 1, 1).half().transpose(0, 1))
+    assert cand(x, w, b, None, *args) is None  # nothing compiled here (and a CPU tensor)
+    cand.kernels[0] = object()  # compiled, but the tensors do not fit: declined before any launch
+    assert cand(x, w, b, torch.randn(2, 16, 1, 1).half(), *args) is None  # a residual
+    assert cand(torch.randn(2, 64, 2, 2).half(), w, b, None, *args) is None  # more than one pixel
+    assert cand(torch.randn(3, 64, 1, 1).half(), w, b, None, *args) is None  # more rows than generated for
+    assert cand(x, w, b, None, *args) is None  # a CPU tensor
+
+
+@needs_nvrtc
+def test_the_cuda_executor_compiles_the_gate_convs_as_linear_kernels_on_cpu():
+    r = fxopt.explain(SE().eval().half(), torch.randn(1, 16, 8, 8).half(),
+                      options={"executor": "cuda", "layout": "channels_last"})
+    names = sorted(k.name for k in r.kernels if k.name.startswith("fx_linear"))
+    assert [n.split("_f16")[0] for n in names] == ["fx_linear_k16_n64_r1", "fx_linear_k64_n16_r1"], names
+    assert all(k.compiled for k in r.kernels if k.name.startswith("fx_linear"))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_compiled_gate_matches_eager_and_measures_the_linear_kernels(dtype, batch, tmp_path):
+    import copy
+
+    import fxopt.testing
+
+    m = SE().eval().cuda().to(dtype)
+    graphs = []
+    c = fxopt.testing.compile_with_fxopt(m, {"autotune_cache": str(tmp_path / "c.json")}, graphs)
+    x = torch.randn(batch, 16, 12, 12, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        want = copy.deepcopy(m).double()(x.double())
+        assert relative_error(c(x).double(), want) <= (2e-3 if dtype == torch.float32 else 1e-2)
+    measured = [v for v in graphs[0].executor_details["node_choices"].values() if "generated_linear" in v.get("ms", {})]
+    assert len(measured) == 2, graphs[0].executor_details["node_choices"]

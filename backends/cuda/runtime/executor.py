@@ -52,14 +52,14 @@ from fxopt.backends.cuda.schedule.conv import (GeneratedEpilogue, conv_in_nchw, 
                                                plan_depthwise, plan_depthwise_rows, plan_depthwise_vec,
                                                plan_direct_conv, plan_grouped_conv, with_generated_epilogue)
 from fxopt.backends.cuda.schedule.groups import fuse_conv_maxpool, fuse_linear_chain
-from fxopt.backends.cuda.schedule.linear import plan_linear, plan_linear_chains
+from fxopt.backends.cuda.schedule.linear import plan_conv_as_linear, plan_linear, plan_linear_chains
 from fxopt.backends.cuda.schedule.pool import plan_global_avgpool, plan_maxpool
 from fxopt.ops import fused_conv_ref
 
 
 #: per-node candidates of library nodes (and of pools the fusion scheduler left alone)
 PLANNERS = (plan_depthwise, plan_depthwise_vec, plan_depthwise_rows, plan_grouped_conv, plan_maxpool,
-            plan_global_avgpool, plan_direct_conv, plan_linear)
+            plan_global_avgpool, plan_direct_conv, plan_linear, plan_conv_as_linear)
 
 
 @dataclass

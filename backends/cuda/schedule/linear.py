@@ -10,6 +10,11 @@ latency that a CUDA graph still pays on the GPU.
   ``MAX_ROWS`` static rows, weight (N, K) in the input's dtype: one generated kernel per layer
   (``codegen/linear.py``). Larger batches are GEMMs that cuBLAS runs better, and each candidate
   costs an NVRTC compilation and a measurement.
+- ``plan_conv_as_linear`` -> ``ConvAsLinear``: a ``fused_conv`` that is a linear layer in disguise: a
+  1x1 conv (groups 1, no padding) on a 1x1 image over at most ``MAX_ROWS`` images, without residual
+  (the fully connected layers of a squeeze-excite gate at small batch): the same kernel over the
+  (N, C) views of input and weight, bias and activation fused. cuDNN runs such a conv as a GEMM
+  and, with a bias or activation, one more kernel.
 - ``plan_linear_chains`` -> ``LinearChain``: two or more such layers, each the only user of the
   previous one's output and taking it as its input (not as weight or bias), same static rows and
   dtype: the whole head as one kernel of one thread block. One SM reads all the weights, so this
@@ -87,6 +92,59 @@ def plan_linear(node: fx.Node) -> Optional[LinearRows]:
     spec = {"k": int(x.shape[1]), "n": int(w.shape[0]), "rows": row_capacity(int(x.shape[0])), "dtype": x.dtype,
             "epilogue": Epilogue(bias is not None, False, None if act == "none" else (act, tuple(act_params)))}
     return LinearRows(f"linear_{node.name}", spec)
+
+
+class ConvAsLinear(LinearRows):
+    """Candidate for a fused_conv node that ``plan_conv_as_linear`` takes (the conv's signature)."""
+
+    def __init__(self, name: str, spec: dict, out_strides: tuple):
+        super().__init__(name, spec)
+        self.out_strides = out_strides
+
+    def __call__(self, x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
+                 algorithm="direct", prepacked=None):
+        s = self.spec
+        if residual is not None or x.dim() != 4 or tuple(x.shape[1:]) != (s["k"], 1, 1):
+            return None
+        if tuple(weight.shape) != (s["n"], s["k"], 1, 1) or not 1 <= x.shape[0] <= s["rows"]:
+            return None
+        if not (_dense(x) and _dense(weight)):
+            return None  # a (N, C) view would need a copy
+        ks, kernel = self.sources[0], self.kernels.get(0)
+        if kernel is None or not x.is_cuda or x.dtype != s["dtype"] or weight.dtype != x.dtype:
+            return None
+        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+            return None
+        vbytes = ks.meta["vec"] * x.element_size()
+        if not (_aligned(x, vbytes) and _aligned(weight, vbytes)):
+            return None
+        n = int(x.shape[0])
+        out = torch.empty_strided((n, s["n"], 1, 1), self.out_strides, dtype=x.dtype, device=x.device)
+        launch_linear(ks, x.view(n, s["k"]), weight.view(s["n"], s["k"]), out.view(n, s["n"]), bias, kernel)
+        return out
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """A (A, B, 1, 1) tensor whose (A, B) view is contiguous (either memory format)."""
+    return t.stride(1) == 1 and (t.shape[0] == 1 or t.stride(0) == t.shape[1])
+
+
+def plan_conv_as_linear(node: fx.Node) -> Optional[ConvAsLinear]:
+    """A candidate for a fused_conv node that is a linear layer over at most MAX_ROWS rows (see the
+    module docstring); None where none applies."""
+    from fxopt.backends.cuda.schedule.conv import _conv_args
+
+    c = _conv_args(node)
+    if c is None or c["groups"] != 1 or c["k"] != (1, 1) or c["padding"] != (0, 0) or c["epilogue"].residual:
+        return None  # not a 1x1 dense conv without padding and residual (see _conv_args for the rest)
+    x, w, out = c["x"], c["w"], c["out"]
+    if tuple(x.shape[2:]) != (1, 1) or tuple(out.shape[2:]) != (1, 1) or not 1 <= x.shape[0] <= MAX_ROWS:
+        return None  # an image larger than one pixel, or a batch that is a real GEMM
+    if x.dtype not in _DTYPES:
+        return None
+    spec = {"k": int(w.shape[1]), "n": int(w.shape[0]), "rows": row_capacity(int(x.shape[0])), "dtype": x.dtype,
+            "epilogue": c["epilogue"]}
+    return ConvAsLinear(f"conv_linear_{node.name}", spec, tuple(int(d) for d in out.stride()))
 
 
 # One SM reads every weight: on the H100 (fxopt 3a90c74, batch 1, graphed medians) the chain won
