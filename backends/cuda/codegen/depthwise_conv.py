@@ -55,13 +55,15 @@ def column_taps(tw: int, kw: int, sw: int, dw: int) -> list[tuple[int, list[tupl
     return sorted(cols.items())
 
 
-def _columns(taps, vec: int, T: str) -> str:
+def _columns(taps, vec: int, T: str, w: int, c: int) -> str:
+    """Per input column of a kernel row: load it (if inside the image), convert it, add it into each
+    (pixel, tap) that reads it."""
     ind = " " * 6
     lines = []
     for col, uses in taps:
-        lines.append(f"{ind}if ((unsigned)(iw0 + {col}) < (unsigned)$W) {{")
+        lines.append(f"{ind}if ((unsigned)(iw0 + {col}) < (unsigned){w}) {{")
         lines.append(f"{ind}  const fx_vec<{T}, {vec}> v = *reinterpret_cast<const fx_vec<{T}, {vec}>*>("
-                     f"xr + (idx_t)(iw0 + {col}) * $C);")
+                     f"xr + (idx_t)(iw0 + {col}) * {c});")
         lines.append(f"{ind}  float xv[{vec}];")
         lines.append("#pragma unroll")
         lines.append(f"{ind}  for (int j = 0; j < {vec}; ++j) xv[j] = fx_to_f32(v.v[j]);")
@@ -110,12 +112,11 @@ def generate_depthwise_conv2d_nhwc_rows(n: int, c: int, h: int, w: int, oh: int,
     taps = column_taps(tw, KW, SW, DW)
     name = _uname(f"fx_dwr{KH}x{KW}_s{SH}x{SW}_{_SHORT[dtype]}_nhwc_v{vec}w{tw}", n, c, h, w, oh, ow, KH, KW, SH,
                   SW, PH, PW, DH, DW, epi, vec, tw, block, index64)
-    body = _columns(taps, vec, T).replace("$W", str(w)).replace("$C", str(c))
     src = load("depthwise_conv2d_nhwc_rows.cu").substitute(
         prelude=prelude({dtype}), KH=KH, KW=KW, KK=KH * KW, SH=SH, SW=SW, PH=PH, PW=PW, DH=DH, DW=DW, VEC=vec,
         TW=tw, CG=cg, S=stride_s, TC=tc, TP=tp, C=c, H=h, W=w, OH=oh, OW=ow, OWT=owt, TILES=tiles, COLS=len(taps),
         block=block, name=name, T=T, idx=_idx(index64), extra_params=epi.params(T), epi_desc=epi.describe(),
-        load_weights=_load_weights(vec), columns=body,
+        load_weights=_load_weights(vec), columns=_columns(taps, vec, T, w, c),
         epilogue=epi.code(" " * 8, "fx_to_f32(bias[c])", "fx_to_f32(res[o])"))
     params = [("x", f"const {T}*"), ("w", f"const {T}*")]
     params += [("bias", f"const {T}*")] * epi.bias + [("res", f"const {T}*")] * epi.residual + [("y", f"{T}*")]

@@ -218,25 +218,17 @@ class DepthwiseConv(TemplateCandidate):
         return launch_depthwise_conv2d(self.sources[0], x, weight, out, bias, residual, kernel=self.kernel)
 
 
-class DepthwiseConvVec(TemplateCandidate):
-    """NHWC depthwise conv with all sizes compiled in: one output pixel x 8 (fp16/bf16) or 4 (fp32)
-    channels per thread, 16-byte vector loads, weights staged in shared memory
-    (``codegen.generate_depthwise_conv2d_nhwc_vec``)."""
-    label = "depthwiseconv_vec"
+class _DepthwiseNhwc(TemplateCandidate):
+    """A channels_last depthwise conv kernel with every size compiled in: ``source`` for a fused_conv
+    node, run where the tensors are what it was generated for (the input aligned to ``align`` bytes)."""
 
-    def __init__(self, node: fx.Node, out: torch.Tensor, k, stride, padding, dilation):
-        from fxopt.backends.cuda.codegen import generate_depthwise_conv2d_nhwc_vec
-
-        self._setup(node, out)
-        n, c, h, w = self.x_shape
-        super().__init__(f"dwv_{node.name}", generate_depthwise_conv2d_nhwc_vec(
-            n, c, h, w, out.shape[2], out.shape[3], k, stride, padding, dilation, out.dtype, self.epilogue))
-        self.align = 16
-
-    def _setup(self, node: fx.Node, out: torch.Tensor) -> None:
+    def __init__(self, name: str, node: fx.Node, out: torch.Tensor, align: int, generate):
         bias, res, act, act_params = node.args[2], node.args[3], node.args[8], node.args[9]
         self.epilogue = Epilogue(bias is not None, res is not None, None if act == "none" else (act, tuple(act_params)))
         self.x_shape, self.out_shape, self.dtype = tuple(node_val(node.args[0]).shape), tuple(out.shape), out.dtype
+        self.align = align
+        n, c, h, w = self.x_shape
+        super().__init__(name, generate(n, c, h, w, out.shape[2], out.shape[3], self.epilogue))
 
     def __call__(self, x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
                  algorithm="direct", prepacked=None):
@@ -247,17 +239,27 @@ class DepthwiseConvVec(TemplateCandidate):
         return _launch_nhwc(self, self.epilogue, self.out_shape, x, weight, bias, residual)
 
 
-class DepthwiseConvRows(DepthwiseConvVec):
+class DepthwiseConvVec(_DepthwiseNhwc):
+    """NHWC depthwise conv: one output pixel x 8 (fp16/bf16) or 4 (fp32) channels per thread, 16-byte
+    vector loads, weights staged in shared memory (``codegen.generate_depthwise_conv2d_nhwc_vec``)."""
+    label = "depthwiseconv_vec"
+
+    def __init__(self, node: fx.Node, out: torch.Tensor, k, stride, padding, dilation):
+        from fxopt.backends.cuda.codegen import generate_depthwise_conv2d_nhwc_vec
+
+        super().__init__(f"dwv_{node.name}", node, out, 16, lambda n, c, h, w, oh, ow, epi: (
+            generate_depthwise_conv2d_nhwc_vec(n, c, h, w, oh, ow, k, stride, padding, dilation, out.dtype, epi)))
+
+
+class DepthwiseConvRows(_DepthwiseNhwc):
     """NHWC depthwise conv, ``tw`` output pixels of a row x ``vec`` channels per thread, each input
     column loaded once per kernel row for all of them (``codegen/depthwise_conv.py``)."""
 
     def __init__(self, node: fx.Node, out: torch.Tensor, k, stride, padding, dilation, vec: int, tw: int):
-        self._setup(node, out)
-        n, c, h, w = self.x_shape
         self.label = f"depthwiseconv_rows_v{vec}w{tw}"
-        TemplateCandidate.__init__(self, f"dwr_{node.name}_v{vec}w{tw}", generate_depthwise_conv2d_nhwc_rows(
-            n, c, h, w, out.shape[2], out.shape[3], k, stride, padding, dilation, out.dtype, self.epilogue, vec, tw))
-        self.align = vec * out.dtype.itemsize
+        super().__init__(f"dwr_{node.name}_v{vec}w{tw}", node, out, vec * out.dtype.itemsize,
+                         lambda n, c, h, w, oh, ow, epi: generate_depthwise_conv2d_nhwc_rows(
+                             n, c, h, w, oh, ow, k, stride, padding, dilation, out.dtype, epi, vec, tw))
 
 
 def _launch_nhwc(cand: TemplateCandidate, epi: Epilogue, out_shape: tuple, x, weight, bias, residual):
