@@ -57,10 +57,17 @@ class LinearRows:
         self.kernels: dict = {}
 
     def __call__(self, x, weight, bias, activation, act_params):
-        s, ks, kernel = self.spec, self.sources[0], self.kernels.get(0)
-        if kernel is None or not x.is_cuda or x.dim() != 2 or x.shape[0] > s["rows"] or x.shape[1] != s["k"]:
+        s = self.spec
+        if x.dim() != 2 or x.shape[0] > s["rows"] or x.shape[1] != s["k"] or tuple(weight.shape) != (s["n"], s["k"]):
             return None
-        if x.dtype != s["dtype"] or weight.dtype != x.dtype or tuple(weight.shape) != (s["n"], s["k"]):
+        return self._launch(x, weight, bias)
+
+    def _launch(self, x, weight, bias) -> Optional[torch.Tensor]:
+        """act(x @ weight.T + bias) for x (M, K), weight (N, K) of the generated sizes, into a new (M, N)
+        tensor; None where the tensors are not what the kernel was compiled for (device, dtype,
+        contiguity, alignment)."""
+        s, ks, kernel = self.spec, self.sources[0], self.kernels.get(0)
+        if kernel is None or not x.is_cuda or x.dtype != s["dtype"] or weight.dtype != x.dtype:
             return None
         if not (x.is_contiguous() and weight.is_contiguous()):
             return None
@@ -110,18 +117,9 @@ class ConvAsLinear(LinearRows):
             return None
         if not (_dense(x) and _dense(weight)):
             return None  # a (N, C) view would need a copy
-        ks, kernel = self.sources[0], self.kernels.get(0)
-        if kernel is None or not x.is_cuda or x.dtype != s["dtype"] or weight.dtype != x.dtype:
-            return None
-        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
-            return None
-        vbytes = ks.meta["vec"] * x.element_size()
-        if not (_aligned(x, vbytes) and _aligned(weight, vbytes)):
-            return None
         n = int(x.shape[0])
-        out = torch.empty_strided((n, s["n"], 1, 1), self.out_strides, dtype=x.dtype, device=x.device)
-        launch_linear(ks, x.view(n, s["k"]), weight.view(s["n"], s["k"]), out.view(n, s["n"]), bias, kernel)
-        return out
+        y = self._launch(x.view(n, s["k"]), weight.view(s["n"], s["k"]), bias)
+        return None if y is None else y.as_strided((n, s["n"], 1, 1), self.out_strides)
 
 
 def _dense(t: torch.Tensor) -> bool:
