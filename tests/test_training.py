@@ -182,6 +182,37 @@ def test_bench_train_on_cpu(tmp_path):
     assert "## fxopt's training graphs" in md and "seedcnn2" in (out / "summary.md").read_text()
 
 
+def test_bench_train_final_loss_over_several_learning_tasks(tmp_path):
+    """``--final-tasks K``: K trainings from the initial weights, each on its own learning task; the
+    final loss is the mean of theirs, for every backend and every rounding reference alike."""
+    from fxopt.bench import main as bench_main
+    from fxopt.testing.training import LearningTask
+
+    out = tmp_path / "train"
+    rc = bench_main(["--train", "--device", "cpu", "--models", "seedcnn2:4", "--backends", "eager,fxopt",
+                     "--amp", "float16", "--warmup", "1", "--iters", "2", "--losses", "3", "--final-steps", "6",
+                     "--final-tasks", "2", "--rounding-references", "1", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["meta"]["config"]["final_tasks"] == 2
+    cells = {c["backend"]: c for c in res["cells"]}
+    for c in cells.values():
+        assert c["learning_task_steps"] == 12 and len(c["final_loss_per_task"]) == 2
+        assert c["final_loss"] == pytest.approx(sum(c["final_loss_per_task"]) / 2)
+        assert c["final_loss_per_task"][0] != c["final_loss_per_task"][1]  # two tasks, not one twice
+    fx = cells["fxopt"]
+    assert fx["eager_final_loss"] == pytest.approx(cells["eager"]["final_loss"])
+    assert fx["final_loss_rel_diff"] == pytest.approx(abs(fx["final_loss"] - fx["eager_final_loss"])
+                                                      / fx["eager_final_loss"])
+    assert cells["eager"]["rounding_references"][0]["final_loss_rel_diff"] is not None
+    x0, y0 = LearningTask(6, 4, (3, 8, 8), 10, seed=0)[0]
+    x1, y1 = LearningTask(6, 4, (3, 8, 8), 10, seed=1)[0]
+    assert not torch.equal(x0, x1)  # the tasks' seeds differ, so do their batches
+    assert "averaged over 2 such trainings" in (out / "results.md").read_text()
+    with pytest.raises(SystemExit):
+        bench_main(["--train", "--device", "cpu", "--final-tasks", "0", "--out", str(out)])
+
+
 def test_bench_train_keeps_the_cuda_graph_runners_decisions():
     """The results say, per fxopt graph and signature, which way its CUDA-graph runner runs it and
     the times behind the choice (or why nothing was measured)."""

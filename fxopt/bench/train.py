@@ -15,7 +15,9 @@ batch ``i mod --data-batches``). Per (model, batch, precision, backend) it recor
   with ``--final-steps N`` the final loss of a second training from the same initial weights (the
   compiled model, a fresh optimizer) on N fresh batches of a task the model learns
   (``fxopt.testing.training.LearningTask``): the mean loss over the last 50 steps against eager's
-  (within 5%);
+  (within 5%); with ``--final-tasks K`` the mean of that over K such trainings, each on its own
+  task (its own seed), so that the comparison is of what a training reaches, not of where one
+  chaotic training happened to end;
 - on CUDA, with ``--profile-steps N`` (default none), over N steps under ``torch.profiler`` (right
   after the warm-up, before the next backend compiles; for every backend at the same step): GPU
   kernels launched per step, GPU kernel time per step (the rest of a step is time the GPU waits for
@@ -140,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--final-steps", type=int, default=0, metavar="N",
                    help="train every backend's model again from the initial weights for N steps of a learning task "
                         "(fresh batches) and compare its final loss (mean of the last 50) with eager's (e.g. 200)")
+    p.add_argument("--final-tasks", type=int, default=1, metavar="K",
+                   help="with --final-steps: K such trainings, each on its own learning task (seeds seed .. "
+                        "seed+K-1); the final loss is the mean of their final losses (default 1)")
     p.add_argument("--rounding-references", type=int, default=4, metavar="K",
                    help="per row, K untimed runs of eager with every gradient perturbed by one rounding of the "
                         "precision (one seed each): their largest distance from eager's losses bounds every "
@@ -192,9 +197,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if "eager" not in a.backends:
         a.backends.insert(0, "eager")  # the reference every loss curve is compared with
     a.rounds = a.rounds or (5 if a.device == "cuda" else 1)
-    if min(a.iters, a.rounds, a.data_batches) < 1 or min(a.warmup, a.rewarm, a.losses, a.profile_steps,
+    if min(a.iters, a.rounds, a.data_batches, a.final_tasks) < 1 or min(a.warmup, a.rewarm, a.losses, a.profile_steps,
                                                           a.rounding_references) < 0:
-        p.error("--iters, --rounds, --data-batches must be >= 1; --warmup, --rewarm, --losses, --profile-steps, "
+        p.error("--iters, --rounds, --data-batches, --final-tasks must be >= 1; --warmup, --rewarm, --losses, --profile-steps, "
                 "--rounding-references >= 0")
     a.image_size = a.image_size or (CPU_IMAGE_SIZE if a.device == "cpu" else None)
     try:
@@ -222,7 +227,7 @@ class Trainee:
 
         self.backend, self.batches, self.seed = backend, batches, seed + 1000
         self.amp, self.lr, self.grad_noise = amp, lr, grad_noise
-        self.final_losses: List = []
+        self.final_losses: List = []  # per learning task, its losses
         self.device = torch.device(device).type
         self.cell: Dict[str, Any] = {"backend": backend, "status": "ok", "error": None}
         self.reports: List = []
@@ -260,14 +265,18 @@ class Trainee:
         return TrainLoop(self.trained, self.module.parameters(), self.device, amp=AMP_DTYPES[self.amp], lr=self.lr,
                          grad_noise=self.grad_noise)
 
-    def converge(self, base_model, task) -> None:
-        """Train again from ``base_model``'s weights (copied in place: compiled graphs read the
-        parameters where they live) with a fresh optimizer, one step per batch of ``task``
-        (``fxopt.testing.training.LearningTask``); the losses in ``final_losses``."""
+    def converge(self, base_model, tasks: Sequence) -> None:
+        """Per learning task (``fxopt.testing.training.LearningTask``), train again from
+        ``base_model``'s weights and buffers (copied in place: compiled graphs read the parameters
+        where they live) with a fresh optimizer, one step per batch of the task; the losses of task
+        ``j`` in ``final_losses[j]``."""
         from fxopt.testing.training import run_steps
 
-        self.model.load_state_dict(base_model.state_dict())
-        self.final_losses = run_steps(self._new_loop(), task, len(task), seed=self.seed + 10 ** 6)
+        self.final_losses = []
+        for j, task in enumerate(tasks):
+            self.model.load_state_dict(base_model.state_dict())
+            self.final_losses.append(run_steps(self._new_loop(), task, len(task),
+                                               seed=self.seed + 10 ** 6 + j * 10 ** 4))
 
     def timed(self, n: int) -> None:
         got = _time_steps(self, n)
@@ -426,25 +435,30 @@ def _finish(t: Trainee, eager: Optional[Trainee], a, rounds: int) -> Dict[str, A
     ok = eager is not None and eager.cell["status"] == "ok"
     ref = [float(x) for x in eager.losses] if ok else None
 
-    def final(xs):  # the mean loss over the last FINAL_LOSS_STEPS steps of the learning task
-        k = min(FINAL_LOSS_STEPS, len(xs))
-        return sum(float(x) for x in xs[-k:]) / k if a.final_steps and len(xs) == a.final_steps else None
+    def final(runs):  # the mean over learning tasks of the mean loss over a task's last FINAL_LOSS_STEPS steps
+        if not a.final_steps or not runs or any(len(xs) != a.final_steps for xs in runs):
+            return None
+        k = min(FINAL_LOSS_STEPS, a.final_steps)
+        return [sum(float(x) for x in xs[-k:]) / k for xs in runs]
 
-    cell["learning_task_steps"] = len(t.final_losses)
-    if final(t.final_losses) is not None:
-        cell["final_loss"] = final(t.final_losses)
+    cell["learning_task_steps"] = sum(len(xs) for xs in t.final_losses)
+    mine = final(t.final_losses)
+    if mine is not None:
+        cell["final_loss"] = sum(mine) / len(mine)
+        cell["final_loss_per_task"] = mine
     if ref is not None and t is not eager and cell["status"] == "ok":
         n = min(a.losses, len(losses), len(ref))
         cell["losses_max_rel_diff"] = max_rel_diff(losses[:n], ref[:n]) if n else None
-        if "final_loss" in cell and final(eager.final_losses) is not None:
-            cell["eager_final_loss"] = final(eager.final_losses)
+        theirs = final(eager.final_losses)
+        if "final_loss" in cell and theirs is not None and len(theirs) == len(mine):
+            cell["eager_final_loss"] = sum(theirs) / len(theirs)
             cell["final_loss_rel_diff"] = abs(cell["final_loss"] - cell["eager_final_loss"]) / abs(
                 cell["eager_final_loss"])
             cell["final_loss_tol"] = FINAL_LOSS_TOLERANCE
     return cell
 
 
-def _rounding_references(base, batches, task, eager: Trainee, a, errors: List[str]) -> List[Dict[str, Any]]:
+def _rounding_references(base, batches, tasks, eager: Trainee, a, errors: List[str]) -> List[Dict[str, Any]]:
     """``a.rounding_references`` runs of eager whose gradients are perturbed by one rounding of the
     loop's precision at every step (``TrainLoop(grad_noise=...)``, one seed each), untimed, as many
     steps as the loss checks read (and the learning task): how far rounding alone moves eager's loss
@@ -458,7 +472,7 @@ def _rounding_references(base, batches, task, eager: Trainee, a, errors: List[st
         t = Trainee("eager", base, batches, a.device, a.amp, a.lr, seed=a.seed, grad_noise=(eps, a.seed + k))
         _guarded(t, lambda: t.steps(a.losses), errors, f"rounding reference {k}")
         if a.final_steps:
-            _guarded(t, lambda: t.converge(base, task), errors, f"rounding reference {k}, learning task")
+            _guarded(t, lambda: t.converge(base, tasks), errors, f"rounding reference {k}, learning tasks")
         cell = _finish(t, eager, a, 0)
         out.append({"grad_noise": eps, "noise_seed": a.seed + k, "status": cell["status"],
                     **{key: cell.get(key) for key in ("losses_max_rel_diff", "final_loss_rel_diff") if key in cell}})
@@ -520,6 +534,7 @@ def run_training_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] 
             "config": {"rows": a.rows, "amp": a.amp, "grad_scaler": a.amp == "float16", "optimizer": "Adam",
                        "lr": a.lr, "backends": a.backends, "warmup": a.warmup, "iters": a.iters,
                        "rounds": a.rounds, "rewarm": a.rewarm, "losses": a.losses, "final_steps": a.final_steps,
+                       "final_tasks": a.final_tasks,
                        "rounding_references": a.rounding_references,
                        "profile_steps": a.profile_steps if a.device == "cuda" else 0,
                        "data_batches": a.data_batches, "image_size": a.image_size, "seed": a.seed}}
@@ -580,17 +595,18 @@ def run_training_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] 
                 left = a.losses - len(t.losses)
                 if left > 0:
                     _guarded(t, lambda: t.steps(left), errors, "further steps")
-            task = LearningTask(a.final_steps, batch, shape, classes, a.device, a.seed) if a.final_steps else None
-            if task is not None:
+            tasks = [LearningTask(a.final_steps, batch, shape, classes, a.device, a.seed + j)
+                     for j in range(a.final_tasks)] if a.final_steps else []
+            if tasks:
                 for t in trainees:
-                    bar.set_postfix_str(f"{name} b{batch} {t.backend} learning task")
-                    _guarded(t, lambda: t.converge(base, task), errors, "learning task")
+                    bar.set_postfix_str(f"{name} b{batch} {t.backend} learning tasks")
+                    _guarded(t, lambda: t.converge(base, tasks), errors, "learning tasks")
             eager = next((t for t in trainees if t.backend == "eager"), None)
             cells = [{**row, **_finish(t, eager, a, a.rounds)} for t in trainees]
             if eager is not None and eager.cell["status"] == "ok" and a.rounding_references:
                 bar.set_postfix_str(f"{name} b{batch} rounding references")
                 eager_cell = next(c for c in cells if c["backend"] == "eager")
-                eager_cell["rounding_references"] = _rounding_references(base, batches, task, eager, a, errors)
+                eager_cell["rounding_references"] = _rounding_references(base, batches, tasks, eager, a, errors)
             results["cells"] += cells
             del trainees
             torch._dynamo.reset()
@@ -707,8 +723,10 @@ def render_markdown(results: Dict[str, Any], summary_only: bool = False) -> str:
               f"- losses: the first {cfg['losses']} against eager's (max relative difference, tolerance "
               f"{m.get('loss_tolerance')})" + (f"; final loss: a second training from the initial weights, "
                                                f"{cfg['final_steps']} steps of a learning task (fresh batches, labels "
-                                               f"from a fixed rule), mean loss of the last {FINAL_LOSS_STEPS} steps "
-                                               f"within 5% of eager's"
+                                               f"from a fixed rule), mean loss of the last {FINAL_LOSS_STEPS} steps"
+                                               + (f", averaged over {cfg['final_tasks']} such trainings (one task "
+                                                  f"each)" if (cfg.get('final_tasks') or 1) > 1 else "")
+                                               + " within 5% of eager's"
                                                if cfg.get("final_steps") else "")
               + "; each bound is at least the row's rounding spread: the largest distance from eager of "
                 f"{cfg.get('rounding_references', 0)} runs of eager with every gradient perturbed by one rounding of "
