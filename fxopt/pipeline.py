@@ -18,8 +18,8 @@ import torch
 import torch.fx as fx
 
 from fxopt.passes import (dead_code, fold_batchnorm, fold_constants, fuse_conv_epilogue, layout,
-                          select_conv_algorithm, training_batchnorm, training_batchnorm_relu,
-                          training_layout)
+                          redundant_clones, select_conv_algorithm, training_batchnorm,
+                          training_batchnorm_relu, training_layout)
 from fxopt.passinfra import PassContext
 from fxopt.report import PassRecord
 from fxopt.tolerances import outputs_close
@@ -46,6 +46,8 @@ PIPELINE = [
 # Training only: passes over AOTAutograd's joint forward+backward graph, before it is split
 # (fxopt.training.Partitioner); each changes what the forward hands the backward.
 JOINT_PIPELINE = [
+    # the copies autograd keeps of what in-place activations overwrote: nothing overwrites them now.
+    ("redundant_clones", redundant_clones.run),
     # BatchNorm as eager runs it (cuDNN and its reserve space) instead of the native kernels.
     ("training_batchnorm", training_batchnorm.run),
     # autocast's casts before convolutions write channels_last: NHWC convolutions end to end.

@@ -366,3 +366,31 @@ def test_amp_training_runs_batchnorm_relu_fused_and_matches_eager():
     assert sum(n.target is BATCH_NORM_RELU_BACKWARD for n in bw.before.graph.nodes) == 3
     for (name, b), rb in zip(model.named_buffers(), ref.buffers()):
         assert relative_error(b.float(), rb.float()) <= 2e-2, name
+
+
+@pytest.mark.parametrize("act", [nn.ReLU6, nn.SiLU])
+def test_amp_training_of_in_place_activations_saves_no_copies_and_matches_eager(act):
+    """Mixed-precision training of BatchNorm + an in-place activation whose gradient reads its input
+    (MobileNetV2's ReLU6, EfficientNet's SiLU): no clone left in the forward or backward graph
+    (``redundant_clones``), losses, gradients and statistics close to eager's."""
+    from fxopt.testing.training import LOSS_TOLERANCE, TrainLoop, make_batches, run_steps
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), act(inplace=True),
+                          nn.Conv2d(32, 32, 3, padding=1, groups=32, bias=False), nn.BatchNorm2d(32),
+                          act(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).cuda()
+    ref = copy.deepcopy(model)
+    graphs: list = []
+    compiled = fxopt.testing.compile_with_fxopt(model, {"autotune_cache": False}, graphs)
+    batches = make_batches(2, 16, (3, 16, 16), 10, "cuda")
+    losses = [run_steps(TrainLoop(m, p.parameters(), "cuda", amp=torch.float16), batches, 6)
+              for m, p in ((compiled, model), (ref, ref))]
+    for a, e in zip(*losses):
+        assert abs(float(a) - float(e)) <= LOSS_TOLERANCE[torch.float16] * abs(float(e)), losses
+    fw, bw = (g for g in graphs if g.kind in ("forward", "backward"))
+    for g in (fw, bw):
+        assert not any(n.target is torch.ops.aten.clone.default for n in g.before.graph.nodes)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert relative_error(p.grad.float(), q.grad.float()) <= 5e-2, name
+    for (name, b), rb in zip(model.named_buffers(), ref.buffers()):
+        assert relative_error(b.float(), rb.float()) <= 2e-2, name

@@ -191,7 +191,8 @@ def test_training_graph_keeps_batchnorm_and_fuses_only_legal():
     assert any(op in fxopt.report.op_counts(fw.after) for op in BN_OPS)
     # the joint-graph passes (before the split) are in the report's table once, with their reasons
     rows = [line.split() for line in r.table().splitlines() if line.startswith("0:joint")]
-    assert [row[1] for row in rows] == ["training_batchnorm", "training_layout", "training_batchnorm_relu"]
+    assert [row[1] for row in rows] == ["redundant_clones", "training_batchnorm", "training_layout",
+                                        "training_batchnorm_relu"]
     assert "not CUDA" in r.table() and "1:joint" not in r.table()
 
 

@@ -328,3 +328,68 @@ def test_cudnn_batchnorm_bindings_resolve_in_the_library_pytorch_loaded():
     if not torch.cuda.is_available():
         reserve, why = cb.probe((2, 8, 4, 4), F16, True)
         assert (reserve, why) == (None, "cuDNN needs a CUDA device")
+
+
+# ---------------------------------------------------------------------------- redundant_clones
+def _clone_joint():
+    """A joint-like graph with the clones autograd makes before in-place activations (one saved
+    for the backward), and clones that must stay: one returned, one of an input, one written, one
+    changing the layout."""
+    def f(x, w, g, buf):
+        c = aten.convolution(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+        saved = aten.clone(c)                      # what hardtanh_'s backward reads
+        y = aten.hardtanh(c, 0.0, 6.0)
+        dx = aten.hardtanh_backward(g, saved, 0.0, 6.0)
+        back = aten.clone(dx)                      # returned: the caller's own tensor
+        of_input = aten.clone(x)                   # a copy of a graph input
+        cl = aten.clone(c, memory_format=torch.channels_last)
+        written = aten.clone(c)
+        aten.copy_(buf, aten.add(aten.mean(written), aten.mean(of_input)))
+        return y, back, aten.mean(cl)
+
+    args = [torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3), torch.randn(2, 4, 6, 6), torch.zeros(())]
+    return make_fx(f, tracing_mode="fake")(*args), args
+
+
+def test_redundant_clones_drops_the_copy_saved_for_backward_and_keeps_the_others():
+    from fxopt.passes import redundant_clones
+    from fxopt.passinfra import PassContext
+
+    from fxopt.pipeline import copy_graph_module
+
+    gm, args = _clone_joint()
+    before = copy_graph_module(gm)
+    ctx = PassContext(options=Options(), mode="training")
+    clones = [n for n in gm.graph.nodes if n.target is aten.clone.default]
+    assert len(clones) == 5
+    returned = set(next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes)
+    reasons = [redundant_clones.illegal_reason(n, returned) for n in clones]
+    assert reasons == [None, "the graph returns it", "it copies a graph input", "it sets a memory format", None]
+    res = redundant_clones.run(gm, ctx)
+    assert res.modified
+    left = [n for n in res.graph_module.graph.nodes if n.target is aten.clone.default]
+    assert len(left) == 3  # the saved copy and the copy only read by a mean went; the others stay
+    hb = next(n for n in res.graph_module.graph.nodes if n.target is aten.hardtanh_backward.default)
+    assert hb.args[1].target is aten.convolution.default  # the backward reads the original
+    res.graph_module.graph.lint()
+    torch.testing.assert_close(res.graph_module(*args), before(*args), rtol=0, atol=0)  # bit for bit
+    again = redundant_clones.run(res.graph_module, PassContext(options=Options(), mode="training"))
+    assert not again.modified  # idempotent
+
+
+@pytest.mark.parametrize("act", [nn.ReLU6, nn.SiLU, nn.Hardswish])
+def test_redundant_clones_in_place_activations_train_as_eager_without_the_copies(act):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), act(inplace=True),
+                          nn.Conv2d(8, 8, 3, padding=1), act(inplace=True),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+    ref, losses, reports = _train_both(model, (3, 8, 8), steps=3)
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]))
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, msg=name)
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    fw, bw = (r for r in reports if r.kind in ("forward", "backward"))
+    rec = {p["name"]: p for p in fw.training["joint_passes"]}["redundant_clones"]
+    assert rec["changed"] and any("2 clone(s)" in n for n in rec["notes"]), rec["notes"]
+    for r in (fw, bw):
+        assert not any(n.target is aten.clone.default for n in r.before.graph.nodes)
