@@ -383,6 +383,20 @@ def test_amp_training_of_in_place_activations_saves_no_copies_and_matches_eager(
     graphs: list = []
     compiled = fxopt.testing.compile_with_fxopt(model, {"autotune_cache": False}, graphs)
     batches = make_batches(2, 16, (3, 16, 16), 10, "cuda")
+    x, y = batches[0]
+    exact = copy.deepcopy(ref).double()  # one step's gradients from the same weights, against float64
+    nn.functional.cross_entropy(exact(x.double()), y).backward()
+    for m in (compiled, ref):
+        with torch.autocast("cuda", dtype=torch.float16):
+            nn.functional.cross_entropy(m(x), y).backward()
+    for (name, p), q, e in zip(model.named_parameters(), ref.parameters(), exact.parameters()):
+        # about as close to float64 as eager's float16, or within float16's tolerance: a BatchNorm
+        # weight's gradient cancels (eager's own error there was 100 %, fxopt's 140 % on an H200); the
+        # depthwise weight's gradient from cuDNN's NHWC kernel was 1.2e-2 away, eager NCHW's 2.2e-3
+        # (the same with redundant_clones, fusion or the cuda executor off)
+        bound = max(1.5 * relative_error(q.grad.double(), e.grad), LOSS_TOLERANCE[torch.float16])
+        assert relative_error(p.grad.double(), e.grad) <= bound, name
+        p.grad = q.grad = None
     losses = [run_steps(TrainLoop(m, p.parameters(), "cuda", amp=torch.float16), batches, 6)
               for m, p in ((compiled, model), (ref, ref))]
     for a, e in zip(*losses):
@@ -390,7 +404,5 @@ def test_amp_training_of_in_place_activations_saves_no_copies_and_matches_eager(
     fw, bw = (g for g in graphs if g.kind in ("forward", "backward"))
     for g in (fw, bw):
         assert not any(n.target is torch.ops.aten.clone.default for n in g.before.graph.nodes)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert relative_error(p.grad.float(), q.grad.float()) <= 5e-2, name
     for (name, b), rb in zip(model.named_buffers(), ref.buffers()):
         assert relative_error(b.float(), rb.float()) <= 2e-2, name
