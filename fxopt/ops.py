@@ -238,6 +238,27 @@ def batch_norm_relu(
     return (_channels_last(y), mean, invstd, x.new_empty(reserve_bytes, dtype=torch.uint8), new_mean, new_var)
 
 
+def batch_norm_relu_update(x: Tensor, weight: Tensor, bias: Tensor, running_mean: Tensor, running_var: Tensor,
+                           z: Optional[Tensor], momentum: float, eps: float, reserve_bytes: int,
+                           backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``batch_norm_relu`` updating ``running_mean`` and ``running_var`` in place, as eager does:
+    (y, save_mean, save_invstd, reserve). Not an op of traced graphs (they stay functional): the
+    cuda executor's last step puts it in place of ``batch_norm_relu`` and the copies of its new
+    statistics into the buffers (``backends/cuda/runtime/running_stats.py``)."""
+    if backend == "cudnn":
+        from fxopt.backends.cuda.runtime import cudnn_batchnorm
+
+        out = cudnn_batchnorm.forward(x, z, weight, bias, running_mean, running_var, momentum, eps, in_place=True)
+        if out[3].numel() != reserve_bytes:
+            raise cudnn_batchnorm.CudnnError(f"cuDNN's reserve space is {out[3].numel()} bytes, "
+                                             f"the graph's {reserve_bytes}")
+        return out[:4]
+    out, mean, invstd = torch.ops.aten._native_batch_norm_legit(x, weight, bias, running_mean, running_var, True,
+                                                                momentum, eps)
+    y = torch.relu(out + z if z is not None else out)
+    return _channels_last(y), mean, invstd, x.new_empty(reserve_bytes, dtype=torch.uint8)
+
+
 @batch_norm_relu.register_fake
 def _batch_norm_relu_fake(x, weight, bias, running_mean, running_var, z, momentum, eps, reserve_bytes, backend):
     c = x.shape[1]

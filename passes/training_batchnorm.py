@@ -19,7 +19,11 @@ Matches:
 Produces:
     bn = _batch_norm_with_update_functional(x, w, b, running_mean, running_var, momentum, eps)
     out, save_mean, save_rstd, reserve, new_mean, new_var = bn[0..5]
-    [batch_norm_backward(g, x, w, rm, rv, save_mean, save_rstd, True, eps, mask, reserve)]
+    [batch_norm_backward(g, x, w, None, None, save_mean, save_rstd, True, eps, mask, reserve)]
+
+The backward of a training BatchNorm never reads running statistics (AOTAutograd hands it the new
+ones): passing none, the forward keeps none for it, and the cuda executor can let BatchNorm update
+its buffers in place (``backends/cuda/runtime/running_stats.py``).
 
 The same values as eager's (the ops eager dispatches to, with the same backend choice); on a
 device or dtype where cuDNN does not apply, both run the native kernels as before.
@@ -104,10 +108,10 @@ def _rewrite(graph: fx.Graph, node: fx.Node) -> None:
                 graph.erase_node(outs[old_i])
         reserve = graph.call_function(operator.getitem, (new, 3))
     if bw is not None:
-        g, bx, bw_w, brm, brv, sm, sr, _, beps, mask = bw.args
-        with graph.inserting_before(bw):
+        g, bx, bw_w, _, _, sm, sr, _, beps, mask = bw.args
+        with graph.inserting_before(bw):  # a training backward reads no running statistics
             new_bw = graph.call_function(BN_BACKWARD_RESERVE,
-                                         (g, bx, bw_w, brm, brv, items[1], items[2], True, beps, mask, reserve))
+                                         (g, bx, bw_w, None, None, items[1], items[2], True, beps, mask, reserve))
             copy_meta(new_bw, bw)
         bw.replace_all_uses_with(new_bw)
         graph.erase_node(bw)

@@ -204,7 +204,13 @@ def test_bench_train_final_loss_over_several_learning_tasks(tmp_path):
     assert fx["eager_final_loss"] == pytest.approx(cells["eager"]["final_loss"])
     assert fx["final_loss_rel_diff"] == pytest.approx(abs(fx["final_loss"] - fx["eager_final_loss"])
                                                       / fx["eager_final_loss"])
-    assert cells["eager"]["rounding_references"][0]["final_loss_rel_diff"] is not None
+    ref = cells["eager"]["rounding_references"][0]
+    assert ref["final_loss_rel_diff"] == pytest.approx(abs(ref["final_loss"] - cells["eager"]["final_loss"])
+                                                       / cells["eager"]["final_loss"])
+    mean = (cells["eager"]["final_loss"] + ref["final_loss"]) / 2  # eager's mean over its two trainings
+    assert cells["eager"]["eager_final_trainings"] == 2 and fx["eager_mean_final_loss"] == pytest.approx(mean)
+    assert fx["final_loss_rel_diff_eager_mean"] == pytest.approx(abs(fx["final_loss"] - mean) / mean)
+    assert "final loss against eager's mean over its 2 trainings" in (out / "results.md").read_text()
     x0, y0 = LearningTask(6, 4, (3, 8, 8), 10, seed=0)[0]
     x1, y1 = LearningTask(6, 4, (3, 8, 8), 10, seed=1)[0]
     assert not torch.equal(x0, x1)  # the tasks' seeds differ, so do their batches

@@ -393,3 +393,71 @@ def test_redundant_clones_in_place_activations_train_as_eager_without_the_copies
     assert rec["changed"] and any("2 clone(s)" in n for n in rec["notes"]), rec["notes"]
     for r in (fw, bw):
         assert not any(n.target is aten.clone.default for n in r.before.graph.nodes)
+
+
+# ---------------------------------------------------------------------------- running statistics in place
+def _bn_forward(returned_stats: bool, extra_read: bool):
+    """A training forward as AOTAutograd gives it: functional BatchNorm, its new statistics and
+    the incremented counter copied into the buffers at the end."""
+    def f(x, w, b, rm, rv, n):
+        out = aten._batch_norm_with_update_functional(x, w, b, rm, rv, 0.1, 1e-5)
+        y = aten.relu(out[0])
+        if extra_read:
+            y = aten.add(y, aten.mean(rm))
+        aten.copy_(rm, out[4])
+        aten.copy_(rv, out[5])
+        aten.copy_(n, aten.add(n, 1))
+        return (y, out[1], out[4]) if returned_stats else (y, out[1])
+
+    def inputs():
+        torch.manual_seed(0)
+        return [torch.randn(4, 3, 5, 5), torch.rand(3) + 0.5, torch.randn(3), torch.randn(3), torch.rand(3) + 1,
+                torch.tensor(7)]
+
+    return make_fx(f)(*inputs()), inputs
+
+
+@pytest.mark.parametrize("returned_stats, extra_read, expect", [(False, False, {"batch_norms": 1, "counters": 1}),
+                                                                 (True, False, {"batch_norms": 0, "counters": 1}),
+                                                                 (False, True, {"batch_norms": 0, "counters": 1})])
+def test_batchnorm_updates_running_statistics_in_place_where_nothing_else_reads_them(returned_stats, extra_read,
+                                                                                     expect):
+    from fxopt.backends.cuda.runtime.running_stats import update_in_place
+    from fxopt.pipeline import copy_graph_module
+
+    gm, inputs = _bn_forward(returned_stats, extra_read)
+    before = copy_graph_module(gm)
+    assert update_in_place(gm) == expect
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    copies = ops.count(aten.copy_.default)
+    assert copies == (0 if expect["batch_norms"] else 2) and ops.count(aten._foreach_add_.Scalar) == 1
+    assert (aten._batch_norm_with_update.default in ops) == bool(expect["batch_norms"])
+    a, b = inputs(), inputs()
+    torch.testing.assert_close(gm(*a), before(*b), rtol=0, atol=0)
+    for x, y in zip(a, b):  # the buffers and the counter updated alike
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert int(a[5]) == 8
+    assert update_in_place(gm) == {"batch_norms": 0, "counters": 0}  # idempotent
+
+
+def test_batchnorm_relu_trains_with_statistics_updated_in_place_on_the_cuda_executor(monkeypatch):
+    """fxopt::batch_norm_relu (its native backend, on the CPU) and a plain BatchNorm in a model trained
+    through the cuda executor's lowering: their statistics and counters are updated in place, the
+    training equals eager's."""
+    from fxopt.backend import fxopt_backend
+    _native_joint_pipeline(monkeypatch)
+    torch.manual_seed(0)
+    model = _ResidualBlock()
+    ref = copy.deepcopy(model)
+    reports: list = []
+    compiled = torch.compile(model, backend=lambda gm, ex: fxopt_backend(gm, ex, options={"executor": "cuda"},
+                                                                         _sink=reports))
+    batches = make_batches(2, 4, (8, 6, 6), 5)
+    losses = [run_steps(TrainLoop(m, p.parameters(), "cpu", amp=None), batches, 3)
+              for m, p in ((compiled, model), (ref, ref))]
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]))
+    for (name, b), rb in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b, rb, msg=name)
+    fw = next(r for r in reports if r.kind == "forward")
+    # the two fused ones and the plain one (its backward reads no running statistics)
+    assert fw.executor_details["updated_in_place"] == {"batch_norms": 3, "counters": 3}

@@ -475,8 +475,32 @@ def _rounding_references(base, batches, tasks, eager: Trainee, a, errors: List[s
             _guarded(t, lambda: t.converge(base, tasks), errors, f"rounding reference {k}, learning tasks")
         cell = _finish(t, eager, a, 0)
         out.append({"grad_noise": eps, "noise_seed": a.seed + k, "status": cell["status"],
-                    **{key: cell.get(key) for key in ("losses_max_rel_diff", "final_loss_rel_diff") if key in cell}})
+                    **{key: cell.get(key) for key in ("losses_max_rel_diff", "final_loss", "final_loss_rel_diff")
+                       if key in cell}})
     return out
+
+
+def _eager_mean_final(cells: List[Dict[str, Any]]) -> None:
+    """Eager's final loss as the mean over its trainings: eager's own and its rounding references'
+    (each an equally valid eager training: one rounding per step apart, as eager on another
+    device or with another cuDNN algorithm would be). One chaotic training's final loss is one draw;
+    the mean of several is what eager reaches. Every backend's final loss gets its distance from
+    that mean (``final_loss_rel_diff_eager_mean``), and eager's cell how far its own trainings lie
+    from it (``eager_trainings_rel_diff``)."""
+    eager = next((c for c in cells if c["backend"] == "eager" and c.get("final_loss") is not None), None)
+    if eager is None:
+        return
+    runs = [eager["final_loss"]] + [r["final_loss"] for r in eager.get("rounding_references") or []
+                                    if r.get("status") == "ok" and r.get("final_loss") is not None]
+    if len(runs) < 2:
+        return
+    mean = sum(runs) / len(runs)
+    eager["eager_mean_final_loss"], eager["eager_final_trainings"] = mean, len(runs)
+    eager["eager_trainings_rel_diff"] = [abs(x - mean) / abs(mean) for x in runs]
+    for c in cells:
+        if c is not eager and c.get("final_loss") is not None:
+            c["eager_mean_final_loss"] = mean
+            c["final_loss_rel_diff_eager_mean"] = abs(c["final_loss"] - mean) / abs(mean)
 
 
 def _tiny_model():
@@ -607,6 +631,7 @@ def run_training_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] 
                 bar.set_postfix_str(f"{name} b{batch} rounding references")
                 eager_cell = next(c for c in cells if c["backend"] == "eager")
                 eager_cell["rounding_references"] = _rounding_references(base, batches, tasks, eager, a, errors)
+                _eager_mean_final(cells)
             results["cells"] += cells
             del trainees
             torch._dynamo.reset()
@@ -787,6 +812,15 @@ def render_markdown(results: Dict[str, Any], summary_only: bool = False) -> str:
                     _f(r.get(k), ".3g") for r in c["rounding_references"])
                     + (f"; eager-channels-last {_f(cl.get(k), '.3g')}" if cl else "")
                     + (f"; bound {_f(chk[bound], '.3g')}" if chk.get(bound) is not None else ""))
+            if c.get("eager_mean_final_loss") is not None:
+                others = [x for x in cells if (x["model"], x["batch"], x["dtype"]) == key
+                          and x.get("final_loss_rel_diff_eager_mean") is not None]
+                lines.append(f"- {c['model']} b{c['batch']}, final loss against eager's mean over its "
+                             f"{c['eager_final_trainings']} trainings (its own and the references', "
+                             f"{c['eager_mean_final_loss']:.4f}): eager's trainings "
+                             + ", ".join(_f(d, ".3g") for d in c["eager_trainings_rel_diff"]) + "; "
+                             + ", ".join(f"{x['backend']} {_f(x['final_loss_rel_diff_eager_mean'], '.3g')}"
+                                         for x in others))
     lines += ["", "## Where a step's time goes", "",
               "| model | batch | backend | median ms | first step s | fxopt compile s | kernels/step | "
               "GPU kernel ms/step | GPU idle ms/step | host ms/step | peak mem MiB (compile / step) | "

@@ -171,9 +171,10 @@ def _sizes(ops: int, xk: tuple, device_index: int) -> tuple:
     return fw.value, bw.value, rs.value
 
 
-def forward(x, z, weight, bias, running_mean, running_var, momentum: float, eps: float):
+def forward(x, z, weight, bias, running_mean, running_var, momentum: float, eps: float, in_place: bool = False):
     """relu(batch_norm(x) (+ z)): (y, save_mean, save_invstd, reserve, new_running_mean,
-    new_running_var); ``y`` channels_last, the running statistics new tensors."""
+    new_running_var); ``y`` channels_last, the running statistics new tensors, or with
+    ``in_place`` ``running_mean`` and ``running_var`` themselves, updated (as eager updates them)."""
     ops = OPS_BN_ADD_ACTIVATION if z is not None else OPS_BN_ACTIVATION
     x = _nhwc(x)
     z = _nhwc(z) if z is not None else None
@@ -185,7 +186,7 @@ def forward(x, z, weight, bias, running_mean, running_var, momentum: float, eps:
     y = torch.empty_like(x, memory_format=torch.channels_last)
     save_mean = torch.empty(c, device=x.device, dtype=torch.float32)
     save_invstd = torch.empty_like(save_mean)
-    new_mean, new_var = running_mean.clone(), running_var.clone()
+    new_mean, new_var = (running_mean, running_var) if in_place else (running_mean.clone(), running_var.clone())
     work = torch.empty(fw, device=x.device, dtype=torch.uint8)
     reserve = torch.empty(rs, device=x.device, dtype=torch.uint8)
     _check(_lib().cudnnBatchNormalizationForwardTrainingEx(

@@ -28,7 +28,8 @@ Every node or region with more than one candidate is timed with each candidate o
 median; replayed as a CUDA graph when the graph will run under CUDA graphs, so Python launch
 costs do not decide; ``measure.py``), after checking it against the reference; the fastest correct
 one is kept and stored in the autotuning cache (a second compile measures nothing);
-``report.executor_details["node_choices"]`` lists them, ``["unfused"]`` says which ops run as
+``report.executor_details["node_choices"]`` lists them, ``["updated_in_place"]`` how many training
+BatchNorms update their running statistics in place (``running_stats.py``, the last step), ``["unfused"]`` says which ops run as
 PyTorch runs them and why, and every generated kernel is in ``report.kernels`` with the ops it
 covers. All kernels start compiling at once on worker threads (NVRTC releases the GIL); each node is
 measured as soon as its own kernels are ready, and a kernel that fails to compile only withdraws
@@ -45,6 +46,7 @@ import torch
 import torch.fx as fx
 
 from fxopt.backends.cuda.runtime.measure import Tuning, cache_key, region_key, with_fallback
+from fxopt.backends.cuda.runtime.running_stats import update_in_place
 from fxopt.backends.cuda.schedule.fusion import rewrite, schedule, split_conv_epilogues
 from fxopt.backends.cuda.schedule.generated import GeneratedRegion, RegionReference, template_candidates
 from fxopt.backends.cuda.schedule.conv import (GeneratedEpilogue, conv_in_nchw, cudnn_conv_relu,
@@ -226,6 +228,7 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     if not on_gpu:
         pending.finish()
         info["nvrtc_s"] = round(pending.compile_s, 3)
+        info["updated_in_place"] = update_in_place(runnable)
         return runnable
     from fxopt.autotune import AutotuneCache, device_fingerprint
 
@@ -261,4 +264,7 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     info["choose_s"] = round(time.perf_counter() - t0, 3)  # measurements, or autotuning-cache hits
     if changed:
         runnable.recompile()
+    # last: training BatchNorms write their running statistics where they live (the graph stops
+    # being functional here, after everything that reads it as such)
+    info["updated_in_place"] = update_in_place(runnable)
     return runnable
