@@ -1,7 +1,7 @@
 """redundant_clones: drop the copies autograd makes of values an in-place op used to overwrite.
 
 Why: an in-place activation whose gradient reads its *input* (``ReLU6(inplace=True)``, i.e.
-``hardtanh_``; ``SiLU``, ``Hardswish``, ``Mish`` in place) makes autograd keep a copy of that input
+``hardtanh_``; ``SiLU`` and ``Hardswish`` in place) makes autograd keep a copy of that input
 before the op overwrites it. AOTAutograd traces the copy as ``clone`` into the joint graph and then
 functionalizes the in-place op, so nothing overwrites the original any more, but the copy stays:
 one more read and write of a whole activation per such op in the forward, and the partition

@@ -199,8 +199,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     a.rounds = a.rounds or (5 if a.device == "cuda" else 1)
     if min(a.iters, a.rounds, a.data_batches, a.final_tasks) < 1 or min(a.warmup, a.rewarm, a.losses, a.profile_steps,
                                                           a.rounding_references) < 0:
-        p.error("--iters, --rounds, --data-batches, --final-tasks must be >= 1; --warmup, --rewarm, --losses, --profile-steps, "
-                "--rounding-references >= 0")
+        p.error("--iters, --rounds, --data-batches, --final-tasks must be >= 1; --warmup, --rewarm, --losses, "
+                "--profile-steps, --rounding-references >= 0")
     a.image_size = a.image_size or (CPU_IMAGE_SIZE if a.device == "cpu" else None)
     try:
         a.fxopt_options = json.loads(a.fxopt_options) if a.fxopt_options else {}
