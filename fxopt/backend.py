@@ -157,12 +157,15 @@ class FxoptCompiler:
         devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
         self.device_type = "cuda" if "cuda" in devices else "cpu"
 
-    def _context(self, gm: fx.GraphModule, fake_args: list, mode: str) -> PassContext:
+    def _context(self, gm: fx.GraphModule, fake_args: list, kind: str) -> PassContext:
+        mode = "inference" if kind == "inference" else "training"
         ctx = PassContext(options=self.options, mode=mode, device_type=self.device_type)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         ctx.fake_inputs = list(fake_args)
         lifted = len(self.lifted) if len(placeholders) == len(self.lifted) + self.n_inputs else 0
-        if len(placeholders) == self.n_inputs + lifted:
+        # the graph's inputs are Dynamo's (parameters at their positions); a backward's are saved
+        # values and gradients, whatever their number: its parameters come by name (_link_training)
+        if kind != "backward" and len(placeholders) == self.n_inputs + lifted:
             params = {i + lifted: qual for i, qual in self.params.items()}
             params.update({i: name for i, (name, _) in enumerate(self.lifted[:lifted])})
             for i, qual in params.items():
@@ -183,9 +186,8 @@ class FxoptCompiler:
         from fxopt.backends import lower
 
         t0 = time.perf_counter()
-        mode = "inference" if kind == "inference" else "training"
-        ctx = self._context(gm, fake_args, mode)
-        if mode == "training":
+        ctx = self._context(gm, fake_args, kind)
+        if ctx.mode == "training":
             self._link_training(ctx, gm, kind)
         before = copy_graph_module(gm)
         with cudnn_choosing(self.options.cudnn_search):  # how the convolutions measured now use cuDNN
