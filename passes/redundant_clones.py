@@ -15,13 +15,14 @@ read only by ops that do not write it.
 Produces: every use of the clone reads ``x``; the clone is gone.
 
 Illegal (kept, with the reason): a clone the graph returns (a forward output or a gradient: the
-caller gets a tensor of its own, as eager gives it), of a graph input (a buffer the graph
-writes at its end would be read after the write), of a tensor something in the graph writes, a
+caller gets a tensor of its own, as eager gives it), of a graph input or a view of one (a
+buffer the graph writes at its end would be read after the write), of a tensor something in the graph writes, a
 clone that something writes, or one changing the layout. The values are the same tensors' values
 (a functional graph never changes a tensor after it is computed), bit for bit.
 """
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -32,6 +33,24 @@ from fxopt.passinfra import PassContext, PassResult, finish, is_call, val, writt
 aten = torch.ops.aten
 
 
+def _aliases_input(node: fx.Node) -> bool:
+    """The op returns a view of its first argument (``view``, ``t``, ``split`` ...)."""
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and not schema.is_mutable and schema.returns
+                and schema.returns[0].alias_info is not None)
+
+
+def storage_root(node: fx.Node) -> fx.Node:
+    """The node whose memory ``node`` is, through views (and ``getitem`` of a split)."""
+    while node.op == "call_function":
+        src = node.args[0] if node.target is operator.getitem else node
+        if not (isinstance(src, fx.Node) and src.op == "call_function" and _aliases_input(src)
+                and isinstance(src.args[0], fx.Node)):
+            break
+        node = src.args[0]
+    return node
+
+
 def illegal_reason(node: fx.Node, returned: set) -> Optional[str]:
     """Why this clone must stay, or None."""
     x = node.args[0]
@@ -39,8 +58,8 @@ def illegal_reason(node: fx.Node, returned: set) -> Optional[str]:
         return "it sets a memory format"
     if node in returned:
         return "the graph returns it"
-    if not isinstance(x, fx.Node) or x.op == "placeholder":
-        return "it copies a graph input"
+    if not isinstance(x, fx.Node) or storage_root(x).op == "placeholder":
+        return "it copies (a view of) a graph input"
     if written_in_place(x) or written_in_place(node):
         return "something in the graph writes it or its source"
     vx, vc = val(x), val(node)

@@ -333,8 +333,8 @@ def test_cudnn_batchnorm_bindings_resolve_in_the_library_pytorch_loaded():
 # ---------------------------------------------------------------------------- redundant_clones
 def _clone_joint():
     """A joint-like graph with the clones autograd makes before in-place activations (one saved
-    for the backward), and clones that must stay: one returned, one of an input, one written, one
-    changing the layout."""
+    for the backward), and clones that must stay: one returned, one of an input, one of a view of
+    an input the graph writes at its end, one changing the layout."""
     def f(x, w, g, buf):
         c = aten.convolution(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
         saved = aten.clone(c)                      # what hardtanh_'s backward reads
@@ -342,10 +342,11 @@ def _clone_joint():
         dx = aten.hardtanh_backward(g, saved, 0.0, 6.0)
         back = aten.clone(dx)                      # returned: the caller's own tensor
         of_input = aten.clone(x)                   # a copy of a graph input
+        of_view = aten.clone(aten.select(aten.view(buf, [1]), 0, 0))  # of a view of one (written below)
         cl = aten.clone(c, memory_format=torch.channels_last)
         written = aten.clone(c)
         aten.copy_(buf, aten.add(aten.mean(written), aten.mean(of_input)))
-        return y, back, aten.mean(cl)
+        return y, back, aten.mean(cl), aten.mul(of_view, 2)
 
     args = [torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3), torch.randn(2, 4, 6, 6), torch.zeros(())]
     return make_fx(f, tracing_mode="fake")(*args), args
@@ -361,18 +362,20 @@ def test_redundant_clones_drops_the_copy_saved_for_backward_and_keeps_the_others
     before = copy_graph_module(gm)
     ctx = PassContext(options=Options(), mode="training")
     clones = [n for n in gm.graph.nodes if n.target is aten.clone.default]
-    assert len(clones) == 5
+    assert len(clones) == 6
     returned = set(next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes)
     reasons = [redundant_clones.illegal_reason(n, returned) for n in clones]
-    assert reasons == [None, "the graph returns it", "it copies a graph input", "it sets a memory format", None]
+    assert reasons == [None, "the graph returns it", "it copies (a view of) a graph input",
+                       "it copies (a view of) a graph input", "it sets a memory format", None]
     res = redundant_clones.run(gm, ctx)
     assert res.modified
     left = [n for n in res.graph_module.graph.nodes if n.target is aten.clone.default]
-    assert len(left) == 3  # the saved copy and the copy only read by a mean went; the others stay
+    assert len(left) == 4  # the saved copy and the copy only read by a mean went; the others stay
     hb = next(n for n in res.graph_module.graph.nodes if n.target is aten.hardtanh_backward.default)
     assert hb.args[1].target is aten.convolution.default  # the backward reads the original
     res.graph_module.graph.lint()
-    torch.testing.assert_close(res.graph_module(*args), before(*args), rtol=0, atol=0)  # bit for bit
+    torch.testing.assert_close(res.graph_module(*[a.clone() for a in args]), before(*[a.clone() for a in args]),
+                               rtol=0, atol=0)  # bit for bit (each on its own copy of the written buffer)
     again = redundant_clones.run(res.graph_module, PassContext(options=Options(), mode="training"))
     assert not again.modified  # idempotent
 
