@@ -471,6 +471,26 @@ def test_training_instance_copies_what_the_caller_sees_lends_saved_values_and_re
     assert inst.free() and kept.shape == (4,)
 
 
+def test_a_flat_output_list_with_other_values_is_handed_out_each_way_by_position():
+    from fxopt.backends.cuda.runtime.cudagraphs import _Instance
+
+    w, x = torch.randn(3), torch.randn(4, 3)
+    logits, h = torch.randn(4), torch.randn(4, 3)
+    outputs = [logits, None, h, 7, w]  # e.g. a backward's gradients with None for inputs without one
+    inst = _Instance(None, {}, None, outputs, [w, x], copied=frozenset({0}), training=True)
+    assert inst.ways == ["copy", "lend", "alias"] and inst._plan is not None
+    out = inst.hand_out()
+    assert type(out) is list and out[1] is None and out[3] == 7
+    assert out[0].data_ptr() != logits.data_ptr() and torch.equal(out[0], logits)  # copied
+    assert out[2].data_ptr() == h.data_ptr() and out[2] is not h  # lent: a new tensor over the buffer
+    assert out[4].data_ptr() == w.data_ptr() and out[4] is not w
+    assert not inst.free()
+    del out
+    assert inst.free()
+    nested = _Instance(None, {}, None, (logits, [h]), [w, x], training=True)
+    assert nested._plan is None and nested.hand_out()[1][0].data_ptr() == h.data_ptr()
+
+
 def _sim_training(monkeypatch):
     """torch.compile training through fxopt on the CPU with the CUDA-graph runners simulated
     (captures recompute on replay); returns the reports' list."""
@@ -528,6 +548,40 @@ def test_training_forward_and_backward_replay_linked_and_match_eager(monkeypatch
     fw_inst, = (i for e in fw.executor_details["cudagraph_runner"].graphs.values() for i in e.instances)
     bw_inst, = (i for e in bw.executor_details["cudagraph_runner"].graphs.values() for i in e.instances)
     assert bw_inst.pool is fw_inst.pool and fw_inst.live_sharers() == [bw_inst]
+
+
+def test_the_backward_fast_path_checks_lent_saved_values_by_address_and_the_rest_by_signature(monkeypatch):
+    from fxopt.backend import fxopt_backend
+
+    _sim_training(monkeypatch)
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 3))
+    reports: list = []
+    compiled = torch.compile(model, backend=lambda gm, ex: fxopt_backend(gm, ex, {"autotune_cache": False},
+                                                                          _sink=reports))
+    def step(*batches):
+        model.zero_grad(set_to_none=True)  # the lent gradients are released, as in a training loop
+        sum(compiled(x).square().mean() for x in batches).backward()
+
+    for _ in range(3):
+        step(torch.randn(2, 3, 6, 6))
+    fw, bw = (r.executor_details["cudagraph_runner"] for r in reports if r.kind in ("forward", "backward"))
+    inst, _, _, _, _, checked = bw._fast
+    reads = set(inst.input_ptrs)
+    skipped = set(bw.dynamic) - set(checked)
+    assert skipped and skipped <= reads  # only saved values read in place go unchecked...
+    assert set(bw.dynamic) - reads <= set(checked)  # ...the incoming gradient is checked
+    assert fw.lent_storages() and set(fw._fast[5]) == set(fw.dynamic)  # the forward checks its batch
+    replays = inst.graph.replays
+    step(torch.randn(2, 3, 6, 6))
+    assert inst.graph.replays == replays + 1 and bw._fast[0] is inst  # served by the fast path
+    # two forwards before their backward: the second forward's capture (the first's saved values
+    # are held) lends other memory, the backward's fast path declines it by address, and another
+    # backward capture reads it; the first forward's backward replays the first capture again
+    step(torch.randn(2, 3, 6, 6), torch.randn(2, 3, 6, 6))
+    entry, = bw.graphs.values()
+    assert len(entry.instances) == 2 and inst.graph.replays == replays + 2
 
 
 def test_training_replays_stay_correct_when_gradients_and_saved_values_are_held(monkeypatch):

@@ -26,7 +26,8 @@ Contract (what a caller can rely on):
 - At most ``max_graphs`` signatures are captured; calls with further signatures run uncaptured.
 - A call that repeats the previous one (same parameter and input addresses, same signature, the
   previous outputs released, no in-place change of a parameter that feeds folded constants) replays
-  the same capture after that one check; anything else takes the full path above.
+  the same capture after that one check; anything else takes the full path above. A backward's
+  saved values read in place are checked there by address alone (``CudaGraphRunner._remember``).
 - Training (``training``, a ``TrainingLink``): AOTAutograd's forward and backward graphs get a runner
   each. The forward's first ``num_fwd_outputs`` outputs (what the caller sees: the model's outputs;
   BatchNorm's running statistics are written in place, below) are copied out on every call; the
@@ -73,6 +74,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import time
 import weakref
 from typing import Callable, Collection, Optional, Sequence
@@ -172,6 +174,13 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _signature(args, positions) -> tuple:
+    """Shape, strides and dtype of the tensors among ``args`` at ``positions`` (other values as
+    they are)."""
+    return tuple((a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
+                 for a in (args[i] for i in positions))
+
+
 class _Instance:
     """One capture: the graph, its static input buffers and its static outputs.
 
@@ -209,19 +218,28 @@ class _Instance:
         self.ways = ways
         self.lendable = bool(flat) and all(w == "lend" for w in ways)
         # the common case, a flat tuple of tensors all lent: handed out by one map over the tuple
-        self._flat = type(outputs) is tuple and len(flat) == len(outputs)
+        self._flat = type(outputs) is tuple and all(isinstance(o, torch.Tensor) for o in outputs)
+        # a flat tuple or list (tensors among other values, none nested): handed out by one map over
+        # its tensors, then the copied ones replaced (``hand_out``); None where nested
+        self._plan = None
+        if type(outputs) in (tuple, list) and not any(isinstance(o, (tuple, list)) for o in outputs):
+            positions = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)]
+            self._plan = (positions, [outputs[i] for i in positions],
+                          [i for i, w in zip(positions, ways) if w == "copy"])
         self.handed = {p for p, w in zip(self.out_ptrs, ways) if w != "copy"}
         self._storages, seen = [], set()  # one entry per lent storage
         for t, p, w in zip(flat, self.out_ptrs, ways):
             if w == "lend" and p not in seen:
                 seen.add(p)
                 self._storages.append(t.untyped_storage())
-        self._held = [_USE_COUNT(st._cdata) for st in self._storages]  # our own references
+        # the storages' handles (valid while ``_storages`` holds them) and our own references
+        self._cdatas = [st._cdata for st in self._storages]
+        self._held = [_USE_COUNT(c) for c in self._cdatas]
 
     def free(self) -> bool:
         """Nobody but the runner references this capture's lent outputs (nor views of them), nor
         the lent outputs of a capture sharing its pool (which a replay of this one may overwrite)."""
-        if not all(_USE_COUNT(st._cdata) <= n for st, n in zip(self._storages, self._held)):
+        if not all(map(operator.le, map(_USE_COUNT, self._cdatas), self._held)):
             return False
         return not self.sharers or all(s.free() for s in self.live_sharers())
 
@@ -239,8 +257,18 @@ class _Instance:
 
     def hand_out(self):
         """The outputs of the replay that just ran, each the way ``ways`` says."""
+        if self.lendable and self._flat:
+            return tuple(map(_DETACH, self.outputs))
+        if self._plan is not None:
+            positions, tensors, copied = self._plan
+            out = list(self.outputs)
+            for i, t in zip(positions, map(_DETACH, tensors)):
+                out[i] = t
+            for i in copied:
+                out[i] = _copy(self.outputs[i])
+            return type(self.outputs)(out)
         if self.lendable:
-            return tuple(map(_DETACH, self.outputs)) if self._flat else _lend(self.outputs)
+            return _lend(self.outputs)
         ways = iter(self.ways)
         return _map_tensors(self.outputs, lambda t: _copy(t) if next(ways) == "copy" else _DETACH(t))
 
@@ -373,11 +401,7 @@ class CudaGraphRunner:
         self._fast: Optional[tuple] = None
 
     def _key(self, args) -> tuple:
-        key = [self._epoch]
-        for i in self.dynamic:
-            a = args[i]
-            key.append((a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a)
-        return tuple(key)
+        return (self._epoch, *_signature(args, self.dynamic))
 
     def _capture(self, args, fn: Callable, lend: bool = True, in_place: Sequence[int] = (),
                  share: bool = False, pdl: bool = True) -> _Instance:
@@ -448,11 +472,18 @@ class CudaGraphRunner:
         """The storages of every output this runner's captures hand out without a copy."""
         return set().union(*(inst.handed for e in self.graphs.values() for inst in e.instances))
 
+    def lent_storages(self) -> set:
+        """The storages of the outputs this runner's captures lend (their own memory; not the
+        caller's arguments they return)."""
+        return {p for e in self.graphs.values() for inst in e.instances
+                for p, w in zip(inst.out_ptrs, inst.ways) if w == "lend"}
+
     def __call__(self, *args):
         fast = self._fast
         if fast is not None:
-            inst, key, ptr_list, indices, versions = fast
-            if (_PTRS_EQUAL(list(args), ptr_list, indices) and inst.free() and self._key(args) == key
+            inst, signature, ptr_list, indices, versions, checked = fast
+            if (_PTRS_EQUAL(list(args), ptr_list, indices) and inst.free()
+                    and _signature(args, checked) == signature
                     and (not versions or self.watch.current_versions(args) == versions)):
                 return inst.run(args)
             self._fast = None
@@ -493,7 +524,7 @@ class CudaGraphRunner:
         for inst in entry.instances:  # the first capture that reads these inputs, outputs released
             if inst.serves(args):
                 if key is not None:
-                    self._remember(inst, key, args)
+                    self._remember(inst, args)
                 break
         else:  # all busy, or inputs elsewhere: another capture, up to max_instances (reading in
             # place what a first capture would, in training; buffered otherwise), else the
@@ -508,9 +539,14 @@ class CudaGraphRunner:
                 inst = entry.private
         return inst.run(args)
 
-    def _remember(self, inst: _Instance, key: tuple, args) -> None:
+    def _remember(self, inst: _Instance, args) -> None:
         """Let the next call replay ``inst`` after one check of data pointers (parameters and
-        inputs read in place, one C++ call), the signature key and the watched versions."""
+        inputs read in place, one C++ call), the signature of the other inputs and the watched
+        versions. A backward's saved values read in place are checked by address alone: an address
+        in memory the forward's captures lend is that capture's output, with the shape, strides and
+        dtype it was captured with (each capture allocates from a pool of its own, which no other
+        allocation can take while the capture lives, and AOTAutograd hands the backward its saved
+        values as the forward returned them)."""
         if _PTRS_EQUAL is None or not all(isinstance(args[i], torch.Tensor) for i in self.dynamic):
             return  # symbolic sizes among the arguments: the full path decides
         ptr_list: list = [None] * len(args)
@@ -520,7 +556,12 @@ class CudaGraphRunner:
         for i, p in in_place.items():
             ptr_list[i] = p
         indices = sorted(set(self.watch.indices) | set(in_place))
-        self._fast = (inst, key, ptr_list, indices, self.watch.versions if self.watch.version_indices else ())
+        checked = self.dynamic
+        if in_place and self.training is not None and self.training.forward is not None:
+            lent = self.training.forward.lent_storages()
+            checked = [i for i in self.dynamic if i not in in_place or _storage(args[i]) not in lent]
+        self._fast = (inst, _signature(args, checked), ptr_list, indices,
+                      self.watch.versions if self.watch.version_indices else (), checked)
 
     def _decision_key(self, args) -> Optional[str]:
         if self.decisions_cache is None:
