@@ -489,6 +489,9 @@ def test_a_flat_output_list_with_other_values_is_handed_out_each_way_by_position
     assert inst.free()
     nested = _Instance(None, {}, None, (logits, [h]), [w, x], training=True)
     assert nested._plan is None and nested.hand_out()[1][0].data_ptr() == h.data_ptr()
+    lent = _Instance(None, {}, None, [h, logits], [w, x], training=True)  # all lent: one map, a list again
+    out = lent.hand_out()
+    assert type(out) is list and [t.data_ptr() for t in out] == [h.data_ptr(), logits.data_ptr()]
 
 
 def _sim_training(monkeypatch):

@@ -217,15 +217,13 @@ class _Instance:
                 ways.append("copy" if shared else "lend")
         self.ways = ways
         self.lendable = bool(flat) and all(w == "lend" for w in ways)
-        # the common case, a flat tuple of tensors all lent: handed out by one map over the tuple
-        self._flat = type(outputs) is tuple and all(isinstance(o, torch.Tensor) for o in outputs)
-        # a flat tuple or list (tensors among other values, none nested): handed out by one map over
-        # its tensors, then the copied ones replaced (``hand_out``); None where nested
+        # the common case, a flat tuple or list (tensors among other values, none nested): handed out
+        # by one map over its tensors, then the copied ones replaced (``hand_out``); None where nested
         self._plan = None
         if type(outputs) in (tuple, list) and not any(isinstance(o, (tuple, list)) for o in outputs):
             positions = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)]
             self._plan = (positions, [outputs[i] for i in positions],
-                          [i for i, w in zip(positions, ways) if w == "copy"])
+                          [i for i, w in zip(positions, ways) if w == "copy"], len(positions) == len(outputs))
         self.handed = {p for p, w in zip(self.out_ptrs, ways) if w != "copy"}
         self._storages, seen = [], set()  # one entry per lent storage
         for t, p, w in zip(flat, self.out_ptrs, ways):
@@ -257,10 +255,10 @@ class _Instance:
 
     def hand_out(self):
         """The outputs of the replay that just ran, each the way ``ways`` says."""
-        if self.lendable and self._flat:
-            return tuple(map(_DETACH, self.outputs))
         if self._plan is not None:
-            positions, tensors, copied = self._plan
+            positions, tensors, copied, only_tensors = self._plan
+            if only_tensors and not copied:
+                return type(self.outputs)(map(_DETACH, tensors))
             out = list(self.outputs)
             for i, t in zip(positions, map(_DETACH, tensors)):
                 out[i] = t
