@@ -25,6 +25,26 @@ def written_in_place(node: fx.Node) -> bool:
     return any(getattr(getattr(u.target, "_schema", None), "is_mutable", False) for u in node.users)
 
 
+def _aliases_input(node: fx.Node) -> bool:
+    """The op's schema says it returns a view of its first argument (``view``, ``t``, ``split`` ...)."""
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and not schema.is_mutable and schema.returns
+                and schema.returns[0].alias_info is not None)
+
+
+def storage_root(node: fx.Node) -> fx.Node:
+    """The node whose memory ``node`` is, through any op whose schema returns a view of its input
+    (and ``getitem`` of a split). The CUDA scheduler's ``view_root`` follows only the views its
+    lowering computes as index arithmetic."""
+    while node.op == "call_function":
+        src = node.args[0] if node.target is operator.getitem else node
+        if not (isinstance(src, fx.Node) and src.op == "call_function" and _aliases_input(src)
+                and isinstance(src.args[0], fx.Node)):
+            break
+        node = src.args[0]
+    return node
+
+
 @dataclass
 class PassContext:
     options: Options

@@ -22,33 +22,14 @@ clone that something writes, or one changing the layout. The values are the same
 """
 from __future__ import annotations
 
-import operator
 from typing import Optional
 
 import torch
 import torch.fx as fx
 
-from fxopt.passinfra import PassContext, PassResult, finish, is_call, val, written_in_place
+from fxopt.passinfra import PassContext, PassResult, finish, is_call, storage_root, val, written_in_place
 
 aten = torch.ops.aten
-
-
-def _aliases_input(node: fx.Node) -> bool:
-    """The op returns a view of its first argument (``view``, ``t``, ``split`` ...)."""
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema is not None and not schema.is_mutable and schema.returns
-                and schema.returns[0].alias_info is not None)
-
-
-def storage_root(node: fx.Node) -> fx.Node:
-    """The node whose memory ``node`` is, through views (and ``getitem`` of a split)."""
-    while node.op == "call_function":
-        src = node.args[0] if node.target is operator.getitem else node
-        if not (isinstance(src, fx.Node) and src.op == "call_function" and _aliases_input(src)
-                and isinstance(src.args[0], fx.Node)):
-            break
-        node = src.args[0]
-    return node
 
 
 def illegal_reason(node: fx.Node, returned: set) -> Optional[str]:

@@ -25,16 +25,17 @@ already chosen (``schedule/groups.py``): a max pool fed by such a conv that noth
 chain of small linear layers (a classifier head in one thread block).
 
 Every node or region with more than one candidate is timed with each candidate once (CUDA events,
-median; replayed as a CUDA graph when the graph will run under CUDA graphs, so Python launch
-costs do not decide; ``measure.py``), after checking it against the reference; the fastest correct
-one is kept and stored in the autotuning cache (a second compile measures nothing);
+median; replayed as a CUDA graph when the graph will run under CUDA graphs, so Python launch costs
+do not decide; ``measure.py``), after checking it against the reference; the fastest correct one is
+kept and stored in the autotuning cache (a second compile measures nothing);
 ``report.executor_details["node_choices"]`` lists them, ``["unfused"]`` says which ops run as
 PyTorch runs them and why, ``["updated_in_place"]`` how many training BatchNorms update their
-running statistics in place (``running_stats.py``, the last step), and every generated kernel is
-in ``report.kernels`` with the ops it covers. All kernels start compiling at once on worker
-threads (NVRTC releases the GIL); each node is measured as soon as its own kernels are ready, and
-a kernel that fails to compile only withdraws its own candidate (the report keeps its NVRTC log). Without a GPU (option ``executor="cuda"`` on
-CPU inputs) the kernels are still generated, compiled with NVRTC and listed; the reference runs.
+running statistics in place (``running_stats.py``, the last step), and every generated kernel is in
+``report.kernels`` with the ops it covers. All kernels start compiling at once on worker threads
+(NVRTC releases the GIL); each node is measured as soon as its own kernels are ready, and a kernel
+that fails to compile only withdraws its own candidate (the report keeps its NVRTC log). Without a
+GPU (option ``executor="cuda"`` on CPU inputs) the kernels are still generated, compiled with NVRTC
+and listed; the reference runs.
 """
 from __future__ import annotations
 
