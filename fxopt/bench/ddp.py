@@ -57,7 +57,7 @@ PARAM_TOLERANCE = {"none": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .train import TRAIN_BACKENDS
+    from .train_peers import TRAIN_BACKENDS
 
     p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m fxopt.bench.ddp",
                                 description="DistributedDataParallel training through each backend vs eager DDP.")
@@ -103,7 +103,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     import torch
 
     from . import models as M
-    from .train import TRAIN_BACKENDS
+    from .train_peers import TRAIN_BACKENDS
 
     p = build_parser()
     a = p.parse_args(list(argv) if argv is not None else None)
@@ -130,7 +130,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def _prepare(t, a) -> None:
     """First step (timed: compile) and warm-up; a failure marks the cell."""
-    from .train import _guarded
+    from .trainee import _guarded
 
     errors: List[str] = []
     _guarded(t, t.first_step, errors, "first step")
@@ -146,7 +146,7 @@ def _timed_rounds(pairs: List[tuple], a) -> None:
     failed sits out; every process skips it alike (its DDP steps are collectives)."""
     import torch.distributed as dist
 
-    from .train import _guarded
+    from .trainee import _guarded
 
     per_round = -(-a.iters // a.rounds)
     for _ in range(a.rounds):
@@ -167,8 +167,8 @@ def _timed_rounds(pairs: List[tuple], a) -> None:
 
 
 def _cell(t, a, world: int) -> Dict[str, Any]:
-    from .runners import stats
-    from .train import _graph_summary
+    from .measure import stats
+    from .trainee import _graph_summary
 
     cell = dict(t.cell)
     cell["losses"] = [float(x) for x in t.losses]
@@ -241,7 +241,7 @@ def _allreduce_ms(model, device: str, iters: int = 20) -> float:
     import torch
     import torch.distributed as dist
 
-    from .runners import time_calls
+    from .measure import time_calls
 
     buf = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
     for _ in range(3):
@@ -258,7 +258,8 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
     from fxopt.testing.training import AMP_DTYPES, LOSS_TOLERANCE, UNIT_ROUNDOFF, make_batches
 
     from . import _device_info, _versions
-    from .train import Trainee, _build, _guarded, step_profile
+    from .train import _build
+    from .trainee import Trainee, _guarded, step_profile
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     if a.device == "cuda":
@@ -411,7 +412,7 @@ def _summarize(ranks: List[Dict[str, Any]], a, tol: float) -> Dict[str, Any]:
 
 
 def render_markdown(results: Dict[str, Any]) -> str:
-    from .train import _precision
+    from .train_report import _precision
 
     m, s = results["meta"], results["summary"]
     cfg = m["config"]

@@ -1,6 +1,7 @@
 """What a benchmark backend is: a :class:`BackendSpec` whose ``prepare`` returns a :class:`Prepared`
 callable, or raises :class:`BackendUnavailable` where it cannot run. Shared by the harness
-(``fxopt.bench.runners``) and the backends that live in their own module (``fxopt.bench.deploy``).
+(``fxopt.bench.runners``) and the backends (``fxopt.bench.peers``, ``fxopt.bench.ort_peer``,
+``fxopt.bench.deploy``).
 """
 from __future__ import annotations
 
