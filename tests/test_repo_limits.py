@@ -1,0 +1,58 @@
+"""The repository's own limits: BENCHMARKS.md stays a page, the tracked files stay small (raw
+benchmark results are kept only for the current tables; the history lives in git), and no source
+file of the packages grows past what a reader can hold."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: lines of BENCHMARKS.md
+BENCHMARKS_MAX_LINES = 250
+#: bytes (1.5 MB, decimal) of all files ``git ls-files`` lists, summed
+TRACKED_MAX_BYTES = 1_500_000
+#: lines of any ``.py`` file under the package directories
+SOURCE_MAX_LINES = 600
+PACKAGE_DIRS = ("fxopt", "passes", "backends")
+
+
+def _tracked_files():
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"not a git checkout (or no git): {type(exc).__name__}")
+    return [p for p in out.stdout.decode().split("\0") if p]
+
+
+def _lines(path: str) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+def test_benchmarks_md_is_a_page():
+    n = _lines(os.path.join(ROOT, "BENCHMARKS.md"))
+    assert n <= BENCHMARKS_MAX_LINES, f"BENCHMARKS.md has {n} lines, over {BENCHMARKS_MAX_LINES}"
+
+
+def test_tracked_files_stay_small():
+    files = _tracked_files()
+    assert files, "git ls-files listed nothing"
+    sizes = {p: os.path.getsize(os.path.join(ROOT, p)) for p in files if os.path.isfile(os.path.join(ROOT, p))}
+    total = sum(sizes.values())
+    largest = ", ".join(f"{p} {s:,} B" for p, s in sorted(sizes.items(), key=lambda kv: -kv[1])[:5])
+    assert total <= TRACKED_MAX_BYTES, (
+        f"tracked files sum to {total:,} bytes, over {TRACKED_MAX_BYTES:,} bytes; largest: {largest}")
+
+
+def test_no_source_file_over_the_line_limit():
+    found = []
+    for top in PACKAGE_DIRS:
+        for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, top)):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__" and not d.startswith(".")]
+            found += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
+    assert found, f"no Python sources under {PACKAGE_DIRS}"
+    over = {os.path.relpath(p, ROOT): n for p in found if (n := _lines(p)) > SOURCE_MAX_LINES}
+    assert not over, f"over {SOURCE_MAX_LINES} lines: " + ", ".join(f"{p} ({n})" for p, n in sorted(over.items()))
