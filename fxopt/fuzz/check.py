@@ -1,0 +1,228 @@
+"""Running one ``Program``: eager against fxopt (``torch.compile(model, backend="fxopt", options=...)``).
+
+Compared: the outputs' structure, shapes, dtypes, strides (dims of size 1 excepted) and aliasing
+(which outputs share storage with each other or with the input) exactly; values within the dtype's
+tolerance (``fxopt.tolerances``; on CUDA float32 at least 1e-3 for TF32), widened to the tolerance
+of every convolution algorithm the graph chose (``ConvAlgorithm.tolerance``, docs/NUMERICS.md).
+Where the values differ by more, they are judged against the model run in float64: fxopt passes
+when its error against float64 is at most twice eager's plus the absolute tolerance (eager's own
+result is rounded, in 16 bits most of all). A training step also compares the loss, every gradient
+(10x), the input's gradient and the parameters and buffers after an SGD step.
+
+On the CPU with ``executor="cuda"`` nothing runs on a GPU; the checkable part is checked: every
+kernel generated and compiled with NVRTC (``report.kernels``), every fused region's IR run on the
+CPU against its ATen ops (``fxopt.testing.check_fusion``), and every register-row reduction's
+thread mapping emulated (``fxopt.fuzz.geometry``).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from .graphs import Program
+
+
+class Mismatch(AssertionError):
+    pass
+
+
+def build(program: Program, device: str):
+    """(model, input) of ``program`` on ``device``: inference models in the program's dtype, eval;
+    training models in float32 (16-bit programs train under autocast)."""
+    ns: dict = {}
+    exec(compile(program.source, "<fuzz model>", "exec"), ns)  # noqa: S102 - the drawn model's own source
+    torch.manual_seed(program.seed)
+    model = ns["Model"]()
+    x = torch.randn(program.shape, generator=torch.Generator().manual_seed(program.seed + 1))
+    dtype = getattr(torch, program.dtype)
+    if program.mode == "inference":
+        model, x = model.to(dtype).eval(), x.to(dtype)
+    else:
+        model.train()
+    fmt = torch.channels_last if program.fmt == "channels_last" else torch.contiguous_format
+    return model.to(device), x.to(device).contiguous(memory_format=fmt)
+
+
+def _flat(out) -> list:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def tolerance_for(program: Program, device: str, graphs: list) -> tuple:
+    from fxopt.tolerances import tolerance
+
+    dtype = getattr(torch, program.dtype)
+    rtol, atol = tolerance(dtype)
+    if device == "cuda" and dtype == torch.float32:
+        rtol = max(rtol, 1e-3)
+    for alg in algorithms_of(graphs):
+        try:
+            from fxopt.conv_algorithms import get_algorithm
+        except ImportError:
+            from fxopt.backends.conv_algorithms import get_algorithm
+        try:
+            r, a = get_algorithm(alg).tolerance(dtype)
+        except (KeyError, ValueError):
+            continue
+        rtol, atol = max(rtol, r), max(atol, a)
+    return rtol, atol
+
+
+def algorithms_of(graphs: list) -> list:
+    return sorted({getattr(c, "algorithm", str(c)) for g in graphs for c in g.conv_algorithms.values()})
+
+
+def _alias_pattern(outs: list, x: torch.Tensor) -> list:
+    def key(t):
+        return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
+    keys = [key(t) for t in outs]
+    return [(i, j) for i in range(len(outs)) for j in range(i + 1, len(outs)) if keys[i] and keys[i] == keys[j]] + \
+           [(i, "input") for i, k in enumerate(keys) if k and k == key(x)]
+
+
+def _err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    d = (a.detach().double() - ref.detach().double()).abs()
+    d = torch.where(torch.isnan(a.detach().double()) & torch.isnan(ref.detach().double()), 0.0, d)
+    return float(d.nan_to_num(float("inf")).max()) if d.numel() else 0.0
+
+
+def compare(what: str, got, want, ref64, rtol: float, atol: float, check_strides: bool = True) -> None:
+    """Raise Mismatch unless ``got`` matches ``want`` (see the module's docstring)."""
+    g, w = _flat(got), _flat(want)
+    r = _flat(ref64) if ref64 is not None else [None] * len(w)
+    if len(g) != len(w):
+        raise Mismatch(f"{what}: {len(g)} outputs, eager {len(w)}")
+    for i, (a, b, c) in enumerate(zip(g, w, r)):
+        if not isinstance(b, torch.Tensor):
+            continue
+        name = f"{what}[{i}]"
+        if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            raise Mismatch(f"{name}: {getattr(a, 'shape', a)} {getattr(a, 'dtype', '')}, eager {b.shape} {b.dtype}")
+        if check_strides and not all(n == 1 or s == t for n, s, t in zip(b.shape, a.stride(), b.stride())):
+            raise Mismatch(f"{name}: strides {a.stride()}, eager {b.stride()}")
+        try:
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol, equal_nan=True)
+        except AssertionError as e:
+            if c is None:
+                raise Mismatch(f"{name}: {e}") from None
+            err_c, err_e = _err(a, c), _err(b, c)
+            if not err_c <= 2 * err_e + atol:
+                raise Mismatch(f"{name}: error vs float64 {err_c:.3g}, eager's {err_e:.3g} (atol {atol}); "
+                               f"vs eager: {str(e).splitlines()[1:3]}") from None
+
+
+def _reference64(model, x, program: Program):
+    try:
+        m = copy.deepcopy(model).double()
+        xd = x.detach().double().requires_grad_(program.mode == "training")
+        return m, xd
+    except (RuntimeError, TypeError):
+        return None, None
+
+
+def run_program(program: Program, device: str) -> list:
+    """Run and compare ``program``; returns the GraphReports fxopt compiled (raises Mismatch)."""
+    from fxopt.testing import compile_with_fxopt
+
+    model, x = build(program, device)
+    if device == "cpu" and program.options.get("executor") == "cuda":
+        return check_cuda_on_cpu(program, model, x)
+    eager, mine = model, copy.deepcopy(model)
+    graphs: list = []
+    compiled = compile_with_fxopt(mine, program.options, graphs)
+    if program.mode == "inference":
+        with torch.no_grad():
+            out_e = eager(x)
+            outs = [compiled(x) for _ in range(2 if device == "cuda" else 1)]  # capture, then a replay
+            m64, x64 = _reference64(model, x, program)
+            ref = m64(x64) if m64 is not None else None
+        rtol, atol = tolerance_for(program, device, graphs)
+        for k, out_c in enumerate(outs):
+            compare(f"call {k} output", out_c, out_e, ref, rtol, atol)
+            pat_c, pat_e = _alias_pattern(_flat(out_c), x), _alias_pattern(_flat(out_e), x)
+            if pat_c != pat_e:
+                raise Mismatch(f"call {k}: outputs alias {pat_c}, eager's {pat_e}")
+    else:
+        _training_step(program, device, eager, mine, compiled, x, graphs)
+    if not graphs:
+        raise Mismatch("fxopt compiled no graph")
+    for g in graphs:
+        if g.fallback is not None:
+            raise Mismatch(f"fxopt fell back: {g.fallback}")
+    return graphs
+
+
+def _training_step(program, device, eager, mine, compiled, x, graphs) -> None:
+    dtype = getattr(torch, program.dtype)
+    amp = torch.autocast(device, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    m64, x64 = _reference64(eager, x, program)
+    xe, xc = (x.detach().clone().requires_grad_(True) for _ in range(2))
+    with amp:
+        out_e, out_c = eager(xe), compiled(xc)
+    out64 = m64(x64) if m64 is not None else None
+    rtol, atol = tolerance_for(program, device, graphs)
+    compare("output", out_c, out_e, out64, rtol, atol, check_strides=False)
+    gen = torch.Generator().manual_seed(program.seed + 2)
+    ws = [torch.randn(o.shape, generator=gen).to(o.device) for o in _flat(out_e)]
+
+    def loss(outs, ref=False):
+        return sum(((o.double() if ref else o.float()) * (w.double() if ref else w)).sum()
+                   for o, w in zip(_flat(outs), ws))
+    le, lc = loss(out_e), loss(out_c)
+    n = sum(o.numel() for o in _flat(out_e)) ** 0.5
+    compare("loss", lc, le, loss(out64, True) if out64 is not None else None, rtol, atol * max(1.0, n))
+    le.backward()
+    lc.backward()
+    if out64 is not None:
+        loss(out64, True).backward()
+    params_e, params_c = dict(eager.named_parameters()), dict(mine.named_parameters())
+    params_64 = dict(m64.named_parameters()) if m64 is not None else {}
+    for name, p in params_e.items():
+        q, r = params_c[name].grad, getattr(params_64.get(name), "grad", None)
+        if (p.grad is None) != (q is None):
+            raise Mismatch(f"{name}.grad: {q is not None}, eager {p.grad is not None}")
+        if p.grad is not None:
+            compare(f"{name}.grad", q, p.grad, r, rtol * 10, atol * 10, check_strides=False)
+    compare("input.grad", xc.grad, xe.grad, x64.grad if x64 is not None else None, rtol * 10, atol * 10,
+            check_strides=False)
+    if params_e:
+        for m in (eager, mine):
+            opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+            opt.step()
+        for name, p in params_e.items():
+            compare(f"{name} after the step", params_c[name], p, None, rtol * 10, atol * 10, check_strides=False)
+    bufs_c = dict(mine.named_buffers())
+    for name, b in eager.named_buffers():
+        compare(f"buffer {name}", bufs_c[name], b, None, rtol, atol, check_strides=False)
+
+
+def check_cuda_on_cpu(program: Program, model, x) -> list:
+    """The cuda executor's CPU-checkable part for ``program`` (see the module's docstring)."""
+    import fxopt
+    from fxopt.testing import CNNCase
+    from fxopt.testing.fusion import check_fusion
+
+    from .backend_api import reduction_sources
+    from .geometry import check_row_geometry, is_row_kernel
+
+    options = {**program.options, "executor": "cuda"}
+    options.pop("cudagraphs", None)
+    training = program.mode == "training"
+    report = fxopt.explain(model, x, options=options, training=training)
+    for g in report.graphs:
+        if g.fallback is not None:
+            raise Mismatch(f"fxopt fell back: {g.fallback}")
+    bad = [(k.name, getattr(k, "error", None)) for k in report.kernels if not k.compiled]
+    if bad:
+        raise Mismatch(f"kernels that did not compile: {bad[:3]}")
+    if not training:
+        case = CNNCase(copy.deepcopy(model), (x,), getattr(torch, program.dtype), False, program.layers)
+        check_options = {k: v for k, v in options.items() if k not in ("executor", "fast_math")}
+        for sched in check_fusion(case, check_options):
+            for region in sched.regions:
+                if hasattr(region.kernel, "reduced"):
+                    for ks in reduction_sources(region.kernel, bool(options.get("fast_math", False))):
+                        if is_row_kernel(ks):
+                            check_row_geometry(ks)
+    return list(report.graphs)

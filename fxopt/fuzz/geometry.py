@@ -1,0 +1,242 @@
+"""The thread mapping of a generated register-row reduction kernel, run on the CPU.
+
+``check_row_geometry(ks)`` reads the CUDA source of a kernel generated for the ``inner`` strategy
+with rows kept in registers (``codegen/row_reduction.py``: names ``fx_red_*_rows<block>v<vec>*``)
+and executes its index arithmetic for every thread of its launch grid (``ks.meta["grid"]``,
+``ks.block``): the lane / row mapping, the clamped chunk indices, the vector loads, the guarded
+accumulations, the warp-shuffle butterfly and the guarded stores. Values are not computed; each
+accumulator carries the multiset of the input elements (buffer, offset) it has combined. It
+asserts, per reduction phase and per row:
+
+- every element of the row is combined exactly once (no element missed, none counted twice:
+  the masked lanes of a partial last chunk, the clamped rows of the last block);
+- the rows' elements of a buffer that holds ``rows x row_size`` values are disjoint across rows;
+- every load is in bounds of its buffer's span;
+- every output element is stored exactly once over the whole grid, all in bounds.
+
+The generated C is parsed line by line (its forms are few and fixed: ``const idx_t x = ...;``
+declarations, ``?:`` on the whole right-hand side, ``fx_vec`` loads and stores); a line the
+emulator does not know raises ``GeometryParseError`` so that a change of the generator is seen
+rather than silently skipped.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from functools import lru_cache
+
+__all__ = ["check_row_geometry", "is_row_kernel", "GeometryParseError"]
+
+
+class GeometryParseError(ValueError):
+    pass
+
+
+_DECL = re.compile(r"^const (?:idx_t|int|bool) (\w+) = (.+);$")
+_VLOAD = re.compile(r"^const fx_vec<\w+, (\d+)> (vl\w+) = \*reinterpret_cast<const fx_vec<\w+, \d+>\*>\(in(\d+) \+ (.+)\);$")
+_VAL = re.compile(r"^const float (t\d+) = (.+);$")
+_ACC_INIT = re.compile(r"^float (acc_\w+) = .+;$")
+_ACC = re.compile(r"^(acc_\w+) = (?:(\w+) \? (.+) : \1|(.+));$")
+_SHFL = re.compile(r"^for \(int o_ = (\d+); o_ > 0; o_ >>= 1\) (acc_\w+) = .+;$")
+_RED = re.compile(r"^const float (red_\w+) = (acc_\w+);$")
+_IF = re.compile(r"^if \((.+)\) \{$")
+_VSTORE = re.compile(r"^\*reinterpret_cast<fx_vec<\w+, (\d+)>\*>\(out(\d+) \+ (.+)\) = vs_;$")
+_SSTORE = re.compile(r"^out(\d+)\[(.+)\] = .+;$")
+_SCALAR_LOAD = re.compile(r"in(\d+)\[(\([^\[\]]*\))\]")
+_VEC_ELEM = re.compile(r"(vl\w+)\.v\[(\d+)\]")
+_T = re.compile(r"\bt\d+\b")
+
+
+def is_row_kernel(ks) -> bool:
+    return ks.kind == "fused_reduction" and "tpr" in (ks.meta.get("geometry") or {})
+
+
+def _py(expr: str) -> str:
+    """A C integer / boolean expression of the generated index code as Python."""
+    e = expr.strip()
+    e = re.sub(r"\((?:idx_t|int|long long)\)", "", e)
+    m = re.fullmatch(r"(\w+) \? (.+) : (.+)", e)
+    if m:
+        return f"(({_py(m.group(2))}) if ({m.group(1)}) else ({_py(m.group(3))}))"
+    return e.replace("&&", " and ").replace("||", " or ").replace("/", "//")
+
+
+@lru_cache(maxsize=4096)
+def _code(expr: str):
+    return compile(_py(expr), "<generated index>", "eval")
+
+
+def _ev(expr: str, env: dict):
+    return eval(_code(expr), {}, env)  # noqa: S307 - the kernel's own index arithmetic, translated
+
+
+def _parse(source: str, name: str):
+    """(tpr, rpb, rows, ops of the loop body) of the kernel ``name`` in ``source``."""
+    body = source[source.index(f"{name}("):]
+    lines = [ln.strip() for ln in body.splitlines()[1:]]
+    lines = [ln.split("//")[0].strip() if ln.startswith("fx_pdl_begin") else ln for ln in lines]
+    head = "\n".join(lines[:8])
+    tpr = int(re.search(r"const int lane_ = threadIdx\.x % (\d+);", head).group(1))
+    loop = re.search(r"for \(idx_t base_ = \(idx_t\)blockIdx\.x \* (\d+); base_ < (\d+);", head)
+    rpb, rows = int(loop.group(1)), int(loop.group(2))
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("for (idx_t base_"))
+    ops, depth = [], 0
+    for ln in lines[start + 1:]:
+        if not ln or ln.startswith("fx_vec<") or ln.startswith("vs_.v["):
+            continue
+        if ln == "}":
+            if depth == 0:
+                break
+            depth -= 1
+            ops.append(("endif",))
+            continue
+        for pat, kind in ((_VLOAD, "vload"), (_SHFL, "shfl"), (_RED, "red"), (_DECL, "decl"), (_VAL, "val"),
+                          (_ACC_INIT, "init"), (_ACC, "acc"), (_IF, "if"), (_VSTORE, "vstore"),
+                          (_SSTORE, "sstore")):
+            m = pat.match(ln)
+            if m:
+                break
+        else:
+            raise GeometryParseError(f"{name}: unknown line {ln!r}")
+        if kind == "if":
+            depth += 1
+        ops.append((kind, m))
+    return tpr, rpb, rows, ops
+
+
+def _run_thread(ops, env: dict, spans: dict, errors: list) -> dict:
+    """One thread's pass over the loop body: its accumulators' element multisets before the
+    shuffles, the shuffle starts, its stores (under their guards)."""
+    deps: dict = {}
+    vloads: dict = {}
+    accs: dict = {}
+    shfl: dict = {}
+    stores: list = []
+    tainted = {"lane_"}
+    guard: list = []
+
+    def elements(text: str) -> Counter:
+        out = Counter()
+        for m in _VEC_ELEM.finditer(text):
+            buf, off, vec, row_load = vloads[m.group(1)]
+            if row_load:
+                out[(buf, off + int(m.group(2)))] += 1
+        for m in _SCALAR_LOAD.finditer(text):
+            off = _ev(m.group(2), env)
+            _bounds(f"in{m.group(1)}", int(m.group(1)), off, 1, spans["in"], errors)
+            if set(re.findall(r"\w+", m.group(2))) & tainted:
+                out[(int(m.group(1)), off)] += 1
+        for t in set(_T.findall(text)):
+            out.update(deps.get(t, Counter()))
+        return out
+
+    for op in ops:
+        kind = op[0]
+        if kind == "endif":
+            guard.pop()
+            continue
+        m = op[1]
+        if kind == "decl":
+            env[m.group(1)] = _ev(m.group(2), env)
+            if set(re.findall(r"\w+", m.group(2))) & tainted:
+                tainted.add(m.group(1))
+        elif kind == "vload":
+            vec, name, buf = int(m.group(1)), m.group(2), int(m.group(3))
+            off = _ev(m.group(4), env)
+            _bounds(f"in{buf}", buf, off, vec, spans["in"], errors)
+            vloads[name] = (buf, off, vec, bool(set(re.findall(r"\w+", m.group(4))) & tainted))
+        elif kind == "val":
+            deps[m.group(1)] = elements(m.group(2))
+        elif kind == "init":
+            accs[m.group(1)] = Counter()
+        elif kind == "acc":
+            ok = m.group(2) is None or env[m.group(2)]
+            comb = m.group(3) if m.group(2) is not None else m.group(4)
+            if ok:
+                accs[m.group(1)] = accs[m.group(1)] + elements(comb.replace(m.group(1), ""))
+        elif kind == "shfl":
+            shfl[m.group(2)] = int(m.group(1))
+        elif kind == "red":
+            pass
+        elif kind == "if":
+            guard.append(bool(_ev(m.group(1), env)))
+        elif kind in ("vstore", "sstore"):
+            if all(guard):
+                vec = int(m.group(1)) if kind == "vstore" else 1
+                buf = int(m.group(2) if kind == "vstore" else m.group(1))
+                off = _ev(m.group(3) if kind == "vstore" else m.group(2), env)
+                stores.append((buf, off, vec))
+    return {"accs": accs, "shfl": shfl, "stores": stores, "row": env["row_"], "rowok": env["rowok_"]}
+
+
+def _bounds(what: str, buf: int, off: int, vec: int, spans: list, errors: list) -> None:
+    if off < 0 or off + vec > spans[buf]:
+        errors.append(f"{what}: access [{off}, {off + vec}) outside its span {spans[buf]}")
+
+
+def check_row_geometry(ks, max_errors: int = 5) -> dict:
+    """Emulate ``ks`` (a register-row reduction ``KernelSource``) over its whole launch; raises
+    AssertionError naming the first violations. Returns a summary (rows, threads, phases)."""
+    k = ks.meta["kernel"]
+    tpr, rpb, rows, ops = _parse(ks.source, ks.name)
+    block, grid = ks.block[0], ks.meta["grid"][0]
+    R = k.row_size
+    errors: list = []
+    if block != tpr * rpb:
+        errors.append(f"block {block} != threads per row {tpr} x rows per block {rpb}")
+    if 32 % tpr:
+        errors.append(f"{tpr} threads per row straddle a warp")
+    if rows != k.rows:
+        errors.append(f"the loop runs over {rows} rows, the kernel has {k.rows}")
+    spans = {"in": [b.span() for b in k.inputs], "out": [b.span() for b in k.outputs]}
+    per_row: dict = {}
+    stored: Counter = Counter()
+    for b in range(grid):
+        base = b * rpb
+        while base < rows:
+            threads = [_run_thread(ops, {"lane_": t % tpr, "sub_": t // tpr, "base_": base}, spans, errors)
+                       for t in range(block)]
+            for w0 in range(0, block, 32):
+                warp = threads[w0:w0 + 32]
+                for acc in warp[0]["accs"]:
+                    vals = [th["accs"][acc] for th in warp]
+                    o = warp[0]["shfl"].get(acc, 0)
+                    if o and 2 * o != tpr:
+                        errors.append(f"{acc}: the shuffle butterfly starts at {o} for {tpr} threads per row")
+                    while o:
+                        vals = [vals[i] + vals[(i ^ o) % len(vals)] for i in range(len(vals))]
+                        o //= 2
+                    for th, v in zip(warp, vals):
+                        if th["rowok"]:
+                            per_row.setdefault((th["row"], acc), []).append(v)
+            for th in threads:
+                for buf, off, vec in th["stores"]:
+                    _bounds(f"out{buf}", buf, off, vec, spans["out"], errors)
+                    stored.update((buf, off + i) for i in range(vec))
+            base += grid * rpb
+    phases = sorted({acc for _, acc in per_row})
+    seen_rows = {r for r, _ in per_row}
+    if phases and seen_rows != set(range(rows)):
+        errors.append(f"rows never reduced: {sorted(set(range(rows)) - seen_rows)[:8]}")
+    owner: dict = {}
+    for (row, acc), vals in sorted(per_row.items()):
+        for v in vals:  # every thread of the row holds the whole row after the butterfly
+            dup = [e for e, c in v.items() if c != 1]
+            if dup or sum(v.values()) != R:
+                errors.append(f"row {row}, {acc}: {sum(v.values())} elements combined for a row of {R}"
+                              + (f", counted twice: {dup[:4]}" if dup else ""))
+                break
+        for buf, off in vals[0]:
+            if spans["in"][buf] >= rows * R and owner.setdefault((acc, buf, off), row) != row:
+                errors.append(f"{acc}: element {off} of in{buf} reduced in rows {owner[(acc, buf, off)]} and {row}")
+    twice = [e for e, c in stored.items() if c > 1]
+    if twice:
+        errors.append(f"output elements stored more than once: {twice[:4]}")
+    for i, b in enumerate(k.outputs):
+        if b.span() == b.numel:
+            written = {off for buf, off in stored if buf == i}
+            if len(written) != b.numel:
+                errors.append(f"out{i}: {len(written)} of {b.numel} elements stored")
+    if errors:
+        raise AssertionError(f"{ks.name} (grid {grid}, block {block}): " + "; ".join(errors[:max_errors]))
+    return {"rows": rows, "row_size": R, "threads": grid * block, "phases": phases}

@@ -1,0 +1,397 @@
+"""Random CNN graphs as Python source: the hypothesis strategy ``programs()``.
+
+A ``Program`` is the model's source code (one ``nn.Module`` class, ``Model``, straight-line
+``forward``), the input's shape, dtype and memory format, the weights' and input's seed, the mode
+(inference, or one training step: forward, backward, SGD step) and the fxopt options. The model is
+built by executing that source, so a reproducer holds exactly what was run (``repro.py``).
+
+Layers (each drawn where legal for the running shape (C, H, W); sizes may reach 1):
+convolutions (1x1 to 7x7, stride, dilation, padding incl. ``same``, groups: dense, depthwise,
+grouped; 3x3 stride 1 dense often, for Winograd) with optional BatchNorm and activation; pointwise
+chains (every activation fxopt fuses and more, arithmetic, clamp, where); reductions (mean, amax,
+amin, sum, var over every axis incl. the batch) broadcast back; BatchNorm, InstanceNorm, GroupNorm,
+LayerNorm over channels and over (C, H, W); max / avg / adaptive pools; softmax / log_softmax;
+squeeze-excite; views (transpose, channel shuffle, permute round trip, strided slice); chunk / split
++ cat; constant / reflect / replicate pad; nearest / bilinear upsample; residual blocks; dtype round
+trips; flatten + linear heads. A model may return a second output (an intermediate, sometimes a
+view of it) so that aliasing and strides of several outputs are compared.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from hypothesis import strategies as st
+
+#: activations as functional source (``{x}`` is the operand)
+ACTS = {
+    "relu": "F.relu({x})", "relu6": "F.relu6({x})", "leaky_relu": "F.leaky_relu({x}, 0.1)", "silu": "F.silu({x})",
+    "gelu": "F.gelu({x})", "gelu_tanh": "F.gelu({x}, approximate='tanh')", "hardswish": "F.hardswish({x})",
+    "hardsigmoid": "F.hardsigmoid({x})", "sigmoid": "torch.sigmoid({x})", "tanh": "torch.tanh({x})",
+    "mish": "F.mish({x})", "elu": "F.elu({x})", "softplus": "F.softplus({x})", "abs": "torch.abs({x})",
+    "neg": "torch.neg({x})", "hardtanh": "F.hardtanh({x}, -0.5, 0.5)", "identity": "{x}",
+}
+ARITH = {
+    "affine": "{x} * 0.5 + 0.25", "square": "{x} * {x}", "clamp": "{x}.clamp(-1.0, 1.5)",
+    "where": "torch.where({x} > 0, {x}, {x} * 0.2)", "exp": "torch.exp({x}.clamp(max=4.0))",
+    "rsub": "1.0 - {x}", "div": "{x} / 3.0",
+}
+#: layer kinds, repeats weigh the draw
+KINDS = ("conv", "conv", "conv3", "pointwise", "reduce", "norm", "norm", "pool", "softmax", "se", "view",
+         "split_cat", "pad", "upsample", "residual", "cast")
+DTYPES = ("float32", "float16", "bfloat16")
+ALGORITHMS = (None, "direct", "winograd_2x2_3x3", "winograd_4x4_3x3", "fft", "gemm")
+
+
+@dataclass
+class Program:
+    source: str
+    shape: tuple
+    dtype: str = "float32"
+    fmt: str = "contiguous"          # contiguous | channels_last
+    mode: str = "inference"          # inference | training
+    seed: int = 0
+    options: dict = field(default_factory=dict)
+    layers: list = field(default_factory=list)  # readable layer descriptions
+    ops: list = field(default_factory=list)     # op tags for the coverage report
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Program":
+        return cls(**{**d, "shape": tuple(d["shape"])})
+
+    def __repr__(self) -> str:  # what hypothesis prints for a failing example
+        return (f"Program({self.dtype}, {self.fmt}, {self.mode}, input {self.shape}, seed {self.seed}, "
+                f"options {json.dumps(self.options)}, layers {self.layers})\n{self.source}")
+
+
+class _Builder:
+    """Accumulates the model's __init__ and forward lines while tracking the shape."""
+
+    def __init__(self, draw, c: int, h: int, w: int, training: bool):
+        self.draw, self.c, self.h, self.w, self.training = draw, c, h, w, training
+        self.init: list = []
+        self.fwd: list = []
+        self.desc: list = []
+        self.ops: set = set()
+        self.n = 0
+        self.head = False
+
+    def mod(self, expr: str) -> str:
+        name = f"self.m{self.n}"
+        self.n += 1
+        self.init.append(f"{name} = {expr}")
+        return name
+
+    def act(self, x: str = "x", pool=None) -> str:
+        a = self.draw(st.sampled_from(sorted(pool or ACTS)))
+        self.ops.add(f"act:{a}")
+        return ACTS[a].format(x=x), a
+
+    def bn(self, c: int) -> str:
+        m = self.mod(f"nn.BatchNorm2d({c})")
+        self.init.append(f"_random_stats({m})")
+        self.ops.add("batchnorm")
+        return m
+
+
+def _out(size: int, k: int, s: int, p: int, d: int) -> int:
+    return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def _conv(b: _Builder, three: bool) -> None:
+    draw, c = b.draw, b.c
+    k = 3 if three else draw(st.sampled_from([1, 1, 2, 3, 3, 5, 7]))
+    s = 1 if three else draw(st.sampled_from([1, 1, 2]))
+    d = 1 if three or k == 1 else draw(st.sampled_from([1, 1, 2]))
+    eff = d * (k - 1) + 1
+    same = s == 1 and draw(st.booleans())
+    p = (eff - 1) // 2 if three else (0 if same else draw(st.integers(0, eff // 2)))
+    oh, ow = (b.h, b.w) if same else (_out(b.h, k, s, p, d), _out(b.w, k, s, p, d))
+    if oh < 1 or ow < 1:
+        return
+    cout = draw(st.sampled_from([c, 1, 2, 3, 4, 5, 6, 7, 8, 12]))
+    kind = "dense" if three and draw(st.booleans()) else draw(st.sampled_from(["dense", "dense", "depthwise", "grouped"]))
+    g = 1
+    if kind == "depthwise":
+        g, cout = c, c * draw(st.sampled_from([1, 1, 2]))
+    elif kind == "grouped":
+        common = [q for q in range(2, c + 1) if c % q == 0 and cout % q == 0]
+        g = draw(st.sampled_from(common)) if common else 1
+    kind = "dense" if g == 1 else ("depthwise" if g == c else "grouped")
+    pad = "'same'" if same else str(p)
+    bias = draw(st.booleans())
+    m = b.mod(f"nn.Conv2d({c}, {cout}, {k}, stride={s}, padding={pad}, dilation={d}, groups={g}, bias={bias})")
+    y = f"{m}(x)"
+    text = f"conv{k}x{k} s{s} d{d} p{pad.strip(chr(39))} g{g} {c}->{cout}"
+    if draw(st.booleans()):
+        y = f"{b.bn(cout)}({y})"
+        text += "-bn"
+    y, a = b.act(y)
+    b.fwd.append(f"x = {y}")
+    b.desc.append(f"{text}-{a}")
+    b.ops.add(f"conv:{kind}:{k}x{k}" + (":strided" if s > 1 else "") + (":dilated" if d > 1 else ""))
+    b.c, b.h, b.w = cout, oh, ow
+
+
+def _pointwise(b: _Builder) -> None:
+    names = b.draw(st.lists(st.sampled_from(sorted(ACTS) + sorted(ARITH)), min_size=1, max_size=3))
+    y = "x"
+    for nm in names:
+        y = (ACTS.get(nm) or ARITH[nm]).format(x=f"({y})" if nm in ARITH else y)
+        b.ops.add(f"act:{nm}" if nm in ACTS else f"pointwise:{nm}")
+    b.fwd.append(f"x = {y}")
+    b.desc.append("-".join(names))
+
+
+def _reduce(b: _Builder) -> None:
+    draw = b.draw
+    dims = draw(st.sampled_from([(1,), (2,), (3,), (2, 3), (1, 2, 3), (0,), (0, 2, 3)]))
+    op = draw(st.sampled_from(["mean", "amax", "amin", "sum", "var"]))
+    if op == "var" and all({0: 1, 1: b.c, 2: b.h, 3: b.w}[d] == 1 for d in dims):
+        op = "mean"  # the variance of one value is NaN (unbiased)
+    r = f"x.{op}({dims}, keepdim=True)"
+    combine = draw(st.sampled_from(["sub", "gate", "add"]))
+    b.fwd.append({"sub": f"x = x - {r}", "gate": f"x = x * torch.sigmoid({r})", "add": f"x = x + 0.1 * {r}"}[combine])
+    b.desc.append(f"{op}{dims}-{combine}")
+    b.ops.add(f"reduce:{op}:{','.join(map(str, dims))}")
+
+
+def _norm(b: _Builder) -> None:
+    draw, c = b.draw, b.c
+    kind = draw(st.sampled_from(["batch", "instance", "group", "layer_c", "layer_chw"]))
+    affine = draw(st.booleans())
+    if kind == "batch":
+        b.fwd.append(f"x = {b.bn(c)}(x)")
+    elif kind == "instance":
+        if b.h * b.w < 2:
+            return
+        b.fwd.append(f"x = {b.mod(f'nn.InstanceNorm2d({c}, affine={affine})')}(x)")
+    elif kind == "group":
+        g = draw(st.sampled_from([d for d in range(1, c + 1) if c % d == 0]))
+        b.fwd.append(f"x = {b.mod(f'nn.GroupNorm({g}, {c}, affine={affine})')}(x)")
+    elif kind == "layer_c":
+        m = b.mod(f"nn.LayerNorm({c}, elementwise_affine={affine})")
+        b.fwd.append(f"x = {m}(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)")
+    else:
+        m = b.mod(f"nn.LayerNorm([{c}, {b.h}, {b.w}], elementwise_affine={affine})")
+        b.fwd.append(f"x = {m}(x)")
+    b.desc.append(f"{kind}norm")
+    b.ops.add(f"norm:{kind}")
+
+
+def _pool(b: _Builder) -> None:
+    draw = b.draw
+    kind = draw(st.sampled_from(["max", "avg", "adaptive", "global"]))
+    if kind == "global":
+        b.fwd.append("x = F.adaptive_avg_pool2d(x, 1)")
+        b.h = b.w = 1
+    elif kind == "adaptive":
+        oh, ow = draw(st.integers(1, b.h)), draw(st.integers(1, b.w))
+        b.fwd.append(f"x = F.adaptive_avg_pool2d(x, ({oh}, {ow}))")
+        b.h, b.w = oh, ow
+    else:
+        k = draw(st.integers(1, 3))
+        s = draw(st.integers(1, 2))
+        p = draw(st.integers(0, k // 2))
+        ceil = draw(st.booleans())
+        oh, ow = _pool_out(b.h, k, s, p, ceil), _pool_out(b.w, k, s, p, ceil)
+        if oh < 1 or ow < 1:
+            return
+        if kind == "max":
+            b.fwd.append(f"x = F.max_pool2d(x, {k}, {s}, {p}, ceil_mode={ceil})")
+        else:
+            cp = draw(st.booleans())
+            b.fwd.append(f"x = F.avg_pool2d(x, {k}, {s}, {p}, ceil_mode={ceil}, count_include_pad={cp})")
+        b.h, b.w = oh, ow
+        kind += f"{k}s{s}p{p}" + ("c" if ceil else "")
+    b.desc.append(f"{kind}pool")
+    b.ops.add(f"pool:{kind.rstrip('0123456789spc')}")
+
+
+def _pool_out(n: int, k: int, s: int, p: int, ceil: bool) -> int:
+    if k > n + 2 * p:
+        return 0
+    o = (n + 2 * p - k + ((s - 1) if ceil else 0)) // s + 1
+    return o - 1 if ceil and (o - 1) * s >= n + p else o
+
+
+def _view(b: _Builder) -> None:
+    kind = b.draw(st.sampled_from(["transpose", "shuffle", "permute", "slice", "flatten"]))
+    if kind == "transpose":
+        b.fwd.append("x = x.transpose(2, 3)" + (".contiguous()" if b.draw(st.booleans()) else "") + " * 1.5")
+        b.h, b.w = b.w, b.h
+    elif kind == "shuffle":
+        gs = [g for g in (2, 3, 4) if b.c % g == 0]
+        if not gs:
+            return
+        g = b.draw(st.sampled_from(gs))
+        b.fwd.append(f"x = x.reshape(x.shape[0], {g}, {b.c // g}, {b.h}, {b.w}).transpose(1, 2)"
+                     f".reshape(x.shape[0], {b.c}, {b.h}, {b.w})")
+    elif kind == "permute":
+        b.fwd.append("x = torch.relu(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)")
+    elif kind == "slice":
+        if b.w < 2:
+            return
+        b.fwd.append("x = x[:, :, :, ::2] + 0.5")
+        b.w = (b.w + 1) // 2
+    else:
+        b.fwd.append(f"x = x.flatten(2).unflatten(2, ({b.h}, {b.w})) - 0.25")
+    b.desc.append(kind)
+    b.ops.add(f"view:{kind}")
+
+
+def _split_cat(b: _Builder) -> None:
+    kind = b.draw(st.sampled_from(["chunk", "split_w", "self"]))
+    y, a = b.act("a")
+    if kind == "chunk":
+        if b.c % 2:
+            return
+        b.fwd += ["a, c = torch.chunk(x, 2, dim=1)", f"x = torch.cat([{y}, c], 1)"]
+    elif kind == "split_w":
+        if b.w < 2:
+            return
+        b.fwd += [f"a, c = torch.split(x, [1, {b.w - 1}], dim=3)", f"x = torch.cat([c, {y}], 3)"]
+    else:
+        b.fwd += ["a = x", f"x = torch.cat([x, {y}], 1)"]
+        b.c *= 2
+    b.desc.append(f"{kind}-cat({a})")
+    b.ops.add(f"cat:{kind}")
+
+
+def _pad(b: _Builder) -> None:
+    draw = b.draw
+    mode = draw(st.sampled_from(["constant", "constant", "reflect", "replicate"]))
+    pads = [draw(st.integers(0, 2)) for _ in range(4)]
+    if mode == "reflect":
+        pads = [min(p, (b.w if i < 2 else b.h) - 1) for i, p in enumerate(pads)]
+    val = f", value={draw(st.sampled_from([0.0, -1.5]))}" if mode == "constant" else ""
+    b.fwd.append(f"x = F.pad(x, {tuple(pads)}, mode='{mode}'{val})")
+    b.w, b.h = b.w + pads[0] + pads[1], b.h + pads[2] + pads[3]
+    b.desc.append(f"pad{tuple(pads)}{mode}")
+    b.ops.add(f"pad:{mode}")
+
+
+def _upsample(b: _Builder) -> None:
+    mode = b.draw(st.sampled_from(["nearest", "bilinear"]))
+    extra = ", align_corners=False" if mode == "bilinear" else ""
+    b.fwd.append(f"x = F.interpolate(x, scale_factor=2, mode='{mode}'{extra})")
+    b.h, b.w = b.h * 2, b.w * 2
+    b.desc.append(f"upsample-{mode}")
+    b.ops.add(f"upsample:{mode}")
+
+
+def _softmax(b: _Builder) -> None:
+    dim, log = b.draw(st.sampled_from([1, -1])), b.draw(st.booleans())
+    b.fwd.append(f"x = torch.{'log_' if log else ''}softmax(x, dim={dim})")
+    b.desc.append(f"{'log_' if log else ''}softmax{dim}")
+    b.ops.add(f"softmax:{'log' if log else 'plain'}")
+
+
+def _se(b: _Builder) -> None:
+    r = max(1, b.c // 2)
+    fc1, fc2 = b.mod(f"nn.Conv2d({b.c}, {r}, 1)"), b.mod(f"nn.Conv2d({r}, {b.c}, 1)")
+    y, a = b.act(f"{fc1}(x.mean((2, 3), keepdim=True))", pool=("relu", "silu", "hardswish"))
+    b.fwd.append(f"x = x * torch.sigmoid({fc2}({y}))")
+    b.desc.append(f"se({a})")
+    b.ops.add("se")
+
+
+def _residual(b: _Builder) -> None:
+    k = b.draw(st.sampled_from([1, 3]))
+    m = b.mod(f"nn.Conv2d({b.c}, {b.c}, {k}, padding={k // 2}, bias=False)")
+    y, a = b.act(f"{b.bn(b.c)}({m}(x)) + x")
+    b.fwd.append(f"x = {y}")
+    b.desc.append(f"residual(conv{k}-bn)+{a}")
+    b.ops.add("residual")
+
+
+def _cast(b: _Builder, dtype: str) -> None:
+    other = b.draw(st.sampled_from([d for d in ("float16", "bfloat16", "float32") if d != dtype]))
+    b.fwd.append(f"x = x.to(torch.{other}).to(torch.{dtype}) * 2.0")
+    b.desc.append(f"cast({other})")
+    b.ops.add("cast")
+
+
+def _head(b: _Builder) -> None:
+    kind = b.draw(st.sampled_from(["flatten", "pooled"]))
+    feat = b.c * b.h * b.w if kind == "flatten" else b.c
+    hidden = b.draw(st.sampled_from([1, 3, 8, 16]))
+    l1, l2 = b.mod(f"nn.Linear({feat}, {hidden})"), b.mod(f"nn.Linear({hidden}, {b.draw(st.integers(1, 7))})")
+    src = "torch.flatten(x, 1)" if kind == "flatten" else "x.mean((2, 3))"
+    y, a = b.act(f"{l1}({src})", pool=("relu", "gelu", "hardswish", "identity", "silu"))
+    b.fwd.append(f"x = {l2}({y})")
+    b.desc.append(f"{kind}-linear-{a}-linear")
+    b.ops.add(f"linear:{kind}")
+    b.head = True
+
+
+_PRELUDE = '''import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _random_stats(bn):
+    with torch.no_grad():
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 1.5)
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.2, 0.2)
+'''
+
+
+def render(init: list, fwd: list, ret: str) -> str:
+    lines = [_PRELUDE, "", "class Model(nn.Module):", "    def __init__(self):", "        super().__init__()"]
+    lines += [f"        {ln}" for ln in init] or ["        pass"]
+    lines += ["", "    def forward(self, x):"] + [f"        {ln}" for ln in fwd] + [f"        return {ret}", ""]
+    return "\n".join(lines)
+
+
+@st.composite
+def programs(draw, dtypes=DTYPES, modes=("inference", "training"), max_layers: int = 5, max_batch: int = 64,
+             max_size: int = 12, algorithms=ALGORITHMS, cudagraphs=(None, False), executor=None, kinds=KINDS):
+    """A random ``Program``; ``cudagraphs``: values of the option to draw (None: the default)."""
+    dtype = draw(st.sampled_from(list(dtypes)))
+    mode = draw(st.sampled_from(list(modes)))
+    n = draw(st.sampled_from(sorted({min(v, max_batch) for v in (1, 1, 2, 3, 4, 5, 8, 17, 64)})))
+    c = draw(st.integers(1, 7) | st.sampled_from([8, 12, 16]))
+    h, w = draw(st.integers(1, max_size)), draw(st.integers(1, max_size))
+    b = _Builder(draw, c, h, w, mode == "training")
+    shape = (n, c, h, w)
+    aux = None
+    for i in range(draw(st.integers(1, max_layers))):
+        kind = draw(st.sampled_from(list(kinds)))
+        if kind in ("conv", "conv3"):
+            _conv(b, kind == "conv3")
+        elif kind == "cast":
+            _cast(b, dtype)
+        else:
+            {"pointwise": _pointwise, "reduce": _reduce, "norm": _norm, "pool": _pool, "softmax": _softmax,
+             "se": _se, "view": _view, "split_cat": _split_cat, "pad": _pad, "upsample": _upsample,
+             "residual": _residual}[kind](b)
+        if aux is None and i == 0 and draw(st.integers(0, 5)) == 0:
+            aux = draw(st.sampled_from(["y", "y.transpose(2, 3)", "y[:, :1]"]))
+            b.fwd.append("y = x")
+            b.ops.add("outputs:two")
+    if not b.fwd:
+        _pointwise(b)
+    if draw(st.integers(0, 3)) == 0:
+        _head(b)
+    options = {}
+    algorithm = draw(st.sampled_from(list(algorithms)))
+    if algorithm:
+        options["conv_algorithm"] = algorithm
+    graphs = draw(st.sampled_from(list(cudagraphs)))
+    if graphs is not None:
+        options["cudagraphs"] = graphs
+    if executor:
+        options["executor"] = executor
+    if dtype != "float32" and draw(st.booleans()):
+        options["fast_math"] = False
+    ret = "x" if aux is None else f"x, {aux}"
+    return Program(render(b.init, b.fwd, ret), shape, dtype, draw(st.sampled_from(["contiguous", "channels_last"])),
+                   mode, draw(st.integers(0, 2**16)), options, b.desc, sorted(b.ops))
