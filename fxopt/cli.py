@@ -151,7 +151,13 @@ def add_diagnose(sub) -> None:
     p.set_defaults(run=cmd_diagnose)
 
 
-SUBCOMMANDS = [add_explain, add_export, add_package, add_run, add_bench, add_diagnose]
+def add_view(sub) -> None:
+    from fxopt.view.command import add_view as add  # imports no Model Explorer until it runs
+
+    add(sub)
+
+
+SUBCOMMANDS = [add_explain, add_export, add_package, add_run, add_bench, add_diagnose, add_view]
 
 
 def build_parser() -> argparse.ArgumentParser:
