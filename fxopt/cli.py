@@ -1,5 +1,5 @@
 """The ``fxopt`` command: ``fxopt explain``, ``fxopt export``, ``fxopt package``, ``fxopt run``,
-``fxopt bench``, ``fxopt diagnose``.
+``fxopt bench``, ``fxopt diagnose``, ``fxopt fuzz``.
 
 Each subcommand is one ``add_<name>(sub)`` that declares its parser and sets ``run`` to the
 function doing the work; ``SUBCOMMANDS`` lists them in the order ``fxopt --help`` shows. A
@@ -157,7 +157,35 @@ def add_view(sub) -> None:
     add(sub)
 
 
-SUBCOMMANDS = [add_explain, add_export, add_package, add_run, add_bench, add_diagnose, add_view]
+def cmd_fuzz(args) -> int:
+    from fxopt.fuzz import merge, run_fuzz
+
+    if args.merge:
+        merged = merge(args.merge, out=args.out)
+        return 1 if merged["failures"] else 0
+    i, n = (int(v) for v in args.shard.split("/"))
+    if not 0 <= i < n:
+        raise SystemExit(f"--shard {args.shard}: expected i/n with 0 <= i < n")
+    summary = run_fuzz(args.device, args.examples, args.seed, args.time_budget, args.out or "fuzz-out", (i, n),
+                       executors=args.executor or None)
+    return 1 if summary["failures"] else 0
+
+
+def add_fuzz(sub) -> None:
+    p = sub.add_parser("fuzz", help="random CNN graphs through the whole backend against eager (fxopt.fuzz)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--examples", type=non_negative_int, default=200, help="graphs over all shards (default 200)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget", type=float, default=None, help="stop drawing graphs after SECONDS")
+    p.add_argument("--out", default=None, help="directory of summaries, coverage and reproducers (default fuzz-out)")
+    p.add_argument("--shard", default="0/1", help="i/n: this run's share of the examples and its seeds")
+    p.add_argument("--executor", action="append", choices=["cpu", "torch", "cuda"],
+                   help="executors to draw (default: cuda on a GPU; cpu, torch and cuda's CPU checks on the CPU)")
+    p.add_argument("--merge", nargs="+", metavar="DIR", help="add up the shards' summaries under DIR... instead")
+    p.set_defaults(run=cmd_fuzz)
+
+
+SUBCOMMANDS = [add_explain, add_export, add_package, add_run, add_bench, add_diagnose, add_view, add_fuzz]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -121,15 +121,16 @@ def _reference64(model, x, program: Program):
         return None, None
 
 
-def run_program(program: Program, device: str) -> list:
-    """Run and compare ``program``; returns the GraphReports fxopt compiled (raises Mismatch)."""
+def run_program(program: Program, device: str, graphs: list | None = None) -> list:
+    """Run and compare ``program``; returns the GraphReports fxopt compiled (raises Mismatch);
+    ``graphs`` collects them as they compile (for a failure's tolerance and coverage)."""
     from fxopt.testing import compile_with_fxopt
 
     model, x = build(program, device)
     if device == "cpu" and program.options.get("executor") == "cuda":
         return check_cuda_on_cpu(program, model, x)
     eager, mine = model, copy.deepcopy(model)
-    graphs: list = []
+    graphs = [] if graphs is None else graphs
     compiled = compile_with_fxopt(mine, program.options, graphs)
     if program.mode == "inference":
         with torch.no_grad():
@@ -209,7 +210,8 @@ def check_cuda_on_cpu(program: Program, model, x) -> list:
     options = {**program.options, "executor": "cuda"}
     options.pop("cudagraphs", None)
     training = program.mode == "training"
-    report = fxopt.explain(model, x, options=options, training=training)
+    xg = x.detach().requires_grad_(training)  # a training graph of parameter-free layers still has a backward
+    report = fxopt.explain(model, xg, options=options, training=training)
     for g in report.graphs:
         if g.fallback is not None:
             raise Mismatch(f"fxopt fell back: {g.fallback}")

@@ -1,0 +1,136 @@
+"""The fuzz loop: hypothesis draws ``Program``s, ``check.run_program`` runs each; a failure is
+shrunk by hypothesis to a minimal program and written as a reproducer; coverage is counted.
+
+Hypothesis's own search and shrinking run it (``@given`` called programmatically, a settings
+object with a directory database under ``out``): one round runs until the examples or the time
+budget are spent or a failure is found and shrunk; the fuzzer then writes its reproducer and starts
+another round with the next seed, so that one bug does not end the run. ``shard i/n`` derives the
+seeds of shard ``i`` (so shards draw different graphs) and writes under ``out/shard-i-of-n``;
+``merge`` adds the shards' coverage and failures up.
+"""
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from pathlib import Path
+
+from .coverage import Coverage
+
+#: executors each device runs (the cuda executor on the CPU: its CPU-checkable part)
+EXECUTORS = {"cpu": ("cpu", "torch", "cuda"), "cuda": ("cuda",)}
+
+
+class _BudgetSpent(BaseException):
+    """Raised inside the test once the time budget is spent: not a failure, hypothesis lets it through."""
+
+
+def _strategy(device: str, executors, max_batch: int, max_size: int, max_layers: int, dtypes, modes):
+    from hypothesis import strategies as st
+
+    from .graphs import ALGORITHMS, programs
+
+    def one(executor):
+        cudagraphs = (None, False, True) if device == "cuda" else (None,)
+        ex_modes = tuple(m for m in modes if not (executor == "cpu" and m == "training"))
+        return programs(dtypes=dtypes, modes=ex_modes or ("inference",), max_layers=max_layers, max_batch=max_batch,
+                        max_size=max_size, algorithms=ALGORITHMS, cudagraphs=cudagraphs, executor=executor)
+    return st.one_of([one(e) for e in executors]).map(_cpu_options if device == "cpu" else (lambda p: p))
+
+
+def _cpu_options(program):
+    if program.options.get("executor") == "cpu":
+        program.options.setdefault("cpu_onnxruntime", False)  # timing ONNX Runtime sessions: seconds a graph
+    return program
+
+
+def run_fuzz(device: str = "cpu", examples: int = 100, seed: int = 0, time_budget: float | None = None,
+             out="fuzz-out", shard: tuple = (0, 1), executors=None, max_batch: int | None = None,
+             max_size: int = 12, max_layers: int = 5, dtypes=("float32", "float16", "bfloat16"),
+             modes=("inference", "training"), log=print) -> dict:
+    """Fuzz ``examples`` graphs (this shard's share) on ``device``; returns the summary written to
+    ``out/shard-i-of-n/summary.json``."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    from .check import run_program, tolerance_for
+    from .repro import write_repro
+
+    i, n = shard
+    out_dir = Path(out) / f"shard-{i}-of-{n}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    share = examples // n + (1 if i < examples % n else 0)
+    executors = tuple(executors or EXECUTORS[device])
+    strategy = _strategy(device, executors, max_batch or (64 if device == "cuda" else 8), max_size, max_layers,
+                         tuple(dtypes), tuple(modes))
+    cov, failures = Coverage(), []
+    state = {"ran": 0, "failed": None}
+    start = time.monotonic()
+
+    def test(program):
+        if time_budget is not None and time.monotonic() - start > time_budget:
+            raise _BudgetSpent
+        state["ran"] += 1
+        state["graphs"] = []
+        try:
+            graphs = run_program(program, device, state["graphs"])
+        except Exception as e:
+            state["failed"] = (program, f"{type(e).__name__}: {e}", traceback.format_exc())
+            cov.failures += 1
+            raise
+        cov.add(program, graphs)
+
+    db = DirectoryBasedExampleDatabase(str(out_dir / "hypothesis-db"))
+    rnd = 0
+    while state["ran"] < share:
+        cfg = settings(max_examples=share - state["ran"], database=db, deadline=None, derandomize=False,
+                       suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink],
+                       report_multiple_bugs=False, print_blob=True)
+        fn = hseed(seed * 7919 + i * 104729 + rnd)(settings(cfg)(given(strategy)(test)))
+        state["failed"] = None
+        try:
+            fn()
+            break
+        except _BudgetSpent:
+            break
+        except Exception as e:  # noqa: BLE001 - the shrunk failure: its reproducer, then the next round
+            program, message, tb = state["failed"] or (None, f"{type(e).__name__}: {e}", traceback.format_exc())
+            entry = {"error": message[:2000], "traceback": tb[-4000:]}
+            if program is not None:
+                tol = tolerance_for(program, device, state.get("graphs", []))
+                path = write_repro(program, message, out_dir, device, tol)
+                entry.update(repro=str(path), program=program.to_json())
+                log(f"FAIL ({message.splitlines()[0][:200]}): reproducer {path}")
+            failures.append(entry)
+            rnd += 1
+        if time_budget is not None and time.monotonic() - start > time_budget:
+            break
+    summary = {"device": device, "shard": [i, n], "seed": seed, "examples": share, "ran": state["ran"],
+               "seconds": round(time.monotonic() - start, 1), "coverage": cov.to_json(), "failures": failures}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
+    cov.write(out_dir / "coverage.json")
+    log(cov.table())
+    log(f"{state['ran']} graphs in {summary['seconds']} s, {len(failures)} failures; {out_dir}")
+    return summary
+
+
+def merge(dirs, out=None, log=print) -> dict:
+    """Add up the summaries (``summary.json``, searched recursively) under ``dirs``."""
+    cov, failures, ran, found = Coverage(), [], 0, []
+    for d in dirs:
+        for path in sorted(Path(d).rglob("summary.json")):
+            s = json.loads(path.read_text())
+            cov.merge(Coverage.from_json(s["coverage"]))
+            failures += s["failures"]
+            ran += s["ran"]
+            found.append(str(path))
+    merged = {"shards": found, "ran": ran, "coverage": cov.to_json(), "failures": failures}
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "merged.json").write_text(json.dumps(merged, indent=1, sort_keys=True))
+    log(cov.table())
+    log(f"{len(found)} shards, {ran} graphs, {len(failures)} failures")
+    for f in failures:
+        log(f"  {f.get('repro', '-')}: {f['error'].splitlines()[0][:200] if f['error'] else ''}")
+    return merged
