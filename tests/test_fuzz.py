@@ -1,0 +1,124 @@
+"""fxopt fuzz on the CPU: a few deterministic graphs through the cpu and torch executors and the
+cuda executor's CPU-checkable part, shrinking to a reproducer that runs, shards and their merge,
+coverage."""
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, seed, settings
+
+from fxopt.fuzz import Coverage, Program, kernel_family, merge, programs, run_fuzz
+from fxopt.fuzz import check as fuzz_check
+from fxopt.fuzz.repro import write_repro
+
+SMALL = dict(max_batch=2, max_size=5, max_layers=2, log=lambda *a: None)
+
+
+def test_cpu_and_torch_executors_match_eager(tmp_path):
+    s = run_fuzz("cpu", examples=4, seed=3, out=tmp_path, executors=("cpu", "torch"), **SMALL)
+    assert s["ran"] == 4 and not s["failures"], s["failures"]
+    cov = s["coverage"]
+    assert cov["graphs"] == 4 and sum(cov["executors"].values()) == 4
+    assert (tmp_path / "shard-0-of-1" / "coverage.json").exists()
+
+
+def test_cuda_executor_checks_on_the_cpu(tmp_path):
+    """Kernels generated and compiled with NVRTC, regions' IR against ATen, row geometry."""
+    s = run_fuzz("cpu", examples=3, seed=5, out=tmp_path, executors=("cuda",), modes=("inference",), **SMALL)
+    assert s["ran"] == 3 and not s["failures"], s["failures"]
+    assert s["coverage"]["families"], "no kernel generated"
+
+
+def test_programs_are_deterministic_per_seed():
+    def drawn(k):
+        out = []
+
+        @seed(k)
+        @settings(max_examples=5, database=None, derandomize=False)
+        @given(programs(max_batch=2))
+        def collect(p):
+            out.append(p.source)
+        collect()
+        return out
+    assert drawn(1) == drawn(1) and drawn(1) != drawn(2)
+
+
+def _fake(program, device, graphs=None):
+    """A backend that fails every graph with a convolution: the fuzzer must shrink to one conv."""
+    if any(op.startswith("conv:") for op in program.ops):
+        raise fuzz_check.Mismatch("a convolution")
+    return []
+
+
+def test_failure_is_shrunk_to_a_reproducer(tmp_path, monkeypatch):
+    monkeypatch.setattr(fuzz_check, "run_program", _fake)
+    s = run_fuzz("cpu", examples=30, seed=0, out=tmp_path, executors=("torch",), modes=("inference",), **SMALL)
+    assert s["failures"], "no graph had a convolution"
+    f = s["failures"][0]
+    prog = Program.from_json(f["program"])
+    assert len(prog.layers) == 1 and prog.layers[0].startswith("conv"), prog.layers  # shrunk
+    assert prog.shape[0] == 1 and "Mismatch: a convolution" in open(f["repro"]).read()
+
+
+def test_reproducer_runs_without_the_fuzzer(tmp_path):
+    src = "\n".join(["import torch", "import torch.nn as nn", "import torch.nn.functional as F", "",
+                     "class Model(nn.Module):", "    def __init__(self):", "        super().__init__()",
+                     "        self.m0 = nn.Conv2d(3, 4, 3, padding=1)", "",
+                     "    def forward(self, x):", "        return F.relu(self.m0(x)).mean((2, 3), keepdim=True)", ""])
+    prog = Program(src, (2, 3, 5, 4), "float32", "channels_last", "inference", 7, {"executor": "torch"}, ["conv"])
+    path = write_repro(prog, "example", tmp_path, "cpu", (1e-4, 1e-5))
+    r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0 and "eager == fxopt" in r.stdout, r.stderr[-2000:]
+
+
+def test_shards_draw_different_graphs_and_merge(tmp_path, monkeypatch):
+    seen = {}
+
+    def record(program, device, graphs=None):
+        seen.setdefault(program.source, 0)
+        seen[program.source] += 1
+        return []
+    monkeypatch.setattr(fuzz_check, "run_program", record)
+    for i in range(2):
+        s = run_fuzz("cpu", examples=10, seed=1, out=tmp_path, shard=(i, 2), executors=("torch",), **SMALL)
+        assert s["ran"] == 5
+    merged = merge([tmp_path], out=tmp_path / "merged", log=lambda *a: None)
+    assert merged["ran"] == 10 and merged["coverage"]["graphs"] == 10 and len(merged["shards"]) == 2
+    assert len(seen) > 5  # the shards' seeds differ
+    from fxopt.cli import main
+
+    assert main(["fuzz", "--merge", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "merged" / "merged.json").read_text())["ran"] == 10
+
+
+def test_coverage_families_and_missing():
+    names = {"fx_red_mean_rows32v4_4cd0184acc93": "reduction:rows", "fx_red_sum_inner256_0a1b2c3d4e5f": "reduction:inner",
+             "fx_pw_mul_v4_4d1d69052fbd": "pointwise:region", "fx_dconv3x3_c4x8_f32_nchw_1234abcd": "conv:direct",
+             "fx_dw3x3_s1x1_f16_nhwc_ab12cd34": "conv:depthwise", "fx_gconv3x3_g2_c2x2_f32_nhwc_t": "conv:grouped",
+             "fx_wino_in_f32_nchw_0123abcd": "conv:winograd", "fx_linear_k2_n1_r1_f32_df727eb2": "linear:rows",
+             "fx_gap_f32_nchw": "pool:global_avg", "fx_maxpool3x3_s2x2_f32_nchw": "pool:window"}
+    for name, fam in names.items():
+        assert kernel_family(name) == fam, name
+
+    class G:
+        kind, conv_algorithms, executor_details = "inference", {}, {}
+
+        def __init__(self, kernels):
+            self.kernels = [type("K", (), {"name": n}) for n in kernels]
+    prog = Program("", (1, 1, 1, 1), ops=["reduce:mean:2,3"])
+    a, b = Coverage(), Coverage()
+    a.add(prog, [G(["fx_red_mean_rows32v4_4cd0184acc93"])])
+    b.add(prog, [G(["fx_gap_f32_nchw", "fx_gap_f32_nchw"])])
+    m = Coverage.from_json(json.loads(json.dumps(a.to_json()))).merge(b)
+    assert m.graphs == 2 and m.counts["families"]["pool:global_avg"] == 1 and m.counts["ops"]["reduce:mean:2,3"] == 2
+    assert "conv:winograd" in m.missing() and "reduction:rows" not in m.missing()
+    assert "never reached" in m.table()
+
+
+@pytest.mark.parametrize("bad", ["1/1", "2/2", "x"])
+def test_shard_option_is_checked(bad):
+    from fxopt.cli import main
+
+    with pytest.raises((SystemExit, ValueError)):
+        main(["fuzz", "--device", "cpu", "--examples", "0", "--shard", bad])
