@@ -16,12 +16,13 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from fxopt.backends.cuda import codegen as cg, compiler as nvrtc
-from fxopt.backends.cuda.codegen import templates
-from fxopt.backends.cuda.runtime import launch as L
-from fxopt.backends.cuda.codegen import Epilogue, PointwiseOp, PointwiseRegion, TensorArg
+from fxopt.backends.cuda import compiler as nvrtc
+from fxopt.backends.cuda.codegen import c as csnip, source
+from fxopt.backends.cuda.codegen.epilogue import Epilogue
+from fxopt.backends.cuda.kernels import common, conv_epilogue, depthwise_conv, pool, winograd
+from fxopt.backends.cuda.kernels.conv_epilogue import PointwiseOp, PointwiseRegion, TensorArg
 
-DTYPES = cg.SUPPORTED_DTYPES
+DTYPES = source.SUPPORTED_DTYPES
 LAYOUTS = ("nchw", "nhwc")
 ARCH = "sm_90"
 ACTS = [None, "relu", ("hardtanh", (0.0, 6.0)), "silu", "gelu", "gelu_tanh", "hardswish",
@@ -31,7 +32,7 @@ UNARY_SPECS = [("identity", ()), ("neg", ()), ("relu", ()), ("hardtanh", ()), ("
                ("hardswish", ()), ("hardsigmoid", ()), ("sigmoid", ()), ("tanh", ()), ("exp", ()),
                ("abs", ()), ("clamp", (-0.5, None)), ("clamp", (None, 0.5)), ("clamp", (-1.0, 2.0)),
                ("cast", (torch.float16,)), ("cast", (torch.bfloat16,)), ("cast", (torch.float32,))]
-assert {op for op, _ in UNARY_SPECS} == set(cg.UNARY_OPS)
+assert {op for op, _ in UNARY_SPECS} == set(csnip.UNARY_OPS)
 
 if os.environ.get("FXOPT_REQUIRE_NVRTC") == "1":
     needs_nvrtc = pytest.mark.usefixtures()
@@ -70,9 +71,9 @@ def all_ops_region(dtype, out_dtype=None, name="all_ops") -> PointwiseRegion:
 @needs_nvrtc
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_compile_pointwise_grid(dtype):
-    ks = [cg.generate_pointwise(all_ops_region(dtype), lay, vec)
+    ks = [conv_epilogue.generate_pointwise(all_ops_region(dtype), lay, vec)
           for lay, vec in itertools.product(LAYOUTS, (1, 2, 4, 8))]
-    ks += [cg.generate_pointwise(all_ops_region(dtype, torch.float32, "to_f32"), lay, 4, index64=True)
+    ks += [conv_epilogue.generate_pointwise(all_ops_region(dtype, torch.float32, "to_f32"), lay, 4, index64=True)
            for lay in LAYOUTS]
     for k in ks:
         assert k.param_types[-3:] == ("long long",) * 3 and k.param_names[-4] == "out"
@@ -83,10 +84,10 @@ def test_compile_pointwise_grid(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_compile_pool_and_gap_grid(dtype):
     geo = [(2, 2, 0), (3, 2, 1), (3, 1, 1), ((3, 2), (2, 1), (1, 0)), (5, 1, 2)]
-    ks = [cg.generate_pool2d(kind, k, s, p, dtype, lay, pre_activation=ACTS[i % len(ACTS)],
+    ks = [pool.generate_pool2d(kind, k, s, p, dtype, lay, pre_activation=ACTS[i % len(ACTS)],
                              count_include_pad=bool(i % 2))
           for i, (kind, (k, s, p), lay) in enumerate(itertools.product(("max", "avg"), geo, LAYOUTS))]
-    ks += [cg.generate_global_avgpool(dtype, lay, index64=i64) for lay in LAYOUTS for i64 in (False, True)]
+    ks += [pool.generate_global_avgpool(dtype, lay, index64=i64) for lay in LAYOUTS for i64 in (False, True)]
     compile_all(ks)
 
 
@@ -96,20 +97,20 @@ def test_compile_depthwise_grid(dtype):
     ks = []
     for i, (k, s, lay) in enumerate(itertools.product(range(3, 8), (1, 2), LAYOUTS)):
         epi = Epilogue(bias=i % 2 == 0, residual=s == 1 and i % 3 == 0, activation=ACTS[i % len(ACTS)])
-        ks.append(cg.generate_depthwise_conv2d(k, s, k // 2, dtype, lay, epi, index64=i % 7 == 0))
+        ks.append(depthwise_conv.generate_depthwise_conv2d(k, s, k // 2, dtype, lay, epi, index64=i % 7 == 0))
     compile_all(ks)
 
 
 @needs_nvrtc
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_compile_winograd_grid(dtype):
-    ks = [cg.generate_winograd_input_transform(dtype, lay, pad) for lay in LAYOUTS for pad in (0, 1)]
-    ks += [cg.generate_winograd_output_transform(dtype, lay, epi)
+    ks = [winograd.generate_winograd_input_transform(dtype, lay, pad) for lay in LAYOUTS for pad in (0, 1)]
+    ks += [winograd.generate_winograd_output_transform(dtype, lay, epi)
            for lay in LAYOUTS for epi in (None, Epilogue(True), Epilogue(True, True, "relu"),
                                           Epilogue(False, True, ("hardtanh", (0.0, 6.0))))]
     if dtype != torch.float32:  # half activations, fp32 transform buffers
-        ks += [cg.generate_winograd_input_transform(dtype, "nhwc", transform_dtype=torch.float32),
-               cg.generate_winograd_output_transform(dtype, "nchw", Epilogue(True), torch.float32, True)]
+        ks += [winograd.generate_winograd_input_transform(dtype, "nhwc", transform_dtype=torch.float32),
+               winograd.generate_winograd_output_transform(dtype, "nchw", Epilogue(True), torch.float32, True)]
     compile_all(ks)
 
 
@@ -117,7 +118,7 @@ def test_compile_winograd_grid(dtype):
 def test_compile_without_cuda_headers():
     """The header-free fp16/bf16 fallback (used when no cuda_fp16.h is found) compiles."""
     for dt in (torch.float16, torch.bfloat16):
-        ks = cg.generate_pointwise(all_ops_region(dt, name="noheaders"), "nhwc", 8)
+        ks = conv_epilogue.generate_pointwise(all_ops_region(dt, name="noheaders"), "nhwc", 8)
         ck = nvrtc.compile_kernel(ks.source, ks.name, ARCH, {"define_macro": "FXOPT_NO_CUDA_HEADERS"})
         assert ck.cubin
 
@@ -159,8 +160,8 @@ def test_fast_math_epilogue_template_only_for_16_bit_results(layout, vec):
     IEEE division left in the PTX) where the result is fp16/bf16; a float32 result is unchanged."""
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         region = all_ops_region(dtype)
-        ieee = cg.generate_pointwise(region, layout, vec)
-        fast = cg.generate_pointwise(region, layout, vec, fast_math=True)
+        ieee = conv_epilogue.generate_pointwise(region, layout, vec)
+        fast = conv_epilogue.generate_pointwise(region, layout, vec, fast_math=True)
         if dtype == torch.float32:
             assert (fast.source, fast.name, fast.meta["fast_math"]) == (ieee.source, ieee.name, False)
             continue
@@ -169,14 +170,14 @@ def test_fast_math_epilogue_template_only_for_16_bit_results(layout, vec):
         ptx_ieee, ptx_fast = (nvrtc.compile_ptx(k.source, k.name, ARCH) for k in (ieee, fast))
         # the region's own divisions (by a tensor, by 3) stay IEEE; the activations' go
         assert ptx_fast.count("div.rn.f32") < ptx_ieee.count("div.rn.f32")
-    compile_all([cg.generate_pointwise(all_ops_region(torch.float16), layout, vec, fast_math=True)])
+    compile_all([conv_epilogue.generate_pointwise(all_ops_region(torch.float16), layout, vec, fast_math=True)])
 
 
 @needs_nvrtc
 def test_compile_error_from_broken_region(monkeypatch):
-    monkeypatch.setitem(templates._UNARY_C, "relu", "({a} +* )")
+    monkeypatch.setitem(csnip._UNARY_C, "relu", "({a} +* )")
     region = PointwiseRegion("broken", [TensorArg("x")], [("y", PointwiseOp("relu", ["x"]))], "y")
-    ks = cg.generate_pointwise(region)
+    ks = conv_epilogue.generate_pointwise(region)
     with pytest.raises(nvrtc.CompileError) as ei:
         ks.compile(ARCH)
     lines = ei.value.error_lines()
@@ -273,7 +274,7 @@ def test_pdl_safe_needs_the_wait_as_first_statement():
     assert not nvrtc.CompiledKernel("k", late, ARCH, b"x").pdl_safe
     assert not nvrtc.CompiledKernel("k", 'extern "C" __global__ void k() {}', ARCH, b"x").pdl_safe
     from importlib import resources
-    tdir = resources.files(templates.__package__).joinpath("templates")
+    tdir = resources.files(common.__package__).joinpath("templates")
     kernels = [p for p in tdir.iterdir() if p.name.endswith(".cu") and "__global__" in p.read_text()]
     assert len(kernels) >= 9
     for path in kernels:  # every kernel template opts in
@@ -346,38 +347,38 @@ def test_region_validation_errors():
         TensorArg("x", broadcast="row")
     ok = PointwiseRegion("r", [x], [("y", PointwiseOp("relu", ["x"]))], "y")
     with pytest.raises(ValueError):
-        cg.generate_pointwise(ok, "nwhc")
+        conv_epilogue.generate_pointwise(ok, "nwhc")
     with pytest.raises(ValueError):
-        cg.generate_pointwise(ok, vector_width=3)
+        conv_epilogue.generate_pointwise(ok, vector_width=3)
     with pytest.raises(ValueError):
-        cg.generate_pool2d("max", 3, 1, 2)  # padding > k/2
+        pool.generate_pool2d("max", 3, 1, 2)  # padding > k/2
     with pytest.raises(ValueError):
-        cg.generate_depthwise_conv2d(9)
+        depthwise_conv.generate_depthwise_conv2d(9)
     with pytest.raises(ValueError):
-        cg.generate_pool2d("max", 3, pre_activation="frobnicate")
+        pool.generate_pool2d("max", 3, pre_activation="frobnicate")
 
 
 def test_grid_block_and_index64():
-    ks = cg.generate_pointwise(all_ops_region(torch.float16), "nhwc", 8)
+    ks = conv_epilogue.generate_pointwise(all_ops_region(torch.float16), "nhwc", 8)
     assert ks.grid_block(0)[0] == (0, 1, 1)
     assert ks.grid_block(8 * 256 * 3 + 1)[0] == (4, 1, 1)
     assert ks.grid_block(10**9)[0][0] == 1 << 16  # grid-stride: capped grid
     with pytest.raises(ValueError):
         ks.grid_block(2**31)
-    assert cg.needs_index64(2**31) and not cg.needs_index64(2**30)
-    ks64 = cg.generate_pointwise(all_ops_region(torch.float16), "nhwc", 8, index64=True)
+    assert source.needs_index64(2**31) and not source.needs_index64(2**30)
+    ks64 = conv_epilogue.generate_pointwise(all_ops_region(torch.float16), "nhwc", 8, index64=True)
     assert "typedef long long idx_t" in ks64.source and ks64.grid_block(2**31)[0][0] == 1 << 16
-    gap = cg.generate_global_avgpool(torch.float32, "nhwc")
+    gap = pool.generate_global_avgpool(torch.float32, "nhwc")
     assert gap.grid_block(2 * 100 * 49, N=2, C=100) == ((4, 2, 1), (32, 8, 1))
 
 
 def test_winograd_transform_code_matches_matrices():
     """The generated transform expressions (valid Python for 0/±1 matrices) equal L X L^T."""
     g = torch.Generator().manual_seed(0)
-    for L_, r in ((templates.WINO_BT, 4), (templates.WINO_AT, 4)):
+    for L_, r in ((winograd.WINO_BT, 4), (winograd.WINO_AT, 4)):
         X = torch.randn(r, r, dtype=torch.float64, generator=g)
         env = {f"d{i}_{j}": X[i, j].item() for i in range(r) for j in range(r)}
-        for n, e in templates.winograd_transform_code(L_, [[f"d{i}_{j}" for j in range(r)] for i in range(r)], "v"):
+        for n, e in winograd.winograd_transform_code(L_, [[f"d{i}_{j}" for j in range(r)] for i in range(r)], "v"):
             env[n] = eval(e.replace("0.f", "0.0"), {}, dict(env))
         Lm = torch.tensor(L_, dtype=torch.float64)
         want = Lm @ X @ Lm.T
@@ -390,7 +391,7 @@ def test_winograd_reference_pipeline_equals_conv2d(shape, pad):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(shape, dtype=torch.float64, generator=g)
     w = torch.randn(5, shape[1], 3, 3, dtype=torch.float64, generator=g)
-    torch.testing.assert_close(L.winograd_conv2d_reference(x, w, pad), F.conv2d(x, w, padding=pad))
+    torch.testing.assert_close(winograd.winograd_conv2d_reference(x, w, pad), F.conv2d(x, w, padding=pad))
 
 
 def test_pool_output_size_matches_torch():
@@ -398,7 +399,7 @@ def test_pool_output_size_matches_torch():
         if p > k // 2:
             continue
         want = F.max_pool2d(torch.zeros(1, 1, H, H + 1), k, s, p, ceil_mode=ceil).shape[2:]
-        assert L.pool2d_output_size(H, H + 1, k, s, p, ceil) == tuple(want)
+        assert pool.pool2d_output_size(H, H + 1, k, s, p, ceil) == tuple(want)
 
 
 def test_vector_width_selection_and_contract():
@@ -406,26 +407,26 @@ def test_vector_width_selection_and_contract():
                              [("y", PointwiseOp("add", ["x", "b"]))], "y", torch.float16)
     x = torch.zeros(2, 16, 3, 3).to(memory_format=torch.channels_last).half()
     b, out = torch.zeros(16).half(), torch.empty_like(x)
-    assert L.choose_vector_width(region, "nhwc", {"x": x, "b": b}, out) == 8
-    assert L.choose_vector_width(region, "nchw", {"x": x, "b": b}, out) == 1  # HW = 9
+    assert conv_epilogue.choose_vector_width(region, "nhwc", {"x": x, "b": b}, out) == 8
+    assert conv_epilogue.choose_vector_width(region, "nchw", {"x": x, "b": b}, out) == 1  # HW = 9
     bb = torch.zeros(17).half()[1:]  # misaligned channel vector
-    assert L.choose_vector_width(region, "nhwc", {"x": x, "b": bb}, out) == 1
+    assert conv_epilogue.choose_vector_width(region, "nhwc", {"x": x, "b": bb}, out) == 1
     x12 = torch.zeros(2, 12, 4, 4).half()
-    assert L.choose_vector_width(region, "nhwc", {"x": x12, "b": torch.zeros(12).half()}, x12) == 4
-    assert L.choose_vector_width(region, "nchw", {"x": x12, "b": torch.zeros(12).half()}, x12) == 8
-    ks = cg.generate_pointwise(region, "nchw", 8)
+    assert conv_epilogue.choose_vector_width(region, "nhwc", {"x": x12, "b": torch.zeros(12).half()}, x12) == 4
+    assert conv_epilogue.choose_vector_width(region, "nchw", {"x": x12, "b": torch.zeros(12).half()}, x12) == 8
+    ks = conv_epilogue.generate_pointwise(region, "nchw", 8)
     with pytest.raises(ValueError):  # HW % 8 != 0 violates the contract: refused, never launched
-        L.launch_pointwise(ks, {"x": x.contiguous(), "b": b}, torch.empty_like(x.contiguous()))
+        conv_epilogue.launch_pointwise(ks, {"x": x.contiguous(), "b": b}, torch.empty_like(x.contiguous()))
     with pytest.raises(ValueError):  # wrong memory layout
-        L.launch_pointwise(ks, {"x": x, "b": b}, out)
+        conv_epilogue.launch_pointwise(ks, {"x": x, "b": b}, out)
     empty = torch.empty(0, 16, 4, 4).half()
-    assert L.launch_pointwise(ks, {"x": empty, "b": b}, torch.empty_like(empty)).numel() == 0
+    assert conv_epilogue.launch_pointwise(ks, {"x": empty, "b": b}, torch.empty_like(empty)).numel() == 0
 
 
 def test_depthwise_weight_layouts():
     w = torch.arange(2 * 3 * 3.0).reshape(2, 1, 3, 3)
-    assert L.prepare_depthwise_weight(w, "nchw").shape == (2, 3, 3)
-    wn = L.prepare_depthwise_weight(w, "nhwc")
+    assert depthwise_conv.prepare_depthwise_weight(w, "nchw").shape == (2, 3, 3)
+    wn = depthwise_conv.prepare_depthwise_weight(w, "nhwc")
     assert wn.shape == (3, 3, 2) and wn[1, 2, 1] == w[1, 0, 1, 2]
 
 
@@ -456,10 +457,10 @@ def regions_and_inputs(draw):
             op, p = draw(st.sampled_from(UNARY_SPECS))
             ops.append((f"v{k}", PointwiseOp(op, [draw(st.sampled_from(names))], p)))
         elif kind == "binary":
-            op = draw(st.sampled_from(sorted(cg.BINARY_OPS)))
+            op = draw(st.sampled_from(sorted(csnip.BINARY_OPS)))
             ops.append((f"v{k}", PointwiseOp(op, [draw(st.sampled_from(names)) for _ in range(2)])))
         else:
-            op = draw(st.sampled_from(sorted(cg.BINARY_OPS)))
+            op = draw(st.sampled_from(sorted(csnip.BINARY_OPS)))
             c = draw(st.sampled_from([0.5, -2.0, 3.0, 1e-3, 0.1]))
             ops.append((f"v{k}", PointwiseOp(op, [draw(st.sampled_from(names))], (c,))))
         names.append(f"v{k}")
@@ -490,7 +491,7 @@ def test_reference_matches_eager_torch(case):
                                    view[a.broadcast](tensors[a.name]).float().expand(shape))
     for ssa, op in region.ops:
         xs = [trace[i] for i in op.inputs]
-        if op.op in cg.BINARY_OPS:
+        if op.op in csnip.BINARY_OPS:
             want = EAGER[op.op](xs[0], xs[1] if len(xs) == 2 else op.params[0])
         else:
             want = EAGER[op.op](xs[0], tuple(op.params))
@@ -546,12 +547,12 @@ def test_gpu_pointwise_matches_reference(case, layout, shape, vec, seed):
     fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
     out = torch.empty(shape, dtype=region.out_dtype, device="cuda", memory_format=fmt)
     if vec is None:
-        vec = L.choose_vector_width(region, layout, tensors, out)
-    elif not L.vector_width_ok(region, layout, vec, shape, {k: v.data_ptr() for k, v in tensors.items()},
+        vec = conv_epilogue.choose_vector_width(region, layout, tensors, out)
+    elif not conv_epilogue.vector_width_ok(region, layout, vec, shape, {k: v.data_ptr() for k, v in tensors.items()},
                                out.data_ptr()) or vec * max(d.itemsize for d in region.dtypes()) > 32:
         vec = 1
-    ks = cg.generate_pointwise(region, layout, vec)
-    L.launch_pointwise(ks, tensors, out)
+    ks = conv_epilogue.generate_pointwise(region, layout, vec)
+    conv_epilogue.launch_pointwise(ks, tensors, out)
     trace: dict = {}
     ref = region.reference({k: (v.reshape(()) if a.broadcast == "scalar" else v) for a in region.inputs
                             for k, v in [(a.name, tensors[a.name])]}, trace=trace)
@@ -568,8 +569,8 @@ def test_gpu_pointwise_all_ops_odd_and_index64(layout, dtype):
     for shape, i64 in [((3, 5, 7, 11), False), ((2, 16, 8, 8), True), ((0, 5, 3, 3), False)]:
         tensors = _cuda_inputs(region, shape, layout, 0)
         out = torch.empty_like(tensors["x"])
-        vec = L.choose_vector_width(region, layout, tensors, out)
-        L.launch_pointwise(cg.generate_pointwise(region, layout, vec, index64=i64), tensors, out)
+        vec = conv_epilogue.choose_vector_width(region, layout, tensors, out)
+        conv_epilogue.launch_pointwise(conv_epilogue.generate_pointwise(region, layout, vec, index64=i64), tensors, out)
         ref = region.reference({**tensors, "s": tensors["s"].reshape(())})
         torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype) * 10, equal_nan=True)
 
@@ -582,19 +583,19 @@ def test_gpu_pool_gap(layout, dtype):
     x = torch.randn(2, 5, 13, 11, device="cuda").to(dtype).contiguous(memory_format=fmt)
     for kind, (k, s, p), cip, act in [("max", (3, 2, 1), True, "relu"), ("avg", (3, 2, 1), False, None),
                                       ("avg", (2, 2, 0), True, "hardswish"), ("max", (2, 1, 1), True, None)]:
-        ks = cg.generate_pool2d(kind, k, s, p, dtype, layout, pre_activation=act, count_include_pad=cip)
+        ks = pool.generate_pool2d(kind, k, s, p, dtype, layout, pre_activation=act, count_include_pad=cip)
         for ceil in (False, True):
-            OH, OW = L.pool2d_output_size(13, 11, k, s, p, ceil)
+            OH, OW = pool.pool2d_output_size(13, 11, k, s, p, ceil)
             out = torch.empty(2, 5, OH, OW, dtype=dtype, device="cuda", memory_format=fmt)
-            L.launch_pool2d(ks, x, out)
+            pool.launch_pool2d(ks, x, out)
             xa = x.float() if act is None else EAGER[act](x.float(), ())
             want = (F.max_pool2d(xa, k, s, p, ceil_mode=ceil) if kind == "max" else
                     F.avg_pool2d(xa, k, s, p, ceil_mode=ceil, count_include_pad=cip))
             torch.testing.assert_close(out.float(), want, rtol=_tol(dtype), atol=_tol(dtype))
-    gap = cg.generate_global_avgpool(dtype, layout)
+    gap = pool.generate_global_avgpool(dtype, layout)
     for shape in [(2, 5, 13, 11), (3, 70, 7, 7), (1, 3, 1, 1), (0, 4, 2, 2)]:
         xx = torch.randn(shape, device="cuda").to(dtype).contiguous(memory_format=fmt)
-        got = L.launch_global_avgpool(gap, xx)
+        got = pool.launch_global_avgpool(gap, xx)
         torch.testing.assert_close(got.float(), xx.float().mean((2, 3)), rtol=_tol(dtype), atol=_tol(dtype))
 
 
@@ -616,9 +617,9 @@ def test_gpu_depthwise(layout, dtype):
         if epi and epi.activation:
             want = EAGER[epi.activation](want, ())
         want = want.float()
-        ks = cg.generate_depthwise_conv2d(k, s, p, dtype, layout, epi)
+        ks = depthwise_conv.generate_depthwise_conv2d(k, s, p, dtype, layout, epi)
         out = torch.empty(want.shape, dtype=dtype, device="cuda", memory_format=fmt)
-        L.launch_depthwise_conv2d(ks, x, L.prepare_depthwise_weight(w, layout), out,
+        depthwise_conv.launch_depthwise_conv2d(ks, x, depthwise_conv.prepare_depthwise_weight(w, layout), out,
                                   bias if epi and epi.bias else None, res if epi and epi.residual else None)
         torch.testing.assert_close(out.float(), want, rtol=_tol(dtype) * 2, atol=_tol(dtype) * 4)
 
@@ -635,17 +636,17 @@ def test_gpu_winograd(layout, dtype):
         want = F.conv2d(x.double(), w.double(), bias.double(), padding=pad)  # float64: no TF32
         res = torch.randn(want.shape, device="cuda").to(dtype).contiguous(memory_format=fmt)
         want = F.relu(want + res.double()).float()
-        ks_in = cg.generate_winograd_input_transform(dtype, layout, pad, transform_dtype=torch.float32)
-        ks_out = cg.generate_winograd_output_transform(dtype, layout, Epilogue(True, True, "relu"), torch.float32)
-        U = L.winograd_filter_transform(w, torch.float32)
-        got = L.winograd_conv2d(ks_in, ks_out, x, U, bias, res)
+        ks_in = winograd.generate_winograd_input_transform(dtype, layout, pad, transform_dtype=torch.float32)
+        ks_out = winograd.generate_winograd_output_transform(dtype, layout, Epilogue(True, True, "relu"), torch.float32)
+        U = winograd.winograd_filter_transform(w, torch.float32)
+        got = winograd.winograd_conv2d(ks_in, ks_out, x, U, bias, res)
         torch.testing.assert_close(got.float(), want, rtol=_tol(dtype) * 2, atol=_tol(dtype) * 4)
 
 
 @gpu
 def test_gpu_launch_on_current_stream_and_cuda_graph():
     region = PointwiseRegion("g", [TensorArg("x")], [("y", PointwiseOp("silu", ["x"]))], "y")
-    ks = cg.generate_pointwise(region, "nchw", 4)
+    ks = conv_epilogue.generate_pointwise(region, "nchw", 4)
     ck = ks.compile()
     ck.load()  # load the module before capture
     x = torch.randn(4, 8, 16, 16, device="cuda")
@@ -654,12 +655,12 @@ def test_gpu_launch_on_current_stream_and_cuda_graph():
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # launches go to torch's current stream
         y = x * 2
-        L.launch_pointwise(ks, {"x": y}, out, kernel=ck)
+        conv_epilogue.launch_pointwise(ks, {"x": y}, out, kernel=ck)
     torch.cuda.current_stream().wait_stream(s)
     torch.testing.assert_close(out, F.silu(x * 2))
     graph, static_out = torch.cuda.CUDAGraph(), torch.empty_like(x)
     with torch.cuda.graph(graph):
-        L.launch_pointwise(ks, {"x": x}, static_out, kernel=ck)
+        conv_epilogue.launch_pointwise(ks, {"x": x}, static_out, kernel=ck)
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(static_out, F.silu(x))
@@ -671,9 +672,9 @@ def test_gpu_programmatic_launch_chain_keeps_stream_order():
     one wrote and overwrites what it read), launched with programmatic dependent launch where the
     device has it (sm_90+; before that the same chain runs without it), eagerly and replayed from a
     CUDA graph: the result is the sequential one."""
-    add = cg.generate_pointwise(PointwiseRegion("pdl_add", [TensorArg("x")],
+    add = conv_epilogue.generate_pointwise(PointwiseRegion("pdl_add", [TensorArg("x")],
                                                 [("y", PointwiseOp("add", ["x"], (1.0,)))], "y"), "nchw", 4)
-    mul = cg.generate_pointwise(PointwiseRegion("pdl_mul", [TensorArg("x")],
+    mul = conv_epilogue.generate_pointwise(PointwiseRegion("pdl_mul", [TensorArg("x")],
                                                 [("y", PointwiseOp("mul", ["x"], (0.5,)))], "y"), "nchw", 4)
     ks = (add, mul)
     cks = [k.compile() for k in ks]
@@ -687,7 +688,7 @@ def test_gpu_programmatic_launch_chain_keeps_stream_order():
 
     def chain():
         for k in range(20):
-            L.launch_pointwise(ks[k % 2], {"x": bufs[k % 2]}, bufs[(k + 1) % 2], kernel=cks[k % 2])
+            conv_epilogue.launch_pointwise(ks[k % 2], {"x": bufs[k % 2]}, bufs[(k + 1) % 2], kernel=cks[k % 2])
 
     def expected(x):
         for k in range(20):
@@ -716,7 +717,7 @@ def test_pending_kernels_overlap_and_isolate_a_failure():
     from fxopt.backends.cuda.runtime.executor import PendingKernels
 
     def item(*sources):
-        return SimpleNamespace(sources={i: cg.KernelSource(n, s, (), "test") for i, (n, s) in enumerate(sources)},
+        return SimpleNamespace(sources={i: source.KernelSource(n, s, (), "test") for i, (n, s) in enumerate(sources)},
                                kernels={})
 
     good1, good2 = item(unique_source(), unique_source()), item(unique_source())

@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 import fxopt
 import fxopt.testing
 from fxopt.backends import torch_ref
-from fxopt.backends.cuda.codegen import Epilogue
-from fxopt.backends.cuda.codegen.depthwise_conv import (channel_block, column_taps,
+from fxopt.backends.cuda.codegen.epilogue import Epilogue
+from fxopt.backends.cuda.kernels.depthwise_conv import (channel_block, column_taps,
                                                         generate_depthwise_conv2d_nhwc_rows)
 from fxopt.backends.cuda.compiler import compile_many, nvrtc_available
-from fxopt.backends.cuda.schedule.conv import DepthwiseConvRows, plan_depthwise_rows
+from fxopt.backends.cuda.kernels.depthwise_conv import DepthwiseConvRows, plan_depthwise_rows
 from fxopt.ops import fused_conv_ref
 from fxopt.tolerances import relative_error
 

@@ -15,12 +15,12 @@ import fxopt
 import fxopt.testing
 from fxopt.backends import torch_ref
 from fxopt.backends.cuda.runtime import executor as X, measure
-from fxopt.backends.cuda.schedule import groups
-from fxopt.backends.cuda.codegen import Epilogue
-from fxopt.backends.cuda.codegen.direct_conv import MAX_UNROLLED, cout_tile, generate_direct_conv2d
+from fxopt.backends.cuda.runtime import groups
+from fxopt.backends.cuda.codegen.epilogue import Epilogue
+from fxopt.backends.cuda.kernels.direct_conv import MAX_UNROLLED, cout_tile, generate_direct_conv2d
 from fxopt.backends.cuda.compiler import compile_many, nvrtc_available
-from fxopt.backends.cuda.runtime.launch import launch_direct_conv2d
-from fxopt.backends.cuda.schedule.conv import plan_conv_maxpool, plan_direct_conv
+from fxopt.backends.cuda.kernels.direct_conv import launch_direct_conv2d
+from fxopt.backends.cuda.kernels.direct_conv import plan_conv_maxpool, plan_direct_conv
 from fxopt.ops import fused_conv_ref
 from fxopt.testing.models import SeedCNN
 from fxopt.tolerances import relative_error
@@ -136,7 +136,7 @@ def test_cout_tile_keeps_enough_threads_and_fits_shared_memory():
     assert cout_tile(196, 6, 75) == 1                 # batch 1: one channel per thread
     assert cout_tile(1 << 20, 16, 512) * 512 <= 12288
     assert cout_tile(1 << 20, 64, 147) * 147 <= MAX_UNROLLED  # a 7x7 stem: NVRTC-friendly unrolling
-    from fxopt.backends.cuda.schedule.conv import _tiles
+    from fxopt.backends.cuda.kernels.direct_conv import _tiles
     stem = {"cin": 3, "cout": 64, "k": (7, 7)}
     assert all(t * 147 <= MAX_UNROLLED for t in _tiles(stem, torch.empty(1, 64, 112, 112)))
     with pytest.raises(ValueError):
@@ -148,13 +148,13 @@ def test_cout_tile_keeps_enough_threads_and_fits_shared_memory():
 
 
 def test_split_variant_only_for_few_pixels():
-    from fxopt.backends.cuda.schedule.conv import FEW_PIXELS
+    from fxopt.backends.cuda.kernels.direct_conv import FEW_PIXELS
     gm = lowered(SeedCNN().eval(), torch.randn(64, 3, 32, 32))  # 64 x 28 x 28 outputs: many pixels
     conv = next(n for n in gm.graph.nodes if n.target is fused_conv_ref)
     assert 64 * 28 * 28 > FEW_PIXELS and not any("split" in c.label for c in plan_direct_conv(conv))
     with pytest.raises(ValueError, match="split"):
         generate_direct_conv2d(3, 6, 5, split=3)
-    from fxopt.backends.cuda.codegen.direct_conv import split_lanes
+    from fxopt.backends.cuda.kernels.direct_conv import split_lanes
     assert [split_lanes(c) for c in (1, 2, 3, 6, 16)] == [1, 2, 4, 8, 8]
 
 
@@ -258,7 +258,7 @@ def _reference(x, w, b, res, stride, padding, dilation, act, pool):
        tile=st.integers(1, 16), split=st.sampled_from([1, 2, 4, 8]))
 def test_kernels_match_pytorch_on_gpu(n, cin, cout, k, stride, padding, dilation, hw, dtype, layout, wl, pool,
                                       bias, residual, act, tile, split):
-    from fxopt.backends.cuda.runtime.launch import pool2d_output_size
+    from fxopt.backends.cuda.kernels.pool import pool2d_output_size
 
     ch = (hw + 2 * padding - dilation * (k - 1) - 1) // stride + 1
     if ch < 1 or (pool is not None and ch < pool[0][0]):

@@ -5,7 +5,7 @@ import torch
 
 import fxopt
 from fxopt.backends.cuda.compiler import nvrtc_available
-from fxopt.backends.cuda.schedule.conv import GeneratedEpilogue, plan_conv_epilogue as plan
+from fxopt.backends.cuda.kernels.conv_epilogue import GeneratedEpilogue, plan_conv_epilogue as plan
 from fxopt.ops import ACTIVATIONS, apply_activation
 from fxopt.testing import SmallResNet
 

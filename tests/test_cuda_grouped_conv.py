@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 import fxopt
 import fxopt.testing
 from fxopt.backends import torch_ref
-from fxopt.backends.cuda.codegen import Epilogue
-from fxopt.backends.cuda.codegen.grouped_conv import (SMEM_FLOATS, channel_tile, generate_grouped_conv2d_nhwc,
+from fxopt.backends.cuda.codegen.epilogue import Epilogue
+from fxopt.backends.cuda.kernels.grouped_conv import (SMEM_FLOATS, channel_tile, generate_grouped_conv2d_nhwc,
                                                       input_vector)
 from fxopt.backends.cuda.compiler import compile_many, nvrtc_available
-from fxopt.backends.cuda.schedule.conv import plan_grouped_conv
+from fxopt.backends.cuda.kernels.grouped_conv import plan_grouped_conv
 from fxopt.ops import fused_conv_ref
 from fxopt.tolerances import relative_error
 
@@ -119,7 +119,7 @@ def test_tile_vector_and_argument_checks():
 def test_launch_checks_the_epilogue_operands_and_passes_them_in_order():
     from types import SimpleNamespace
 
-    from fxopt.backends.cuda.schedule.conv import _launch_nhwc
+    from fxopt.backends.cuda.kernels.conv import _launch_nhwc
 
     calls = []
     cand = SimpleNamespace(sources={0: SimpleNamespace(meta={"grid": (3, 2, 1)}, block=(96, 1, 1))},

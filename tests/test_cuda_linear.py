@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 
 import fxopt
 from fxopt.backends import torch_ref
-from fxopt.backends.cuda.codegen import Epilogue
-from fxopt.backends.cuda.codegen.linear import MAX_ROWS, generate_linear, row_capacity, vector_width
+from fxopt.backends.cuda.codegen.epilogue import Epilogue
+from fxopt.backends.cuda.kernels.linear import MAX_ROWS, generate_linear, row_capacity, vector_width
 from fxopt.backends.cuda.compiler import compile_many, nvrtc_available
-from fxopt.backends.cuda.runtime.launch import launch_linear
-from fxopt.backends.cuda.schedule.linear import LinearRows, plan_linear
+from fxopt.backends.cuda.kernels.linear import launch_linear
+from fxopt.backends.cuda.kernels.linear import LinearRows, plan_linear
 from fxopt.ops import fused_linear_ref
 from fxopt.testing.models import SeedCNN
 from fxopt.tolerances import relative_error
@@ -196,7 +196,7 @@ def conv_nodes(gm):
 
 @pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
 def test_plans_the_gate_convs_of_one_pixel_as_linear_layers(layout):
-    from fxopt.backends.cuda.schedule.linear import ConvAsLinear, plan_conv_as_linear
+    from fxopt.backends.cuda.kernels.linear import ConvAsLinear, plan_conv_as_linear
 
     gm = lowered(SE().eval().half(), torch.randn(2, 16, 8, 8).half(), {"layout": layout})
     plans = [plan_conv_as_linear(n) for n in conv_nodes(gm)]
@@ -211,7 +211,7 @@ def test_plans_the_gate_convs_of_one_pixel_as_linear_layers(layout):
 
 
 def test_the_conv_candidate_declines_what_its_views_cannot_take():
-    from fxopt.backends.cuda.schedule.linear import _dense, plan_conv_as_linear
+    from fxopt.backends.cuda.kernels.linear import _dense, plan_conv_as_linear
 
     gm = lowered(SE().eval().half(), torch.randn(2, 16, 8, 8).half(), {"layout": "channels_last"})
     cand = plan_conv_as_linear(conv_nodes(gm)[1])

@@ -13,11 +13,11 @@ import fxopt
 import fxopt.testing
 from fxopt.backends import torch_ref
 from fxopt.backends.cuda.runtime import executor as X, measure
-from fxopt.backends.cuda.schedule import groups
-from fxopt.backends.cuda.codegen import Epilogue
-from fxopt.backends.cuda.codegen.linear import MAX_ROWS, generate_linear_chain, row_capacity
+from fxopt.backends.cuda.runtime import groups
+from fxopt.backends.cuda.codegen.epilogue import Epilogue
+from fxopt.backends.cuda.kernels.linear import MAX_ROWS, generate_linear_chain, row_capacity
 from fxopt.backends.cuda.compiler import compile_many, nvrtc_available
-from fxopt.backends.cuda.schedule.linear import LinearChain, linear_chain_of, plan_linear_chains
+from fxopt.backends.cuda.kernels.linear import LinearChain, linear_chain_of, plan_linear_chains
 from fxopt.ops import fused_linear_ref
 from fxopt.testing.models import SeedCNN
 from fxopt.tolerances import relative_error

@@ -11,8 +11,8 @@ import fxopt
 import fxopt.testing
 from fxopt.backends import torch_ref
 from fxopt.backends.cuda.compiler import nvrtc_available
-from fxopt.backends.cuda.schedule.conv import DepthwiseConv, plan_depthwise
-from fxopt.backends.cuda.schedule.pool import GlobalAvgPool, MaxPool, plan_global_avgpool, plan_maxpool
+from fxopt.backends.cuda.kernels.depthwise_conv import DepthwiseConv, plan_depthwise
+from fxopt.backends.cuda.kernels.pool import GlobalAvgPool, MaxPool, plan_global_avgpool, plan_maxpool
 from fxopt.tolerances import relative_error
 
 needs_nvrtc = pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (cuda-core) not importable")
@@ -202,7 +202,7 @@ def test_compiled_mobile_block_matches_eager_and_measures_region_candidates(dtyp
 
 
 def test_vectorized_nhwc_depthwise_is_planned_only_for_channels_last_and_whole_vectors():
-    from fxopt.backends.cuda.schedule.conv import DepthwiseConvVec, plan_depthwise_vec
+    from fxopt.backends.cuda.kernels.depthwise_conv import DepthwiseConvVec, plan_depthwise_vec
 
     for layout, channels, want in (("channels_last", 16, True), ("contiguous", 16, False), ("channels_last", 12, False)):
         model = MobileBlock(channels).eval().half()
@@ -217,7 +217,8 @@ def test_vectorized_nhwc_depthwise_is_planned_only_for_channels_last_and_whole_v
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("k,stride,dilation", [(3, 1, 1), (3, 2, 1), (5, 2, 1), (7, 1, 1), (3, 1, 2)])
 def test_vectorized_nhwc_depthwise_compiles(dtype, k, stride, dilation):
-    from fxopt.backends.cuda.codegen import Epilogue, generate_depthwise_conv2d_nhwc_vec
+    from fxopt.backends.cuda.codegen.epilogue import Epilogue
+    from fxopt.backends.cuda.kernels.depthwise_conv import generate_depthwise_conv2d_nhwc_vec
     from fxopt.backends.cuda.compiler import compile_kernel
 
     h = 9
@@ -229,7 +230,7 @@ def test_vectorized_nhwc_depthwise_compiles(dtype, k, stride, dilation):
 
 def test_channels_first_candidate_only_for_large_kernel_depthwise_convs_in_channels_last():
     from fxopt.backends.conv_algorithms import NCHW_MIN_KERNEL
-    from fxopt.backends.cuda.schedule.conv import plan_conv_in_nchw
+    from fxopt.backends.cuda.kernels.conv_library import plan_conv_in_nchw
     from fxopt.ops import fused_conv_ref
 
     for layout, k, want in (("channels_last", 31, True), ("channels_last", NCHW_MIN_KERNEL, True),
@@ -245,7 +246,7 @@ def test_channels_first_candidate_only_for_large_kernel_depthwise_convs_in_chann
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_channels_first_candidate_computes_the_conv_and_hands_it_back_channels_last(residual, dtype):
-    from fxopt.backends.cuda.schedule.conv import conv_in_nchw
+    from fxopt.backends.cuda.kernels.conv_library import conv_in_nchw
     from fxopt.ops import fused_conv_ref
 
     cl = torch.channels_last

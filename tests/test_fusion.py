@@ -13,10 +13,10 @@ from hypothesis import given, settings
 
 from fxopt.backends import torch_ref
 from fxopt.backends.cuda.compiler import nvrtc_available
-from fxopt.backends.cuda.schedule import ir
+from fxopt.backends.cuda import ir
 from fxopt.backends.cuda.schedule.fusion import rewrite, schedule, view_root
 from fxopt.backends.cuda.schedule.generated import RegionReference
-from fxopt.backends.cuda.schedule.ir import FloorDiv, Ix, Mod, Var
+from fxopt.backends.cuda.ir import FloorDiv, Ix, Mod, Var
 from fxopt.testing import block_cases, check_fusion, cnn_cases
 from fxopt.testing.fusion import capture
 
@@ -271,8 +271,8 @@ def test_rows_that_fit_in_registers_are_loaded_once_in_vectors(c, vec, tpr, iter
     """LayerNorm and softmax over the channels of a channels-last row: each thread loads its
     ``iters`` x ``vec`` values once (16-byte loads where the row allows) and keeps them for every
     phase and the output; a partial last chunk is guarded, never read out of bounds."""
-    from fxopt.backends.cuda.codegen.kernel import generate_kernel, vector_width
-    from fxopt.backends.cuda.codegen.row_reduction import row_plan
+    from fxopt.backends.cuda.kernels.region import generate_kernel, vector_width
+    from fxopt.backends.cuda.kernels.reduction import row_plan
 
     kernels = _row_kernels(c)
     assert kernels
@@ -291,8 +291,8 @@ def test_rows_that_fit_in_registers_are_loaded_once_in_vectors(c, vec, tpr, iter
 
 
 def test_rows_too_long_for_registers_keep_the_strided_loops():
-    from fxopt.backends.cuda.codegen.kernel import generate_kernel, vector_width
-    from fxopt.backends.cuda.codegen.row_reduction import row_plan
+    from fxopt.backends.cuda.kernels.region import generate_kernel, vector_width
+    from fxopt.backends.cuda.kernels.reduction import row_plan
 
     for k in _row_kernels(4096, hw=2):
         assert row_plan(k, 8) is None and vector_width(k) == 1
@@ -303,7 +303,7 @@ def test_rows_too_long_for_registers_keep_the_strided_loops():
 @needs_nvrtc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_register_rows_compile_for_every_width(dtype):
-    from fxopt.backends.cuda.codegen.kernel import generate_kernel, vector_width
+    from fxopt.backends.cuda.kernels.region import generate_kernel, vector_width
     from fxopt.backends.cuda.compiler import compile_ptx
 
     for c in (40, 384):
@@ -316,7 +316,7 @@ def test_register_rows_compile_for_every_width(dtype):
 
 @needs_nvrtc
 def test_fast_math_approximates_exp_and_division_only_in_kernels_with_16_bit_results():
-    from fxopt.backends.cuda.codegen.kernel import generate_kernel
+    from fxopt.backends.cuda.kernels.region import generate_kernel
     from fxopt.backends.cuda.compiler import compile_ptx
     from fxopt.backends.cuda.schedule.fusion import split_conv_epilogues
 

@@ -291,7 +291,7 @@ def test_cudnn_batchnorm_relu_is_as_accurate_as_pytorchs_unfused_kernels(with_ad
     (PyTorch's BatchNorm, add, ReLU and their gradients), channels_last, mixed precision, both
     against float64 autograd: cuDNN is at least as close (it adds before rounding to 16 bits, so
     fewer ReLU masks flip near 0), and leaves its inputs as they were."""
-    from fxopt.backends.cuda.runtime.cudnn_batchnorm import probe
+    from fxopt.backends.cuda.kernels.batchnorm_train import probe
     from fxopt.ops import batch_norm_relu, batch_norm_relu_backward
 
     shape = (8, 64, 14, 14)

@@ -319,7 +319,7 @@ def test_cudnn_batchnorm_bindings_resolve_in_the_library_pytorch_loaded():
     """The CPU-testable half of the cuDNN path: every function it calls exists in the cuDNN
     library PyTorch loaded, with the argument count it is declared with, and a call that needs no
     device answers; without a device the probe declines with that reason."""
-    from fxopt.backends.cuda.runtime import cudnn_batchnorm as cb
+    from fxopt.backends.cuda.kernels import batchnorm_train as cb
 
     lib = cb._lib()
     for name, args in cb._SIGNATURES.items():

@@ -103,7 +103,7 @@ def check_regions(gm: fx.GraphModule, inputs: list, rtol: float, atol: float, co
     """Schedule ``gm`` (nodes carrying FakeTensor metadata) and check every region's IR kernel,
     run by ``ir.evaluate`` on ``inputs``, against the region's ATen ops; returns the Schedule."""
     global REGIONS_CHECKED
-    from fxopt.backends.cuda.schedule import ir
+    from fxopt.backends.cuda import ir
     from fxopt.backends.cuda.schedule.fusion import reference_module, schedule
 
     vals = _values(gm, inputs) if vals is None else vals
@@ -177,7 +177,7 @@ def _outputs(gm: fx.GraphModule) -> list:
 
 
 def _compile(k) -> None:
-    from fxopt.backends.cuda.codegen.kernel import generate_kernel, vector_width
+    from fxopt.backends.cuda.kernels.region import generate_kernel, vector_width
     from fxopt.backends.cuda.compiler import compile_kernel
 
     for vec in sorted({vector_width(k), 1}):

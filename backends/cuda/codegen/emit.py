@@ -1,18 +1,18 @@
-"""Expressions of the loop-level IR (``schedule/ir.py``) as CUDA C statements: the operators'
+"""Expressions of the loop-level IR (``ir/``) as CUDA C statements: the operators'
 C spellings, the reductions' initial values and combine steps, index arithmetic, and ``_Emitter``,
 which writes each unconditional subexpression once as a temporary. Shared by the pointwise and
-reduction kernels of ``kernel.py`` and the register rows of ``row_reduction.py``."""
+reduction kernels of ``kernels/pointwise.py`` and ``kernels/reduction.py``."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from fxopt.backends.cuda.schedule import ir
-from fxopt.backends.cuda.schedule.ir import (BoolConst, Cast, Const, FloorDiv, InRange, Ix, Load, Op, Red, Var,
+from fxopt.backends.cuda import ir
+from fxopt.backends.cuda.ir import (BoolConst, Cast, Const, FloorDiv, InRange, Ix, Load, Op, Red, Var,
                                              Where)
 
-from .templates import c_unary, ctype, lit
+from fxopt.backends.cuda.codegen.c import c_unary, ctype, lit
 
 _BINARY_C = {"add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})", "div": "({a} / {b})",
              "maximum": "fx_max_nan({a}, {b})", "fmax_nan": "fx_max_nan({a}, {b})",

@@ -48,21 +48,16 @@ import torch.fx as fx
 
 from fxopt.backends.cuda.runtime.measure import Tuning, cache_key, region_key, with_fallback
 from fxopt.backends.cuda.runtime.running_stats import update_in_place
+from fxopt.backends.cuda.runtime.groups import fuse_conv_maxpool, fuse_linear_chain
+from fxopt.backends.cuda.kernels import PLANNERS
+from fxopt.backends.cuda.kernels.conv_epilogue import GeneratedEpilogue, plan_conv_epilogue, with_generated_epilogue
+from fxopt.backends.cuda.kernels.conv_library import conv_in_nchw, cudnn_conv_relu, plan_conv_in_nchw
+from fxopt.backends.cuda.kernels.direct_conv import plan_conv_maxpool
+from fxopt.backends.cuda.kernels.linear import plan_linear_chains
+from fxopt.backends.cuda.kernels.region import GeneratedRegion
 from fxopt.backends.cuda.schedule.fusion import rewrite, schedule, split_conv_epilogues
-from fxopt.backends.cuda.schedule.generated import GeneratedRegion, RegionReference, template_candidates
-from fxopt.backends.cuda.schedule.conv import (GeneratedEpilogue, conv_in_nchw, cudnn_conv_relu,
-                                               plan_conv_epilogue, plan_conv_in_nchw, plan_conv_maxpool,
-                                               plan_depthwise, plan_depthwise_rows, plan_depthwise_vec,
-                                               plan_direct_conv, plan_grouped_conv, with_generated_epilogue)
-from fxopt.backends.cuda.schedule.groups import fuse_conv_maxpool, fuse_linear_chain
-from fxopt.backends.cuda.schedule.linear import plan_conv_as_linear, plan_linear, plan_linear_chains
-from fxopt.backends.cuda.schedule.pool import plan_global_avgpool, plan_maxpool
+from fxopt.backends.cuda.schedule.generated import RegionReference, template_candidates
 from fxopt.ops import fused_conv_ref
-
-
-#: per-node candidates of library nodes (and of pools the fusion scheduler left alone)
-PLANNERS = (plan_depthwise, plan_depthwise_vec, plan_depthwise_rows, plan_grouped_conv, plan_maxpool,
-            plan_global_avgpool, plan_direct_conv, plan_linear, plan_conv_as_linear)
 
 
 @dataclass

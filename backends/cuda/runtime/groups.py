@@ -1,16 +1,16 @@
 """Nodes the cuda executor fuses after choosing each node's implementation: a candidate for a
 group of nodes is measured against the group as already chosen, and one node replaces the group
 where it wins (``measure.Tuning``, so the decision is cached like every other). Groups: conv +
-max pool (``conv.plan_conv_maxpool``: conv, epilogue and pool in one kernel) and chains of
-linear layers (``linear.plan_linear_chains``: a classifier head in one block).
+max pool (``kernels/direct_conv.py``, ``plan_conv_maxpool``: conv, epilogue and pool in one kernel) and chains of
+linear layers (``kernels/linear.py``, ``plan_linear_chains``: a classifier head in one block).
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
 from fxopt.backends.cuda.runtime.measure import Tuning, cache_key, with_fallback
-from fxopt.backends.cuda.schedule.conv import conv_maxpool_chain
-from fxopt.backends.cuda.schedule.linear import LinearChain, linear_chain_of
+from fxopt.backends.cuda.kernels.direct_conv import conv_maxpool_chain
+from fxopt.backends.cuda.kernels.linear import LinearChain, linear_chain_of
 
 
 def _pool_args(pool: fx.Node) -> tuple:

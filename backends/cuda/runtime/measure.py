@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxopt.backends.cuda.codegen import layout_name
+from fxopt.backends.cuda.codegen.source import layout_name
 from fxopt.ops import fused_conv_ref
 
 

@@ -43,8 +43,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from . import ir
-from .ir import Buffer, Ix, Load, Phase, PointwiseKernel, ReductionKernel, Store, Var
+from fxopt.backends.cuda import ir
+from fxopt.backends.cuda.ir import Buffer, Ix, Load, Phase, PointwiseKernel, ReductionKernel, Store, Var
 from .lowering import (FLOATS, Decline, Value, is_view, meta, reduction_rule, static_shape, value_rule)
 
 aten = torch.ops.aten

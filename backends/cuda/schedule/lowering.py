@@ -34,7 +34,8 @@ import torch.fx as fx
 
 from fxopt.ops import conv_epilogue_ref
 
-from .ir import Cast, Const, Expr, InRange, Ix, Load, Red, Where, op
+from fxopt.backends.cuda.ir import Cast, Const, Expr, InRange, Ix, Load, Red, Where, op
+from fxopt.backends.cuda.kernels.common import meta
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -51,11 +52,6 @@ class Value:
     shape: tuple
     dtype: torch.dtype
     load: Callable  # list[Ix] -> Expr
-
-
-def meta(node) -> Optional[torch.Tensor]:
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
 
 
 def static_shape(t: torch.Tensor) -> tuple:

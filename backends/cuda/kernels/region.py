@@ -1,0 +1,110 @@
+"""The fusion scheduler's region kernels: ``generate_kernel`` (a pointwise or reduction kernel of the
+IR, ``pointwise.py`` / ``reduction.py``), ``vector_width`` (the widest vector its innermost loop
+allows), the region's candidate ``GeneratedRegion`` (a vectorized variant where the innermost loop
+allows, and a scalar one for tensors that are not aligned for it; option ``fast_math``: approximate
+exp and division in kernels with 16-bit results; ``__call__`` returns ``None``, so that the
+reference runs, when the tensors it gets are not on the GPU or differ in shape, dtype or strides
+from those the kernel was generated for) and its launch (``launch_fused``: buffers checked against
+the kernel's, vector accesses' alignment)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fxopt.backends.cuda.ir import PointwiseKernel, ReductionKernel
+from fxopt.backends.cuda.codegen.source import KernelSource
+from fxopt.backends.cuda.kernels.common import compiled_kernel, meta
+from fxopt.backends.cuda.kernels.pointwise import generate_pointwise_kernel, vector_width
+from fxopt.backends.cuda.kernels.reduction import generate_reduction_kernel
+
+if TYPE_CHECKING:
+    from fxopt.backends.cuda.schedule.fusion import Region
+
+
+def generate_kernel(k, vec: int = 1, fast_math: bool = False) -> KernelSource:
+    """The source of an IR kernel (``vec``: vector width of the innermost (pointwise) or reduced loop;
+    ``fast_math``: option fast_math, see ``templates.fast_math_prefix``)."""
+    if isinstance(k, PointwiseKernel):
+        return generate_pointwise_kernel(k, vec, fast_math=fast_math)
+    if isinstance(k, ReductionKernel):
+        return generate_reduction_kernel(k, fast_math, vec)
+    raise TypeError(f"not an IR kernel: {type(k).__name__}")
+
+
+class GeneratedRegion:
+    def __init__(self, region: Region, fast_math: bool = False):
+        self.region, self.name, self.label = region, region.name, "fused"
+        k = region.kernel
+        vec = vector_width(k)
+        self.sources = {vec: generate_kernel(k, vec, fast_math)}
+        if vec > 1 and not _aligned_by_metadata(self.sources[vec], region):
+            self.sources[1] = generate_kernel(k, 1, fast_math)  # for the tensors that will not be aligned
+        self.kernels: dict = {}
+
+    @property
+    def ops(self) -> list:
+        return list(self.region.ops)
+
+    def __call__(self, *inputs):
+        k = self.region.kernel
+        if len(self.kernels) != len(self.sources) or len(inputs) != len(k.inputs):
+            return None
+        for t, b in zip(inputs, k.inputs):
+            if not isinstance(t, torch.Tensor) or not t.is_cuda or not buffer_fits(t, b.shape, b.strides, b.dtype):
+                return None
+        device = inputs[0].device if inputs else torch.device("cuda")
+        outs = [torch.empty_strided(b.shape, b.strides, dtype=b.dtype, device=device) for b in k.outputs]
+        for variant in sorted(self.sources, reverse=True):
+            ks = self.sources[variant]
+            if vector_aligned(ks, inputs, outs):
+                launch_fused(ks, inputs, outs, kernel=self.kernels[variant])
+                return tuple(outs)
+        return None
+
+
+def _aligned_by_metadata(ks, region: Region) -> bool:
+    """Whether the vector variant's tensors start 16-byte aligned as far as their metadata tells:
+    outputs are fresh allocations, inputs views at an offset of whole vectors. (A tensor that is
+    not aligned at run time after all runs the reference.)"""
+    for kind, i, nbytes in ks.meta.get("aligned", ()):
+        if kind != "in":
+            continue
+        t = meta(region.inputs[i])
+        if t is None or (t.storage_offset() * t.element_size()) % nbytes:
+            return False
+    return True
+
+
+def buffer_fits(t: torch.Tensor, shape: tuple, strides: tuple, dtype: torch.dtype) -> bool:
+    """``t`` has the shape, dtype and (for dims of size > 1) strides a generated kernel expects."""
+    if t.dtype != dtype or tuple(t.shape) != shape:
+        return False
+    return all(n == 1 or s == e for n, s, e in zip(shape, t.stride(), strides))
+
+
+def launch_fused(ks: KernelSource, inputs, outputs, kernel=None) -> None:
+    """Launch a kernel generated from the loop-level IR (``codegen/kernel.py``): its inputs and
+    outputs in the order of the kernel's buffers; sizes are compiled in."""
+    k = ks.meta["kernel"]
+    if len(inputs) != len(k.inputs) or len(outputs) != len(k.outputs):
+        raise ValueError(f"{ks.name}: {len(inputs)} inputs / {len(outputs)} outputs, "
+                         f"expected {len(k.inputs)} / {len(k.outputs)}")
+    for t, b in zip(list(inputs) + list(outputs), k.inputs + k.outputs):
+        if not buffer_fits(t, b.shape, b.strides, b.dtype):
+            raise ValueError(f"{ks.name}: {b.name} is {tuple(t.shape)} {t.stride()} {t.dtype}, the kernel was "
+                             f"generated for {b.shape} {b.strides} {b.dtype}")
+    if not vector_aligned(ks, inputs, outputs):
+        raise ValueError(f"{ks.name}: a vector-accessed tensor is not aligned")
+    if any(b.numel == 0 for b in k.outputs) or ks.meta.get("work", 1) == 0:
+        return
+    compiled_kernel(ks, kernel).launch(ks.meta["grid"], ks.block, list(inputs) + list(outputs))
+
+
+def vector_aligned(ks: KernelSource, inputs, outputs) -> bool:
+    """The tensors a vector variant reads or writes 16 bytes (at most) at a time are aligned."""
+    for kind, i, nbytes in ks.meta.get("aligned", ()):
+        t = inputs[i] if kind == "in" else outputs[i]
+        if t.data_ptr() % nbytes:
+            return False
+    return True
