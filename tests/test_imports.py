@@ -180,3 +180,42 @@ def test_a_circle_is_found_and_printed(tmp_path):
     assert found == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]], found
     text = describe(found[0], graph)
     assert "pkg.sub.b -> pkg.c" in text and "b.py:2" in text
+
+
+# The cuda executor's layers, lowest first: an arrow (an import) may point down or sideways, never
+# up. The IR and the C emission helpers know nothing of kernels; a kernel family knows nothing of
+# the scheduler; the scheduler nothing of measuring, CUDA graphs or the executor.
+CUDA_LAYERS = {"ir": 0, "compiler": 0, "codegen": 1, "kernels": 2, "schedule": 3, "runtime": 4}
+
+
+def cuda_layer(module: str):
+    """The layer of a module of ``fxopt.backends.cuda`` (None for the package's own ``__init__``)."""
+    parts = module.split(".")
+    return CUDA_LAYERS[parts[3]] if len(parts) > 3 else None
+
+
+def upward_cuda_imports(graph: dict[str, dict[str, str]]) -> list[str]:
+    out = []
+    for mod, targets in sorted(graph.items()):
+        if not mod.startswith("fxopt.backends.cuda.") or cuda_layer(mod) is None:
+            continue
+        for t, where in sorted(targets.items()):
+            if t.startswith("fxopt.backends.cuda.") and cuda_layer(t) is not None and cuda_layer(t) > cuda_layer(mod):
+                out.append(f"{where}: {mod} imports {t} (layer {mod.split('.')[3]} -> {t.split('.')[3]})")
+    return out
+
+
+def test_cuda_imports_run_one_way():
+    graph = fxopt_graph()
+    cuda = [m for m in graph if m.startswith("fxopt.backends.cuda.")]
+    assert all(cuda_layer(m) is not None for m in cuda if m.count(".") > 2), "a cuda module outside the layers"
+    found = upward_cuda_imports(graph)
+    assert not found, "imports against the layers (runtime > schedule > kernels > codegen > ir, compiler):\n" + "\n".join(found)
+
+
+def test_an_upward_cuda_import_is_named_with_its_line():
+    graph = {"fxopt.backends.cuda.kernels.pool": {"fxopt.backends.cuda.runtime.measure": "backends/cuda/kernels/pool.py:7"},
+             "fxopt.backends.cuda.runtime.measure": {"fxopt.backends.cuda.kernels.pool": "backends/cuda/runtime/measure.py:3"}}
+    assert upward_cuda_imports(graph) == [
+        "backends/cuda/kernels/pool.py:7: fxopt.backends.cuda.kernels.pool imports fxopt.backends.cuda.runtime.measure "
+        "(layer kernels -> runtime)"]
