@@ -76,8 +76,15 @@ def kernel_groups(g) -> list[KernelGroup]:
     records = {getattr(k, "name", None): k for k in getattr(g, "kernels", []) or []}
     choices = details(g).get("node_choices") or {}
     groups = []
+    runnable = None
     for region, r in (details(g).get("regions") or {}).items():
         ops = sorted((o for o in (r.get("ops") or []) if o in order), key=order.get)
+        if len(ops) != len(r.get("ops") or []):  # ops named by their targets: the executor's graph says which
+            if runnable is None:
+                from fxopt.view.profile import runnable_of
+
+                runnable = runnable_of(g) or False
+            ops = sorted(_region_members(g.after, runnable, region), key=order.get) if runnable else []
         if not ops:
             continue
         kernel = str(r.get("kernel") or region)
@@ -92,6 +99,27 @@ def kernel_groups(g) -> list[KernelGroup]:
             groups.append(KernelGroup(rec.name, rec.name, ops, compiled=getattr(rec, "compiled", None)))
             seen |= set(ops)
     return sorted(groups, key=lambda k: order[k.ops[0]])
+
+
+def _region_members(after: fx.GraphModule, runnable: fx.GraphModule, region: str) -> list[str]:
+    """The optimized-graph nodes a region node of the executor's graph replaced: back from the
+    values its outputs carry (an output keeps its original's metadata) to the nodes still in the
+    executor's graph (the region's inputs). A convolution whose epilogue moved into the kernel is
+    counted in it."""
+    node = next((n for n in runnable.graph.nodes if n.name == region), None)
+    if node is None:
+        return []
+    kept = {n.name for n in runnable.graph.nodes}
+    by_val = {id(n.meta["val"]): n for n in after.graph.nodes if n.meta.get("val") is not None}
+    todo = [by_val[id(u.meta.get("val"))] for u in node.users if id(u.meta.get("val")) in by_val]
+    members: set = set()
+    while todo:
+        n = todo.pop()
+        if n.name in members or n.name in kept or n.op in ("placeholder", "get_attr"):
+            continue
+        members.add(n.name)
+        todo += n.all_input_nodes
+    return sorted(members)
 
 
 def _runs(g) -> Optional[str]:
