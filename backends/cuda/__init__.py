@@ -1,13 +1,13 @@
-"""The cuda executor, organised by stage (the path of a graph from the pass pipeline to a launch):
+"""The cuda executor, by layer (each imports only the layers below it; ``tests/test_imports.py``):
 
-- ``schedule/``: which nodes form one kernel and which implementations are candidates for it:
-  the fusion scheduler over the loop-level IR (``ir.py``, ``lowering.py``, ``fusion.py``) and the
-  template candidates for library nodes (``conv.py``, ``linear.py``, ``pool.py``) and node groups
-  (``groups.py``).
-- ``codegen/``: CUDA C from the IR (``kernel.py``) and from parameterised templates (``__init__``,
-  ``direct_conv.py``, ``linear.py``, ``templates/*.cu``); pure Python, no GPU needed.
-- ``compiler.py``: NVRTC compile (through ``cuda.core``), the in-memory and on-disk cubin cache, and
+- ``runtime/``: the executor that plans, measures (``measure.py``) and puts the choices into the
+  graph (``executor.py``), the measured node groups (``groups.py``), the training BatchNorms'
+  in-place statistics (``running_stats.py``) and the CUDA-graph runner (``cudagraphs.py``).
+- ``schedule/``: which nodes form one kernel: the fusion scheduler (``lowering.py``, ``fusion.py``)
+  and each region's reference and template candidates (``generated.py``).
+- ``kernels/``: one module per kernel family (when it applies, its candidates, its source, its
+  checks and launch; ``.cu`` templates in ``kernels/templates/``) and ``PLANNERS``, their table.
+- ``codegen/``: the C emission the families share; ``ir/``: the loop-level IR and its interpreter;
+  ``compiler.py``: NVRTC compile (through ``cuda.core``), the in-memory and on-disk cubin cache, and
   ``CompileError`` carrying NVRTC's log and the generated source.
-- ``runtime/``: launching (``launch.py``), measuring candidates (``measure.py``), the executor that
-  puts the choices into the graph (``executor.py``) and the CUDA-graph runner (``cudagraphs.py``).
 """

@@ -23,7 +23,7 @@ pixel is worked out here, at generation time, for any stride and dilation, and e
 code; columns outside the image are skipped. The epilogue (bias, residual, activation) is applied
 in registers and each pixel's ``vec`` outputs stored as one vector. fp32 accumulation for every
 dtype; every size compiled in. Which convolutions get it and the variants measured:
-``schedule/conv.py`` (``plan_depthwise_rows``).
+``plan_depthwise_rows`` below.
 """
 from __future__ import annotations
 
@@ -289,7 +289,7 @@ class DepthwiseConvVec(_DepthwiseNhwc):
 
 class DepthwiseConvRows(_DepthwiseNhwc):
     """NHWC depthwise conv, ``tw`` output pixels of a row x ``vec`` channels per thread, each input
-    column loaded once per kernel row for all of them (``codegen/depthwise_conv.py``)."""
+    column loaded once per kernel row for all of them (``generate_depthwise_conv2d_nhwc_rows``)."""
 
     def __init__(self, node: fx.Node, out: torch.Tensor, k, stride, padding, dilation, vec: int, tw: int):
         self.label = f"depthwiseconv_rows_v{vec}w{tw}"

@@ -12,8 +12,8 @@ One thread per output pixel (per pooled pixel: it evaluates the conv at every po
 window and keeps the max) computes ``pool(act(conv(x, w) + bias (+ residual)))`` for a tile of
 output channels whose weights sit in shared memory, and writes only the final tensor. NCHW or
 NHWC, fp32/fp16/bf16 with fp32 accumulation, weights (C_out, C_in, KH, KW) or channels_last
-(C_out, KH, KW, C_in). Which convolutions get it: ``schedule/conv.py``; launching it:
-``runtime/launch.py``.
+(C_out, KH, KW, C_in). Which convolutions get it: ``plan_direct_conv``; launching it:
+``launch_direct_conv2d``.
 """
 from __future__ import annotations
 

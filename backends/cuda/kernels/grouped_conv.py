@@ -20,7 +20,7 @@ thread's ``cot`` weights of one input value are one to four 16-byte reads, used 
 pixels. The epilogue (bias,
 residual, activation) is applied in registers and the ``cot`` outputs stored as one vector. fp32
 accumulation for every dtype; every size compiled in. Which convolutions get it and the variants
-measured: ``schedule/conv.py`` (``plan_grouped_conv``).
+measured: ``plan_grouped_conv`` below.
 """
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ def generate_grouped_conv2d_nhwc(n: int, cin: int, cout: int, groups: int, h: in
 class GroupedConv(TemplateCandidate):
     """NHWC grouped conv with every size compiled in: one output pixel x ``cot`` channels of a group
     per thread, the block's weights in shared memory, the epilogue fused
-    (``codegen/grouped_conv.py``)."""
+    (``generate_grouped_conv2d_nhwc``)."""
 
     def __init__(self, node: fx.Node, spec: dict, cot: int, ppt: int = 1):
         tag = f"t{cot}" + (f"p{ppt}" if ppt > 1 else "")

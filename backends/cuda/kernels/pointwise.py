@@ -14,7 +14,7 @@ scheduled region (reductions: ``reduction.py``; the region's candidate and launc
   consecutive elements of the innermost loop, and every unconditional access that walks that
   loop with stride 1 (from a ``vec``-aligned start) is one 16-byte (at most) vector load or store;
   the other accesses stay scalar, one per lane. The launcher checks the pointers' alignment;
-- reductions, ``inner`` mapping: rows that fit in registers as ``row_reduction.py`` maps them (each
+- reductions, ``inner`` mapping: rows that fit in registers as ``reduction.py`` maps them (each
   value loaded once, vector loads and stores); other rows one warp per row (row <= 1024 elements: 8
   rows per block) or one block per row (longer rows), each thread striding over the row, combined by warp shuffles
   (and shared memory across the warps of a block); ``outer`` mapping: a block of 32 consecutive
@@ -117,7 +117,7 @@ def _pointwise_loop(k: PointwiseKernel, vec: int, block: int, ind: str) -> tuple
 def generate_pointwise_kernel(k: PointwiseKernel, vec: int = 1, block: int = POINTWISE_BLOCK,
                               fast_math: bool = False) -> KernelSource:
     """``vec``: the widest vector any loop may use (each (sub-)kernel uses the widest its own
-    accesses allow, up to this). ``fast_math``: option fast_math (``templates.fast_math_prefix``)."""
+    accesses allow, up to this). ``fast_math``: option fast_math (``codegen.c.fast_math_prefix``)."""
     index64 = _index64(k)
     prefix = _fast_math_prefix(k, fast_math)
     name = _uname(k, f"v{vec}" + "f" * bool(prefix))

@@ -54,8 +54,8 @@ def _reduction_geometry(k: ReductionKernel) -> dict:
 
 
 def generate_reduction_kernel(k: ReductionKernel, fast_math: bool = False, vec: int = 1) -> KernelSource:
-    """``fast_math``: option fast_math (``templates.fast_math_prefix``); ``vec``: the row's vector
-    width (rows that fit in registers, ``row_reduction.py``; 1: scalar loads)."""
+    """``fast_math``: option fast_math (``codegen.c.fast_math_prefix``); ``vec``: the row's vector
+    width (rows that fit in registers, ``row_plan`` below; 1: scalar loads)."""
     plan = row_plan(k, vec)
     if plan is not None:
         prefix = _fast_math_prefix(k, fast_math)

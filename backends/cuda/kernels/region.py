@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 def generate_kernel(k, vec: int = 1, fast_math: bool = False) -> KernelSource:
     """The source of an IR kernel (``vec``: vector width of the innermost (pointwise) or reduced loop;
-    ``fast_math``: option fast_math, see ``templates.fast_math_prefix``)."""
+    ``fast_math``: option fast_math, see ``codegen.c.fast_math_prefix``)."""
     if isinstance(k, PointwiseKernel):
         return generate_pointwise_kernel(k, vec, fast_math=fast_math)
     if isinstance(k, ReductionKernel):
@@ -84,7 +84,7 @@ def buffer_fits(t: torch.Tensor, shape: tuple, strides: tuple, dtype: torch.dtyp
 
 
 def launch_fused(ks: KernelSource, inputs, outputs, kernel=None) -> None:
-    """Launch a kernel generated from the loop-level IR (``codegen/kernel.py``): its inputs and
+    """Launch a kernel generated from the loop-level IR (``generate_kernel``): its inputs and
     outputs in the order of the kernel's buffers; sizes are compiled in."""
     k = ks.meta["kernel"]
     if len(inputs) != len(k.inputs) or len(outputs) != len(k.outputs):

@@ -2,11 +2,11 @@
 
 First the fusion scheduler (``schedule/fusion.py``) groups every pointwise, reduction and
 data-movement op it has a rule for into regions, each one generated kernel
-(``codegen/kernel.py``), and replaces each region by one node. A region's candidates: its
+(``kernels/region.py``), and replaces each region by one node. A region's candidates: its
 ``reference`` (its ATen ops as PyTorch runs them), ``generated`` (the kernel), and for a region that
-is exactly one max pool or global average pool the older template kernels (``schedule/pool.py``).
+is exactly one max pool or global average pool the older template kernels (``kernels/pool.py``).
 
-Library nodes keep their own candidates (``schedule/conv.py``, ``schedule/linear.py``). For a
+Library nodes keep their own candidates (the kernel families' ``PLANNERS``, ``kernels/``). For a
 ``fused_conv`` (``act(conv(x, w) + bias (+ residual))``): ``reference`` (cuDNN with bias, then
 the epilogue ops), ``generated`` (conv without bias, then one generated bias/residual/activation
 kernel in place), ``cudnn_fused`` (cuDNN's conv + ReLU (+ add)), ``generated_depthwiseconv``
@@ -20,7 +20,7 @@ conversions: the layout chosen per conv, by measurement). A
 against cuBLAS followed by the activation.
 
 After the per-node choices, groups of nodes are measured as one kernel against the group as
-already chosen (``schedule/groups.py``): a max pool fed by such a conv that nothing else reads
+already chosen (``runtime/groups.py``): a max pool fed by such a conv that nothing else reads
 (left out of the fusion scheduler for that purpose: conv + epilogue + pool in one kernel), and a
 chain of small linear layers (a classifier head in one thread block).
 
