@@ -46,7 +46,10 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from fxopt.lowered import Lowered
 from fxopt.ops import apply_activation, fused_conv_ref
+
+EXECUTOR = "cpu"
 
 #: fxopt activation -> (oneDNN post-op attr, algorithm); the float params pass through as scalars
 POST_OPS = {
@@ -68,6 +71,14 @@ def onednn_available() -> Optional[str]:
     if _CONV_POINTWISE is None or _CONV_BINARY is None:
         return "this PyTorch has no mkldnn._convolution_pointwise"
     return None
+
+
+def capabilities() -> dict:
+    """What the cpu executor offers the passes (``fxopt.target.Target`` fields): NHWC pays for
+    float32 / bfloat16 convolutions where oneDNN's fused convolution runs."""
+    why = onednn_available()
+    return {"cpu_channels_last": why, "cpu_channels_last_dtypes": DTYPES,
+            "fused_ops": () if why else ("onednn_conv",)}
 
 
 def decline_reason(node: fx.Node) -> Optional[str]:
@@ -241,6 +252,31 @@ def lower_pools(runnable: fx.GraphModule, info: dict) -> fx.GraphModule:
         taken += 1
     info["pools"] = {"by_slices": taken, "declined": declined}
     return _recompiled(runnable) if taken else runnable
+
+
+def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
+    """The cpu executor: oneDNN convolutions and sliced max pools, and the faster of the optimized
+    and the unoptimized graph (and, with option ``cpu_onnxruntime``, the graph in ONNX Runtime)
+    per input signature."""
+    from fxopt.backends import torch_ref
+    from fxopt.backends.lowering import decisions_cache, placeholder_indices, unoptimized_baseline
+
+    if kind != "inference" or ctx.device_type != "cpu":
+        raise ValueError(f"fxopt: the cpu executor runs CPU inference graphs, not a {ctx.device_type} {kind} graph")
+    details: dict = {}
+    runnable = lower_pools(lower_onednn(torch_ref.lower(gm), details), details)
+    baseline = unoptimized_baseline(gm, ctx)
+    ort, why = None, "option cpu_onnxruntime=False"
+    if ctx.options.cpu_onnxruntime:
+        from fxopt.backends.onnxrt import cpu_candidate
+
+        ort, why = cpu_candidate(gm, ctx)
+    details["onnxruntime_candidate"] = "timed per signature" if ort is not None else f"none ({why})"
+    runner = CpuRunner(runnable, baseline, placeholder_indices(gm, ctx.param_placeholders),
+                       decisions_cache=decisions_cache(ctx, runnable, baseline, "cpu"), onnxruntime=ort)
+    # the runner's decisions() say, per signature, which graph runs and the times
+    return Lowered(fn=runner, executor=EXECUTOR, cudagraphs="off (CPU)", cpu_runner=runner,
+                   baseline_check=baseline is not None, details=details)
 
 
 class CpuRunner:

@@ -12,14 +12,14 @@ shapes) with the current parameter values and folded constants as initializers, 
   Where the layout pass put the graph's convolutions in channels_last (fxopt's judgement that NHWC
   convolutions are the fast ones here), the session gets ``prefer_nhwc`` too, so ORT's CUDA EP runs
   its convolutions in NHWC (the ONNX graph itself stays NCHW, as ONNX requires); a build without
-  NHWC kernels ignores the option. ``info["onnxruntime_nhwc"]`` records it.
+  NHWC kernels ignores the option. ``Lowered.details["onnxruntime_nhwc"]`` records it.
   ORT runs on torch's current stream of session creation (``user_compute_stream``); a call made
   on another stream is ordered with it by stream waits, never by a host synchronization.
 - CPU inputs: the CPU EP (``intra_op_num_threads`` = ``torch.get_num_threads()``).
 - Parameters are initializers, not inputs: when one changes in place (its ``_version`` moves:
   optimizer step, ``load_state_dict``, ``copy_``) or is replaced, every session is rebuilt.
 
-Falls back to the torch executor (``info["executor"]`` says so, and why): training graphs; ops
+Falls back to the torch executor (``Lowered.executor`` and ``fallback_reason`` say so, and why): training graphs; ops
 without an ONNX translation (``strict=True`` raises ``UnsupportedOpError``); CUDA inputs without the
 CUDA EP, onnxruntime missing, bfloat16 values (one warning each).
 """
@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 
 from fxopt.backends import torch_ref
+from fxopt.lowered import Lowered
 
 MAX_SESSIONS = 8
 _WARNED: set = set()
@@ -46,10 +47,9 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, FxoptFallbackWarning, stacklevel=4)
 
 
-def _torch_executor(gm: fx.GraphModule, info: dict, reason: str):
-    info["executor"] = f"torch (onnxruntime not used: {reason})"
-    info["cudagraphs"] = "off (onnxruntime executor fell back)"
-    return torch_ref.lower(gm), info
+def _torch_executor(gm: fx.GraphModule, reason: str) -> Lowered:
+    return Lowered(fn=torch_ref.lower(gm), executor=f"torch (onnxruntime not used: {reason})",
+                   cudagraphs="off (onnxruntime executor fell back)", fallback_reason=reason)
 
 
 def _np_dtypes():
@@ -77,17 +77,17 @@ def _unbindable_dtype(gm: fx.GraphModule):
 def wants_nhwc(gm: fx.GraphModule) -> bool:
     """True when the layout pass ran the graph's 2-D convolutions in channels_last."""
     from fxopt.ops import FUSED_CONV
-    from fxopt.passes.layout import CL, format_of
+    from fxopt.names import CL, format_of
 
     outs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "call_function" and n.target == FUSED_CONV]
     outs = [v for v in outs if isinstance(v, torch.Tensor) and v.dim() == 4]
     return bool(outs) and all(format_of(v) == CL for v in outs)
 
 
-def lower_onnxruntime(gm: fx.GraphModule, ctx, kind: str, info: dict):
-    """(callable, info) running `gm` in ONNX Runtime, or the torch executor where it cannot."""
+def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
+    """`gm` running in ONNX Runtime, or the torch executor where it cannot."""
     if kind != "inference":
-        return _torch_executor(gm, info, f"{kind} graph; the onnxruntime executor runs inference graphs only")
+        return _torch_executor(gm, f"{kind} graph; the onnxruntime executor runs inference graphs only")
     reason = _why_not(gm, ctx, strict=ctx.options.strict)
     cuda = ctx.device_type == "cuda"
     if not reason and cuda:
@@ -97,7 +97,7 @@ def lower_onnxruntime(gm: fx.GraphModule, ctx, kind: str, info: dict):
             reason = f"inputs are on CUDA but onnxruntime has no CUDAExecutionProvider ({ort.get_available_providers()})"
     if reason:
         _warn_once(reason, f"fxopt: executor 'onnxruntime': {reason}; using the torch executor")
-        return _torch_executor(gm, info, reason)
+        return _torch_executor(gm, reason)
     provider = "CUDAExecutionProvider" if cuda else "CPUExecutionProvider"
     cuda_graph = cuda and ctx.options.cudagraphs is not False
     nhwc = cuda and wants_nhwc(gm)
@@ -116,13 +116,12 @@ def lower_onnxruntime(gm: fx.GraphModule, ctx, kind: str, info: dict):
                 raise
             reason = f"{type(e).__name__}: {e}"
             _warn_once(reason, f"fxopt: executor 'onnxruntime': {reason}; using the torch executor")
-            return _torch_executor(gm, info, reason)
-    info["executor"] = f"onnxruntime ({provider})"
-    info["onnxruntime_nhwc"] = nhwc
-    info["cudagraphs"] = ("on (onnxruntime CUDA graph per input signature)" if cuda_graph else
-                          "off (inputs are not on CUDA)" if not cuda else "off (option cudagraphs=False)"
-                          if ctx.options.cudagraphs is False else "off (onnxruntime could not capture this graph)")
-    return runner, info
+            return _torch_executor(gm, reason)
+    cudagraphs = ("on (onnxruntime CUDA graph per input signature)" if cuda_graph else
+                  "off (inputs are not on CUDA)" if not cuda else "off (option cudagraphs=False)"
+                  if ctx.options.cudagraphs is False else "off (onnxruntime could not capture this graph)")
+    return Lowered(fn=runner, executor=f"onnxruntime ({provider})", cudagraphs=cudagraphs,
+                   details={"onnxruntime_nhwc": nhwc})
 
 
 def _why_not(gm: fx.GraphModule, ctx, strict: bool) -> Optional[str]:

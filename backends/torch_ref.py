@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from fxopt.lowered import Lowered
 from fxopt.ops import FUSED_CONV, FUSED_LINEAR, fused_conv_ref, fused_linear_ref
+
+EXECUTOR = "torch"
 
 DIRECT_IMPLS = {FUSED_CONV: fused_conv_ref, FUSED_LINEAR: fused_linear_ref}
 
@@ -24,3 +27,10 @@ def lower(gm: fx.GraphModule) -> fx.GraphModule:
             node.target = DIRECT_IMPLS[node.target]
     runnable.recompile()
     return runnable
+
+
+def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
+    """The torch executor for CPU inputs (on CUDA inputs it is ``cuda_entry.lower_graph`` without
+    generated kernels: CUDA graphs replay the reference graph)."""
+    why = "option cudagraphs=False" if ctx.options.cudagraphs is False else "inputs are not on CUDA"
+    return Lowered(fn=lower(gm), executor=EXECUTOR, cudagraphs=f"off ({why})")

@@ -30,6 +30,7 @@ from functorch.compile import make_boxed_func
 from fxopt.config import Options
 from fxopt.autotune import cudnn_choosing
 from fxopt.compile_cache import CompileCache
+from fxopt.lowered import Lowered
 from fxopt.passinfra import PassContext, written_in_place
 from fxopt.pipeline import ALL_PASS_NAMES, FxoptFallbackWarning, PassFailure, copy_graph_module
 from fxopt.report import GraphReport
@@ -46,7 +47,7 @@ def qualname_from_source(source_name: str) -> str:
 
 
 def _graph_output_formats(gm: fx.GraphModule) -> list:
-    from fxopt.passes.layout import format_of
+    from fxopt.names import format_of
 
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     flat = list(out) if isinstance(out, (list, tuple)) else [out]
@@ -139,7 +140,6 @@ class FxoptCompiler:
         self.direct: Optional[Callable] = None  # the inference graph, when it may skip AOT's wrapper
         self.forward_params: set[str] = set()  # training: the forward's parameter placeholders
         self.forward_runner = None  # training: the forward graph's CUDA-graph runner, if any
-        self.partitioner = Partitioner(options.partitioner, options)  # splits training graphs (fxopt.training)
         placeholders = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
         self.n_inputs = len(placeholders)
         self.params: dict[int, str] = {}
@@ -156,10 +156,18 @@ class FxoptCompiler:
                             **dict(dynamo_gm.named_buffers(remove_duplicate=False))}.items())
         devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
         self.device_type = "cuda" if "cuda" in devices else "cpu"
+        from fxopt.backends import target_for
+
+        # splits training graphs (fxopt.training), after the joint-graph passes for this target
+        self.partitioner = Partitioner(options.partitioner, options,
+                                       target=target_for(options, self.device_type, "training"))
 
     def _context(self, gm: fx.GraphModule, fake_args: list, kind: str) -> PassContext:
+        from fxopt.backends import target_for
+
         mode = "inference" if kind == "inference" else "training"
-        ctx = PassContext(options=self.options, mode=mode, device_type=self.device_type)
+        ctx = PassContext(options=self.options, mode=mode, device_type=self.device_type,
+                          target=target_for(self.options, self.device_type, kind))
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         ctx.fake_inputs = list(fake_args)
         lifted = len(self.lifted) if len(placeholders) == len(self.lifted) + self.n_inputs else 0
@@ -195,24 +203,23 @@ class FxoptCompiler:
             optimized, records, fallback = cache.run(gm, ctx, fake_args, dump_prefix=f"{kind}_")
             ctx.unoptimized = before if fallback is None else None
             try:
-                compiled, executor_info = lower(optimized, ctx, kind)
+                lowered = lower(optimized, ctx, kind)
             except Exception as e:  # noqa: BLE001 - lowering failures fall back too
                 if self.options.strict:
                     raise PassFailure("lowering", f"{type(e).__name__}: {e}") from e
                 warnings.warn(f"fxopt: lowering failed ({type(e).__name__}: {e}); running the unoptimized graph",
                               FxoptFallbackWarning, stacklevel=2)
                 fallback = f"lowering failed: {type(e).__name__}: {e}"
-                optimized, compiled, executor_info = before, before, {"executor": "torch",
-                                                                      "cudagraphs": "off (fallback)"}
+                optimized, lowered = before, Lowered(fn=before, executor="torch", cudagraphs="off (fallback)",
+                                                     fallback_reason=fallback)
             cache.store(optimized, records, fallback, ctx)
+        compiled = lowered.fn
         if kind == "forward":
-            self.forward_runner = executor_info.get("cudagraph_runner")
+            self.forward_runner = lowered.cudagraph_runner
         report = GraphReport(
             kind=kind, before=before, after=optimized, passes=records, conv_algorithms=dict(ctx.conv_algorithms),
-            kernels=executor_info.get("kernels", []), fallback=fallback, executor=executor_info["executor"],
-            cudagraphs=executor_info["cudagraphs"], measurements=ctx.measurements,
-            compile_ms=(time.perf_counter() - t0) * 1e3,
-            executor_details={k: v for k, v in executor_info.items() if k not in ("kernels", "executor", "cudagraphs")},
+            kernels=lowered.kernels, fallback=fallback, executor=lowered.executor, cudagraphs=lowered.cudagraphs,
+            measurements=ctx.measurements, compile_ms=(time.perf_counter() - t0) * 1e3, lowered=lowered,
         )
         if kind != "inference":  # how AOTAutograd split the joint graph (fxopt.training)
             report.training = training_details(before, kind, self.partitioner)
@@ -232,7 +239,7 @@ class FxoptCompiler:
         (``primals_N``), and its CUDA-graph runner reads the values the forward's runner lent in
         place (``TrainingLink``): the forward's outputs before its saved values are what the caller
         sees (AOTAutograd's ``num_fwd_outputs``)."""
-        from fxopt.backends.cuda.runtime.cudagraphs import TrainingLink
+        from fxopt.backends.cuda.runtime.cudagraph_training import TrainingLink
 
         if kind == "forward":
             self.forward_params = set(ctx.param_placeholders)

@@ -117,7 +117,7 @@ class Options:
             raise ValueError(f"fxopt: layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.partitioner not in PARTITIONERS:
             raise ValueError(f"fxopt: partitioner must be one of {PARTITIONERS}, got {self.partitioner!r}")
-        from fxopt.backends.conv_algorithms import ALGORITHMS
+        from fxopt.conv_algorithms import ALGORITHMS
 
         allowed = set(CONV_ALGORITHM_MODES) | set(ALGORITHMS)
         choices = self.conv_algorithm.values() if isinstance(self.conv_algorithm, dict) else [self.conv_algorithm]

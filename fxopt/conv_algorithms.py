@@ -300,7 +300,7 @@ class Direct(_Base):
 
 
 class Winograd(_Base):
-    """F(m x m, 3 x 3); see fxopt.backends.winograd."""
+    """F(m x m, 3 x 3); see fxopt.winograd."""
 
     def __init__(self, m: int, tol: dict):
         self.m, self.name, self._TOL = m, f"winograd_{m}x{m}_3x3", tol
@@ -337,7 +337,7 @@ class Winograd(_Base):
 
 
 class FFTConv(_Base):
-    """rfftn-based cross-correlation; see fxopt.backends.fft_conv."""
+    """rfftn-based cross-correlation; see fxopt.fft_conv."""
     name = "fft"
 
     def legal(self, sig: ConvSig) -> str | None:

@@ -1,6 +1,6 @@
 """FFT convolution (stride 1, dilation 1, any kernel size, any groups, 1-3 spatial dims).
 
-Pure torch kernels used by :mod:`fxopt.backends.conv_algorithms`. The cost is
+Pure torch kernels used by :mod:`fxopt.conv_algorithms`. The cost is
 O(L log L) per channel independent of the kernel size, so it wins for large kernels
 (31x31 / 51x51 depthwise, 1-D kernels with hundreds of taps).
 

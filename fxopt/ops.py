@@ -20,20 +20,23 @@ ReLU (and a residual add before it) and their joint gradient::
 
     y = relu(batch_norm(x, weight, bias, training=True) (+ z))  # with the new running statistics
 
-``backend="cudnn"`` runs cuDNN's fused kernels (``fxopt.backends.cuda.runtime.cudnn_batchnorm``),
-``"native"`` PyTorch's native BatchNorm kernels and separate ops (any device).
+``backend="cudnn"`` runs cuDNN's fused kernels, which the cuda side registers for the "cuda"
+dispatch key (``torch.library.register_kernel``, in ``fxopt.backends.cuda_entry.register_kernels``,
+called when a CUDA target is built: never on import); ``"native"`` PyTorch's native BatchNorm
+kernels and separate ops (any device).
 
 ``fxopt::prepack_conv_weight`` is the weight-only half of an algorithm
 (Winograd filter transform, FFT kernel spectrum...). It only ever depends on
 weights, so under freezing it is evaluated once at compile time.
 
 The reference implementations here run anywhere (CPU, CUDA) with plain torch
-operators; the executors in ``fxopt.backends`` may replace them with faster
-kernels, but never change what they compute.
+operators (the convolution algorithms' math is ``fxopt.conv_algorithms``); the
+executors in ``fxopt.backends`` may replace them with faster kernels, but never
+change what they compute. This module imports nothing from ``fxopt.backends``.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +76,7 @@ def conv_by_algorithm(x, weight, bias, stride, padding, dilation, groups, algori
     """The convolution part of fused_conv (no epilogue), by the chosen algorithm."""
     if algorithm == "direct":
         return direct_conv(x, weight, bias, stride, padding, dilation, groups)
-    from fxopt.backends.conv_algorithms import get_algorithm
+    from fxopt.conv_algorithms import get_algorithm
 
     algo = get_algorithm(algorithm)
     sig = conv_sig_of(x, weight, stride, padding, dilation, groups)
@@ -82,7 +85,7 @@ def conv_by_algorithm(x, weight, bias, stride, padding, dilation, groups, algori
 
 def conv_sig_of(x: Tensor, weight: Tensor, stride, padding, dilation, groups, batch_symbolic=False):
     """The ConvSig of a convolution, from its (real or fake) operands."""
-    from fxopt.backends.conv_algorithms import ConvSig
+    from fxopt.conv_algorithms import ConvSig
 
     def _int(v):
         try:
@@ -183,7 +186,7 @@ def prepack_conv_weight(
     x_dtype: torch.dtype,
     channels_last: bool,
 ) -> Tensor:
-    from fxopt.backends.conv_algorithms import ConvSig, get_algorithm
+    from fxopt.conv_algorithms import ConvSig, get_algorithm
 
     sig = ConvSig(tuple(None if s < 0 else s for s in x_shape), tuple(weight.shape), tuple(stride),
                   tuple(padding), tuple(dilation), groups, x_dtype, weight.device.type, channels_last)
@@ -198,7 +201,7 @@ def prepack_conv_weight(
 @prepack_conv_weight.register_fake
 def _prepack_fake(weight, algorithm, x_shape, stride, padding, dilation, groups, x_dtype, channels_last):
     # Run the real transform on a zero weight on the meta device to learn the shape/dtype.
-    from fxopt.backends.conv_algorithms import ConvSig, get_algorithm
+    from fxopt.conv_algorithms import ConvSig, get_algorithm
 
     sig = ConvSig(tuple(None if s < 0 else s for s in x_shape), tuple(weight.shape), tuple(stride),
                   tuple(padding), tuple(dilation), groups, x_dtype, "cpu", channels_last)
@@ -218,24 +221,39 @@ def _channels_last(t: Tensor) -> Tensor:
     return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t.contiguous()
 
 
+def _no_kernel(backend: str, op: str):
+    return RuntimeError(f"fxopt::{op} with backend={backend!r} has no kernel for these inputs: the executor that "
+                        f"provides it registers it when its target is built (fxopt.backends.cuda_entry)")
+
+
+def batch_norm_relu_native(x, weight, bias, running_mean, running_var, z, momentum, eps, reserve_bytes):
+    """``batch_norm_relu`` with PyTorch's native BatchNorm kernels and separate ops."""
+    out, mean, invstd, new_mean, new_var = torch.ops.aten._native_batch_norm_legit_functional(
+        x, weight, bias, running_mean, running_var, True, momentum, eps)
+    y = torch.relu(out + z if z is not None else out)
+    return (_channels_last(y), mean, invstd, x.new_empty(reserve_bytes, dtype=torch.uint8), new_mean, new_var)
+
+
 @torch.library.custom_op("fxopt::batch_norm_relu", mutates_args=())
 def batch_norm_relu(
     x: Tensor, weight: Tensor, bias: Tensor, running_mean: Tensor, running_var: Tensor, z: Optional[Tensor],
     momentum: float, eps: float, reserve_bytes: int, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(y, save_mean, save_invstd, reserve, new_running_mean, new_running_var)."""
-    if backend == "cudnn":
-        from fxopt.backends.cuda.runtime import cudnn_batchnorm
+    if backend != "native":
+        raise _no_kernel(backend, "batch_norm_relu")
+    return batch_norm_relu_native(x, weight, bias, running_mean, running_var, z, momentum, eps, reserve_bytes)
 
-        out = cudnn_batchnorm.forward(x, z, weight, bias, running_mean, running_var, momentum, eps)
-        if out[3].numel() != reserve_bytes:  # the graph was traced with another reserve size
-            raise cudnn_batchnorm.CudnnError(f"cuDNN's reserve space is {out[3].numel()} bytes, "
-                                             f"the graph's {reserve_bytes}")
-        return out
-    out, mean, invstd, new_mean, new_var = torch.ops.aten._native_batch_norm_legit_functional(
-        x, weight, bias, running_mean, running_var, True, momentum, eps)
-    y = torch.relu(out + z if z is not None else out)
-    return (_channels_last(y), mean, invstd, x.new_empty(reserve_bytes, dtype=torch.uint8), new_mean, new_var)
+
+#: backend -> the in-place form of batch_norm_relu (``batch_norm_relu_update``) for that backend,
+#: registered by the executor that provides the backend's kernels
+_UPDATE_KERNELS: dict[str, Callable] = {}
+
+
+def register_batch_norm_relu_update(backend: str, fn: Callable) -> None:
+    """``fn(x, weight, bias, running_mean, running_var, z, momentum, eps, reserve_bytes)`` runs
+    ``batch_norm_relu_update`` for ``backend`` (called by the executor that provides it)."""
+    _UPDATE_KERNELS[backend] = fn
 
 
 def batch_norm_relu_update(x: Tensor, weight: Tensor, bias: Tensor, running_mean: Tensor, running_var: Tensor,
@@ -245,14 +263,10 @@ def batch_norm_relu_update(x: Tensor, weight: Tensor, bias: Tensor, running_mean
     (y, save_mean, save_invstd, reserve). Not an op of traced graphs (they stay functional): the
     cuda executor's last step puts it in place of ``batch_norm_relu`` and the copies of its new
     statistics into the buffers (``backends/cuda/runtime/running_stats.py``)."""
-    if backend == "cudnn":
-        from fxopt.backends.cuda.runtime import cudnn_batchnorm
-
-        out = cudnn_batchnorm.forward(x, z, weight, bias, running_mean, running_var, momentum, eps, in_place=True)
-        if out[3].numel() != reserve_bytes:
-            raise cudnn_batchnorm.CudnnError(f"cuDNN's reserve space is {out[3].numel()} bytes, "
-                                             f"the graph's {reserve_bytes}")
-        return out[:4]
+    if backend != "native":
+        if backend not in _UPDATE_KERNELS:
+            raise _no_kernel(backend, "batch_norm_relu (in place)")
+        return _UPDATE_KERNELS[backend](x, weight, bias, running_mean, running_var, z, momentum, eps, reserve_bytes)
     out, mean, invstd = torch.ops.aten._native_batch_norm_legit(x, weight, bias, running_mean, running_var, True,
                                                                 momentum, eps)
     y = torch.relu(out + z if z is not None else out)
@@ -267,20 +281,23 @@ def _batch_norm_relu_fake(x, weight, bias, running_mean, running_var, z, momentu
             x.new_empty(reserve_bytes, dtype=torch.uint8), torch.empty_like(running_mean), torch.empty_like(running_var))
 
 
+def batch_norm_relu_backward_native(grad, x, y, weight, bias, save_mean, save_invstd, eps, with_add):
+    """``batch_norm_relu_backward`` with PyTorch's native kernels."""
+    g = torch.ops.aten.threshold_backward(grad, y, 0)
+    dx, dw, db = torch.ops.aten.native_batch_norm_backward(g, x, weight, None, None, save_mean, save_invstd,
+                                                           True, eps, [True, True, True])
+    return _channels_last(dx), dw, db, (_channels_last(g) if with_add else x.new_empty(0))
+
+
 @torch.library.custom_op("fxopt::batch_norm_relu_backward", mutates_args=())
 def batch_norm_relu_backward(
     grad: Tensor, x: Tensor, y: Tensor, weight: Tensor, bias: Tensor, save_mean: Tensor, save_invstd: Tensor,
     reserve: Tensor, eps: float, with_add: bool, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad of x, of weight, of bias, of z (empty without the add))."""
-    if backend == "cudnn":
-        from fxopt.backends.cuda.runtime import cudnn_batchnorm
-
-        return cudnn_batchnorm.backward(grad, x, y, weight, bias, save_mean, save_invstd, reserve, eps, with_add)
-    g = torch.ops.aten.threshold_backward(grad, y, 0)
-    dx, dw, db = torch.ops.aten.native_batch_norm_backward(g, x, weight, None, None, save_mean, save_invstd,
-                                                           True, eps, [True, True, True])
-    return _channels_last(dx), dw, db, (_channels_last(g) if with_add else x.new_empty(0))
+    if backend != "native":
+        raise _no_kernel(backend, "batch_norm_relu_backward")
+    return batch_norm_relu_backward_native(grad, x, y, weight, bias, save_mean, save_invstd, eps, with_add)
 
 
 @batch_norm_relu_backward.register_fake

@@ -17,8 +17,8 @@ def kernels_of(module, writer) -> list:
     from fxopt.backends.cuda.compiler import compile_kernel, nvrtc_version
 
     seen, out = set(), []
-    for _, info in module.lowerings.values():
-        for rec in info.get("kernels", []):
+    for low in module.lowerings.values():
+        for rec in low.kernels:
             if (rec.name, rec.source) in seen:
                 continue
             seen.add((rec.name, rec.source))

@@ -134,7 +134,7 @@ def _specs(ep):
 def _freeze(gm: fx.GraphModule, weights: dict) -> dict:
     """Evaluate fold_constants' weight-only graph once: its outputs become weight placeholders
     (``folded_<i>``); weights nothing reads any more are dropped. Returns the weights kept."""
-    from fxopt.passes.fold_constants import MODULE_NAME
+    from fxopt.names import FOLDED_CONSTANTS_MODULE as MODULE_NAME
 
     g = gm.graph
     call = next((n for n in g.nodes if n.op == "call_module" and n.target == MODULE_NAME), None)
@@ -307,7 +307,7 @@ class PackagedModule(torch.nn.Module):
         self._weight_names = set(weights)
         self.out_spec = pytree.treespec_loads(manifest["out_spec"]) if manifest.get("out_spec") else None
         self.executor = resolve_executor(options.executor, device.type, "inference")
-        self.lowerings: dict = {}  # batch size (None: every size) -> (runner, executor info)
+        self.lowerings: dict = {}  # batch size (None: every size) -> what the executor made (fxopt.lowered)
         self.check_vals = False  # packaging sets it: stored values checked against propagation
         self.timings: dict = {}
 
@@ -342,7 +342,7 @@ class PackagedModule(torch.nn.Module):
 
     def _lower(self, batch: Optional[int], args: list):
         from fxopt.autotune import cudnn_choosing
-        from fxopt.backends import lower
+        from fxopt.backends import lower, target_for
         from fxopt.passinfra import PassContext
 
         t0 = time.perf_counter()
@@ -360,13 +360,14 @@ class PackagedModule(torch.nn.Module):
                 key = batch
             else:  # beyond the bound: one symbolic graph with PyTorch's kernels for the other sizes
                 options = dataclasses.replace(options, executor="torch", cudagraphs=False)
-        ctx = PassContext(options=options, mode="inference", device_type=self.device.type)
+        ctx = PassContext(options=options, mode="inference", device_type=self.device.type,
+                          target=target_for(options, self.device.type, "inference"))
         ctx.param_placeholders = set(self._weight_names)
         with cudnn_choosing(options.cudnn_search):
-            runner, info = lower(gm, ctx, "inference")
-        self.lowerings[key] = (runner, info)
+            lowered = lower(gm, ctx, "inference")
+        self.lowerings[key] = lowered
         self.timings[f"lower_b{batch}_s" if key is not None else "lower_s"] = round(time.perf_counter() - t0, 4)
-        return runner
+        return lowered.fn
 
     def forward(self, *inputs):
         batch = self._check(inputs)
@@ -375,7 +376,7 @@ class PackagedModule(torch.nn.Module):
         args = list(self._template)
         for at, x in zip(self._input_at, inputs):
             args[at] = x
-        runner = lowered[0] if lowered is not None else self._lower(batch, args)
+        runner = lowered.fn if lowered is not None else self._lower(batch, args)
         if torch.is_grad_enabled():
             with torch.no_grad():
                 out = runner(*args)
@@ -388,11 +389,11 @@ class PackagedModule(torch.nn.Module):
         """Per specialised batch size: the executor's node choices and the CUDA-graph runner's
         decisions (what ran, from the package or by default)."""
         out = {}
-        for key, (runner, info) in self.lowerings.items():
+        for key, low in self.lowerings.items():
             out["any" if key is None else str(key)] = {
-                "executor": info.get("executor"), "cudagraphs": info.get("cudagraphs"),
-                "node_choices": {k: v.get("choice") for k, v in (info.get("node_choices") or {}).items()},
-                "runner": runner.decisions() if hasattr(runner, "decisions") else []}
+                "executor": low.executor, "cudagraphs": low.cudagraphs,
+                "node_choices": {k: v.get("choice") for k, v in low.node_choices.items()},
+                "runner": low.fn.decisions() if hasattr(low.fn, "decisions") else []}
         return out
 
     def summary(self) -> str:
@@ -479,6 +480,7 @@ def _build(model, inputs: tuple, opts, dynamic: bool) -> dict:
     check it against the model. Returns what ``_write`` needs."""
     from fxopt.autotune import AutotuneCache, cudnn_choosing
     from fxopt.backend import _graph_output_formats
+    from fxopt.backends import target_for
     from fxopt.choices import RecordingCache
     from fxopt.passinfra import PassContext
     from fxopt.pipeline import run_pipeline
@@ -493,7 +495,8 @@ def _build(model, inputs: tuple, opts, dynamic: bool) -> dict:
     run_opts = dataclasses.replace(opts, autotune_cache=recording)
     device = next(iter({x.device for x in inputs}))
     gm = ep.graph_module
-    ctx = PassContext(options=run_opts, mode="inference", device_type=device.type)
+    ctx = PassContext(options=run_opts, mode="inference", device_type=device.type,
+                      target=target_for(run_opts, device.type, "inference"))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     ctx.fake_inputs = [n.meta.get("val") for n in placeholders]
     for n in placeholders:

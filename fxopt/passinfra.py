@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult  # noqa: F401  (re-exported)
 
 from fxopt.config import Options
+from fxopt.target import Target
 
 aten = torch.ops.aten
 
@@ -57,6 +58,9 @@ class PassContext:
     #: placeholder name -> qualified module attribute ("layer1.0.conv1.weight")
     param_qualnames: dict[str, str] = field(default_factory=dict)
     device_type: str = "cpu"
+    #: what the passes may assume of the executor (built by the backend entry before the pipeline
+    #: runs; None here: ``Target.generic`` for ``device_type``, which assumes no executor kernels)
+    target: Optional[Target] = None
     #: per-pass notes (pass name -> list of lines), filled through note()
     notes: dict[str, list[str]] = field(default_factory=dict)
     #: qualified conv name -> selection record (select_conv_algorithm)
@@ -73,10 +77,14 @@ class PassContext:
     #: the graph as it came in, before any pass (the executor's never-slower baseline)
     unoptimized: Optional[fx.GraphModule] = None
     #: training graphs on CUDA: how the CUDA-graph runner links forward and backward
-    #: (``fxopt.backends.cuda.runtime.cudagraphs.TrainingLink``); None in inference
+    #: (``fxopt.backends.cuda.runtime.cudagraph_training.TrainingLink``); None in inference
     training_link: Any = None
     #: fake results of the last propagation, reused where nothing they depend on changed
     fake_cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.target is None:
+            self.target = Target.generic(self.device_type)
 
     def _fake_prop(self, gm: fx.GraphModule):
         from torch._guards import detect_fake_mode

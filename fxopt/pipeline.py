@@ -175,11 +175,13 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, dump_prefix: str = ""):
     return gm, records, None
 
 
-def run_joint_pipeline(joint: fx.GraphModule, joint_inputs, options):
+def run_joint_pipeline(joint: fx.GraphModule, joint_inputs, options, target=None):
     """The ``JOINT_PIPELINE`` passes on AOTAutograd's joint graph. Each pass works on a copy that
     replaces the graph only when FakeTensor propagation through the whole rewritten graph succeeds
     (a layout that does not propagate, say, is a declined rewrite, with the reason in the record);
     a pass that raises falls back with one warning naming it (``strict=True`` raises).
+    ``target`` (``fxopt.target.Target``): what the passes may assume of the executor, built by the
+    backend entry; None assumes nothing beyond fxopt's reference ops (``Target.generic``).
     Returns (the joint graph, records)."""
     from torch._guards import detect_fake_mode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -187,7 +189,7 @@ def run_joint_pipeline(joint: fx.GraphModule, joint_inputs, options):
 
     leaves = [t for t in tree_leaves(joint_inputs) if isinstance(t, torch.Tensor)]
     device = "cuda" if any(t.device.type == "cuda" for t in leaves) else "cpu"
-    ctx = PassContext(options=options, mode="training", device_type=device)
+    ctx = PassContext(options=options, mode="training", device_type=device, target=target)
     records: list[PassRecord] = []
     for name, fn in JOINT_PIPELINE:
         if not options.pass_enabled(name):

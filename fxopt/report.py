@@ -6,10 +6,13 @@ and the final graph.
 from __future__ import annotations
 
 import collections
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Optional
 
 import torch.fx as fx
+
+from fxopt.lowered import ExecutorDetails, Lowered
 
 
 @dataclass
@@ -60,11 +63,24 @@ class GraphReport:
     cudagraphs: str = "off"
     measurements: int = 0
     compile_ms: float = 0.0
-    #: executor decisions, e.g. "node_choices": node -> measured candidates and choice (cuda executor)
-    executor_details: dict = field(default_factory=dict)
+    #: executor decisions, e.g. "node_choices": node -> measured candidates and choice (cuda
+    #: executor): the mapping view of ``lowered`` (a dict given here becomes its fields)
+    executor_details: Mapping = field(default_factory=dict)
     #: forward/backward graphs: the partitioner and, for a backward, what it reads from its forward
     #: (``fxopt.training``)
     training: dict = field(default_factory=dict)
+    #: what the executor did, typed (``fxopt.lowered.Lowered``)
+    lowered: Optional[Lowered] = None
+
+    def __post_init__(self):
+        if self.lowered is None:
+            info = {"executor": self.executor, "cudagraphs": self.cudagraphs, "kernels": self.kernels}
+            self.lowered = Lowered.from_info(None, {**info, **dict(self.executor_details)})
+        elif self.executor_details:
+            view = ExecutorDetails(self.lowered)
+            for k, v in dict(self.executor_details).items():
+                view[k] = v
+        self.executor_details = ExecutorDetails(self.lowered)
 
 
 _CUDA_GRAPH_TIMES = (("optimized replay", "graph_ms"), ("without early launch", "graph_no_pdl_ms"),
@@ -86,7 +102,7 @@ def _cuda_graph_lines(i: int, runner) -> list:
 def _jsonable(x: Any) -> Any:
     if is_dataclass(x) and not isinstance(x, type):
         return _jsonable(asdict(x))
-    if isinstance(x, dict):
+    if isinstance(x, Mapping):
         return {str(k): _jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_jsonable(v) for v in x]
@@ -202,20 +218,19 @@ class Report:
         executor chose for it) and the ops left to PyTorch with the reason."""
         lines = []
         for i, g in enumerate(self.graphs):
-            regions = g.executor_details.get("regions") or {}
-            choices = g.executor_details.get("node_choices") or {}
+            low = g.lowered
+            regions, choices = low.regions, low.node_choices
             if regions:
                 lines.append(f"graph {i}: {len(regions)} fused regions")
                 for node, r in regions.items():
                     chosen = choices.get(node, {}).get("choice", "not measured")
                     lines.append(f"  {node}: {chosen}  <- {', '.join(r['ops'])}")
-            unfused = {k: v for k, v in (g.executor_details.get("unfused") or {}).items()
-                       if not v.startswith("no rule for fused_")}
+            unfused = {k: v for k, v in low.unfused.items() if not v.startswith("no rule for fused_")}
             if unfused:
                 lines.append(f"graph {i}: ops run as PyTorch runs them")
                 for node, why in unfused.items():
                     lines.append(f"  {node}: {why}")
-            lines += _cuda_graph_lines(i, g.executor_details.get("cudagraph_runner"))
+            lines += _cuda_graph_lines(i, low.cudagraph_runner)
         if self.kernels_per_call:
             lines.append("kernels launched per call: " + ", ".join(f"{k} {v}" for k, v in self.kernels_per_call.items()))
         return "\n".join(lines)
@@ -228,16 +243,16 @@ class Report:
         for i, g in enumerate(self.graphs):
             if g.executor != "cpu":
                 continue
-            onednn = g.executor_details.get("onednn") or {}
+            onednn = g.lowered.details.get("onednn") or {}
             lines.append(f"graph {i}: {onednn.get('convs', 0)} convolutions as fused oneDNN calls (packed weights)")
             for node, why in (onednn.get("declined") or {}).items():
                 lines.append(f"  {node}: PyTorch's ({why})")
-            pools = g.executor_details.get("pools") or {}
+            pools = g.lowered.details.get("pools") or {}
             if pools.get("by_slices") or pools.get("declined"):
                 lines.append(f"graph {i}: {pools.get('by_slices', 0)} max pools as maxima of strided slices")
                 for node, why in (pools.get("declined") or {}).items():
                     lines.append(f"  {node}: ATen's ({why})")
-            runner = g.executor_details.get("cpu_runner")
+            runner = g.lowered.cpu_runner
             for d in runner.decisions() if runner is not None else []:
                 if "optimized_ms" in d:
                     times = ", ".join(f"{name} {d[key]:.3f} ms" for name, key in

@@ -40,9 +40,10 @@ class Partitioner:
     """The partition function handed to AOTAutograd; remembers that it ran (``used``), so that the
     reports say which partition produced the graphs rather than which one was asked for."""
 
-    def __init__(self, name: str, options=None):
+    def __init__(self, name: str, options=None, target=None):
         self.name, self.fn, self.used = name, partition_function(name), None
         self.options = options  # with options, the joint-graph passes run first (fxopt.pipeline)
+        self.target = target  # what they may assume of the executor (fxopt.target; None: generic)
         self.num_fwd_outputs: Optional[int] = None  # the forward's outputs before the saved values
         self.joint_passes: list = []  # their PassRecords
 
@@ -50,7 +51,8 @@ class Partitioner:
         if self.options is not None:
             from fxopt.pipeline import run_joint_pipeline
 
-            joint_module, self.joint_passes = run_joint_pipeline(joint_module, joint_inputs, self.options)
+            joint_module, self.joint_passes = run_joint_pipeline(joint_module, joint_inputs, self.options,
+                                                                 self.target)
         result = self.fn(joint_module, joint_inputs, **kwargs)
         self.used = self.name
         self.num_fwd_outputs = kwargs.get("num_fwd_outputs")

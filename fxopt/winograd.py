@@ -1,6 +1,6 @@
 """Winograd minimal filtering F(m x m, 3 x 3) for 2-D, stride-1, dilation-1 convolutions.
 
-Pure torch kernels used by :mod:`fxopt.backends.conv_algorithms` (which owns the
+Pure torch kernels used by :mod:`fxopt.conv_algorithms` (which owns the
 legality rules, tolerances and cost model). Matrices are Lavin & Gray (2015):
 F(2,3) uses interpolation points 0, +-1 (exact in binary); F(4,3) uses 0, +-1, +-2,
 whose transforms carry entries of magnitude up to 5 (B) and 8 (A) and the factors

@@ -27,10 +27,11 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
+from fxopt.names import FOLDED_CONSTANTS_MODULE
 from fxopt.passinfra import PassContext, PassResult
 from fxopt.weights import WeightWatch
 
-MODULE_NAME = "fxopt_constants"
+MODULE_NAME = FOLDED_CONSTANTS_MODULE  # the name packages and executors look for (fxopt.names)
 
 
 class FoldedConstants(torch.nn.Module):

@@ -19,12 +19,13 @@ executor may still run one convolution channels-first where that measures
 faster with its conversions (large-kernel depthwise convs: ``conv_in_nchw`` in
 ``backends/cuda/schedule/conv.py``).
 
-On the CPU (``"auto"``) for the cpu executor, whose oneDNN convolutions with packed weights take
-NHWC inputs: float32 / bfloat16 graphs with two or more 2-D convolutions, however few channels
-(the small-CNN rule below is CUDA's).
+On the CPU (``"auto"``) where the target's executor runs NHWC convolutions faster
+(``ctx.target.cpu_channels_last``: the cpu executor, whose oneDNN convolutions with packed weights
+take NHWC inputs): graphs with two or more 2-D convolutions of a dtype it has such kernels for
+(float32 / bfloat16), however few channels (the small-CNN rule below is CUDA's).
 
-Illegal / skipped: option ``layout="contiguous"``; ``"auto"`` on CPU with another executor or
-without oneDNN; graphs with fewer than two 2-D convolutions (not conv-heavy: the boundary copies
+Illegal / skipped: option ``layout="contiguous"``; ``"auto"`` on CPU for a target without NHWC
+convolutions (another executor, or no oneDNN); graphs with fewer than two 2-D convolutions (not conv-heavy: the boundary copies
 would cost more than they save); on CUDA graphs whose convolutions all have fewer than
 ``MIN_CHANNELS`` input (per group) or output channels (small CNNs: nothing for NHWC kernels to
 vectorize over, only copies to pay); training graphs.
@@ -36,11 +37,11 @@ import operator
 import torch
 import torch.fx as fx
 
+from fxopt.names import CL, NCHW, format_of, is_format  # noqa: F401  (re-exported)
 from fxopt.ops import FUSED_CONV
 from fxopt.passinfra import PassContext, PassResult, is_call, val
 
 aten = torch.ops.aten
-CL, NCHW = torch.channels_last, torch.contiguous_format
 
 #: ops that are correct and efficient for any input strides and keep NHWC flowing
 LAYOUT_AGNOSTIC = {
@@ -53,16 +54,6 @@ LAYOUT_AGNOSTIC = {
     aten.mean.dim, aten.cat.default, aten._native_batch_norm_legit_no_training.default,
     aten.clone.default,
 }
-
-
-def is_format(t: torch.Tensor, fmt) -> bool:
-    return t.is_contiguous(memory_format=fmt)
-
-
-def format_of(t: torch.Tensor):
-    if t.dim() == 4 and is_format(t, CL) and not is_format(t, NCHW):
-        return CL
-    return NCHW if is_format(t, NCHW) else None
 
 
 def should_run(gm: fx.GraphModule, ctx: PassContext) -> str | None:
@@ -86,20 +77,13 @@ def should_run(gm: fx.GraphModule, ctx: PassContext) -> str | None:
 
 
 def _cpu_nchw_reason(ctx: PassContext, convs: list) -> str | None:
-    """On the CPU, NHWC pays through the cpu executor's oneDNN convolutions, whose packed weights
-    need NHWC inputs; then even for few channels (3 -> 6 and 6 -> 16 5x5 convolutions at batch 1:
-    46 and 35 us against ATen's NCHW 82 and 60 us, 2 threads), so the CUDA rules for small CNNs do
-    not apply. The executor's runner still times the result against the unoptimized graph."""
-    from fxopt.backends.cpu import DTYPES, onednn_available
-
-    if ctx.options.executor not in ("auto", "cpu"):
-        return f"layout='auto' keeps NCHW on CPU for executor={ctx.options.executor!r}"
-    why = onednn_available()
-    if why:
-        return f"layout='auto' keeps NCHW on CPU: {why}"
-    if not any(val(n.args[0]).dtype in DTYPES for n in convs):
-        return "layout='auto' keeps NCHW on CPU: no float32 / bfloat16 convolution for oneDNN"
-    return None
+    """On the CPU, NHWC pays where the target's executor has NHWC convolutions (the cpu executor's
+    oneDNN convolutions, whose packed weights need NHWC inputs); then even for few channels (3 -> 6
+    and 6 -> 16 5x5 convolutions at batch 1: 46 and 35 us against ATen's NCHW 82 and 60 us, 2
+    threads), so the CUDA rules for small CNNs do not apply. The executor's runner still times the
+    result against the unoptimized graph."""
+    why = ctx.target.cpu_channels_last_reason({val(n.args[0]).dtype for n in convs})
+    return None if why is None else f"layout='auto' keeps NCHW on CPU: {why}"
 
 
 #: NHWC pays where convs have channels to vectorize over (tensor-core kernels); a network whose

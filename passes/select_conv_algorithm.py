@@ -26,7 +26,8 @@ cost-model estimate exceeds that factor times the best estimate is not measured
 measured candidate costs a float64 reference check, warm-up and timed runs.
 
 Illegal: training graphs (direct only: the backward graph is cuDNN's anyway);
-each algorithm's own legality (``ConvAlgorithm.legal``); a candidate whose
+each algorithm's own legality (``ConvAlgorithm.legal``, ``fxopt.conv_algorithms``);
+an algorithm the target's executor does not run (``ctx.target.conv_algorithms``); a candidate whose
 output differs from direct beyond its documented tolerance.
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 import torch.fx as fx
 
 from fxopt.autotune import AutotuneCache, ConvChoice, device_fingerprint, measure
+from fxopt.conv_algorithms import ALGORITHMS, get_algorithm, legal_algorithms
 from fxopt.ops import FUSED_CONV, PREPACK, conv_sig_of
 from fxopt.passinfra import PassContext, PassResult, is_call, module_path, val
 
@@ -68,8 +70,6 @@ def _batch_hint(v: torch.Tensor) -> tuple[int, bool]:
 
 def estimates(sig, batch: int, legal: list[str]) -> dict:
     """The cost model's time (ms) of every legal algorithm for this conv."""
-    from fxopt.backends.conv_algorithms import get_algorithm
-
     return {name: get_algorithm(name).estimate_ms(sig, batch) for name in legal}
 
 
@@ -96,20 +96,19 @@ def prune(sig, batch: int, legal: list[str], factor) -> tuple[list[str], dict]:
 
 
 def choose(ctx: PassContext, node: fx.Node, qualname: str, cache: AutotuneCache) -> ConvChoice:
-    from fxopt.backends.conv_algorithms import ALGORITHMS, legal_algorithms
-
     x, w = val(node.args[0]), val(node.args[1])
     batch, symbolic = _batch_hint(x)
     stride, padding, dilation, groups = node.args[4:8]
     sig = conv_sig_of(x, w, stride, padding, dilation, groups, batch_symbolic=symbolic)
-    legal = legal_algorithms(sig)
+    runs = ctx.target.conv_algorithms
+    legal = [a for a in legal_algorithms(sig) if a == "direct" or a in runs]
     want = requested(ctx, qualname)
     shape = f"x={tuple(x.shape)} w={tuple(w.shape)} {str(sig.dtype).replace('torch.', '')} " \
             f"{'NHWC' if sig.channels_last else 'NCHW'}"
     if want in ALGORITHMS:
         if want in legal:
             return ConvChoice(want, {n: None for n in legal}, how="forced", shape_str=shape)
-        reason = ALGORITHMS[want].legal(sig)
+        reason = ALGORITHMS[want].legal(sig) or f"the {ctx.target.executor} executor does not run it"
         ctx.note(f"{qualname}: {want} illegal ({reason}); direct")
         return ConvChoice("direct", {n: None for n in legal}, how="forced-illegal", shape_str=shape)
     if legal == ["direct"]:

@@ -5,7 +5,8 @@ Why: a convolutional network's training step spends much of its memory traffic b
 convolutions: BatchNorm writes its output, a ReLU (after an add, in a residual block) reads and
 writes it again, and in the backward the ReLU's gradient is one more pass before BatchNorm's.
 cuDNN's extended BatchNorm fuses the add and the ReLU into its NHWC kernels in both directions
-(``fxopt.backends.cuda.runtime.cudnn_batchnorm``); the op pair ``fxopt::batch_norm_relu`` /
+(registered by the cuda side for the ops' "cuda" dispatch key; ``ctx.target.batch_norm_relu`` says
+whether the target has it, ``ctx.target.batch_norm_relu_probe`` asks it); the op pair ``fxopt::batch_norm_relu`` /
 ``fxopt::batch_norm_relu_backward`` (``fxopt/ops.py``) carries it through the graph.
 
 Runs on AOTAutograd's joint graph, after ``training_batchnorm`` and ``training_layout``: forward
@@ -27,9 +28,10 @@ Produces::
     d = fxopt.batch_norm_relu_backward(g, x, f[0], w, b, f[1], f[2], f[3], eps, has_z, backend)
     the backward's dx, dw, db -> d[0], d[1], d[2]; t's other readers (z's gradient) -> d[3]
 
-Illegal (left alone, with a reason): not CUDA (the ``native`` backend exists for tests only);
+Illegal (left alone, with a reason): a target without the fused kernel (``ctx.target``); not
+CUDA (the ``native`` backend exists for tests only);
 an input that is not 4-D float16/bfloat16 channels_last, or weight, bias and statistics that are
-not float32; a configuration ``cudnn_batchnorm.probe`` finds cuDNN declining or computing
+not float32; a configuration the target's probe finds cuDNN declining or computing
 something else; BatchNorm's output or the sum read by anything but the next op; a ReLU whose
 gradient is not exactly one ``threshold_backward``; a backward of another form. Values are
 cuDNN's (eager runs the same library's unfused kernels): equal within the float16 tolerance.
@@ -191,17 +193,24 @@ def _same_value(new: fx.Node, old: fx.Node) -> None:
         new.meta["val"] = old.meta["val"]
 
 
-def _reserve(m: Match, backend: str) -> tuple[Optional[int], Optional[str]]:
+def _reserve(m: Match, backend: str, probe) -> tuple[Optional[int], Optional[str]]:
     if backend == "native":
         return 0, None
-    from fxopt.backends.cuda.runtime.cudnn_batchnorm import probe
-
     xv = val(m.bn.args[0])
     return probe(tuple(int(s) for s in xv.shape), xv.dtype, m.add is not None, xv.device.index or 0)
 
 
-def run(gm: fx.GraphModule, ctx: PassContext, backend: str = "cudnn") -> PassResult:
-    """``backend="native"`` (tests) rewrites on any device, running PyTorch's kernels."""
+def run(gm: fx.GraphModule, ctx: PassContext, backend: Optional[str] = None) -> PassResult:
+    """The target's fused kernel (``ctx.target.batch_norm_relu``); ``backend="native"`` (tests)
+    rewrites on any device, running PyTorch's kernels."""
+    backend = backend or ctx.target.batch_norm_relu
+    if backend is None:
+        ctx.note(f"skipped: {ctx.target.batch_norm_relu_reason}")
+        return PassResult(gm, False)
+    probe = ctx.target.batch_norm_relu_probe
+    if backend != "native" and probe is None:
+        ctx.note(f"skipped: the target has no probe for its {backend} BatchNorm + ReLU kernel")
+        return PassResult(gm, False)
     changed = 0
     for node in list(gm.graph.nodes):
         if not is_call(node, BN) or node.graph is not gm.graph:
@@ -210,7 +219,7 @@ def run(gm: fx.GraphModule, ctx: PassContext, backend: str = "cudnn") -> PassRes
         if m is None:
             ctx.note(f"kept {node.name}: {why}")
             continue
-        reserve, why = _reserve(m, backend)
+        reserve, why = _reserve(m, backend, probe)
         if reserve is None:
             ctx.note(f"kept {node.name}: {why}")
             continue

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxopt.backends.conv_algorithms import (
+from fxopt.conv_algorithms import (
     ALGORITHMS, ConvAlgorithm, ConvSig, compute_dtype, get_algorithm, legal_algorithms)
-from fxopt.backends.fft_conv import next_fast_len
+from fxopt.fft_conv import next_fast_len
 
 NAMES = ["direct", "winograd_2x2_3x3", "winograd_4x4_3x3", "fft", "gemm"]
 CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}

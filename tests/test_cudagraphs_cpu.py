@@ -141,7 +141,7 @@ def test_cudagraphs_allowed_where_the_graph_writes_only_parameters_and_buffers()
 def test_runs_that_are_not_the_calls_own_leave_written_inputs_as_they_were(monkeypatch):
     """Warm-ups before a capture and the timing runs write a buffer the graph updates in place;
     each call must change it exactly once, as an uncaptured run would."""
-    from fxopt.backends.cuda.runtime import cudagraphs
+    from fxopt.backends.cuda.runtime import cudagraph_measure, cudagraphs
 
     def timing_runs(fns):  # each candidate runs (and writes the buffer) a few times
         for fn in fns.values():
@@ -149,7 +149,7 @@ def test_runs_that_are_not_the_calls_own_leave_written_inputs_as_they_were(monke
                 fn()
         return {"graph_ms": 1.0, "plain_ms": 2.0}
 
-    monkeypatch.setattr(cudagraphs, "_alternating_medians", timing_runs)
+    monkeypatch.setattr(cudagraph_measure, "_alternating_medians", timing_runs)
 
     def step(buf, x):
         buf.mul_(0.5).add_(x.sum())
@@ -219,7 +219,7 @@ class _SimulatedRunner:
         return inst
 
     def _record(self, fn, call_args, pool=None):
-        from fxopt.backends.cuda.runtime.cudagraphs import _side_runs
+        from fxopt.backends.cuda.runtime.cudagraph_measure import _side_runs
 
         type(self).captures += 1
         with _side_runs(self.writes(call_args)):  # a capture draws no random numbers, writes nothing
@@ -304,7 +304,7 @@ def test_only_parameters_feeding_folded_constants_are_watched_for_versions():
 
 def test_replay_decisions_are_cached_and_a_losing_baseline_is_not_captured_again(monkeypatch):
     from fxopt.autotune import AutotuneCache
-    from fxopt.backends.cuda.runtime import cudagraphs
+    from fxopt.backends.cuda.runtime import cudagraph_measure, cudagraphs
 
     measured = []
 
@@ -312,7 +312,7 @@ def test_replay_decisions_are_cached_and_a_losing_baseline_is_not_captured_again
         measured.append(sorted(fns))
         return {"graph_ms": 1.0, "plain_ms": 2.0, "baseline_graph_ms": times["baseline"]}
 
-    monkeypatch.setattr(cudagraphs, "_alternating_medians", fake_medians)
+    monkeypatch.setattr(cudagraph_measure, "_alternating_medians", fake_medians)
     cache, w, x = AutotuneCache(None), torch.randn(5, 3), torch.randn(2, 3)
 
     def runner():
@@ -347,11 +347,11 @@ def _launching(early):
 @pytest.mark.parametrize("faster", [True, False])
 def test_a_graph_is_captured_without_early_launches_too_and_replays_so_where_faster(monkeypatch, faster):
     from fxopt.autotune import AutotuneCache
-    from fxopt.backends.cuda.runtime import cudagraphs
+    from fxopt.backends.cuda.runtime import cudagraph_measure, cudagraphs
 
     measured = []
     no_pdl_ms = 0.8 if faster else 0.99
-    monkeypatch.setattr(cudagraphs, "_alternating_medians",
+    monkeypatch.setattr(cudagraph_measure, "_alternating_medians",
                         lambda fns, *a: measured.append(sorted(fns)) or {"graph_ms": 1.0, "plain_ms": 2.0,
                                                                          "graph_no_pdl_ms": no_pdl_ms})
     early, cache = [], AutotuneCache(None)
@@ -379,10 +379,10 @@ def test_a_graph_is_captured_without_early_launches_too_and_replays_so_where_fas
 
 
 def test_graphs_without_early_launches_or_in_training_are_not_captured_twice(monkeypatch):
-    from fxopt.backends.cuda.runtime import cudagraphs
+    from fxopt.backends.cuda.runtime import cudagraph_measure, cudagraphs
 
     measured = []
-    monkeypatch.setattr(cudagraphs, "_alternating_medians",
+    monkeypatch.setattr(cudagraph_measure, "_alternating_medians",
                         lambda fns, *a: measured.append(sorted(fns)) or {"graph_ms": 1.0, "plain_ms": 2.0})
     w, x = torch.randn(5, 3), torch.randn(2, 3)
     r = _simulated_runner(lambda w, x: (x @ w.T,), [0], real_decide=True)  # no kernel of fxopt's
@@ -396,13 +396,13 @@ def test_measuring_declines_what_would_not_fit_in_memory_and_survives_running_ou
     error, as an allocation failing inside a capture may), the optimized graph is replayed
     unmeasured, the reason recorded and nothing cached."""
     from fxopt.autotune import AutotuneCache
-    from fxopt.backends.cuda.runtime import cudagraphs
+    from fxopt.backends.cuda.runtime import cudagraph_measure, cudagraphs
 
     reserved = iter(range(0, 10**6, 100))  # every capture adds 100 bytes to what is reserved
     monkeypatch.setattr(cudagraphs, "_reserved_bytes", lambda: next(reserved))
-    monkeypatch.setattr(cudagraphs, "_free_bytes", lambda: 150)  # not 2 x 100
+    monkeypatch.setattr(cudagraph_measure, "_free_bytes", lambda: 150)  # not 2 x 100
     measured = []
-    monkeypatch.setattr(cudagraphs, "_alternating_medians", lambda fns, *a: measured.append(fns) or {})
+    monkeypatch.setattr(cudagraph_measure, "_alternating_medians", lambda fns, *a: measured.append(fns) or {})
     cache, w, x = AutotuneCache(None), torch.randn(5, 3), torch.randn(2, 3)
     r = _simulated_runner(lambda w, x: (x @ w.T,), [0], real_decide=True, baseline=lambda w, x: (x @ w.T,),
                           decisions_cache=(cache, "dev", "h"))
@@ -414,7 +414,7 @@ def test_measuring_declines_what_would_not_fit_in_memory_and_survives_running_ou
     def baseline(w, x):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(cudagraphs, "_free_bytes", lambda: float("inf"))
+    monkeypatch.setattr(cudagraph_measure, "_free_bytes", lambda: float("inf"))
     r = _simulated_runner(lambda w, x: (x @ w.T,), [0], real_decide=True, baseline=baseline,
                           decisions_cache=(cache, "dev", "h"))
     torch.testing.assert_close(r(w, x)[0], x @ w.T)
@@ -496,16 +496,19 @@ def test_a_flat_output_list_with_other_values_is_handed_out_each_way_by_position
 
 def _sim_training(monkeypatch):
     """torch.compile training through fxopt on the CPU with the CUDA-graph runners simulated
-    (captures recompute on replay); returns the reports' list."""
+    (captures recompute on replay): the graphs lower as the torch executor lowers CUDA graphs
+    (``cuda_entry.lower_graph`` without generated kernels); returns the simulated runner class."""
     from fxopt import backends
+    from fxopt.backends import cuda_entry
     from fxopt.backends.cuda.runtime.cudagraphs import CudaGraphRunner
 
     class Simulated(_SimulatedRunner, CudaGraphRunner):
         def _decide(self, entry, args):
             entry.timings = {"graph_ms": 0.0, "plain_ms": 1.0}
 
-    monkeypatch.setattr(backends, "unsafe_reason", lambda gm, kind, device_type, static=(): None)
-    monkeypatch.setattr(backends, "CudaGraphRunner", Simulated)
+    monkeypatch.setattr(cuda_entry, "unsafe_reason", lambda gm, kind, device_type, static=(): None)
+    monkeypatch.setattr(cuda_entry, "CudaGraphRunner", Simulated)
+    monkeypatch.setattr(backends, "lower", lambda gm, ctx, kind: cuda_entry.lower_graph(gm, ctx, kind, kernels=False))
     return Simulated
 
 

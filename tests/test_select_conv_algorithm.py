@@ -105,13 +105,13 @@ def test_large_kernel_1d_fft_forced_matches():
 
 # ---- pruning candidates with the cost model (option conv_prune) -----------------------------
 def _sig(x_shape, w_shape, padding=0, groups=1, dtype=torch.float16):
-    from fxopt.backends.conv_algorithms import ConvSig
+    from fxopt.conv_algorithms import ConvSig
 
     return ConvSig(x_shape, w_shape, 1, padding, 1, groups, dtype, "cuda", channels_last=True)
 
 
 def test_prune_keeps_direct_and_candidates_near_the_best_estimate():
-    from fxopt.backends.conv_algorithms import ALGORITHMS, legal_algorithms
+    from fxopt.conv_algorithms import ALGORITHMS, legal_algorithms
     from fxopt.passes.select_conv_algorithm import prune
 
     sig = _sig((1, 64, 56, 56), (64, 64, 3, 3), padding=1)  # a ResNet 3x3 layer at batch 1
@@ -128,7 +128,7 @@ def test_prune_keeps_direct_and_candidates_near_the_best_estimate():
 
 def test_prune_keeps_fft_where_it_wins():
     """The measured FFT wins (31x31 depthwise, 1024-tap 1-D: BENCHMARKS.md) survive the default factor."""
-    from fxopt.backends.conv_algorithms import ConvSig, legal_algorithms
+    from fxopt.conv_algorithms import ConvSig, legal_algorithms
     from fxopt.passes.select_conv_algorithm import prune
 
     dw31 = _sig((32, 128, 56, 56), (128, 1, 31, 31), padding=15, groups=128, dtype=torch.float32)
@@ -178,7 +178,7 @@ def test_accuracy_is_checked_on_a_few_images_of_a_large_batch(monkeypatch):
     """The float64 reference and each candidate's accuracy run on CHECK_BATCH images; timing uses
     the whole batch."""
     from fxopt.autotune import CHECK_BATCH, measure
-    from fxopt.backends.conv_algorithms import ALGORITHMS
+    from fxopt.conv_algorithms import ALGORITHMS
 
     seen = []
     for name in ("direct", "gemm"):
@@ -203,7 +203,7 @@ def test_direct_is_timed_in_both_formats_for_a_large_kernel_depthwise_conv(monke
     import dataclasses
 
     import fxopt.autotune as A
-    from fxopt.backends.conv_algorithms import ALGORITHMS, channels_first_candidate
+    from fxopt.conv_algorithms import ALGORITHMS, channels_first_candidate
 
     runs = []
     for name in ("direct", "fft"):

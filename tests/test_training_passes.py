@@ -258,12 +258,16 @@ def test_batchnorm_relu_match_and_its_reasons(variant, reason):
 
 
 def test_batchnorm_relu_on_a_fake_cuda_graph_asks_cudnn():
-    """Without a GPU cuDNN cannot be asked, and the pass says so; with one it fuses."""
+    """Without a GPU cuDNN cannot be asked, and the pass says so; with one it fuses. The pass asks
+    the target the backend entry builds (``fxopt.backends.target_for``), not the executor."""
+    from fxopt.backends import target_for
     from fxopt.passes import training_batchnorm_relu
     from fxopt.passinfra import PassContext
 
     gm = _fake_bn_joint()
-    ctx = PassContext(options=Options(), mode="training", device_type="cuda")
+    target = target_for(Options(), "cuda", "training")
+    assert target.batch_norm_relu == "cudnn" and target.batch_norm_relu_probe is not None
+    ctx = PassContext(options=Options(), mode="training", device_type="cuda", target=target)
     ctx.current_pass = "training_batchnorm_relu"
     result = training_batchnorm_relu.run(gm, ctx)
     notes = ctx.notes.get("training_batchnorm_relu", [])
@@ -271,6 +275,23 @@ def test_batchnorm_relu_on_a_fake_cuda_graph_asks_cudnn():
         assert result.modified, notes
     else:
         assert not result.modified and any("cuDNN" in n for n in notes), notes
+
+
+def test_batchnorm_relu_without_the_targets_kernel_is_left_alone():
+    """A target without the fused kernel (the generic one, or an executor without it) keeps the
+    graph as it is and says why."""
+    from fxopt.backends import target_for
+    from fxopt.passes import training_batchnorm_relu
+    from fxopt.passinfra import PassContext
+
+    for target in (None, target_for(Options(executor="onnxruntime"), "cuda", "training")):
+        gm = _fake_bn_joint()
+        before = gm.code
+        ctx = PassContext(options=Options(), mode="training", device_type="cuda", target=target)
+        ctx.current_pass = "training_batchnorm_relu"
+        assert not training_batchnorm_relu.run(gm, ctx).modified and gm.code == before
+        assert ctx.notes["training_batchnorm_relu"] == [f"skipped: {ctx.target.batch_norm_relu_reason}"]
+        assert ctx.target.batch_norm_relu is None
 
 
 @pytest.mark.parametrize("residual", [True, False])

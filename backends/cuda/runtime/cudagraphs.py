@@ -1,5 +1,10 @@
 """CUDA graphs for compiled graphs: capture once per input signature, replay after.
 
+This module captures and replays (``CudaGraphRunner``); the measuring of a signature's
+alternatives is ``cudagraph_measure.py``, the link between a training forward's and backward's
+runners ``cudagraph_training.py``; the cuda executor's entry (``backends/cuda_entry.py``) wraps a
+lowered graph in a runner.
+
 Contract (what a caller can rely on):
 - The caller's tensors are never written. The first capture of a signature reads the inputs where
   they are; a later call whose inputs sit at the same addresses replays it as it is (reading them
@@ -77,14 +82,19 @@ import itertools
 import operator
 import time
 import weakref
-from typing import Callable, Collection, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
 from fxopt.backends.cuda.compiler import programmatic_launches, without_programmatic_launch
+from fxopt.backends.cuda.runtime.cudagraph_measure import (NO_PDL, RUNS, Measuring, _describe,  # noqa: F401
+                                                           _median_ms, _reserved_bytes, _side_runs)
 from fxopt.passinfra import written_in_place
 from fxopt.weights import _PTRS_EQUAL, WeightWatch
+
+if TYPE_CHECKING:
+    from fxopt.backends.cuda.runtime.cudagraph_training import TrainingLink
 
 aten = torch.ops.aten
 
@@ -111,42 +121,6 @@ def unsafe_reason(gm: fx.GraphModule, kind: str, device_type: str,
         if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dim() > 0:
             return f"{node.name} produces a CPU tensor"
     return None
-
-
-class TrainingLink:
-    """How a training graph's runner treats outputs and inputs (module docstring, "Training").
-
-    forward: ``num_fwd_outputs``, the outputs the caller sees (copied out); the rest are saved
-    for backward (lent). backward: ``forward``, the forward graph's runner, whose lent memory the
-    backward reads in place."""
-
-    def __init__(self, num_fwd_outputs: Optional[int] = None, forward: Optional["CudaGraphRunner"] = None):
-        self.num_fwd_outputs, self.forward = num_fwd_outputs, forward
-
-    def copied(self, outputs) -> frozenset:
-        """Positions (among the flat tensor outputs) of the forward's outputs the caller sees."""
-        if not self.num_fwd_outputs or not isinstance(outputs, (list, tuple)):
-            return frozenset()
-        return frozenset(range(len(_flat(list(outputs[:self.num_fwd_outputs])))))
-
-    def read_in_place(self, args, dynamic: Sequence[int]) -> frozenset:
-        """The backward's inputs that are memory the forward's captures handed out."""
-        if self.forward is None:
-            return frozenset()
-        handed = self.forward.handed_storages()
-        return frozenset(i for i in dynamic if isinstance(args[i], torch.Tensor) and _storage(args[i]) in handed)
-
-    def lender(self, args, reads) -> Optional["_Instance"]:
-        """The forward capture whose lent memory all the backward's inputs at ``reads`` are, if it
-        shares its pool with no backward capture yet (else None: the backward gets a pool of its own)."""
-        if self.forward is None or not reads:
-            return None
-        storages = {_storage(args[i]) for i in reads}
-        for entry in self.forward.graphs.values():
-            for inst in entry.instances:
-                if storages <= inst.handed and inst.pool is not None and not inst.live_sharers():
-                    return inst
-        return None
 
 
 #: the reference count of a tensor storage (what Inductor's CUDA-graph trees use to tell whether
@@ -288,51 +262,6 @@ class _Entry:
         self.pdl = True  # its captures may launch kernels early (programmatic dependent launch)
 
 
-@contextlib.contextmanager
-def _side_runs(written: Sequence[torch.Tensor] = ()):
-    """Runs that are not the call's own (warm-ups before a capture, timing runs) leave the CUDA
-    generator (seed and offset) of the current device as they found it, and the inputs the graph
-    writes in place (``written``: BatchNorm's running statistics in a training forward) as they
-    were: each is copied before and copied back after, on the current stream."""
-    state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    saved = [t.clone() for t in written]
-    try:
-        yield
-    finally:
-        for t, v in zip(written, saved):
-            t.copy_(v)
-        if state is not None:
-            torch.cuda.set_rng_state(state)
-
-
-def _reserved_bytes() -> int:
-    """Memory PyTorch's caching allocator holds on the current device (0 without CUDA)."""
-    return torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
-
-
-def _free_bytes() -> float:
-    """Memory a new allocation can get on the current device: free on the device, plus what the
-    caching allocator holds unused (it releases that before failing); unbounded without CUDA."""
-    if not torch.cuda.is_available():
-        return float("inf")
-    return torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-
-
-def _alternating_medians(fns: dict, rounds: int = 4, runs: int = 3) -> dict:
-    """Median CUDA-event ms of each function, in alternating rounds (``fxopt.autotune``)."""
-    from fxopt.autotune import alternating_medians
-
-    return alternating_medians(fns, rounds, runs, "cuda")
-
-
-def _median_ms(fn, runs: int = 5) -> float:
-    return _alternating_medians({"t": fn}, rounds=1, runs=runs)["t"]
-
-
-NO_PDL = "optimized graph, no early launch"
-RUNS = ("optimized graph", "optimized plain", "baseline graph", NO_PDL)
-
-
 def choose(timings: dict, margin: float) -> str:
     """Which way a signature runs, from its measured times (ms): the optimized graph replayed (with
     or without programmatic dependent launch), the optimized graph uncaptured, or the baseline
@@ -351,7 +280,7 @@ def choose(timings: dict, margin: float) -> str:
     return best
 
 
-class CudaGraphRunner:
+class CudaGraphRunner(Measuring):
     def __init__(self, fn: Callable, static_indices: Sequence[int], refresh: Optional[Callable] = None,
                  max_graphs: int = 8, warmup: int = 2, watched: Optional[Sequence[int]] = None,
                  baseline: Optional[Callable] = None, baseline_watched: Optional[Sequence[int]] = None,
@@ -591,60 +520,6 @@ class CudaGraphRunner:
             self._watch_baseline_params(args)
         # a losing baseline capture is dropped on return: its memory goes back to the pool
 
-    def _measure(self, entry: _Entry, args) -> tuple:
-        """Time the optimized replay against the plain run, the replay without early launches and
-        the baseline's replay into ``entry.timings``: (the baseline's capture or None, the capture
-        without early launches or None, why the others were not timed or None)."""
-        early = self.training is None and entry.instances[0].early_launches
-        need = entry.instances[0].footprint * (1 + (self.baseline is not None) + early)
-        free = _free_bytes()
-        if need > free:
-            entry.timings = {}
-            return None, None, (f"the plain run and the other captures would need about {need / 2**20:.0f} MiB, "
-                                f"{free / 2**20:.0f} MiB free")
-        base = plain = None
-        fns = {"graph_ms": lambda: self._replay(entry, args), "plain_ms": lambda: self.fn(*args)}
-        try:
-            if early:
-                plain = self._capture_without_early_launch(entry, args)
-                fns["graph_no_pdl_ms"] = lambda: self._replay(plain, args)
-            if self.baseline is not None:
-                base = self._capture_baseline(entry, args)
-                fns["baseline_graph_ms"] = lambda: self._replay(base, args)
-            with _side_runs(self.writes(args)):
-                entry.timings = _alternating_medians(fns)
-        except torch.OutOfMemoryError:
-            base = plain = fns = None  # the other captures' and the plain runs' memory go back
-            entry.timings = {}
-            torch.cuda.empty_cache()
-            return None, None, "out of memory while measuring the plain run and the other captures"
-        except Exception as exc:  # noqa: BLE001 - e.g. an allocation failing inside a capture, raised as
-            # another error: the optimized capture, made and checked before, is kept
-            base = plain = fns = None
-            entry.timings = {}
-            text = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
-            return None, None, f"measuring failed ({type(exc).__name__}: {text})"
-        return base, plain, None
-
-    def _capture_without_early_launch(self, entry: _Entry, args) -> _Entry:
-        reads = frozenset(entry.instances[0].input_ptrs or ())
-        plain = _Entry(self.fn, self._capture(args, self.fn, in_place=reads, pdl=False))
-        plain.pdl = False
-        return plain
-
-    def _capture_baseline(self, entry: _Entry, args) -> _Entry:
-        reads = frozenset(entry.instances[0].input_ptrs or ())
-        return _Entry(self.baseline, self._capture(args, self.baseline, in_place=reads))
-
-    def _watch_baseline_params(self, args) -> None:
-        """The baseline reads parameters the optimized graph folded away (BatchNorm statistics...):
-        from now on the per-call watch covers them too, keeping the current graph key."""
-        if self.baseline_watched is None or set(self.baseline_watched) <= set(self.watch.indices):
-            return
-        self.watch = WeightWatch(sorted(set(self.watch.indices) | set(self.baseline_watched)), self.versioned)
-        self.watch.check(args)
-        self._ptr_epochs[self.watch.ptrs] = self._epoch
-
     def decisions(self) -> list[dict]:
         """Per captured signature: the measured times (optimized replay, optimized uncaptured and,
         with a baseline, the baseline's replay) and which one runs."""
@@ -657,13 +532,6 @@ class CudaGraphRunner:
                      pool="the forward capture's" if e.instances[0].pool_shared else "own")
                 for e in self.graphs.values()]
 
-
-def _describe(ways: list, names: dict) -> str:
-    """"lent" where all are lent, else e.g. "12 lent, 2 copied"."""
-    counts = {w: ways.count(w) for w in names if w in ways}
-    if len(counts) <= 1:
-        return names[next(iter(counts))] if counts else "none"
-    return ", ".join(f"{n} {names[w]}" for w, n in counts.items())
 
 
 def _lend(outputs):

@@ -1,0 +1,129 @@
+"""Measuring a captured signature against its alternatives (``cudagraphs.py``'s contract: "Measured,
+not assumed", "Never slower than the unoptimized graph", "Programmatic dependent launch measured
+too", "Measuring never runs the device out of memory", "Random numbers as eager draws them").
+
+``Measuring`` is the part of ``CudaGraphRunner`` that captures the alternatives of a signature (the
+unoptimized baseline, the capture without early launches) and times them against the optimized
+replay and the plain run; ``CudaGraphRunner._decide`` (``cudagraphs.py``) chooses from the times
+(``choose``) and keeps the decision.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+
+from fxopt.weights import WeightWatch
+
+
+@contextlib.contextmanager
+def _side_runs(written: Sequence[torch.Tensor] = ()):
+    """Runs that are not the call's own (warm-ups before a capture, timing runs) leave the CUDA
+    generator (seed and offset) of the current device as they found it, and the inputs the graph
+    writes in place (``written``: BatchNorm's running statistics in a training forward) as they
+    were: each is copied before and copied back after, on the current stream."""
+    state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    saved = [t.clone() for t in written]
+    try:
+        yield
+    finally:
+        for t, v in zip(written, saved):
+            t.copy_(v)
+        if state is not None:
+            torch.cuda.set_rng_state(state)
+
+
+def _reserved_bytes() -> int:
+    """Memory PyTorch's caching allocator holds on the current device (0 without CUDA)."""
+    return torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
+
+
+def _free_bytes() -> float:
+    """Memory a new allocation can get on the current device: free on the device, plus what the
+    caching allocator holds unused (it releases that before failing); unbounded without CUDA."""
+    if not torch.cuda.is_available():
+        return float("inf")
+    return torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+
+def _alternating_medians(fns: dict, rounds: int = 4, runs: int = 3) -> dict:
+    """Median CUDA-event ms of each function, in alternating rounds (``fxopt.autotune``)."""
+    from fxopt.autotune import alternating_medians
+
+    return alternating_medians(fns, rounds, runs, "cuda")
+
+
+def _median_ms(fn, runs: int = 5) -> float:
+    return _alternating_medians({"t": fn}, rounds=1, runs=runs)["t"]
+
+
+NO_PDL = "optimized graph, no early launch"
+RUNS = ("optimized graph", "optimized plain", "baseline graph", NO_PDL)
+
+
+def _describe(ways: list, names: dict) -> str:
+    """"lent" where all are lent, else e.g. "12 lent, 2 copied"."""
+    counts = {w: ways.count(w) for w in names if w in ways}
+    if len(counts) <= 1:
+        return names[next(iter(counts))] if counts else "none"
+    return ", ".join(f"{n} {names[w]}" for w, n in counts.items())
+
+
+class Measuring:
+    """The measuring half of ``CudaGraphRunner`` (which provides ``fn``, ``baseline``, ``training``,
+    ``watch``, ``_capture``, ``_replay`` and ``writes``)."""
+
+    def _measure(self, entry, args) -> tuple:
+        """Time the optimized replay against the plain run, the replay without early launches and
+        the baseline's replay into ``entry.timings``: (the baseline's capture or None, the capture
+        without early launches or None, why the others were not timed or None)."""
+        early = self.training is None and entry.instances[0].early_launches
+        need = entry.instances[0].footprint * (1 + (self.baseline is not None) + early)
+        free = _free_bytes()
+        if need > free:
+            entry.timings = {}
+            return None, None, (f"the plain run and the other captures would need about {need / 2**20:.0f} MiB, "
+                                f"{free / 2**20:.0f} MiB free")
+        base = plain = None
+        fns = {"graph_ms": lambda: self._replay(entry, args), "plain_ms": lambda: self.fn(*args)}
+        try:
+            if early:
+                plain = self._capture_without_early_launch(entry, args)
+                fns["graph_no_pdl_ms"] = lambda: self._replay(plain, args)
+            if self.baseline is not None:
+                base = self._capture_baseline(entry, args)
+                fns["baseline_graph_ms"] = lambda: self._replay(base, args)
+            with _side_runs(self.writes(args)):
+                entry.timings = _alternating_medians(fns)
+        except torch.OutOfMemoryError:
+            base = plain = fns = None  # the other captures' and the plain runs' memory go back
+            entry.timings = {}
+            torch.cuda.empty_cache()
+            return None, None, "out of memory while measuring the plain run and the other captures"
+        except Exception as exc:  # noqa: BLE001 - e.g. an allocation failing inside a capture, raised as
+            # another error: the optimized capture, made and checked before, is kept
+            base = plain = fns = None
+            entry.timings = {}
+            text = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+            return None, None, f"measuring failed ({type(exc).__name__}: {text})"
+        return base, plain, None
+
+    def _capture_without_early_launch(self, entry, args):
+        reads = frozenset(entry.instances[0].input_ptrs or ())
+        plain = type(entry)(self.fn, self._capture(args, self.fn, in_place=reads, pdl=False))
+        plain.pdl = False
+        return plain
+
+    def _capture_baseline(self, entry, args):
+        reads = frozenset(entry.instances[0].input_ptrs or ())
+        return type(entry)(self.baseline, self._capture(args, self.baseline, in_place=reads))
+
+    def _watch_baseline_params(self, args) -> None:
+        """The baseline reads parameters the optimized graph folded away (BatchNorm statistics...):
+        from now on the per-call watch covers them too, keeping the current graph key."""
+        if self.baseline_watched is None or set(self.baseline_watched) <= set(self.watch.indices):
+            return
+        self.watch = WeightWatch(sorted(set(self.watch.indices) | set(self.baseline_watched)), self.versioned)
+        self.watch.check(args)
+        self._ptr_epochs[self.watch.ptrs] = self._epoch
