@@ -103,6 +103,6 @@ def test_the_emulator_sees_a_missed_and_a_double_counted_chunk():
     twice = ks.source.replace("acc_acc = ok0_ ? (acc_acc + t0) : acc_acc;", "acc_acc = (acc_acc + t0);")
     missed = ks.source.replace("const bool ok0_ = lane_ + 0 < 3;", "const bool ok0_ = lane_ + 0 < 2;")
     assert twice != ks.source and missed != ks.source
-    for src, what in ((twice, "counted twice"), (missed, "8 elements combined")):
+    for src, what in ((twice, "counted twice"), (missed, "8 elements of in0 combined")):
         with pytest.raises(AssertionError, match=what):
             check_row_geometry(dataclasses.replace(ks, source=src))

@@ -107,7 +107,7 @@ def _parse(source: str, name: str):
 def _run_thread(ops, env: dict, spans: dict, errors: list) -> dict:
     """One thread's pass over the loop body: its accumulators' element multisets before the
     shuffles, the shuffle starts, its stores (under their guards)."""
-    deps: dict = {}
+    deps: dict = {}  # value name -> the row elements it depends on
     vloads: dict = {}
     accs: dict = {}
     shfl: dict = {}
@@ -115,19 +115,20 @@ def _run_thread(ops, env: dict, spans: dict, errors: list) -> dict:
     tainted = {"lane_"}
     guard: list = []
 
-    def elements(text: str) -> Counter:
-        out = Counter()
+    def elements(text: str) -> set:
+        """The row elements (buffer, offset) a value depends on, each once."""
+        out = set()
         for m in _VEC_ELEM.finditer(text):
             buf, off, vec, row_load = vloads[m.group(1)]
             if row_load:
-                out[(buf, off + int(m.group(2)))] += 1
+                out.add((buf, off + int(m.group(2))))
         for m in _SCALAR_LOAD.finditer(text):
             off = _ev(m.group(2), env)
             _bounds(f"in{m.group(1)}", int(m.group(1)), off, 1, spans["in"], errors)
             if set(re.findall(r"\w+", m.group(2))) & tainted:
-                out[(int(m.group(1)), off)] += 1
+                out.add((int(m.group(1)), off))
         for t in set(_T.findall(text)):
-            out.update(deps.get(t, Counter()))
+            out |= deps.get(t, set())
         return out
 
     for op in ops:
@@ -153,7 +154,7 @@ def _run_thread(ops, env: dict, spans: dict, errors: list) -> dict:
             ok = m.group(2) is None or env[m.group(2)]
             comb = m.group(3) if m.group(2) is not None else m.group(4)
             if ok:
-                accs[m.group(1)] = accs[m.group(1)] + elements(comb.replace(m.group(1), ""))
+                accs[m.group(1)] = accs[m.group(1)] + Counter(elements(comb.replace(m.group(1), "")))
         elif kind == "shfl":
             shfl[m.group(2)] = int(m.group(1))
         elif kind == "red":
@@ -221,11 +222,14 @@ def check_row_geometry(ks, max_errors: int = 5) -> dict:
     owner: dict = {}
     for (row, acc), vals in sorted(per_row.items()):
         for v in vals:  # every thread of the row holds the whole row after the butterfly
-            dup = [e for e, c in v.items() if c != 1]
-            if dup or sum(v.values()) != R:
-                errors.append(f"row {row}, {acc}: {sum(v.values())} elements combined for a row of {R}"
-                              + (f", counted twice: {dup[:4]}" if dup else ""))
-                break
+            for buf in sorted({b for b, _ in v}):  # each buffer the phase reads along the row
+                mine = {e: c for e, c in v.items() if e[0] == buf}
+                dup = [e for e, c in mine.items() if c != 1]
+                if dup or sum(mine.values()) != R:
+                    errors.append(f"row {row}, {acc}: {sum(mine.values())} elements of in{buf} combined for a row "
+                                  f"of {R}" + (f", counted twice: {dup[:4]}" if dup else ""))
+            if not v and R:
+                errors.append(f"row {row}, {acc}: no element combined")
         for buf, off in vals[0]:
             if spans["in"][buf] >= rows * R and owner.setdefault((acc, buf, off), row) != row:
                 errors.append(f"{acc}: element {off} of in{buf} reduced in rows {owner[(acc, buf, off)]} and {row}")
