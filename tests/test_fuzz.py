@@ -122,3 +122,9 @@ def test_shard_option_is_checked(bad):
 
     with pytest.raises((SystemExit, ValueError)):
         main(["fuzz", "--device", "cpu", "--examples", "0", "--shard", bad])
+
+
+def test_time_budget_ends_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(fuzz_check, "run_program", lambda program, device, graphs=None: [])
+    s = run_fuzz("cpu", examples=100000, time_budget=0.3, out=tmp_path, executors=("torch",), **SMALL)
+    assert 0 < s["ran"] < 100000 and not s["failures"] and s["seconds"] < 30
