@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from fxopt.backends import torch_ref
 from fxopt.backends.cuda.schedule.fusion import schedule
-from fxopt.backends.cuda.schedule.generated import GeneratedRegion, RegionReference
+from fxopt.backends.cuda.kernels.region import GeneratedRegion
+from fxopt.backends.cuda.schedule.generated import RegionReference
 from fxopt.testing import block_cases, compile_with_fxopt
 from fxopt.testing.fusion import _values, capture
 from fxopt.tolerances import relative_error
