@@ -69,8 +69,10 @@ def run_fuzz(device: str = "cpu", examples: int = 100, seed: int = 0, time_budge
     start = time.monotonic()
 
     def test(program):
-        if time_budget is not None and time.monotonic() - start > time_budget:
-            raise _BudgetSpent
+        if time_budget is not None:  # a failure being shrunk gets half the budget again
+            spent = time.monotonic() - start
+            if spent > time_budget * (1.5 if state["failed"] else 1.0):
+                raise _BudgetSpent
         state["ran"] += 1
         state["graphs"] = []
         try:
@@ -92,9 +94,10 @@ def run_fuzz(device: str = "cpu", examples: int = 100, seed: int = 0, time_budge
         try:
             fn()
             break
-        except _BudgetSpent:
-            break
-        except Exception as e:  # noqa: BLE001 - the shrunk failure: its reproducer, then the next round
+        except (_BudgetSpent, Exception) as e:  # noqa: BLE001 - the shrunk failure: its reproducer, then the next round
+            if isinstance(e, _BudgetSpent) and state["failed"] is None:
+                break
+            # (out of time while shrinking: the smallest failing program so far)
             program, message, tb = state["failed"] or (None, f"{type(e).__name__}: {e}", traceback.format_exc())
             entry = {"error": message[:2000], "traceback": tb[-4000:]}
             if program is not None:
