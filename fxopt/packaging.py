@@ -49,12 +49,13 @@ import dataclasses
 import datetime
 import time
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from fxopt.package_batch import _drop_noop_layout_clones, _exported_vals, _specialise, _vals_agree
 from fxopt.package_file import PackageCorruptError, PackageError, PackageVersionError  # noqa: F401
 
 __all__ = ["package", "load", "PackagedModule", "PackageError", "PackageVersionError", "PackageCorruptError"]
@@ -161,136 +162,6 @@ def _freeze(gm: fx.GraphModule, weights: dict) -> dict:
 
 
 # -- the runnable package ---------------------------------------------------------------------------
-def symbolic_vals(gm: fx.GraphModule, batch: Optional[str]) -> Optional[dict]:
-    """Per node of ``gm`` (FakeTensor values, batch symbolic or not) its value as
-    ``fxopt.serialize`` writes one, sizes as expressions of the batch (``batch``: the symbol's
-    name); None when some node's value cannot be written so."""
-    from fxopt.serialize import _val_json
-
-    out = {}
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "call_function", "call_module"):
-            out[n.name] = _val_json(n.meta.get("val"), batch)
-            if out[n.name] is None:
-                return None
-    return out
-
-
-def _exported_vals(gm: fx.GraphModule, inputs: dict, weights: dict, dynamic: bool) -> Optional[dict]:
-    """``symbolic_vals`` of the optimized graph, propagated afresh from the example ``inputs``
-    (name -> tensor; dimension 0 symbolic when the batch varies) and the frozen weights; None where
-    that fails. (A fresh shape environment: the export's may have specialised the batch since.)"""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    from fxopt.pipeline import copy_graph_module
-
-    def fake(x, batch_dim: bool):
-        if not batch_dim or x.dim() == 0:
-            return mode.from_tensor(x, static_shapes=True)
-        # traced at a batch of 7, its layout kept: an example batch of 1 would let ops specialise on it
-        x = torch.empty_like(x[:1].expand(7, *x.shape[1:]), memory_format=torch.preserve_format)
-        sizes = [DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * (x.dim() - 1)
-        return mode.from_tensor(x, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
-
-    try:
-        mode = FakeTensorMode(shape_env=ShapeEnv() if dynamic else None)
-        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        args = [fake(inputs[n], dynamic) if n in inputs else fake(weights[n], False) for n in names]
-        first = args[names.index(next(iter(inputs)))] if inputs else None
-        b = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else None
-        copy = copy_graph_module(gm)
-        with torch.no_grad():
-            FakeTensorProp(copy, mode).propagate_dont_convert_inputs(*args)
-    except Exception:  # noqa: BLE001 - the loader then propagates FakeTensors itself
-        return None
-    return symbolic_vals(copy, str(b.node.expr) if isinstance(b, torch.SymInt) else None)
-
-
-def _same_val(a, b) -> bool:
-    if isinstance(a, tuple) or isinstance(b, tuple):
-        return (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
-                and all(map(_same_val, a, b)))
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-    return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
-
-
-def _vals_agree(stored: fx.GraphModule, propagated: fx.GraphModule) -> bool:
-    """Whether the stored values equal FakeTensor propagation's, node by node (packaging checks
-    every batch it runs)."""
-    mine = {n.name: n.meta.get("val") for n in stored.graph.nodes}
-    # a size (an int) propagation may leave unrecorded (torch 2.11 does): the tensors using it agree
-    return all(_same_val(mine.get(n.name), n.meta.get("val")) for n in propagated.graph.nodes
-               if n.op in ("placeholder", "call_function", "call_module")
-               and not (n.meta.get("val") is None and isinstance(mine.get(n.name), int)))
-
-
-def _specialise(gm: fx.GraphModule, args: list, vals: Optional[dict] = None,
-                batch: Optional[int] = None) -> fx.GraphModule:
-    """A copy of ``gm`` whose nodes carry their values at these (static) shapes in ``meta["val"]``:
-    from the package's ``vals`` (``symbolic_vals``) as meta tensors where given (no propagation:
-    FakeTensorMode imports Dynamo, seconds of a fresh process's first call), else by FakeTensor
-    propagation."""
-    from fxopt.pipeline import copy_graph_module
-    from fxopt.serialize import _val_from_json
-
-    static = copy_graph_module(gm)
-    if vals is not None:
-        try:
-            at = {name: _val_from_json(v, None, batch) for name, v in vals.items()}
-            for n in static.graph.nodes:
-                if n.op in ("placeholder", "call_function", "call_module"):
-                    n.meta["val"] = at[n.name]
-            return static
-        except (KeyError, ValueError, TypeError, RuntimeError):
-            static = copy_graph_module(gm)
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-    with torch.no_grad():
-        FakeTensorProp(static, mode).propagate_dont_convert_inputs(*fakes)
-    return static
-
-
-_LAYOUT_FORMATS = (torch.channels_last, torch.contiguous_format)
-
-
-def _drop_noop_layout_clones(gm: fx.GraphModule) -> int:
-    """After a batch size is specialised: remove ``aten.clone(x, memory_format=f)`` where ``x``
-    already has layout ``f`` at that size. The layout pass puts such clones where a symbolic batch
-    leaves a convolution's output layout undecided (``torch.compile`` sees static shapes and has none);
-    at a static size they are copies of a tensor nothing writes to. Left alone: a clone of an input or
-    read by the output (a caller could see the aliasing), and every clone of a graph with an op that
-    writes in place. Returns how many were removed."""
-    aten = torch.ops.aten
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    if any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable for n in nodes):
-        return 0
-    removed = 0
-    for n in nodes:
-        if n.target is not aten.clone.default or set(n.kwargs) != {"memory_format"}:
-            continue
-        src, fmt = n.args[0], n.kwargs["memory_format"]
-        if fmt not in _LAYOUT_FORMATS or not isinstance(src, fx.Node) or src.op == "placeholder":
-            continue
-        if any(u.op == "output" for u in n.users):
-            continue
-        v, sv = n.meta.get("val"), src.meta.get("val")
-        if not (isinstance(v, torch.Tensor) and isinstance(sv, torch.Tensor) and sv.is_contiguous(memory_format=fmt)
-                and v.shape == sv.shape and v.stride() == sv.stride() and v.dtype == sv.dtype):
-            continue
-        n.replace_all_uses_with(src)
-        gm.graph.erase_node(n)
-        removed += 1
-    if removed:
-        gm.recompile()
-    return removed
-
-
 class PackagedModule(torch.nn.Module):
     """A package ready to run: ``module(*inputs)`` returns what the model returned. Runs under
     ``torch.no_grad()``; inputs must match the packaged dtype, rank and non-batch sizes."""

@@ -230,7 +230,7 @@ def test_stored_values_stand_for_propagation_at_every_batch(tmp_path):
     """The cuda executor's per-batch specialisation reads the values the package stores (sizes as
     expressions of the batch) instead of propagating FakeTensors: equal to propagation's at
     batches never packaged."""
-    from fxopt.packaging import _specialise, _vals_agree
+    from fxopt.package_batch import _specialise, _vals_agree
 
     fxopt.package(make_net(), (torch.randn(1, 3, 16, 16),), tmp_path / "net.fxopt", options={"executor": "cuda"})
     module = fxopt.load(tmp_path / "net.fxopt")
@@ -465,7 +465,7 @@ def _clone_graph(src_val, fmt, mutate=False, to_output=False, of_input=False):
 def test_noop_layout_clones_are_dropped_only_where_safe():
     """At a specialised batch, a clone to the layout its input already has is a copy nothing needs
     (the layout pass leaves such clones where a symbolic batch left the layout undecided)."""
-    from fxopt.packaging import _drop_noop_layout_clones
+    from fxopt.package_batch import _drop_noop_layout_clones
 
     cl = torch.empty(4, 8, 5, 5, device="meta").contiguous(memory_format=torch.channels_last)
     gm = _clone_graph(cl, torch.channels_last)
