@@ -101,11 +101,12 @@ def _failing_at_run_time(monkeypatch):
     real = backends.lower
 
     def lower(gm, ctx, kind):
-        fn, info = real(gm, ctx, kind)
+        lowered = real(gm, ctx, kind)
 
         def broken(*args):
             raise RuntimeError("deliberate run-time failure")
-        return broken, info
+        lowered.fn = broken
+        return lowered
     monkeypatch.setattr(backends, "lower", lower)
 
 
@@ -458,3 +459,24 @@ def test_parameters_frozen_also_with_inductors_global_freezing_flag():
             for p in model.parameters():
                 p.mul_(1.5)
         torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_the_executor_reports_a_typed_record_and_executor_details_is_its_view():
+    """The executor contract: ``lower`` returns a ``Lowered`` whose typed fields the report reads;
+    ``executor_details`` stays the mapping of string keys it was, over the same record."""
+    from fxopt.lowered import Lowered
+
+    m, x = SmallResNet().eval(), torch.randn(2, 3, 32, 32)
+    graphs = []
+    compiled = fxopt.testing.compile_with_fxopt(m, {"cpu_onnxruntime": False}, graphs)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), m(x), rtol=1e-4, atol=1e-4)
+    g = graphs[0]
+    low = g.lowered
+    assert isinstance(low, Lowered) and low.executor == g.executor == "cpu" and low.cudagraphs == g.cudagraphs
+    assert low.cpu_runner is not None and g.executor_details["cpu_runner"] is low.cpu_runner
+    assert low.cudagraph_runner is None and "cudagraph_runner" not in g.executor_details
+    assert g.executor_details["onednn"] is low.details["onednn"] and low.baseline_check is True
+    g.executor_details["note"] = "x"  # writing a key that is no field lands in details
+    assert low.details["note"] == "x" and dict(g.executor_details)["note"] == "x"
+    assert fxopt.report.Report(graphs).to_dict()["graphs"][0]["executor_details"]["note"] == "x"

@@ -327,3 +327,24 @@ def test_dead_code_removes_unused():
 
     r = fxopt.explain(M(), torch.randn(3))
     assert "aten.sin.default" not in r.op_counts_after
+
+
+def test_layout_on_the_cpu_follows_the_target_not_the_executor_option():
+    """The layout pass asks ``ctx.target`` whether NHWC convolutions pay on the CPU: a target
+    without them keeps NCHW with its reason, one with them for the graph's dtype takes NHWC."""
+    from fxopt.config import Options
+    from fxopt.passes.layout import should_run
+    from fxopt.passinfra import PassContext
+    from fxopt.target import Target
+
+    r = fxopt.explain(SmallResNet().eval(), torch.randn(2, 3, 32, 32), options={"passes": ["fuse_conv_epilogue"]})
+    gm = r.graphs[0].after
+    no = Target(device_type="cpu", executor="torch", cpu_channels_last="no NHWC here")
+    yes = Target(device_type="cpu", executor="cpu", cpu_channels_last=None,
+                 cpu_channels_last_dtypes=(torch.float32,))
+    wrong_dtype = Target(device_type="cpu", executor="cpu", cpu_channels_last=None,
+                         cpu_channels_last_dtypes=(torch.bfloat16,))
+    ask = lambda t: should_run(gm, PassContext(options=Options(), device_type="cpu", target=t))  # noqa: E731
+    assert ask(no) == "layout='auto' keeps NCHW on CPU: no NHWC here"
+    assert ask(yes) is None
+    assert "bfloat16" in ask(wrong_dtype)
