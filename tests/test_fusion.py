@@ -1,4 +1,4 @@
-"""The fusion scheduler (backends/cuda/schedule/{ir,lowering,fusion}.py, codegen/kernel.py) on the CPU:
+"""The fusion scheduler (backends/cuda/ir/, schedule/, kernels/region.py) on the CPU:
 index algebra, which nodes form which regions (and which do not), the IR semantics of every region
 against its ATen ops, the graph rewrite, NVRTC compilation of the generated sources, and hypothesis
 properties over random blocks (fxopt.testing.block_cases / cnn_cases)."""
@@ -14,7 +14,9 @@ from hypothesis import given, settings
 from fxopt.backends import torch_ref
 from fxopt.backends.cuda.compiler import nvrtc_available
 from fxopt.backends.cuda import ir
-from fxopt.backends.cuda.schedule.fusion import rewrite, schedule, view_root
+from fxopt.backends.cuda.schedule.fusion import schedule
+from fxopt.backends.cuda.schedule.lowering import view_root
+from fxopt.backends.cuda.schedule.rewrite import rewrite
 from fxopt.backends.cuda.schedule.generated import RegionReference
 from fxopt.backends.cuda.ir import FloorDiv, Ix, Mod, Var
 from fxopt.testing import block_cases, check_fusion, cnn_cases
@@ -161,7 +163,7 @@ def test_a_value_two_kernels_share_is_stored_once_at_the_end_of_its_chain(layout
     """Of a chain of data movement (concatenation, the layout pass's copies, the shuffle) that
     two kernels need, only its last value is stored: each unit's concatenation and shuffle are one
     kernel, not one stored copy per op."""
-    from fxopt.backends.cuda.schedule.fusion import split_conv_epilogues
+    from fxopt.backends.cuda.schedule.rewrite import split_conv_epilogues
 
     gm, _, _ = _schedule_of(ShuffleUnits().eval(), torch.randn(2, 16, 6, 6), layout=layout)
     split_conv_epilogues(gm)  # as the cuda executor does: each ReLU moves into the concatenation
@@ -184,12 +186,12 @@ def test_region_strides_are_checked_against_eager_or_where_torch_disagrees_with_
     """The group norm gets a channels_last input: its CPU kernel keeps that layout, its metadata
     (and its CUDA kernel) do not; the generated kernel writes what the metadata says. A kernel
     writing other strides than both fails the check."""
-    from fxopt.backends.cuda.schedule import fusion
+    from fxopt.backends.cuda.schedule import build
     from fxopt.testing.strategies import CNNCase
 
     case = CNNCase(LayerNormThenGroupNorm().eval(), (torch.randn(2, 4, 3, 5),), torch.float32)
     assert check_fusion(case)
-    real = fusion._out_buffer
+    real = build._out_buffer
 
     def transposed(n):  # H and W swapped in memory: the same values, other (dense) strides
         b = real(n)
@@ -197,7 +199,7 @@ def test_region_strides_are_checked_against_eager_or_where_torch_disagrees_with_
             return b
         _, c, h, w = b.shape
         return ir.Buffer(b.name, b.shape, (c * h * w, h * w, 1, h), b.dtype)
-    monkeypatch.setattr(fusion, "_out_buffer", transposed)
+    monkeypatch.setattr(build, "_out_buffer", transposed)
     with pytest.raises(AssertionError, match="strides"):
         check_fusion(case)
 
@@ -229,7 +231,7 @@ class SqueezeExcite(nn.Module):
 
 
 def test_a_conv_epilogue_read_only_by_generated_kernels_moves_into_them():
-    from fxopt.backends.cuda.schedule.fusion import split_conv_epilogues
+    from fxopt.backends.cuda.schedule.rewrite import split_conv_epilogues
     from fxopt.ops import conv_epilogue_ref, fused_conv_ref
 
     (report, _), = capture(SqueezeExcite().eval(), (torch.randn(2, 8, 6, 6),), {"executor": "torch"})
@@ -318,7 +320,7 @@ def test_register_rows_compile_for_every_width(dtype):
 def test_fast_math_approximates_exp_and_division_only_in_kernels_with_16_bit_results():
     from fxopt.backends.cuda.kernels.region import generate_kernel
     from fxopt.backends.cuda.compiler import compile_ptx
-    from fxopt.backends.cuda.schedule.fusion import split_conv_epilogues
+    from fxopt.backends.cuda.schedule.rewrite import split_conv_epilogues
 
     for dtype in (torch.bfloat16, torch.float32):
         (report, _), = capture(SqueezeExcite().eval().to(dtype), (torch.randn(2, 8, 6, 6).to(dtype),),

@@ -13,7 +13,7 @@ _WHERE = {
     "row_plan": ("fxopt.backends.cuda.kernels.reduction", "fxopt.backends.cuda.codegen.row_reduction"),
     "row_vector_width": ("fxopt.backends.cuda.kernels.reduction", "fxopt.backends.cuda.codegen.row_reduction"),
     "schedule": ("fxopt.backends.cuda.schedule.fusion",),
-    "split_conv_epilogues": ("fxopt.backends.cuda.schedule.fusion",),
+    "split_conv_epilogues": ("fxopt.backends.cuda.schedule.rewrite", "fxopt.backends.cuda.schedule.fusion"),
     "ReductionKernel": ("fxopt.backends.cuda.ir", "fxopt.backends.cuda.ir.kernel", "fxopt.backends.cuda.schedule.ir"),
     "lower": ("fxopt.backends.torch_ref",),
 }

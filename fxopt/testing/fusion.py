@@ -67,7 +67,8 @@ def _values(gm: fx.GraphModule, inputs: list) -> dict:
 
 def check_fusion(case, options=None, compile_kernels: bool = False) -> list:
     from fxopt.backends import torch_ref
-    from fxopt.backends.cuda.schedule.fusion import rewrite, schedule, split_conv_epilogues
+    from fxopt.backends.cuda.schedule.fusion import schedule
+    from fxopt.backends.cuda.schedule.rewrite import rewrite, split_conv_epilogues
     from fxopt.backends.cuda.schedule.generated import RegionReference
 
     rtol, atol = tolerance(case.dtype)
@@ -104,7 +105,8 @@ def check_regions(gm: fx.GraphModule, inputs: list, rtol: float, atol: float, co
     run by ``ir.evaluate`` on ``inputs``, against the region's ATen ops; returns the Schedule."""
     global REGIONS_CHECKED
     from fxopt.backends.cuda import ir
-    from fxopt.backends.cuda.schedule.fusion import reference_module, schedule
+    from fxopt.backends.cuda.schedule.fusion import schedule
+    from fxopt.backends.cuda.schedule.rewrite import reference_module
 
     vals = _values(gm, inputs) if vals is None else vals
     sched = schedule(gm, strict=True)

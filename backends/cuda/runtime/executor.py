@@ -55,7 +55,8 @@ from fxopt.backends.cuda.kernels.conv_library import conv_in_nchw, cudnn_conv_re
 from fxopt.backends.cuda.kernels.direct_conv import plan_conv_maxpool
 from fxopt.backends.cuda.kernels.linear import plan_linear_chains
 from fxopt.backends.cuda.kernels.region import GeneratedRegion
-from fxopt.backends.cuda.schedule.fusion import rewrite, schedule, split_conv_epilogues
+from fxopt.backends.cuda.schedule.fusion import schedule
+from fxopt.backends.cuda.schedule.rewrite import rewrite, split_conv_epilogues
 from fxopt.backends.cuda.schedule.generated import RegionReference, template_candidates
 from fxopt.ops import fused_conv_ref
 

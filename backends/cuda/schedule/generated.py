@@ -1,7 +1,7 @@
 """Candidates for a region of the fusion scheduler (``fusion.py``) besides its generated kernel
 (``kernels/region.py``):
 
-- ``RegionReference``: the region's ATen nodes as PyTorch runs them (``fusion.reference_module``),
+- ``RegionReference``: the region's ATen nodes as PyTorch runs them (``rewrite.reference_module``),
   called with the region's inputs, returning the tuple of its outputs. It is what the region
   computes by definition: every other candidate is checked against it when measured, and runs
   in its place wherever it declines.
@@ -15,7 +15,8 @@ import operator
 import torch.fx as fx
 
 from fxopt.backends.cuda.kernels.pool import plan_global_avgpool, plan_maxpool
-from fxopt.backends.cuda.schedule.fusion import Region, reference_module
+from fxopt.backends.cuda.schedule.fusion import Region
+from fxopt.backends.cuda.schedule.rewrite import reference_module
 
 
 class RegionReference:
