@@ -32,5 +32,10 @@ def lower(gm: fx.GraphModule) -> fx.GraphModule:
 def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
     """The torch executor for CPU inputs (on CUDA inputs it is ``cuda_entry.lower_graph`` without
     generated kernels: CUDA graphs replay the reference graph)."""
+    from fxopt.autotune import cudnn_choice
+
     why = "option cudagraphs=False" if ctx.options.cudagraphs is False else "inputs are not on CUDA"
-    return Lowered(fn=lower(gm), executor=EXECUTOR, cudagraphs=f"off ({why})")
+    # cuDNN (a CPU graph may still call it through a CUDA op) chooses as option cudnn_search says
+    # in inference, as the user set it in training (fxopt.autotune.cudnn_choice)
+    fn = cudnn_choice(lower(gm), ctx.options.cudnn_search or kind != "inference")
+    return Lowered(fn=fn, executor=EXECUTOR, cudagraphs=f"off ({why})")
