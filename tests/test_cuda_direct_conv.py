@@ -20,7 +20,7 @@ from fxopt.backends.cuda.codegen.epilogue import Epilogue
 from fxopt.backends.cuda.kernels.direct_conv import MAX_UNROLLED, cout_tile, generate_direct_conv2d
 from fxopt.backends.cuda.compiler import compile_many, nvrtc_available
 from fxopt.backends.cuda.kernels.direct_conv import launch_direct_conv2d
-from fxopt.backends.cuda.kernels.direct_conv import plan_conv_maxpool, plan_direct_conv
+from fxopt.backends.cuda.kernels.direct_conv import plan_conv_maxpool, plan_conv_maxpool_groups, plan_direct_conv
 from fxopt.ops import fused_conv_ref
 from fxopt.testing.models import SeedCNN
 from fxopt.tolerances import relative_error
@@ -196,9 +196,11 @@ def test_pair_rewrite_replaces_conv_and_pool_and_keeps_values(monkeypatch):
     model = SeedCNN().eval()
     x = torch.randn(2, 3, 32, 32)
     gm = lowered(model, x)
-    pairs = [(p, *plan_conv_maxpool(p)) for p in gm.graph.nodes if plan_conv_maxpool(p) is not None]
+    pairs = plan_conv_maxpool_groups(gm.graph)
+    assert [g.nodes for g in pairs] == [[c, p] for p in gm.graph.nodes if (c := (plan_conv_maxpool(p) or [None])[0])]
+    assert all(g.keep_out == {g.nodes[1], *g.nodes[1].users} for g in pairs)
     info = {"kernels": []}
-    X._compile([c for _, _, cs in pairs for c in cs], info)
+    X._compile([c for g in pairs for c in g.candidates], info)
     assert info["kernels"] and all(k.compiled for k in info["kernels"])
 
     def fake_measure(node, candidates, graphed):  # the generated candidate "wins"
@@ -213,8 +215,8 @@ def test_pair_rewrite_replaces_conv_and_pool_and_keeps_values(monkeypatch):
         measurements = 0
 
     tuning = measure.Tuning(AutotuneCache(None), "dev", True, Ctx)
-    for pool, conv, cands in pairs:
-        assert groups.fuse_conv_maxpool(gm, pool, conv, cands, tuning, decisions)
+    for g in pairs:
+        assert groups.fuse_group(gm, g, tuning, decisions)
     gm.graph.lint()
     gm.recompile()
     assert aten.max_pool2d_with_indices.default not in targets(gm)

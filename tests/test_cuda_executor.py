@@ -60,3 +60,41 @@ def test_convs_with_the_same_epilogue_share_one_kernel_source():
     sources = {(ks.name, ks.source) for p in plans for ks in p.sources.values()}
     assert len(plans) == 20 and len(sources) <= 6  # relu / add+relu / none, two vector widths each
     assert all("conv_epi_" in name and "convolution" not in name for name, _ in sources)
+
+
+
+def test_nodes_get_their_candidates_from_the_family_table_in_its_order(monkeypatch):
+    from fxopt.backends import torch_ref
+    from fxopt.backends.cuda import kernels
+    from fxopt.backends.cuda.kernels.common import LibraryCandidate
+    from fxopt.backends.cuda.runtime import executor
+    from fxopt.config import Options
+
+    r = fxopt.explain(SmallResNet().eval(), torch.randn(2, 3, 16, 16),
+                      options={"executor": "torch", "layout": "channels_last"})
+    gm = torch_ref.lower(r.graphs[0].after)
+    options = Options()
+    planned = executor.plan_nodes(gm.graph, options)
+    convs = [n for n in gm.graph.nodes if n.target is fxopt.ops.fused_conv_ref]
+    assert convs and [p.node for p in planned if p.node in convs] == convs  # each has an epilogue at least
+    for p in planned:
+        # the families' candidates, family after family in the table's order
+        assert [type(c) for c in p.cands] == [type(c) for f in kernels.FAMILIES for c in f.plan(p.node, options)]
+        assert list(p.candidates()) == ["reference"] + [c.key for c in p.cands if not c.sources]
+        for c in p.cands:
+            c.kernels.update(dict.fromkeys(c.sources, object()))  # as if compiled
+        names = list(p.candidates())
+        assert len(names) == len(p.cands) + 1 and names[0] == "reference", names
+        assert all(n in ("generated", "cudnn_fused", "nchw") or n.startswith("generated_") for n in names[1:])
+        if p.node in convs:  # the epilogue first, and compiling first
+            assert names[1] == "generated" and p.first == [p.cands[0]], names
+        else:
+            assert p.first == [] and "generated" not in names, names
+    # a family offered only beside others plans no node by itself; measured alone, it plans every node
+    lib = LibraryCandidate("lib", torch.relu)
+    monkeypatch.setattr(executor, "FAMILIES", (kernels.Family("lib", lambda n, o: [lib], alone=False),))
+    assert executor.plan_nodes(gm.graph, options) == []
+    monkeypatch.setattr(executor, "FAMILIES", (kernels.Family("lib", lambda n, o: [lib]),))
+    every = executor.plan_nodes(gm.graph, options)
+    assert len(every) == len(gm.graph.nodes)
+    assert every[0].candidates() == {"reference": every[0].node.target, "lib": torch.relu}

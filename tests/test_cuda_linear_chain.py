@@ -17,7 +17,7 @@ from fxopt.backends.cuda.runtime import groups
 from fxopt.backends.cuda.codegen.epilogue import Epilogue
 from fxopt.backends.cuda.kernels.linear import MAX_ROWS, generate_linear_chain, row_capacity
 from fxopt.backends.cuda.compiler import compile_many, nvrtc_available
-from fxopt.backends.cuda.kernels.linear import LinearChain, linear_chain_of, plan_linear_chains
+from fxopt.backends.cuda.kernels.linear import LinearChain, LinearChainGroup, linear_chain_of, plan_linear_chains
 from fxopt.ops import fused_linear_ref
 from fxopt.testing.models import SeedCNN
 from fxopt.tolerances import relative_error
@@ -148,7 +148,7 @@ def test_chain_rewrite_replaces_the_layers_only_where_measured_faster(monkeypatc
 
     decisions = {}
     tuning = measure.Tuning(AutotuneCache(None), "dev", True, Ctx)
-    assert groups.fuse_linear_chain(gm, chain, cand, tuning, decisions) is wins
+    assert groups.fuse_group(gm, LinearChainGroup(chain, [cand]), tuning, decisions) is wins
     gm.graph.lint()
     gm.recompile()
     names = [getattr(n.target, "__name__", "") for n in gm.graph.nodes if n.op == "call_function"]

@@ -9,7 +9,8 @@
   ``loops.py``), the graph rewrites around it (``rewrite.py``) and each region's reference and
   template candidates (``generated.py``).
 - ``kernels/``: one module per kernel family (when it applies, its candidates, its source, its
-  checks and launch; ``.cu`` templates in ``kernels/templates/``) and ``PLANNERS``, their table.
+  checks and launch; ``.cu`` templates in ``kernels/templates/``) and ``FAMILIES`` / ``GROUPS``,
+  their tables.
 - ``codegen/``: the C emission the families share; ``ir/``: the loop-level IR and its interpreter;
   ``compiler.py``: NVRTC compile (through ``cuda.core``), the in-memory and on-disk cubin cache, and
   ``CompileError`` carrying NVRTC's log and the generated source.

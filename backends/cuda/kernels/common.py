@@ -1,7 +1,9 @@
-"""What every kernel family shares: the candidate base class (``TemplateCandidate``), reading a graph
-node's value and static ints, the dense strides of a layout, and the launch plumbing below the
-families: the compiled kernel of a source, layout / weight checks, and the families' ``.cu``
-templates (``kernels/templates/``, package data). Plain torch: the checks run without a GPU."""
+"""What every kernel family shares: the candidate base classes (``TemplateCandidate``, and
+``LibraryCandidate`` for a library call with nothing to compile), the base of a measured group of
+nodes (``NodeGroup``), reading a graph node's value and static ints, the dense strides of a
+layout, and the launch plumbing below the families: the compiled kernel of a source, layout /
+weight checks, and the families' ``.cu`` templates (``kernels/templates/``, package data). Plain
+torch: the checks run without a GPU."""
 from __future__ import annotations
 
 import functools
@@ -46,6 +48,48 @@ class TemplateCandidate:
     @property
     def kernel(self):
         return self.kernels.get(0)
+
+
+class LibraryCandidate:
+    """A candidate with nothing to compile: ``fn`` (a library call with the node's signature),
+    offered under the name ``key``."""
+
+    def __init__(self, key: str, fn):
+        self.key, self.fn = key, fn
+        self.sources: dict = {}
+        self.kernels: dict = {}
+
+    def bind(self, reference):
+        return self.fn
+
+
+class NodeGroup:
+    """Nodes measured as one kernel against the group as already chosen (``runtime/groups.py``): a
+    family's group planner returns these. ``kind`` names the group in the autotuning key,
+    ``nodes`` are the group's nodes in graph order (the new node goes after the last), ``candidates``
+    the generated ones (``label``, ``sources``, ``kernels``, a ``__call__`` over ``args()`` that
+    returns None where it declines) and ``keep_out`` the nodes the fusion scheduler must leave
+    alone (for groups planned before it)."""
+
+    kind = ""
+    keep_out: frozenset = frozenset()
+
+    def __init__(self, nodes: list, candidates: list):
+        self.nodes, self.candidates = nodes, candidates
+
+    def reference(self):
+        """The group as its nodes' implementations are chosen now, over ``args()``."""
+        raise NotImplementedError
+
+    def args(self) -> tuple:
+        raise NotImplementedError
+
+    def meta(self) -> dict:
+        raise NotImplementedError
+
+    def replace(self, gm: fx.GraphModule, node: fx.Node) -> None:
+        """Make ``node`` (computing the group) take the group's place and erase the group's nodes."""
+        raise NotImplementedError
 
 
 def meta(node) -> Optional[torch.Tensor]:

@@ -267,7 +267,10 @@ def launch_pointwise(ks: KernelSource, tensors: Mapping[str, torch.Tensor], out:
 
 
 class GeneratedEpilogue:
-    """conv without bias, then one generated kernel: out = act(y + bias[c] + residual), in place."""
+    """conv without bias, then one generated kernel: out = act(y + bias[c] + residual), in place.
+    Candidate ``generated`` of a fused conv (``bind``: the conv node's implementation)."""
+
+    key = "generated"
 
     def __init__(self, name: str, dtype: torch.dtype, layout: str, has_bias: bool, has_residual: bool,
                  activation: str, act_params, vector_width: int, fast_math: bool = False):
@@ -305,6 +308,9 @@ class GeneratedEpilogue:
             if vec == 1 or vector_width_ok(self.region, self.layout, vec, y.shape, ptrs, y.data_ptr()):
                 return launch_pointwise(ks, tensors, y, kernel=self.kernels.get(vec))
         return None
+
+    def bind(self, reference):
+        return with_generated_epilogue(self)
 
 
 def with_generated_epilogue(epilogue: GeneratedEpilogue):

@@ -1,19 +1,21 @@
 """Library candidates of a ``fxopt::fused_conv``: nothing to generate or compile.
 
-- ``cudnn_conv_relu``: ``aten.cudnn_convolution_relu`` / ``cudnn_convolution_add_relu`` for ReLU
-  epilogues.
-- ``plan_conv_in_nchw`` -> ``conv_in_nchw``: a depthwise conv with a large kernel
+- ``plan_cudnn_fused`` -> ``cudnn_conv_relu`` (candidate ``cudnn_fused``):
+  ``aten.cudnn_convolution_relu`` / ``cudnn_convolution_add_relu`` for ReLU epilogues.
+- ``plan_nchw`` -> ``conv_in_nchw`` (candidate ``nchw``, where ``plan_conv_in_nchw``): a depthwise conv with a large kernel
   (``conv_algorithms.channels_first_candidate``: ConvNeXt, large-kernel CNNs) in a channels_last
   graph, computed channels-first (input, weight and residual converted, the result converted back):
   the layout chosen for that conv alone, measured with its conversions against the conv as the
   layout pass left it."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.fx as fx
 
 from fxopt.backends.cuda.codegen.source import layout_name
-from fxopt.backends.cuda.kernels.common import node_val
+from fxopt.backends.cuda.kernels.common import LibraryCandidate, node_val
 from fxopt.backends.cuda.kernels.conv import _DTYPES
 from fxopt.backends.conv_algorithms import channels_first_candidate
 from fxopt.ops import conv_sig_of, fused_conv_ref
@@ -50,3 +52,16 @@ def conv_in_nchw(x, weight, bias, residual, stride, padding, dilation, groups, a
     y = fused_conv_ref(x.contiguous(), weight.contiguous(), bias, res, stride, padding, dilation, groups,
                        activation, act_params, algorithm, None)
     return y.contiguous(memory_format=torch.channels_last)
+
+
+def plan_cudnn_fused(node: fx.Node) -> Optional[LibraryCandidate]:
+    """cuDNN's conv + ReLU (+ add) for a fused conv with a ReLU epilogue run by the library."""
+    if (node.target is fused_conv_ref and node.args[8] == "relu" and node.args[10] == "direct"
+            and torch.backends.cudnn.is_available()):
+        return LibraryCandidate("cudnn_fused", cudnn_conv_relu)
+    return None
+
+
+def plan_nchw(node: fx.Node) -> Optional[LibraryCandidate]:
+    """The conv computed channels-first, where ``plan_conv_in_nchw`` says so."""
+    return LibraryCandidate("nchw", conv_in_nchw) if plan_conv_in_nchw(node) else None

@@ -27,7 +27,7 @@ import torch.fx as fx
 from fxopt.backends.cuda.codegen.c import ctype, prelude
 from fxopt.backends.cuda.codegen.epilogue import Epilogue
 from fxopt.backends.cuda.codegen.source import KernelSource, _idx, _layout, _pair, _uname, layout_name, needs_index64
-from fxopt.backends.cuda.kernels.common import compiled_kernel, dense_strides, ints, load, memory_layout_ok, node_val, weight_fits, weight_layout_of
+from fxopt.backends.cuda.kernels.common import NodeGroup, compiled_kernel, dense_strides, ints, load, memory_layout_ok, node_val, weight_fits, weight_layout_of
 from fxopt.backends.cuda.kernels.conv import _conv_args, check_conv_args
 from fxopt.backends.cuda.kernels.pool import pool2d_output_size
 
@@ -344,3 +344,48 @@ def plan_conv_maxpool(pool: fx.Node) -> Optional[tuple[fx.Node, list[DirectConv]
     conv_size = conv.meta["val"].shape[2:]
     return conv, [DirectConv(f"dconv_pool_{conv.name}", spec, conv_size, t, pool=pp, split=sp)
                   for t, sp in _variants(spec, out)]
+
+
+class ConvMaxpool(NodeGroup):
+    """A conv and the max pool that alone reads it, measured as one ``DirectConv`` with the pool
+    (``conv_maxpool_chain``: the pair as chosen separately, is the reference). The pool and its
+    items stay out of the fusion scheduler; the pool's values are the group's output."""
+
+    kind = "conv_maxpool"
+
+    def __init__(self, conv: fx.Node, pool: fx.Node, candidates: list):
+        super().__init__([conv, pool], candidates)
+        self.keep_out = frozenset({pool, *pool.users})
+
+    def reference(self):
+        conv, pool = self.nodes
+        return conv_maxpool_chain(conv.target, pool.target)
+
+    def args(self) -> tuple:
+        conv, pool = self.nodes
+        a = list(pool.args) + [None] * (6 - len(pool.args))  # max_pool2d_with_indices' defaults filled in
+        pool_args = (a[1], a[2] or a[1], a[3] if a[3] is not None else 0, a[4] if a[4] is not None else 1,
+                     bool(a[5]))
+        return tuple(conv.args) + (None,) * (12 - len(conv.args)) + pool_args
+
+    def meta(self) -> dict:
+        pool = self.nodes[1]
+        return dict(pool.meta, val=pool.meta["val"][0])
+
+    def replace(self, gm: fx.GraphModule, node: fx.Node) -> None:
+        conv, pool = self.nodes
+        for user in list(pool.users):  # getitem(pool, 0): the values
+            user.replace_all_uses_with(node)
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(pool)
+        gm.graph.erase_node(conv)
+
+
+def plan_conv_maxpool_groups(graph: fx.Graph) -> list[ConvMaxpool]:
+    """Every conv + max pool pair of ``graph`` that ``plan_conv_maxpool`` takes."""
+    out = []
+    for node in graph.nodes:
+        pair = plan_conv_maxpool(node)
+        if pair is not None:
+            out.append(ConvMaxpool(pair[0], node, pair[1]))
+    return out

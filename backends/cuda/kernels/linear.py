@@ -37,7 +37,7 @@ import torch.fx as fx
 from fxopt.backends.cuda.codegen.c import ctype, prelude
 from fxopt.backends.cuda.codegen.epilogue import Epilogue
 from fxopt.backends.cuda.codegen.source import KernelSource, _uname
-from fxopt.backends.cuda.kernels.common import compiled_kernel, load
+from fxopt.backends.cuda.kernels.common import NodeGroup, compiled_kernel, load
 from fxopt.backends.cuda.kernels.conv import _conv_args
 from fxopt.ops import fused_linear_ref
 
@@ -374,3 +374,29 @@ def plan_linear_chains(graph: fx.Graph) -> list[tuple[list[fx.Node], LinearChain
         out.append((chain, LinearChain(f"linear_chain_{chain[0].name}",
                                        {"layers": layers, "rows": rows, "dtype": x.dtype})))
     return out
+
+
+class LinearChainGroup(NodeGroup):
+    """A chain of linear layers measured as one ``LinearChain`` against the layers as chosen
+    (``linear_chain_of``); only the last layer's output is used."""
+
+    kind = "linear_chain"
+
+    def reference(self):
+        return linear_chain_of([n.target for n in self.nodes])
+
+    def args(self) -> tuple:
+        return (self.nodes[0].args[0],) + tuple(a for n in self.nodes for a in n.args[1:5])
+
+    def meta(self) -> dict:
+        return dict(self.nodes[-1].meta)
+
+    def replace(self, gm: fx.GraphModule, node: fx.Node) -> None:
+        self.nodes[-1].replace_all_uses_with(node)
+        for n in reversed(self.nodes):
+            gm.graph.erase_node(n)
+
+
+def plan_linear_chain_groups(graph: fx.Graph) -> list[LinearChainGroup]:
+    """``plan_linear_chains`` as measured groups."""
+    return [LinearChainGroup(chain, [cand]) for chain, cand in plan_linear_chains(graph)]

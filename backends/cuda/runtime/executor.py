@@ -6,7 +6,8 @@ data-movement op it has a rule for into regions, each one generated kernel
 ``reference`` (its ATen ops as PyTorch runs them), ``generated`` (the kernel), and for a region that
 is exactly one max pool or global average pool the older template kernels (``kernels/pool.py``).
 
-Library nodes keep their own candidates (the kernel families' ``PLANNERS``, ``kernels/``). For a
+Every other node gets the candidates of the kernel families' table (``kernels.FAMILIES``, asked
+in its order, ``plan_nodes``). For a
 ``fused_conv`` (``act(conv(x, w) + bias (+ residual))``): ``reference`` (cuDNN with bias, then
 the epilogue ops), ``generated`` (conv without bias, then one generated bias/residual/activation
 kernel in place), ``cudnn_fused`` (cuDNN's conv + ReLU (+ add)), ``generated_depthwiseconv``
@@ -19,10 +20,10 @@ conversions: the layout chosen per conv, by measurement). A
 ``fused_linear`` over at most 16 rows gets ``generated_linear`` (bias and activation fused)
 against cuBLAS followed by the activation.
 
-After the per-node choices, groups of nodes are measured as one kernel against the group as
-already chosen (``runtime/groups.py``): a max pool fed by such a conv that nothing else reads
-(left out of the fusion scheduler for that purpose: conv + epilogue + pool in one kernel), and a
-chain of small linear layers (a classifier head in one thread block).
+After the per-node choices, groups of nodes (``kernels.GROUPS``) are measured as one kernel
+against the group as already chosen (``runtime/groups.py``): a max pool fed by such a conv that
+nothing else reads (left out of the fusion scheduler for that purpose: conv + epilogue + pool in
+one kernel), and a chain of small linear layers (a classifier head in one thread block).
 
 Every node or region with more than one candidate is timed with each candidate once (CUDA events,
 median; replayed as a CUDA graph when the graph will run under CUDA graphs, so Python launch costs
@@ -48,17 +49,12 @@ import torch.fx as fx
 
 from fxopt.backends.cuda.runtime.measure import Tuning, cache_key, region_key, with_fallback
 from fxopt.backends.cuda.runtime.running_stats import update_in_place
-from fxopt.backends.cuda.runtime.groups import fuse_conv_maxpool, fuse_linear_chain
-from fxopt.backends.cuda.kernels import PLANNERS
-from fxopt.backends.cuda.kernels.conv_epilogue import GeneratedEpilogue, plan_conv_epilogue, with_generated_epilogue
-from fxopt.backends.cuda.kernels.conv_library import conv_in_nchw, cudnn_conv_relu, plan_conv_in_nchw
-from fxopt.backends.cuda.kernels.direct_conv import plan_conv_maxpool
-from fxopt.backends.cuda.kernels.linear import plan_linear_chains
+from fxopt.backends.cuda.runtime.groups import fuse_group
+from fxopt.backends.cuda.kernels import FAMILIES, GROUPS
 from fxopt.backends.cuda.kernels.region import GeneratedRegion
 from fxopt.backends.cuda.schedule.fusion import schedule
 from fxopt.backends.cuda.schedule.rewrite import rewrite, split_conv_epilogues
 from fxopt.backends.cuda.schedule.generated import RegionReference, template_candidates
-from fxopt.ops import fused_conv_ref
 
 
 @dataclass
@@ -128,24 +124,33 @@ def _compile(items: list, info: dict) -> None:
     PendingKernels(items, info).finish()
 
 
-def _candidates(node: fx.Node, epi: Optional[GeneratedEpilogue], regions: list) -> dict:
-    reference = node.target
-    candidates = {"reference": reference}
-    if epi is not None and len(epi.kernels) == len(epi.sources):
-        candidates["generated"] = with_generated_epilogue(epi)
-    if (reference is fused_conv_ref and node.args[8] == "relu" and node.args[10] == "direct"
-            and torch.backends.cudnn.is_available()):
-        candidates["cudnn_fused"] = cudnn_conv_relu
-    if plan_conv_in_nchw(node):
-        candidates["nchw"] = conv_in_nchw
-    for r in regions:
-        if len(r.kernels) == len(r.sources):
-            candidates[f"generated_{getattr(r, 'label', type(r).__name__.lower())}"] = with_fallback(r, reference)
-    return candidates
+@dataclass
+class _PlannedNode:
+    node: fx.Node
+    cands: list                   # every family's candidates, in the order of ``kernels.FAMILIES``
+    first: list                   # those of the families that compile first
+
+    def candidates(self) -> dict:
+        """name -> implementation: the reference, then each candidate whose kernels compiled."""
+        reference = self.node.target
+        out = {"reference": reference}
+        for c in self.cands:
+            if len(c.kernels) == len(c.sources):
+                name = getattr(c, "key", None) or f"generated_{getattr(c, 'label', type(c).__name__.lower())}"
+                out[name] = c.bind(reference) if hasattr(c, "bind") else with_fallback(c, reference)
+        return out
 
 
-def _as_list(planned) -> list:
-    return [] if planned is None else (planned if isinstance(planned, list) else [planned])
+def plan_nodes(graph: fx.Graph, options) -> list:
+    """Every node's candidates from the kernel families' table (``kernels.FAMILIES``), for the
+    nodes where a family that is measured alone has one."""
+    planned = []
+    for node in graph.nodes:
+        per_family = [(f, f.plan(node, options)) for f in FAMILIES]
+        if any(cs and f.alone for f, cs in per_family):
+            planned.append(_PlannedNode(node, [c for _, cs in per_family for c in cs],
+                                        [c for f, cs in per_family if f.compile_first for c in cs]))
+    return planned
 
 
 @dataclass
@@ -201,24 +206,18 @@ def fuse_regions(runnable: fx.GraphModule, info: dict, skip: set, strict: bool =
 def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     """Fuse regions into generated kernels and plan the library nodes' candidates; on a GPU,
     keep the fastest implementation of each (measured, cached)."""
-    pairs = []
-    for node in runnable.graph.nodes:
-        pair = plan_conv_maxpool(node)
-        if pair is not None:
-            pairs.append((node, *pair))
-    skip = {pool for pool, _, _ in pairs} | {u for pool, _, _ in pairs for u in pool.users}
+    by_family = {f.name: f.plan(runnable.graph) for f in GROUPS if f.before_fusion}
+    skip = {n for gs in by_family.values() for g in gs for n in g.keep_out}
     regions = (fuse_regions(runnable, info, skip, ctx.options.strict, ctx.options.fast_math)
                if ctx.options.fusion else [])
-    planned = []
-    for node in runnable.graph.nodes:
-        epi = plan_conv_epilogue(node, ctx.options.fast_math)
-        cands = [r for p in PLANNERS for r in _as_list(p(node))]
-        if epi is not None or cands or plan_conv_in_nchw(node):
-            planned.append((node, epi, cands))
-    chains = plan_linear_chains(runnable.graph)
+    planned = plan_nodes(runnable.graph, ctx.options)
+    by_family.update((f.name, f.plan(runnable.graph)) for f in GROUPS if not f.before_fusion)
+    groups = [g for f in GROUPS for g in by_family[f.name]]
+    first = [c for p in planned for c in p.first]
+    firsts = {id(c) for c in first}
     pending = PendingKernels([p.generated for p in regions] + [c for p in regions for c, _ in p.templates.values()]
-                             + [e for _, e, _ in planned if e is not None] + [r for _, _, rs in planned for r in rs]
-                             + [c for _, _, cs in pairs for c in cs] + [c for _, c in chains], info)
+                             + first + [c for p in planned for c in p.cands if id(c) not in firsts]
+                             + [c for g in groups for c in g.candidates], info)
     decisions = {}
     info["node_choices"] = decisions
     on_gpu = torch.cuda.is_available() and ctx.device_type == "cuda"
@@ -243,21 +242,20 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
                                                                                        candidates, tuning.graphed))
         if entry["choice"] in candidates and entry["choice"] != "reference":
             p.node.target = candidates[entry["choice"]]
-    for node, epi, cands in planned:
-        pending.ready(([epi] if epi is not None else []) + cands)
-        candidates = _candidates(node, epi, cands)
+    for p in planned:
+        pending.ready(p.cands)
+        candidates = p.candidates()
         if len(candidates) < 2:
             continue
+        node = p.node
         entry = decisions[node.name] = tuning.entry(node, candidates, cache_key(node, candidates, tuning.graphed))
         if entry["choice"] in candidates and entry["choice"] != "reference":
             node.target = candidates[entry["choice"]]
             changed = True
     pending.finish()
     info["nvrtc_s"] = round(pending.compile_s, 3)  # overlapping the measuring that follows it
-    for pool, conv, fused in pairs:  # after the per-node choices: the pair is measured against them
-        changed |= fuse_conv_maxpool(runnable, pool, conv, fused, tuning, decisions)
-    for chain, candidate in chains:  # likewise a classifier head against its layers as chosen
-        changed |= fuse_linear_chain(runnable, chain, candidate, tuning, decisions)
+    for g in groups:  # after the per-node choices: each group is measured against them
+        changed |= fuse_group(runnable, g, tuning, decisions)
     info["choose_s"] = round(time.perf_counter() - t0, 3)  # measurements, or autotuning-cache hits
     if changed:
         runnable.recompile()
