@@ -69,6 +69,20 @@ def details(g) -> Any:
     return d if d is not None else {}
 
 
+def runnable_of(g) -> Optional[fx.GraphModule]:
+    """The graph module the executor runs for a GraphReport (the runner's function, unwrapped)."""
+    d = details(g)
+    for key in ("cpu_runner", "cudagraph_runner"):
+        fn = getattr(d.get(key), "fn", None)
+        for _ in range(4):
+            if isinstance(fn, fx.GraphModule):
+                return fn
+            fn = getattr(fn, "__wrapped__", None)
+    lowered = getattr(g, "lowered", None)  # a typed executor record, where the report keeps one
+    fn = getattr(lowered, "fn", None)
+    return fn if isinstance(fn, fx.GraphModule) else None
+
+
 def kernel_groups(g) -> list[KernelGroup]:
     """The generated kernels of a GraphReport that cover ops of its optimized graph, in graph order."""
     names = [n.name for n in g.after.graph.nodes]
@@ -81,8 +95,6 @@ def kernel_groups(g) -> list[KernelGroup]:
         ops = sorted((o for o in (r.get("ops") or []) if o in order), key=order.get)
         if len(ops) != len(r.get("ops") or []):  # ops named by their targets: the executor's graph says which
             if runnable is None:
-                from fxopt.view.profile import runnable_of
-
                 runnable = runnable_of(g) or False
             ops = sorted(_region_members(g.after, runnable, region), key=order.get) if runnable else []
         if not ops:

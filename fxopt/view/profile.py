@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from fxopt.view.graphs import details, kernel_groups
+from fxopt.view.graphs import details, kernel_groups, runnable_of
 
 PREFIX = "fxopt_view::"
 
@@ -40,20 +40,6 @@ class Profile:
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.to_json(), f, indent=1)
-
-
-def runnable_of(g) -> Optional[fx.GraphModule]:
-    """The graph module the executor runs for a GraphReport (the runner's function, unwrapped)."""
-    d = details(g)
-    for key in ("cpu_runner", "cudagraph_runner"):
-        fn = getattr(d.get(key), "fn", None)
-        for _ in range(4):
-            if isinstance(fn, fx.GraphModule):
-                return fn
-            fn = getattr(fn, "__wrapped__", None)
-    lowered = getattr(g, "lowered", None)  # a typed executor record, where the report keeps one
-    fn = getattr(lowered, "fn", None)
-    return fn if isinstance(fn, fx.GraphModule) else None
 
 
 def node_labels(g, runnable: fx.GraphModule) -> dict[str, str]:
