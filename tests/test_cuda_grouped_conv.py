@@ -119,7 +119,7 @@ def test_tile_vector_and_argument_checks():
 def test_launch_checks_the_epilogue_operands_and_passes_them_in_order():
     from types import SimpleNamespace
 
-    from fxopt.backends.cuda.kernels.conv import _launch_nhwc
+    from fxopt.backends.cuda.kernels.conv import launch_nhwc
 
     calls = []
     cand = SimpleNamespace(sources={0: SimpleNamespace(meta={"grid": (3, 2, 1)}, block=(96, 1, 1))},
@@ -129,19 +129,19 @@ def test_launch_checks_the_epilogue_operands_and_passes_them_in_order():
     w, b = torch.randn(8, 4, 3, 3, dtype=torch.float16), torch.randn(8, dtype=torch.float16)
     res = torch.randn(2, 8, 5, 5, dtype=torch.float16).contiguous(memory_format=cl)
     epi = Epilogue(True, True, "relu")
-    out = _launch_nhwc(cand, epi, (2, 8, 5, 5), x, w, b, res)
+    out = launch_nhwc(cand, epi, (2, 8, 5, 5), x, w, b, res)
     (grid, block, args), = calls
     assert grid == (3, 2, 1) and block == (96, 1, 1)
     assert args[:4] == [x, w, b, res] and args[4] is out and out.is_contiguous(memory_format=cl)
     assert out.shape == (2, 8, 5, 5) and out.dtype == torch.float16
     # operands that do not match what was compiled: declined (the reference runs), nothing launched
-    assert _launch_nhwc(cand, epi, (2, 8, 5, 5), x, w, None, res) is None
-    assert _launch_nhwc(cand, epi, (2, 8, 5, 5), x, w, b.float(), res) is None
-    assert _launch_nhwc(cand, epi, (2, 8, 5, 5), x, w, b, res.contiguous()) is None
-    assert _launch_nhwc(cand, epi, (2, 8, 4, 5), x, w, b, res) is None
-    assert _launch_nhwc(cand, Epilogue(True, False, None), (2, 8, 5, 5), x, w, b, res) is None
+    assert launch_nhwc(cand, epi, (2, 8, 5, 5), x, w, None, res) is None
+    assert launch_nhwc(cand, epi, (2, 8, 5, 5), x, w, b.float(), res) is None
+    assert launch_nhwc(cand, epi, (2, 8, 5, 5), x, w, b, res.contiguous()) is None
+    assert launch_nhwc(cand, epi, (2, 8, 4, 5), x, w, b, res) is None
+    assert launch_nhwc(cand, Epilogue(True, False, None), (2, 8, 5, 5), x, w, b, res) is None
     assert len(calls) == 1
-    assert _launch_nhwc(cand, epi, (0, 8, 5, 5), x[:0], w, b, res[:0]).shape == (0, 8, 5, 5)
+    assert launch_nhwc(cand, epi, (0, 8, 5, 5), x[:0], w, b, res[:0]).shape == (0, 8, 5, 5)
     assert len(calls) == 1  # an empty output: nothing to launch
 
 

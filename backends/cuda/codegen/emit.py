@@ -1,5 +1,5 @@
 """Expressions of the loop-level IR (``ir/``) as CUDA C statements: the operators'
-C spellings, the reductions' initial values and combine steps, index arithmetic, and ``_Emitter``,
+C spellings, the reductions' initial values and combine steps, index arithmetic, and ``Emitter``,
 which writes each unconditional subexpression once as a temporary. Shared by the pointwise and
 reduction kernels of ``kernels/pointwise.py`` and ``kernels/reduction.py``."""
 from __future__ import annotations
@@ -23,11 +23,11 @@ _UNARY_C = {"log": "logf({a})", "sqrt": "sqrtf({a})", "rsqrt": "rsqrtf({a})", "r
             "erf": "erff({a})", "sin": "sinf({a})", "cos": "cosf({a})", "floor": "floorf({a})",
             "ceil": "ceilf({a})", "round": "rintf({a})", "not": "(!{a})", "isnan": "({a} != {a})",
             "mish": "({a} * tanhf(log1pf(expf({a}))))", "softplus": "log1pf(expf({a}))"}
-_HELPERS = """FX_INLINE float fx_max_nan(float a, float b) { return (a > b || a != a) ? a : b; }
+HELPERS = """FX_INLINE float fx_max_nan(float a, float b) { return (a > b || a != a) ? a : b; }
 FX_INLINE float fx_min_nan(float a, float b) { return (a < b || a != a) ? a : b; }
 """
-_INIT = {"sum": "0.f", "max": "(-__int_as_float(0x7f800000))", "min": "__int_as_float(0x7f800000)"}
-_COMBINE = {"sum": "({a} + {b})", "max": "fx_max_nan({a}, {b})", "min": "fx_min_nan({a}, {b})"}
+REDUCE_INIT = {"sum": "0.f", "max": "(-__int_as_float(0x7f800000))", "min": "__int_as_float(0x7f800000)"}
+REDUCE_COMBINE = {"sum": "({a} + {b})", "max": "fx_max_nan({a}, {b})", "min": "fx_min_nan({a}, {b})"}
 
 
 def _unary(name: str, a: str, params: tuple) -> str:
@@ -66,7 +66,7 @@ def ix_c(ix: Ix) -> str:
     return "(" + " + ".join(parts) + ")"
 
 
-class _Emitter:
+class Emitter:
     """Statements computing expressions, each unconditional subtree once (CSE)."""
 
     def __init__(self, k, indent: str, names: dict, load_alias: Optional[dict] = None):

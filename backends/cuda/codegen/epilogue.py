@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fxopt.backends.cuda.codegen.c import act_lines, norm_acts as _norm_acts
-from fxopt.backends.cuda.codegen.source import _comment
+from fxopt.backends.cuda.codegen.source import c_comment
 
 
 @dataclass(frozen=True)
@@ -28,4 +28,4 @@ class Epilogue:
                 + "".join([f", const {T_}* __restrict__ res"] * self.residual))
 
     def describe(self) -> str:
-        return _comment(f"bias={self.bias} residual={self.residual} act={_norm_acts(self.activation)}")
+        return c_comment(f"bias={self.bias} residual={self.residual} act={_norm_acts(self.activation)}")

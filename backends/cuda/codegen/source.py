@@ -13,8 +13,8 @@ from fxopt.names import CL, NCHW, format_of
 
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-_MAX_BLOCKS = 1 << 16
+DTYPE_SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+MAX_BLOCKS = 1 << 16
 _INDEX32_LIMIT = 2**31 - 1 - 2**27  # leaves room for the grid-stride step (<= 2**24 threads x 8)
 
 
@@ -23,11 +23,11 @@ def needs_index64(numel: int) -> bool:
     return int(numel) > _INDEX32_LIMIT
 
 
-def _ident(s: str) -> str:
+def c_ident(s: str) -> str:
     return re.sub(r"\W", "_", str(s)) or "k"
 
 
-def _comment(s) -> str:
+def c_comment(s) -> str:
     return re.sub(r"[\r\n]", " ", str(s))
 
 
@@ -37,22 +37,22 @@ def layout_name(v) -> str | None:
     return {NCHW: "nchw", CL: "nhwc"}.get(format_of(v)) if isinstance(v, torch.Tensor) else None
 
 
-def _layout(layout: str) -> str:
+def checked_layout(layout: str) -> str:
     lay = str(layout).lower()
     if lay not in ("nchw", "nhwc"):
         raise ValueError(f"layout must be 'nchw' or 'nhwc', not {layout!r}")
     return lay
 
 
-def _uname(prefix: str, *config) -> str:
+def unique_name(prefix: str, *config) -> str:
     return f"{prefix}_{hashlib.sha1(repr(config).encode()).hexdigest()[:8]}"
 
 
-def _pair(v) -> tuple[int, int]:
+def int_pair(v) -> tuple[int, int]:
     return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
-def _idx(index64: bool) -> str:
+def index_type(index64: bool) -> str:
     return "long long" if index64 else "int"
 
 
@@ -84,10 +84,10 @@ class KernelSource:
             raise ValueError(f"{self.name}: {max(numel, extent or 0)} elements need index64=True")
         if self.kind == "global_avgpool":
             if self.meta["layout"] == "nchw":
-                return (min(-(-N * C // 8), _MAX_BLOCKS * 16), 1, 1), self.block
+                return (min(-(-N * C // 8), MAX_BLOCKS * 16), 1, 1), self.block
             return (-(-C // 32), min(N, 65535), 1), self.block
         units = -(-int(numel) // self.meta.get("vec", 1))
-        return (min(-(-units // self.block[0]), _MAX_BLOCKS), 1, 1), self.block
+        return (min(-(-units // self.block[0]), MAX_BLOCKS), 1, 1), self.block
 
     def compile(self, arch: str | None = None, options=()):
         from fxopt.backends.cuda.compiler import compile_kernel

@@ -33,12 +33,12 @@ from __future__ import annotations
 from .expr import (BINARY, COMPARE, FALSE, LOGICAL, REDUCE_OPS, TRUE, UNARY, UNARY_P, BoolConst, Cast, Const, Expr,
                    InRange, Load, Op, Red, Where, op)
 from .index import Atom, FloorDiv, Ix, Mod, Var, all_vars, strided, unravel
-from .interp import _eval_ix, evaluate
+from .interp import eval_ix, evaluate
 from .kernel import (Buffer, Kernel, Phase, PointwiseKernel, ReductionKernel, Store, children, index_exprs,
                      kernel_exprs, simplify, specialize, substitute, walk)
 
 __all__ = ["BINARY", "COMPARE", "FALSE", "LOGICAL", "REDUCE_OPS", "TRUE", "UNARY", "UNARY_P", "BoolConst", "Cast",
            "Const", "Expr", "InRange", "Load", "Op", "Red", "Where", "op", "Atom", "FloorDiv", "Ix", "Mod", "Var",
-           "all_vars", "strided", "unravel", "_eval_ix", "evaluate", "Buffer", "Kernel", "Phase", "PointwiseKernel",
+           "all_vars", "strided", "unravel", "eval_ix", "evaluate", "Buffer", "Kernel", "Phase", "PointwiseKernel",
            "ReductionKernel", "Store", "children", "index_exprs", "kernel_exprs", "simplify", "specialize",
            "substitute", "walk"]

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from fxopt.backends.cuda.ir.index import Ix, _hash_once
+from fxopt.backends.cuda.ir.index import Ix, hash_once
 
 
 class Expr:
@@ -16,7 +16,7 @@ class Expr:
     kind = "float"  # or "bool"
 
 
-@_hash_once
+@hash_once
 @dataclass(frozen=True)
 class Load(Expr):
     """Element ``offset`` (elements from the tensor's data pointer) of kernel input ``buf``."""
@@ -24,13 +24,13 @@ class Load(Expr):
     offset: Ix
 
 
-@_hash_once
+@hash_once
 @dataclass(frozen=True)
 class Const(Expr):
     value: float
 
 
-@_hash_once
+@hash_once
 @dataclass(frozen=True)
 class Op(Expr):
     """A float operation (``UNARY``/``BINARY`` names) or a comparison (``COMPARE``, bool)."""
@@ -43,7 +43,7 @@ class Op(Expr):
         return "bool" if self.op in COMPARE or self.op in LOGICAL else "float"
 
 
-@_hash_once
+@hash_once
 @dataclass(frozen=True)
 class Where(Expr):
     cond: Expr
@@ -51,7 +51,7 @@ class Where(Expr):
     b: Expr
 
 
-@_hash_once
+@hash_once
 @dataclass(frozen=True)
 class InRange(Expr):
     """``lo <= index < hi`` (bool)."""
@@ -61,7 +61,7 @@ class InRange(Expr):
     kind = "bool"
 
 
-@_hash_once
+@hash_once
 @dataclass(frozen=True)
 class BoolConst(Expr):
     value: bool
@@ -71,7 +71,7 @@ class BoolConst(Expr):
 TRUE, FALSE = BoolConst(True), BoolConst(False)
 
 
-@_hash_once
+@hash_once
 @dataclass(frozen=True)
 class Cast(Expr):
     """Round through ``dtype`` (an explicit conversion in the graph), keep computing in float."""
@@ -79,7 +79,7 @@ class Cast(Expr):
     dtype: torch.dtype
 
 
-@_hash_once
+@hash_once
 @dataclass(frozen=True)
 class Red(Expr):
     """The result of reduction phase ``name`` for the current row (reduction kernels only)."""
@@ -131,11 +131,11 @@ def op(name: str, *args, params: tuple = ()) -> Expr:
     args = tuple(a if isinstance(a, Expr) else Const(float(a)) for a in args)
     if all(isinstance(a, Const) for a in args) and name not in COMPARE and name not in LOGICAL:
         vals = [torch.tensor(a.value, dtype=torch.float32) for a in args]
-        return Const(float(_apply(name, vals, params)))
+        return Const(float(apply_op(name, vals, params)))
     return Op(name, args, tuple(params))
 
 
-def _apply(name: str, vals: list, params: tuple):
+def apply_op(name: str, vals: list, params: tuple):
     if name in UNARY and len(vals) == 1 and not params:
         return UNARY[name](vals[0])
     if name in UNARY_P and len(vals) == 1:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 
-def _hash_once(cls):
+def hash_once(cls):
     """A frozen dataclass whose hash is computed once per object: expression trees are dict keys
     at every level (memos of ``substitute``/``simplify``, the emitter's common subexpressions), and
     the generated hash would walk the whole subtree at each lookup."""
@@ -32,7 +32,7 @@ def _hash_once(cls):
 # ---------------------------------------------------------------------------- index expressions
 
 
-@_hash_once
+@hash_once
 @dataclass(frozen=True)
 class Var:
     """A loop variable ranging over [0, size)."""
@@ -43,7 +43,7 @@ class Var:
         return 0, max(self.size - 1, 0)
 
 
-@_hash_once
+@hash_once
 @dataclass(frozen=True)
 class FloorDiv:
     arg: "Ix"
@@ -54,7 +54,7 @@ class FloorDiv:
         return lo // self.div, hi // self.div
 
 
-@_hash_once
+@hash_once
 @dataclass(frozen=True)
 class Mod:
     arg: "Ix"
@@ -68,7 +68,7 @@ class Mod:
 Atom = (Var, FloorDiv, Mod)
 
 
-@_hash_once
+@hash_once
 @dataclass(frozen=True)
 class Ix:
     """``const + sum(coef * atom)``; terms sorted, no zero coefficients."""

@@ -6,20 +6,20 @@ from typing import Sequence
 
 import torch
 
-from fxopt.backends.cuda.ir.expr import BoolConst, Cast, Const, Expr, InRange, Load, Op, Red, Where, _apply
+from fxopt.backends.cuda.ir.expr import BoolConst, Cast, Const, Expr, InRange, Load, Op, Red, Where, apply_op
 from fxopt.backends.cuda.ir.index import FloorDiv, Ix, Var
 from fxopt.backends.cuda.ir.kernel import PointwiseKernel, Store
 
 
-def _eval_ix(ix: Ix, env: dict) -> torch.Tensor:
+def eval_ix(ix: Ix, env: dict) -> torch.Tensor:
     out = None
     for a, c in ix.terms:
         if isinstance(a, Var):
             v = env[a]
         elif isinstance(a, FloorDiv):
-            v = torch.div(_eval_ix(a.arg, env), a.div, rounding_mode="floor")
+            v = torch.div(eval_ix(a.arg, env), a.div, rounding_mode="floor")
         else:
-            v = torch.remainder(_eval_ix(a.arg, env), a.div)
+            v = torch.remainder(eval_ix(a.arg, env), a.div)
         out = v * c if out is None else out + v * c
     const = torch.tensor(ix.const, dtype=torch.int64, device=_device(env))
     return const if out is None else out + ix.const
@@ -42,7 +42,7 @@ def _eval(e: Expr, env: dict, flats: list, cache: dict, red: dict) -> torch.Tens
         flat = flats[e.buf]
         # clamped: a load under a Where branch is read for every index here (the generated code
         # reads it only where the branch is taken), and its value is discarded elsewhere
-        off = _eval_ix(e.offset, env).clamp(0, flat.numel() - 1)
+        off = eval_ix(e.offset, env).clamp(0, flat.numel() - 1)
         out = flat[off].to(torch.float32)
     elif isinstance(e, Const):
         out = torch.tensor(e.value, dtype=torch.float32, device=_device(env))
@@ -50,14 +50,14 @@ def _eval(e: Expr, env: dict, flats: list, cache: dict, red: dict) -> torch.Tens
         out = torch.tensor(e.value, dtype=torch.bool, device=_device(env))
     elif isinstance(e, Op):
         vals = [_eval(a, env, flats, cache, red) for a in e.args]
-        out = _apply(e.op, vals, e.params)
+        out = apply_op(e.op, vals, e.params)
         if out.dtype != torch.bool:
             out = out.to(torch.float32)
     elif isinstance(e, Where):
         out = torch.where(_eval(e.cond, env, flats, cache, red), _eval(e.a, env, flats, cache, red),
                           _eval(e.b, env, flats, cache, red))
     elif isinstance(e, InRange):
-        ix = _eval_ix(e.index, env)
+        ix = eval_ix(e.index, env)
         out = (ix >= e.lo) & (ix < e.hi)
     elif isinstance(e, Cast):
         out = _eval(e.arg, env, flats, cache, red).to(e.dtype).to(torch.float32)
@@ -84,7 +84,7 @@ def _points(env: dict) -> int:
 
 def _store(t: torch.Tensor, span: int, env: dict, store: Store, value: torch.Tensor) -> None:
     n = _points(env)
-    off = _eval_ix(store.offset, env).expand(n)
+    off = eval_ix(store.offset, env).expand(n)
     _flat(t, span)[off] = (value.expand(n) if value.dim() == 0 else value).to(t.dtype)
 
 

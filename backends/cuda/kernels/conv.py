@@ -1,6 +1,6 @@
 """What the generated convolution families share: which ``fused_conv`` nodes a generated kernel may
-compete for (``_conv_args``), the check of a fused epilogue's operands (``check_conv_args``), and the
-launch of a channels_last template with every size compiled in (``_launch_nhwc``)."""
+compete for (``conv_args``), the check of a fused epilogue's operands (``check_conv_args``), and the
+launch of a channels_last template with every size compiled in (``launch_nhwc``)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -14,13 +14,13 @@ from fxopt.backends.cuda.kernels.common import TemplateCandidate, check_layout, 
 from fxopt.ops import fused_conv_ref
 
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CONV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: threads of a one-pixel-per-thread kernel (output pixels x channel vectors) from which variants with
 #: more pixels per thread are measured too: below, fewer threads would leave SMs idle
 MANY_THREADS = 1 << 16
 
 
-def _conv_args(node: fx.Node) -> Optional[dict]:
+def conv_args(node: fx.Node) -> Optional[dict]:
     """What every generated conv kernel needs of a fused_conv node, where one may compete: a 2-D conv
     in fp32/fp16/bf16 throughout (bias and residual too) with static sizes, run by ``direct`` or by an
     algorithm chosen automatically (measured against; never one the user forced). Keys: x, w, out (the
@@ -28,7 +28,7 @@ def _conv_args(node: fx.Node) -> Optional[dict]:
     if node.op != "call_function" or node.target is not fused_conv_ref or len(node.args) < 11:
         return None
     x, w, out = node_val(node.args[0]), node_val(node.args[1]), node.meta.get("val")
-    if x is None or w is None or out is None or x.dim() != 4 or w.dim() != 4 or out.dtype not in _DTYPES:
+    if x is None or w is None or out is None or x.dim() != 4 or w.dim() != 4 or out.dtype not in CONV_DTYPES:
         return None  # only 2-D convolutions in fp32/fp16/bf16
     if not all(isinstance(d, int) for d in (*x.shape, *w.shape, *out.shape)):
         return None  # symbolic sizes
@@ -60,7 +60,7 @@ def check_conv_args(ks: KernelSource, x: torch.Tensor, out: torch.Tensor, bias, 
         check_layout(residual, lay, f"{ks.name}: residual", x.dtype)
 
 
-def _launch_nhwc(cand: TemplateCandidate, epi: Epilogue, out_shape: tuple, x, weight, bias, residual):
+def launch_nhwc(cand: TemplateCandidate, epi: Epilogue, out_shape: tuple, x, weight, bias, residual):
     """Launch a channels_last conv template (its grid in the source's meta) with a new NHWC output of
     ``out_shape``, after checking the epilogue's operands: present as compiled, of x's dtype, dense
     (None where not: the reference runs)."""

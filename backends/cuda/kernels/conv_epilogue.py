@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from fxopt.backends.cuda.codegen.c import BINARY_OPS, UNARY_OPS, bounds, c_unary, ctype as _ctype, fast_math_prefix, lit as _lit, prelude as _prelude
-from fxopt.backends.cuda.codegen.source import KernelSource, _comment, _ident, _idx, _layout, layout_name
+from fxopt.backends.cuda.codegen.source import KernelSource, c_comment, c_ident, index_type, checked_layout, layout_name
 from fxopt.backends.cuda.kernels.common import check_layout, compiled_kernel, load, memory_layout_ok
 from fxopt.ops import conv_by_algorithm, fused_conv_ref
 
@@ -148,10 +148,10 @@ def generate_pointwise(region: PointwiseRegion, layout: str = "nchw", vector_wid
     activations' exp and quotient approximate, as in the generated region kernels."""
     region.validate()
     prefix = fast_math_prefix(fast_math, [region.out_dtype], (op.op for _, op in region.ops))
-    lay, vec = _layout(layout), int(vector_width)
+    lay, vec = checked_layout(layout), int(vector_width)
     if vec not in (1, 2, 4, 8) or any(vec * d.itemsize > 32 for d in region.dtypes()):
         raise ValueError(f"unsupported vector width {vector_width}")
-    name = f"fx_pw_{_ident(region.name)[:40]}_{lay}_v{vec}{'_i64' if index64 else ''}{'_fm' if prefix else ''}"
+    name = f"fx_pw_{c_ident(region.name)[:40]}_{lay}_v{vec}{'_i64' if index64 else ''}{'_fm' if prefix else ''}"
     var = {a.name: f"x{j}" for j, a in enumerate(region.inputs)}
     body = []
     for k, (ssa, op) in enumerate(region.ops):
@@ -162,7 +162,7 @@ def generate_pointwise(region: PointwiseRegion, layout: str = "nchw", vector_wid
         else:
             expr = c_unary(op.op, a[0], tuple(op.params))
         var[ssa] = f"t{k}"
-        body.append(f"  const float t{k} = {expr};  // {_comment(ssa)} = {op.op}")
+        body.append(f"  const float t{k} = {expr};  // {c_comment(ssa)} = {op.op}")
     body.append(f"  return {var[region.output]};")
     params, hoisted, sloads, sargs, vloads, vargs = [], [], [], [], [], []
     for j, a in enumerate(region.inputs):
@@ -189,9 +189,9 @@ def generate_pointwise(region: PointwiseRegion, layout: str = "nchw", vector_wid
     vector_loop = "" if vec == 1 else load("pointwise_vector_loop.cu").substitute(
         vec=vec, vector_loads="\n".join(vloads), out_t=out_t, name=name, vector_args=", ".join(vargs))
     src = load("pointwise.cu").substitute(
-        prelude=_prelude(region.dtypes()), region=_comment(region.name), layout=lay, vec=vec,
+        prelude=_prelude(region.dtypes()), region=c_comment(region.name), layout=lay, vec=vec,
         name=name, body_params=", ".join(f"float x{j}" for j in range(len(region.inputs))),
-        body="\n".join(body), block=block, idx=_idx(index64),
+        body="\n".join(body), block=block, idx=index_type(index64),
         params=", ".join(f"{t} __restrict__ {n}" for n, t in params), hoisted="\n".join(hoisted),
         vector_loop=vector_loop, tail_start="nvec * %d" % vec if vec > 1 else "0",
         scalar_loads="\n".join(sloads), out_t=out_t, scalar_args=", ".join(sargs))

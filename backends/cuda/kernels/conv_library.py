@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from fxopt.backends.cuda.codegen.source import layout_name
 from fxopt.backends.cuda.kernels.common import LibraryCandidate, node_val
-from fxopt.backends.cuda.kernels.conv import _DTYPES
+from fxopt.backends.cuda.kernels.conv import CONV_DTYPES
 from fxopt.backends.conv_algorithms import channels_first_candidate
 from fxopt.ops import conv_sig_of, fused_conv_ref
 
@@ -37,7 +37,7 @@ def plan_conv_in_nchw(node: fx.Node) -> bool:
     if node.op != "call_function" or node.target is not fused_conv_ref:
         return False
     x, w, out = node_val(node.args[0]), node_val(node.args[1]), node.meta.get("val")
-    if x is None or w is None or out is None or x.dim() != 4 or out.dtype not in _DTYPES:
+    if x is None or w is None or out is None or x.dim() != 4 or out.dtype not in CONV_DTYPES:
         return False  # only 2-D convolutions in fp32/fp16/bf16
     if node.args[10] != "direct" or not isinstance(node.args[7], int) or layout_name(out) != "nhwc":
         return False  # another algorithm, or a channels-first result: nothing to choose

@@ -34,13 +34,13 @@ import torch.fx as fx
 
 from fxopt.backends.cuda.codegen.c import ctype, ctype as _ctype, decompose as _decompose, prelude, prelude as _prelude
 from fxopt.backends.cuda.codegen.epilogue import Epilogue
-from fxopt.backends.cuda.codegen.source import KernelSource, _MAX_BLOCKS as _GRID_BLOCKS, _SHORT, _idx, _layout, _pair, _uname, layout_name, needs_index64
+from fxopt.backends.cuda.codegen.source import KernelSource, MAX_BLOCKS as _GRID_BLOCKS, DTYPE_SHORT, index_type, checked_layout, int_pair, unique_name, layout_name, needs_index64
 from fxopt.backends.cuda.kernels.common import TemplateCandidate, compiled_kernel, dense_strides, ints, load, memory_layout_ok, node_val
-from fxopt.backends.cuda.kernels.conv import _DTYPES, MANY_THREADS, _launch_nhwc, check_conv_args
+from fxopt.backends.cuda.kernels.conv import CONV_DTYPES, MANY_THREADS, launch_nhwc, check_conv_args
 from fxopt.ops import fused_conv_ref
 
 
-_MAX_BLOCKS = 65535
+MAX_BLOCKS = 65535
 #: channels per block at most (their weights are staged in shared memory: KH x KW x CG floats)
 MAX_CG = 128
 
@@ -105,7 +105,7 @@ def generate_depthwise_conv2d_nhwc_rows(n: int, c: int, h: int, w: int, oh: int,
     two) must divide ``c`` and make a load of 4 to 16 bytes. Requires x, y and residual channels_last,
     dense and aligned to ``vec`` elements (checked by the caller). Launch args: x, w, [bias], [res],
     y; grid and block in ``meta``."""
-    (KH, KW), (SH, SW), (PH, PW), (DH, DW) = _pair(k), _pair(stride), _pair(padding), _pair(dilation)
+    (KH, KW), (SH, SW), (PH, PW), (DH, DW) = int_pair(k), int_pair(stride), int_pair(padding), int_pair(dilation)
     nbytes = vec * dtype.itemsize
     if vec < 1 or vec & (vec - 1) or c % vec or not 4 <= nbytes <= 16:
         raise ValueError(f"depthwise conv (rows): {vec} channels per thread must divide {c} and load 4-16 bytes")
@@ -123,17 +123,17 @@ def generate_depthwise_conv2d_nhwc_rows(n: int, c: int, h: int, w: int, oh: int,
     tiles = n * oh * owt
     index64 = needs_index64(max(n * h * w * c, n * oh * ow * c))
     taps = column_taps(tw, KW, SW, DW)
-    name = _uname(f"fx_dwr{KH}x{KW}_s{SH}x{SW}_{_SHORT[dtype]}_nhwc_v{vec}w{tw}", n, c, h, w, oh, ow, KH, KW, SH,
+    name = unique_name(f"fx_dwr{KH}x{KW}_s{SH}x{SW}_{DTYPE_SHORT[dtype]}_nhwc_v{vec}w{tw}", n, c, h, w, oh, ow, KH, KW, SH,
                   SW, PH, PW, DH, DW, epi, vec, tw, block, index64)
     src = load("depthwise_conv2d_nhwc_rows.cu").substitute(
         prelude=prelude({dtype}), KH=KH, KW=KW, KK=KH * KW, SH=SH, SW=SW, PH=PH, PW=PW, DH=DH, DW=DW, VEC=vec,
         TW=tw, CG=cg, S=stride_s, TC=tc, TP=tp, C=c, H=h, W=w, OH=oh, OW=ow, OWT=owt, TILES=tiles, COLS=len(taps),
-        block=block, name=name, T=T, idx=_idx(index64), extra_params=epi.params(T), epi_desc=epi.describe(),
+        block=block, name=name, T=T, idx=index_type(index64), extra_params=epi.params(T), epi_desc=epi.describe(),
         load_weights=_load_weights(vec), columns=_columns(taps, vec, T, w, c),
         epilogue=epi.code(" " * 8, "fx_to_f32(bias[c])", "fx_to_f32(res[o])"))
     params = [("x", f"const {T}*"), ("w", f"const {T}*")]
     params += [("bias", f"const {T}*")] * epi.bias + [("res", f"const {T}*")] * epi.residual + [("y", f"{T}*")]
-    grid = (max(1, min(-(-tiles // tp), _MAX_BLOCKS)), c // cg, 1)
+    grid = (max(1, min(-(-tiles // tp), MAX_BLOCKS)), c // cg, 1)
     meta = {"layout": "nhwc", "k": (KH, KW), "stride": (SH, SW), "padding": (PH, PW), "dilation": (DH, DW),
             "epilogue": epi, "vec": vec, "tw": tw, "grid": grid, "shape": (n, c, h, w, oh, ow)}
     return KernelSource(name, src, tuple(params), "depthwise_conv2d_nhwc_rows", meta, (block, 1, 1), index64)
@@ -147,14 +147,14 @@ def generate_depthwise_conv2d(k, stride=1, padding=0, dtype: torch.dtype = torch
     Launch args: x, w, [bias], [res], y, N, C, H, W, OH, OW. Weight layout: ``"ckk"`` (C, KH, KW),
     which is the conv weight (C, 1, KH, KW) itself, or ``"kkc"`` (KH, KW, C); default ckk for
     nchw, kkc for nhwc (see launch.prepare_depthwise_weight)."""
-    (KH, KW), (SH, SW), (PH, PW), (DH, DW) = _pair(k), _pair(stride), _pair(padding), _pair(dilation)
+    (KH, KW), (SH, SW), (PH, PW), (DH, DW) = int_pair(k), int_pair(stride), int_pair(padding), int_pair(dilation)
     if not (1 <= KH <= 7 and 1 <= KW <= 7 and 1 <= SH <= 2 and 1 <= SW <= 2 and min(PH, PW) >= 0):
         raise ValueError("depthwise conv: kernel 1..7, stride 1..2, padding >= 0")
-    lay, ct, epi = _layout(layout), _ctype(dtype), epilogue or Epilogue()
+    lay, ct, epi = checked_layout(layout), _ctype(dtype), epilogue or Epilogue()
     wl = weight_layout or ("ckk" if lay == "nchw" else "kkc")
     if wl not in ("ckk", "kkc"):
         raise ValueError(f"depthwise conv: weight_layout must be 'ckk' or 'kkc', not {wl!r}")
-    name = _uname(f"fx_dw{KH}x{KW}_s{SH}x{SW}_{_SHORT[dtype]}_{lay}", KH, KW, SH, SW, PH, PW, DH, DW,
+    name = unique_name(f"fx_dw{KH}x{KW}_s{SH}x{SW}_{DTYPE_SHORT[dtype]}_{lay}", KH, KW, SH, SW, PH, PW, DH, DW,
                   epi, index64, block, wl)
     decompose, in_at = _decompose(lay)
     w_at = "(c * $KH + kh) * $KW + kw" if wl == "ckk" else "(idx_t)(kh * $KW + kw) * C + c"
@@ -162,7 +162,7 @@ def generate_depthwise_conv2d(k, stride=1, padding=0, dtype: torch.dtype = torch
         prelude=_prelude({dtype}), KH=KH, KW=KW, SH=SH, SW=SW, PH=PH, PW=PW, DH=DH, DW=DW,
         layout=lay, weight_layout="(C, KH, KW)" if wl == "ckk" else "(KH, KW, C)",
         epi_desc=epi.describe(), block=block, name=name, T=ct, extra_params=epi.params(ct),
-        idx=_idx(index64), decompose=decompose, in_at=in_at,
+        idx=index_type(index64), decompose=decompose, in_at=in_at,
         w_at=w_at.replace("$KH", str(KH)).replace("$KW", str(KW)),
         epilogue=epi.code(" " * 4, "fx_to_f32(bias[c])", "fx_to_f32(res[o])"))
     params = [("x", f"const {ct}*"), ("w", f"const {ct}*")]
@@ -181,7 +181,7 @@ def generate_depthwise_conv2d_nhwc_vec(n: int, c: int, h: int, w: int, oh: int, 
     vector store), the block's weights staged in shared memory. Requires C % vec == 0 and 16-byte
     aligned x / y / residual (checked by the caller). Launch args: x, w (C, KH, KW), [bias], [res],
     y; grid and block in ``meta``."""
-    (KH, KW), (SH, SW), (PH, PW), (DH, DW) = _pair(k), _pair(stride), _pair(padding), _pair(dilation)
+    (KH, KW), (SH, SW), (PH, PW), (DH, DW) = int_pair(k), int_pair(stride), int_pair(padding), int_pair(dilation)
     ct, epi = _ctype(dtype), epilogue or Epilogue()
     vec = 16 // dtype.itemsize
     if c % vec:
@@ -193,12 +193,12 @@ def generate_depthwise_conv2d_nhwc_vec(n: int, c: int, h: int, w: int, oh: int, 
     block = tc * tp
     pixels = n * oh * ow
     index64 = needs_index64(max(n * h * w * c, pixels * c))
-    name = _uname(f"fx_dwv{KH}x{KW}_s{SH}x{SW}_{_SHORT[dtype]}_nhwc", n, c, h, w, oh, ow, KH, KW, SH, SW, PH, PW,
+    name = unique_name(f"fx_dwv{KH}x{KW}_s{SH}x{SW}_{DTYPE_SHORT[dtype]}_nhwc", n, c, h, w, oh, ow, KH, KW, SH, SW, PH, PW,
                   DH, DW, epi, block, index64)
     src = load("depthwise_conv2d_nhwc_vec.cu").substitute(
         prelude=_prelude({dtype}), KH=KH, KW=KW, KK=KH * KW, SH=SH, SW=SW, PH=PH, PW=PW, DH=DH, DW=DW, VEC=vec,
         CG=cg, TC=tc, TP=tp, C=c, H=h, W=w, OH=oh, OW=ow, PIXELS=pixels, block=block, name=name, T=ct,
-        idx=_idx(index64), extra_params=epi.params(ct), epi_desc=epi.describe(),
+        idx=index_type(index64), extra_params=epi.params(ct), epi_desc=epi.describe(),
         epilogue=epi.code(" " * 6, "fx_to_f32(bias[c])", "fx_to_f32(res[o])"))
     params = [("x", f"const {ct}*"), ("w", f"const {ct}*")]
     params += [("bias", f"const {ct}*")] * epi.bias + [("res", f"const {ct}*")] * epi.residual + [("y", f"{ct}*")]
@@ -274,7 +274,7 @@ class _DepthwiseNhwc(TemplateCandidate):
             return None
         if not memory_layout_ok(x, "nhwc") or not _ckk(weight) or weight.dtype != x.dtype or x.data_ptr() % self.align:
             return None
-        return _launch_nhwc(self, self.epilogue, self.out_shape, x, weight, bias, residual)
+        return launch_nhwc(self, self.epilogue, self.out_shape, x, weight, bias, residual)
 
 
 class DepthwiseConvVec(_DepthwiseNhwc):
@@ -311,7 +311,7 @@ def _depthwise_spec(node: fx.Node) -> Optional[dict]:
     if node.op != "call_function" or node.target is not fused_conv_ref:
         return None
     x, w, out = node_val(node.args[0]), node_val(node.args[1]), node.meta.get("val")
-    if x is None or w is None or out is None or x.dim() != 4 or out.dtype not in _DTYPES:
+    if x is None or w is None or out is None or x.dim() != 4 or out.dtype not in CONV_DTYPES:
         return None  # only 2-D convolutions in fp32/fp16/bf16
     if not all(isinstance(d, int) for d in (*x.shape[1:], *w.shape, *out.shape[1:])):
         return None  # symbolic sizes

@@ -26,9 +26,9 @@ import torch.fx as fx
 
 from fxopt.backends.cuda.codegen.c import ctype, prelude
 from fxopt.backends.cuda.codegen.epilogue import Epilogue
-from fxopt.backends.cuda.codegen.source import KernelSource, _idx, _layout, _pair, _uname, layout_name, needs_index64
+from fxopt.backends.cuda.codegen.source import KernelSource, index_type, checked_layout, int_pair, unique_name, layout_name, needs_index64
 from fxopt.backends.cuda.kernels.common import NodeGroup, compiled_kernel, dense_strides, ints, load, memory_layout_ok, node_val, weight_fits, weight_layout_of
-from fxopt.backends.cuda.kernels.conv import _conv_args, check_conv_args
+from fxopt.backends.cuda.kernels.conv import conv_args, check_conv_args
 from fxopt.backends.cuda.kernels.pool import pool2d_output_size
 
 aten = torch.ops.aten
@@ -119,7 +119,7 @@ def generate_direct_conv2d(cin: int, cout: int, k, stride=1, padding=0, dilation
     OH, OW: final output size, = CH, CW without pool). ``pool``: (k, stride, padding) of a max
     pool applied after the epilogue. ``split`` (1, 2, 4 or 8): lanes per output sharing its input
     channels. Grid: (pixel blocks, ceil(C_out / tile)), see launch."""
-    (KH, KW), (SH, SW), (PH, PW), (DH, DW) = _pair(k), _pair(stride), _pair(padding), _pair(dilation)
+    (KH, KW), (SH, SW), (PH, PW), (DH, DW) = int_pair(k), int_pair(stride), int_pair(padding), int_pair(dilation)
     CI, CO, CIKK = int(cin), int(cout), int(cin) * KH * KW
     if min(CI, CO, KH, KW, SH, SW, DH, DW) < 1 or min(PH, PW) < 0:
         raise ValueError("direct conv: sizes must be positive, padding >= 0")
@@ -127,17 +127,17 @@ def generate_direct_conv2d(cin: int, cout: int, k, stride=1, padding=0, dilation
         raise ValueError(f"direct conv: C_in*KH*KW = {CIKK} > {MAX_REDUCTION}")
     if weight_layout not in ("oihw", "ohwi"):
         raise ValueError(f"direct conv: weight_layout must be 'oihw' or 'ohwi', not {weight_layout!r}")
-    lay, ct, epi = _layout(layout), ctype(dtype), epilogue or Epilogue()
+    lay, ct, epi = checked_layout(layout), ctype(dtype), epilogue or Epilogue()
     COT = int(cout_tile_ or min(CO, 16))
     if COT * CIKK > SMEM_FLOATS or not 1 <= COT <= 16:
         raise ValueError(f"direct conv: tile of {COT} output channels does not fit")
     (PKH, PKW), (PSH, PSW), (PPH, PPW) = ((1, 1), (1, 1), (0, 0)) if pool is None else (
-        _pair(pool[0]), _pair(pool[1]), _pair(pool[2]))
+        int_pair(pool[0]), int_pair(pool[1]), int_pair(pool[2]))
     if pool is not None and (epi.residual or PPH > PKH // 2 or PPW > PKW // 2):
         raise ValueError("direct conv + max pool: no residual, pool padding <= half the window")
     if split not in (1, 2, 4, 8):
         raise ValueError(f"direct conv: split {split} must be 1, 2, 4 or 8 lanes")
-    name = _uname(f"fx_dconv{KH}x{KW}_c{CI}x{CO}_{_SHORT[dtype]}_{lay}" + ("_maxpool" if pool else "")
+    name = unique_name(f"fx_dconv{KH}x{KW}_c{CI}x{CO}_{_SHORT[dtype]}_{lay}" + ("_maxpool" if pool else "")
                   + (f"_split{split}" if split > 1 else ""),
                   CI, CO, KH, KW, SH, SW, PH, PW, DH, DW, epi, weight_layout, pool, COT, index64, block, split)
     out_at = ("((n * $CO + co) * OH + oh) * OW + ow" if lay == "nchw"
@@ -163,7 +163,7 @@ def generate_direct_conv2d(cin: int, cout: int, k, stride=1, padding=0, dilation
         reduce_window=sp["reduce"].replace("\n", "\n    ") if body != "direct_conv2d_patch.cu" else "",
         prelude=prelude({dtype}), KH=KH, KW=KW, CI=CI, CO=CO, COT=COT, CIKK=CIKK, SH=SH, SW=SW, PH=PH, PW=PW,
         DH=DH, DW=DW, layout=lay, weight_layout=weight_layout, epi_desc=epi.describe(), pool_desc=pool_desc,
-        block=block, name=name, T=ct, extra_params=epi.params(ct), idx=_idx(index64), w_at=w_at,
+        block=block, name=name, T=ct, extra_params=epi.params(ct), idx=index_type(index64), w_at=w_at,
         best_init="(-__int_as_float(0x7f800000))" if pool else "0.f",
         PKH=PKH, PKW=PKW, PSH=PSH, PSW=PSW, PPH=PPH, PPW=PPW,
         loops=_loops(lay, CI, KH, KW, DH, DW, COT, CIKK, split),
@@ -214,9 +214,9 @@ FEW_PIXELS = 1 << 14
 
 def _conv_spec(node: fx.Node) -> Optional[dict]:
     """What the template needs of a fused_conv node, or None where it does not apply."""
-    c = _conv_args(node)
+    c = conv_args(node)
     if c is None or c["groups"] != 1:
-        return None  # see _conv_args; or grouped
+        return None  # see conv_args; or grouped
     x, w, out, k = c["x"], c["w"], c["out"], c["k"]
     cin, cout = int(w.shape[1]), int(w.shape[0])
     if cin * k[0] * k[1] > MAX_REDUCTION or cin > MAX_CIN or cout > MAX_COUT:

@@ -31,9 +31,9 @@ import torch.fx as fx
 
 from fxopt.backends.cuda.codegen.c import ctype, prelude
 from fxopt.backends.cuda.codegen.epilogue import Epilogue
-from fxopt.backends.cuda.codegen.source import KernelSource, _idx, _pair, _uname, layout_name, needs_index64
+from fxopt.backends.cuda.codegen.source import KernelSource, index_type, int_pair, unique_name, layout_name, needs_index64
 from fxopt.backends.cuda.kernels.common import TemplateCandidate, load, memory_layout_ok, weight_fits, weight_layout_of
-from fxopt.backends.cuda.kernels.conv import MANY_THREADS, _conv_args, _launch_nhwc
+from fxopt.backends.cuda.kernels.conv import MANY_THREADS, conv_args, launch_nhwc
 
 
 _SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -91,7 +91,7 @@ def generate_grouped_conv2d_nhwc(n: int, cin: int, cout: int, groups: int, h: in
     (the weights read from shared memory once for both). Requires 16-byte aligned x,
     y and residual, channels_last and dense (checked by the caller). Launch args: x, w, [bias],
     [res], y; grid and block in ``meta``."""
-    (KH, KW), (SH, SW), (PH, PW), (DH, DW) = _pair(k), _pair(stride), _pair(padding), _pair(dilation)
+    (KH, KW), (SH, SW), (PH, PW), (DH, DW) = int_pair(k), int_pair(stride), int_pair(padding), int_pair(dilation)
     if groups < 2 or cin % groups or cout % groups:
         raise ValueError(f"grouped conv: {cin} -> {cout} channels in {groups} groups")
     if weight_layout not in ("oihw", "ohwi"):
@@ -114,14 +114,14 @@ def generate_grouped_conv2d_nhwc(n: int, cin: int, cout: int, groups: int, h: in
     pixels = n * oh * ow
     index64 = needs_index64(max(n * h * w * cin, pixels * cout))
     tag = f"t{cot}" + (f"p{ppt}" if ppt > 1 else "")
-    name = _uname(f"fx_gconv{KH}x{KW}_g{groups}_c{cgi}x{cgo}_{_SHORT[dtype]}_nhwc_{tag}", n, cin, cout, groups,
+    name = unique_name(f"fx_gconv{KH}x{KW}_g{groups}_c{cgi}x{cgo}_{_SHORT[dtype]}_nhwc_{tag}", n, cin, cout, groups,
                   h, w, oh, ow, KH, KW, SH, SW, PH, PW, DH, DW, epi, weight_layout, cot, ppt, block, index64)
     w_at = "(idx_t)(co0 + c) * $R + ci * $KK + kk" if weight_layout == "oihw" else "(idx_t)(co0 + c) * $R + r"
     w_at = w_at.replace("$R", str(red)).replace("$KK", str(KH * KW))
     src = load("grouped_conv2d_nhwc.cu").substitute(
         prelude=prelude({dtype}), KH=KH, KW=KW, SH=SH, SW=SW, PH=PH, PW=PW, DH=DH, DW=DW, G=groups, CGI=cgi,
         CGO=cgo, CIN=cin, COUT=cout, COT=cot, CT=ct, TC=tc, TP=tp, V=vec, R=red, H=h, W=w, OH=oh, OW=ow,
-        PIXELS=pixels, block=block, name=name, T=lay_ct, idx=_idx(index64), extra_params=epi.params(lay_ct),
+        PIXELS=pixels, block=block, name=name, T=lay_ct, idx=index_type(index64), extra_params=epi.params(lay_ct),
         epi_desc=epi.describe(), w_at=w_at, fma=_fma(cot, ct, ppt), PPT=ppt,
         ci_unroll="" if cgi // vec <= 8 else "4",
         epilogue=epi.code(" " * 6, "fx_to_f32(bias[c])", "fx_to_f32(res[o])"))
@@ -160,12 +160,12 @@ class GroupedConv(TemplateCandidate):
             return None
         if tuple(weight.shape) != s["w_shape"] or not weight_fits(weight, s["weight_layout"]):
             return None
-        return _launch_nhwc(self, epi, self.out_shape, x, weight, bias, residual)
+        return launch_nhwc(self, epi, self.out_shape, x, weight, bias, residual)
 
 
 def _grouped_spec(node: fx.Node) -> Optional[dict]:
     """What ``GroupedConv`` needs of a fused_conv node, or None where it does not apply."""
-    c = _conv_args(node)
+    c = conv_args(node)
     if c is None:
         return None
     x, w, out, groups = c["x"], c["w"], c["out"], c["groups"]

@@ -36,9 +36,9 @@ import torch.fx as fx
 
 from fxopt.backends.cuda.codegen.c import ctype, prelude
 from fxopt.backends.cuda.codegen.epilogue import Epilogue
-from fxopt.backends.cuda.codegen.source import KernelSource, _uname
+from fxopt.backends.cuda.codegen.source import KernelSource, unique_name
 from fxopt.backends.cuda.kernels.common import NodeGroup, compiled_kernel, load
-from fxopt.backends.cuda.kernels.conv import _conv_args
+from fxopt.backends.cuda.kernels.conv import conv_args
 from fxopt.ops import fused_linear_ref
 
 
@@ -75,7 +75,7 @@ def generate_linear(k: int, n: int, rows: int, dtype: torch.dtype = torch.float3
     if epi.residual:
         raise ValueError("linear: no residual input")
     ct, vec = ctype(dtype), vector_width(K, dtype)
-    name = _uname(f"fx_linear_k{K}_n{N}_r{MR}_{_SHORT[dtype]}", K, N, MR, NW, epi, block, vec)
+    name = unique_name(f"fx_linear_k{K}_n{N}_r{MR}_{_SHORT[dtype]}", K, N, MR, NW, epi, block, vec)
     src = Template(load("linear_rows.cu").template).substitute(
         prelude=prelude({dtype}), K=K, N=N, MR=MR, NW=NW, VEC=vec, T=ct, block=block, name=name,
         extra_params=epi.params(ct), epi_desc=epi.describe(),
@@ -129,7 +129,7 @@ def generate_linear_chain(layers: list, rows: int, dtype: torch.dtype = torch.fl
             accumulate=acc, store=store, epilogue=epi.code(" " * 8, f"fx_to_f32(b{i}[n])", "")))
         params += [(f"w{i}", f"const {ct}*")] + [(f"b{i}", f"const {ct}*")] * epi.bias
     desc = "; ".join(f"{k}->{n} {epi.describe()}" for k, n, epi in layers)
-    name = _uname(f"fx_linear_chain{len(layers)}_r{rows}_{_SHORT[dtype]}", tuple(layers), rows, dtype, block)
+    name = unique_name(f"fx_linear_chain{len(layers)}_r{rows}_{_SHORT[dtype]}", tuple(layers), rows, dtype, block)
     src = Template(load("linear_chain.cu").template).substitute(
         prelude=prelude({dtype}), L=len(layers), last=last, K0=layers[0][0], NLAST=layers[-1][1], MR=rows,
         NMAX=nmax, block=block, name=name, T=ct, desc=desc,
@@ -262,9 +262,9 @@ def _dense(t: torch.Tensor) -> bool:
 def plan_conv_as_linear(node: fx.Node) -> Optional[ConvAsLinear]:
     """A candidate for a fused_conv node that is a linear layer over at most MAX_ROWS rows (see the
     module docstring); None where none applies."""
-    c = _conv_args(node)
+    c = conv_args(node)
     if c is None or c["groups"] != 1 or c["k"] != (1, 1) or c["padding"] != (0, 0) or c["epilogue"].residual:
-        return None  # not a 1x1 dense conv without padding and residual (see _conv_args for the rest)
+        return None  # not a 1x1 dense conv without padding and residual (see conv_args for the rest)
     x, w, out = c["x"], c["w"], c["out"]
     if tuple(x.shape[2:]) != (1, 1) or tuple(out.shape[2:]) != (1, 1) or not 1 <= x.shape[0] <= MAX_ROWS:
         return None  # an image larger than one pixel, or a batch that is a real GEMM

@@ -27,8 +27,8 @@ from __future__ import annotations
 from fxopt.backends.cuda import ir
 from fxopt.backends.cuda.ir import Ix, Load, PointwiseKernel, ReductionKernel, Var
 from fxopt.backends.cuda.codegen.c import ctype
-from fxopt.backends.cuda.codegen.emit import _Emitter, ix_c
-from fxopt.backends.cuda.codegen.ir_kernel import _MAX_GRID, _decompose, _fast_math_prefix, _header, _index64, _params, _uname
+from fxopt.backends.cuda.codegen.emit import Emitter, ix_c
+from fxopt.backends.cuda.codegen.ir_kernel import MAX_GRID, decompose_index, kernel_fast_math_prefix, kernel_header, kernel_index64, kernel_params, kernel_name
 from fxopt.backends.cuda.codegen.source import KernelSource
 from fxopt.backends.cuda.kernels.reduction import row_vector_width
 
@@ -46,7 +46,7 @@ def _vector_plan(k: PointwiseKernel, vec: int):
         if ix.coef(inner) != 1 or inner in ix.vars_inside_atoms():
             return False
         return all(c % vec == 0 for a, c in ix.terms if a != inner) and ix.const % vec == 0 and vec * itemsize <= 32
-    em = _Emitter(k, "", {})
+    em = Emitter(k, "", {})
     hoist = em.unconditional([s.value for s in k.stores])
     loads = sorted({e for e in hoist if isinstance(e, Load) and ok(e.offset, k.inputs[e.buf].dtype.itemsize)},
                    key=repr)
@@ -67,8 +67,8 @@ def _pointwise_loop(k: PointwiseKernel, vec: int, block: int, ind: str) -> tuple
     vars_ = list(k.vars)
     aligned = []
     if vec == 1:
-        lines += _decompose(vars_, "w_", ind2)
-        em = _Emitter(k, ind2, {})
+        lines += decompose_index(vars_, "w_", ind2)
+        em = Emitter(k, ind2, {})
         vals = em.emit([s.value for s in k.stores])
         lines += em.lines
         for s, v in zip(k.stores, vals):
@@ -77,7 +77,7 @@ def _pointwise_loop(k: PointwiseKernel, vec: int, block: int, ind: str) -> tuple
         loads, vstores = plan
         inner = vars_[-1]
         chunk = Var(inner.name, inner.size // vec)
-        lines += _decompose(vars_[:-1] + [chunk], "w_", ind2)
+        lines += decompose_index(vars_[:-1] + [chunk], "w_", ind2)
         first = Var(f"{inner.name}_v", inner.size)  # the first element of this item's vector
         lines.append(f"{ind2}const idx_t {first.name} = {inner.name} * {vec};")
         base = {inner: Ix.of(first)}
@@ -90,7 +90,7 @@ def _pointwise_loop(k: PointwiseKernel, vec: int, block: int, ind: str) -> tuple
             for lane in range(vec):
                 alias[Load(ld.buf, off + lane)] = f"fx_to_f32(vl{j}.v[{lane}])"
             aligned.append(("in", ld.buf, min(16, vec * k.inputs[ld.buf].dtype.itemsize)))
-        em = _Emitter(k, ind2, {}, alias)
+        em = Emitter(k, ind2, {}, alias)
         lane_vals = []
         for lane in range(vec):
             sub = {inner: Ix.of(first) + lane}
@@ -118,11 +118,11 @@ def generate_pointwise_kernel(k: PointwiseKernel, vec: int = 1, block: int = POI
                               fast_math: bool = False) -> KernelSource:
     """``vec``: the widest vector any loop may use (each (sub-)kernel uses the widest its own
     accesses allow, up to this). ``fast_math``: option fast_math (``codegen.c.fast_math_prefix``)."""
-    index64 = _index64(k)
-    prefix = _fast_math_prefix(k, fast_math)
-    name = _uname(k, f"v{vec}" + "f" * bool(prefix))
-    ps = _params(k)
-    lines = _header(k, name, block, ps, index64, prefix)
+    index64 = kernel_index64(k)
+    prefix = kernel_fast_math_prefix(k, fast_math)
+    name = kernel_name(k, f"v{vec}" + "f" * bool(prefix))
+    ps = kernel_params(k)
+    lines = kernel_header(k, name, block, ps, index64, prefix)
     aligned, works = [], []
     if k.parts:
         lines.append("  switch (blockIdx.y) {")
@@ -137,7 +137,7 @@ def generate_pointwise_kernel(k: PointwiseKernel, vec: int = 1, block: int = POI
         lines += body
         works.append(work)
     lines.append("}")
-    grid = max(1, min(-(-max(works) // block), _MAX_GRID))
+    grid = max(1, min(-(-max(works) // block), MAX_GRID))
     meta = {"kernel": k, "vec": vec, "aligned": sorted(set(aligned)), "grid": (grid, max(1, len(k.parts)), 1),
             "work": sum(works), "fast_math": bool(prefix)}
     return KernelSource(name, "\n".join(lines) + "\n", tuple(ps), "fused_pointwise", meta, (block, 1, 1), index64)

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from fxopt.backends.cuda.codegen.c import act_lines, ctype as _ctype, decompose as _decompose, norm_acts as _norm_acts, prelude as _prelude
-from fxopt.backends.cuda.codegen.source import KernelSource, _SHORT, _comment, _idx, _layout, _pair, _uname, layout_name
+from fxopt.backends.cuda.codegen.source import KernelSource, DTYPE_SHORT, c_comment, index_type, checked_layout, int_pair, unique_name, layout_name
 from fxopt.backends.cuda.kernels.common import (TemplateCandidate, check_layout, compiled_kernel, dense_strides, ints, load,
                         memory_layout_ok, node_val)
 
@@ -34,21 +34,21 @@ def generate_pool2d(kind: str, k, stride=None, padding=0, dtype: torch.dtype = t
     x, y, N, C, H, W, OH, OW; one thread per output element."""
     if kind not in ("max", "avg"):
         raise ValueError(f"pool kind must be 'max' or 'avg', not {kind!r}")
-    (KH, KW), (PH, PW) = _pair(k), _pair(padding)
-    SH, SW = _pair(stride if stride is not None else k)
+    (KH, KW), (PH, PW) = int_pair(k), int_pair(padding)
+    SH, SW = int_pair(stride if stride is not None else k)
     if PH > KH // 2 or PW > KW // 2 or min(KH, KW, SH, SW) < 1:
         raise ValueError("pool2d: padding must be at most half the kernel size")
-    lay, ct = _layout(layout), _ctype(dtype)
+    lay, ct = checked_layout(layout), _ctype(dtype)
     acts = _norm_acts(pre_activation)
-    name = _uname(f"fx_{kind}pool{KH}x{KW}_s{SH}x{SW}_{_SHORT[dtype]}_{lay}", KH, KW, SH, SW, PH, PW,
+    name = unique_name(f"fx_{kind}pool{KH}x{KW}_s{SH}x{SW}_{DTYPE_SHORT[dtype]}_{lay}", KH, KW, SH, SW, PH, PW,
                   acts, count_include_pad, index64, block)
     decompose, in_at = _decompose(lay)
     finish = "" if kind == "max" else load("avg_finish.cu").substitute(
         KH=KH, KW=KW, PH=PH, PW=PW, count_include_pad="true" if count_include_pad else "false")
     src = load("pool2d.cu").substitute(
         prelude=_prelude({dtype}), kind=kind, KH=KH, KW=KW, SH=SH, SW=SW, PH=PH, PW=PW, layout=lay,
-        act_name=_comment(acts or "none"), block=block, name=name, T=ct,
-        idx=_idx(index64), decompose=decompose, in_at=in_at,
+        act_name=c_comment(acts or "none"), block=block, name=name, T=ct,
+        idx=index_type(index64), decompose=decompose, in_at=in_at,
         init="(-__int_as_float(0x7f800000))" if kind == "max" else "0.f",
         act=act_lines(acts, "v", " " * 8),
         accumulate="if (v > acc || v != v) acc = v;" if kind == "max" else "acc += v;", finish=finish)
@@ -62,10 +62,10 @@ def generate_global_avgpool(dtype: torch.dtype = torch.float32, layout: str = "n
                             index64: bool = False) -> KernelSource:
     """Global average pool + flatten: (N, C, H, W) -> (N, C). Launch args: x, y, N, C, HW;
     ``grid_block(N=..., C=...)``."""
-    lay, ct = _layout(layout), _ctype(dtype)
-    name = f"fx_gap_{_SHORT[dtype]}_{lay}{'_i64' if index64 else ''}"
+    lay, ct = checked_layout(layout), _ctype(dtype)
+    name = f"fx_gap_{DTYPE_SHORT[dtype]}_{lay}{'_i64' if index64 else ''}"
     tmpl = load("global_avgpool_nchw.cu") if lay == "nchw" else load("global_avgpool_nhwc.cu")
-    src = tmpl.substitute(prelude=_prelude({dtype}), name=name, T=ct, idx=_idx(index64))
+    src = tmpl.substitute(prelude=_prelude({dtype}), name=name, T=ct, idx=index_type(index64))
     params = (("x", f"const {ct}*"), ("y", f"{ct}*"), ("N", "long long"), ("C", "long long"),
               ("HW", "long long"))
     return KernelSource(name, src, params, "global_avgpool", {"layout": lay}, (32, 8, 1), index64)

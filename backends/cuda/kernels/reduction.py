@@ -32,8 +32,8 @@ from typing import Optional
 from fxopt.backends.cuda import ir
 from fxopt.backends.cuda.ir import Ix, Load, ReductionKernel, Var
 from fxopt.backends.cuda.codegen.c import ctype
-from fxopt.backends.cuda.codegen.emit import _COMBINE, _INIT, _Emitter, ix_c
-from fxopt.backends.cuda.codegen.ir_kernel import _MAX_GRID, _decompose, _fast_math_prefix, _header, _index64, _params, _uname
+from fxopt.backends.cuda.codegen.emit import REDUCE_COMBINE, REDUCE_INIT, Emitter, ix_c
+from fxopt.backends.cuda.codegen.ir_kernel import MAX_GRID, decompose_index, kernel_fast_math_prefix, kernel_header, kernel_index64, kernel_params, kernel_name
 from fxopt.backends.cuda.codegen.source import KernelSource
 
 
@@ -44,13 +44,13 @@ def _reduction_geometry(k: ReductionKernel) -> dict:
         tr = 32 if tiles < 264 and R >= 256 else 8
         tr = min(tr, 1 << max(0, (R - 1).bit_length()))
         tr = max(tr, 1)
-        return {"block": 32 * tr, "tr": tr, "grid": max(1, min(tiles, _MAX_GRID))}
+        return {"block": 32 * tr, "tr": tr, "grid": max(1, min(tiles, MAX_GRID))}
     if R <= 1024:
         rows_per_block = 8
         return {"block": 32 * rows_per_block, "row_threads": 32, "rows_per_block": rows_per_block,
-                "grid": max(1, min(-(-rows // rows_per_block), _MAX_GRID))}
+                "grid": max(1, min(-(-rows // rows_per_block), MAX_GRID))}
     block = 512 if R >= 4096 else 256
-    return {"block": block, "row_threads": block, "rows_per_block": 1, "grid": max(1, min(rows, _MAX_GRID))}
+    return {"block": block, "row_threads": block, "rows_per_block": 1, "grid": max(1, min(rows, MAX_GRID))}
 
 
 def generate_reduction_kernel(k: ReductionKernel, fast_math: bool = False, vec: int = 1) -> KernelSource:
@@ -58,23 +58,23 @@ def generate_reduction_kernel(k: ReductionKernel, fast_math: bool = False, vec: 
     width (rows that fit in registers, ``row_plan`` below; 1: scalar loads)."""
     plan = row_plan(k, vec)
     if plan is not None:
-        prefix = _fast_math_prefix(k, fast_math)
-        index64 = _index64(k)
-        name = _uname(k, f"rows{plan.block}v{plan.vec}" + "f" * bool(prefix))
-        ps = _params(k)
-        lines, aligned = generate_row_reduction(k, plan, name, _header(k, name, plan.block, ps, index64, prefix))
-        grid = max(1, min(-(-k.rows // plan.rpb), _MAX_GRID))
+        prefix = kernel_fast_math_prefix(k, fast_math)
+        index64 = kernel_index64(k)
+        name = kernel_name(k, f"rows{plan.block}v{plan.vec}" + "f" * bool(prefix))
+        ps = kernel_params(k)
+        lines, aligned = generate_row_reduction(k, plan, name, kernel_header(k, name, plan.block, ps, index64, prefix))
+        grid = max(1, min(-(-k.rows // plan.rpb), MAX_GRID))
         meta = {"kernel": k, "grid": (grid, 1, 1), "geometry": vars(plan) | {"block": plan.block},
                 "aligned": aligned, "vec": plan.vec, "fast_math": bool(prefix)}
         return KernelSource(name, "\n".join(lines) + "\n", tuple(ps), "fused_reduction", meta, (plan.block, 1, 1),
                             index64)
     geo = _reduction_geometry(k)
     block = geo["block"]
-    index64 = _index64(k)
-    prefix = _fast_math_prefix(k, fast_math)
-    name = _uname(k, f"{k.strategy}{block}" + "f" * bool(prefix))
-    ps = _params(k)
-    lines = _header(k, name, block, ps, index64, prefix)
+    index64 = kernel_index64(k)
+    prefix = kernel_fast_math_prefix(k, fast_math)
+    name = kernel_name(k, f"{k.strategy}{block}" + "f" * bool(prefix))
+    ps = kernel_params(k)
+    lines = kernel_header(k, name, block, ps, index64, prefix)
     rows, outer = k.rows, list(k.outer)
     if k.strategy == "outer":
         tr = geo["tr"]
@@ -84,13 +84,13 @@ def generate_reduction_kernel(k: ReductionKernel, fast_math: bool = False, vec: 
                   "    const idx_t row_ = tile_ * 32 + tx_;",
                   f"    const bool valid_ = row_ < {rows};"]
         ind = "    "
-        lines += _decompose(outer, "row_", ind)
+        lines += decompose_index(outer, "row_", ind)
         for ph in k.phases:
             lines += _accumulate(k, ph, "if (valid_) ", "ty_", tr, ind)
             lines += [f"{ind}smem_[ty_][tx_] = acc_{ph.name};", f"{ind}__syncthreads();",
                       f"{ind}float red_{ph.name} = smem_[0][tx_];",
                       f"{ind}for (int j_ = 1; j_ < {tr}; ++j_) "
-                      f"red_{ph.name} = {_COMBINE[ph.op].format(a=f'red_{ph.name}', b='smem_[j_][tx_]')};",
+                      f"red_{ph.name} = {REDUCE_COMBINE[ph.op].format(a=f'red_{ph.name}', b='smem_[j_][tx_]')};",
                       f"{ind}__syncthreads();"]
         lines += _row_outputs(k, "if (valid_) ", "ty_", str(tr), ind)
         lines += _outer_outputs(k, "valid_ && ty_ == 0", ind)
@@ -103,17 +103,17 @@ def generate_reduction_kernel(k: ReductionKernel, fast_math: bool = False, vec: 
                   f"  for (idx_t row_ = (idx_t)blockIdx.x * {rpb} + threadIdx.x / {rt}; row_ < {rows}; "
                   f"row_ += (idx_t)gridDim.x * {rpb}) {{"]
         ind = "    "
-        lines += _decompose(outer, "row_", ind)
+        lines += decompose_index(outer, "row_", ind)
         for ph in k.phases:
             lines += _accumulate(k, ph, "", "lane_", rt, ind)
-            comb = _COMBINE[ph.op].format(a=f"acc_{ph.name}", b=f"__shfl_xor_sync(0xffffffffu, acc_{ph.name}, o_)")
+            comb = REDUCE_COMBINE[ph.op].format(a=f"acc_{ph.name}", b=f"__shfl_xor_sync(0xffffffffu, acc_{ph.name}, o_)")
             lines.append(f"{ind}for (int o_ = 16; o_ > 0; o_ >>= 1) acc_{ph.name} = {comb};")
             if rt > 32:
                 nw = rt // 32
                 lines += [f"{ind}if (lane_ % 32 == 0) smem_[lane_ / 32] = acc_{ph.name};", f"{ind}__syncthreads();",
                           f"{ind}acc_{ph.name} = smem_[0];",
                           f"{ind}for (int j_ = 1; j_ < {nw}; ++j_) "
-                          f"acc_{ph.name} = {_COMBINE[ph.op].format(a=f'acc_{ph.name}', b='smem_[j_]')};",
+                          f"acc_{ph.name} = {REDUCE_COMBINE[ph.op].format(a=f'acc_{ph.name}', b='smem_[j_]')};",
                           f"{ind}__syncthreads();"]
             lines.append(f"{ind}const float red_{ph.name} = acc_{ph.name};")
         lines += _row_outputs(k, "", "lane_", str(rt), ind)
@@ -125,19 +125,19 @@ def generate_reduction_kernel(k: ReductionKernel, fast_math: bool = False, vec: 
 
 def _accumulate(k: ReductionKernel, ph, guard: str, start: str, step: int, ind: str) -> list:
     """This thread's share of reduction phase ``ph``: ``acc_<name>`` over r = start, start + step, ..."""
-    lines = [f"{ind}float acc_{ph.name} = {_INIT[ph.op]};",
+    lines = [f"{ind}float acc_{ph.name} = {REDUCE_INIT[ph.op]};",
              f"{ind}{guard}for (idx_t r_ = {start}; r_ < {k.row_size}; r_ += {step}) {{"]
-    lines += _decompose(list(k.reduced), "r_", ind + "  ")
-    em = _Emitter(k, ind + "  ", {})
+    lines += decompose_index(list(k.reduced), "r_", ind + "  ")
+    em = Emitter(k, ind + "  ", {})
     (v,) = em.emit([ph.value])
     lines += em.lines
-    lines.append(f"{ind}  acc_{ph.name} = {_COMBINE[ph.op].format(a=f'acc_{ph.name}', b=v)};")
+    lines.append(f"{ind}  acc_{ph.name} = {REDUCE_COMBINE[ph.op].format(a=f'acc_{ph.name}', b=v)};")
     return lines + [f"{ind}}}"]
 
 
 def _store_lines(k: ReductionKernel, stores: list, ind: str) -> list:
     """The values of ``stores`` computed and written to their outputs."""
-    em = _Emitter(k, ind, {})
+    em = Emitter(k, ind, {})
     vals = em.emit([s.value for s in stores])
     return em.lines + [f"{ind}out{s.buf}[{ix_c(s.offset)}] = fx_from<{ctype(k.outputs[s.buf].dtype)}>({v});"
                        for s, v in zip(stores, vals)]
@@ -147,7 +147,7 @@ def _row_outputs(k: ReductionKernel, guard: str, start: str, step: str, ind: str
     if not k.row_stores:
         return []
     lines = [f"{ind}{guard}for (idx_t r_ = {start}; r_ < {k.row_size}; r_ += {step}) {{"]
-    lines += _decompose(list(k.reduced), "r_", ind + "  ")
+    lines += decompose_index(list(k.reduced), "r_", ind + "  ")
     return lines + _store_lines(k, k.row_stores, ind + "  ") + [f"{ind}}}"]
 
 
@@ -181,7 +181,7 @@ def _row_loads(k: ReductionKernel, phases_only: bool = False) -> list:
     """Loads evaluated unconditionally in the phases (and the row outputs) that walk the row."""
     red = set(k.reduced)
     roots = [p.value for p in k.phases] + ([] if phases_only else [s.value for s in k.row_stores])
-    hoist = _Emitter(k, "", {}).unconditional(roots)
+    hoist = Emitter(k, "", {}).unconditional(roots)
     return sorted((e for e in hoist if isinstance(e, Load) and ir.all_vars(e.offset) & red), key=repr)
 
 
@@ -302,7 +302,7 @@ def generate_row_reduction(k: ReductionKernel, plan: RowPlan, name: str, header:
     # one iteration at a time, just before its stores)
     phase_loads = [ld for ld in loads if ld in in_phases]
     lines += load_lines(phase_loads, range(iters))
-    em = _Emitter(k, ind, {}, alias)
+    em = Emitter(k, ind, {}, alias)
     for ph in k.phases:
         acc = f"acc_{ph.name}"
         body = []
@@ -311,13 +311,13 @@ def generate_row_reduction(k: ReductionKernel, plan: RowPlan, name: str, header:
             body.append((oks[it], vals))
         lines += em.lines
         em.lines = []
-        lines.append(f"{ind}float {acc} = {_INIT[ph.op]};")
+        lines.append(f"{ind}float {acc} = {REDUCE_INIT[ph.op]};")
         for ok, vals in body:
             for v in vals:
-                comb = _COMBINE[ph.op].format(a=acc, b=v)
+                comb = REDUCE_COMBINE[ph.op].format(a=acc, b=v)
                 lines.append(f"{ind}{acc} = {comb};" if ok is None else f"{ind}{acc} = {ok} ? {comb} : {acc};")
         if tpr > 1:
-            shfl = _COMBINE[ph.op].format(a=acc, b=f"__shfl_xor_sync(0xffffffffu, {acc}, o_)")
+            shfl = REDUCE_COMBINE[ph.op].format(a=acc, b=f"__shfl_xor_sync(0xffffffffu, {acc}, o_)")
             lines.append(f"{ind}for (int o_ = {tpr // 2}; o_ > 0; o_ >>= 1) {acc} = {shfl};")
         lines.append(f"{ind}const float red_{ph.name} = {acc};")
 

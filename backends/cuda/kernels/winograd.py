@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from fxopt.backends.cuda.codegen.c import ctype as _ctype, lit, prelude as _prelude
 from fxopt.backends.cuda.codegen.epilogue import Epilogue
-from fxopt.backends.cuda.codegen.source import KernelSource, _SHORT, _idx, _layout, _uname
+from fxopt.backends.cuda.codegen.source import KernelSource, DTYPE_SHORT, index_type, checked_layout, unique_name
 from fxopt.backends.cuda.kernels.common import check_layout, compiled_kernel, load
 
 
@@ -56,8 +56,8 @@ def generate_winograd_input_transform(dtype: torch.dtype = torch.float32, layout
                                       index64: bool = False, block: int = 256) -> KernelSource:
     """V = B^T d B for every 4x4 input tile. V is (16, C, P) for nchw, (16, P, C) for nhwc.
     Launch args: x, V, N, C, H, W, TH, TW; ``grid_block(P * C)``."""
-    lay, ct, vt = _layout(layout), _ctype(dtype), _ctype(transform_dtype or dtype)
-    name = _uname(f"fx_wino_in_{_SHORT[dtype]}_{lay}", padding, transform_dtype, index64, block)
+    lay, ct, vt = checked_layout(layout), _ctype(dtype), _ctype(transform_dtype or dtype)
+    name = unique_name(f"fx_wino_in_{DTYPE_SHORT[dtype]}_{lay}", padding, transform_dtype, index64, block)
     at = ("((n * C + c) * H + (h0 + {i})) * W + (w0 + {j})" if lay == "nchw"
           else "((n * H + (h0 + {i})) * W + (w0 + {j})) * C + c")
     loads = [f"    const bool rv{i} = h0 + {i} >= 0 && h0 + {i} < H, cv{i} = w0 + {i} >= 0 && w0 + {i} < W;"
@@ -70,7 +70,7 @@ def generate_winograd_input_transform(dtype: torch.dtype = torch.float32, layout
     src = load("winograd_input.cu").substitute(
         prelude=_prelude({dtype, transform_dtype or dtype}), PAD=int(padding), layout=lay,
         v_layout="C][P" if lay == "nchw" else "P][C", block=block, name=name, T=ct, VT=vt,
-        idx=_idx(index64), decompose=wino_decompose(lay, "C"),
+        idx=index_type(index64), decompose=wino_decompose(lay, "C"),
         loads="\n".join(loads), transform="\n".join(tr))
     params = (("x", f"const {ct}*"), ("V", f"{vt}*")) + tuple((n, "long long") for n in
                                                               ("N", "C", "H", "W", "TH", "TW"))
@@ -85,8 +85,8 @@ def generate_winograd_output_transform(dtype: torch.dtype = torch.float32, layou
     """Y = A^T m A per tile, then bias + residual + activation. M is (16, K, P) for nchw,
     (16, P, K) for nhwc. Launch args: M, [bias], [res], y, N, K, OH, OW, TH, TW;
     ``grid_block(P * K)``."""
-    lay, ct, mt, epi = _layout(layout), _ctype(dtype), _ctype(transform_dtype or dtype), epilogue or Epilogue()
-    name = _uname(f"fx_wino_out_{_SHORT[dtype]}_{lay}", epi, transform_dtype, index64, block)
+    lay, ct, mt, epi = checked_layout(layout), _ctype(dtype), _ctype(transform_dtype or dtype), epilogue or Epilogue()
+    name = unique_name(f"fx_wino_out_{DTYPE_SHORT[dtype]}_{lay}", epi, transform_dtype, index64, block)
     loads = [f"    const float m{i}_{j} = fx_to_f32(M[(idx_t){i * 4 + j} * total + o]);"
              for i in range(4) for j in range(4)]
     if epi.bias:
@@ -103,7 +103,7 @@ def generate_winograd_output_transform(dtype: torch.dtype = torch.float32, layou
     src = load("winograd_output.cu").substitute(
         prelude=_prelude({dtype, transform_dtype or dtype}), layout=lay,
         m_layout="K][P" if lay == "nchw" else "P][K", epi_desc=epi.describe(), block=block,
-        name=name, MT=mt, T=ct, extra_params=epi.params(ct), idx=_idx(index64),
+        name=name, MT=mt, T=ct, extra_params=epi.params(ct), idx=index_type(index64),
         decompose=wino_decompose(lay, "K"), loads="\n".join(loads),
         transform="\n".join(f"    const float {n} = {e};" for n, e in code), stores="\n".join(stores))
     params = [("M", f"const {mt}*")] + [("bias", f"const {ct}*")] * epi.bias
