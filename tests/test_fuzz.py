@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from hypothesis import given, seed, settings
 
 from fxopt.fuzz import Coverage, Program, kernel_family, merge, programs, run_fuzz
@@ -25,7 +26,7 @@ def test_cpu_and_torch_executors_match_eager(tmp_path):
 
 def test_cuda_executor_checks_on_the_cpu(tmp_path):
     """Kernels generated and compiled with NVRTC, regions' IR against ATen, row geometry."""
-    s = run_fuzz("cpu", examples=3, seed=5, out=tmp_path, executors=("cuda",), modes=("inference",), **SMALL)
+    s = run_fuzz("cpu", examples=3, seed=6, out=tmp_path, executors=("cuda",), modes=("inference",), **SMALL)
     assert s["ran"] == 3 and not s["failures"], s["failures"]
     assert s["coverage"]["families"], "no kernel generated"
 
@@ -44,7 +45,7 @@ def test_programs_are_deterministic_per_seed():
     assert drawn(1) == drawn(1) and drawn(1) != drawn(2)
 
 
-def _fake(program, device, graphs=None):
+def _fake(program, device, graphs=None, outcome=None):
     """A backend that fails every graph with a convolution: the fuzzer must shrink to one conv."""
     if any(op.startswith("conv:") for op in program.ops):
         raise fuzz_check.Mismatch("a convolution")
@@ -59,6 +60,10 @@ def test_failure_is_shrunk_to_a_reproducer(tmp_path, monkeypatch):
     prog = Program.from_json(f["program"])
     assert len(prog.layers) == 1 and prog.layers[0].startswith("conv"), prog.layers  # shrunk
     assert prog.shape[0] == 1 and "Mismatch: a convolution" in open(f["repro"]).read()
+    # one failing program per reproducer; the examples run while shrinking are counted apart
+    assert s["failing_programs"] == len(s["failures"]) == s["coverage"]["failures"]
+    assert s["coverage"]["shrink_runs"] >= s["coverage"]["shrink_failed"] >= 1
+    assert s["ran"] == s["coverage"]["graphs"] + s["coverage"]["shrink_runs"] + len(s["failures"])
 
 
 def test_reproducer_runs_without_the_fuzzer(tmp_path):
@@ -75,7 +80,7 @@ def test_reproducer_runs_without_the_fuzzer(tmp_path):
 def test_shards_draw_different_graphs_and_merge(tmp_path, monkeypatch):
     seen = {}
 
-    def record(program, device, graphs=None):
+    def record(program, device, graphs=None, outcome=None):
         seen.setdefault(program.source, 0)
         seen[program.source] += 1
         return []
@@ -125,6 +130,100 @@ def test_shard_option_is_checked(bad):
 
 
 def test_time_budget_ends_the_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(fuzz_check, "run_program", lambda program, device, graphs=None: [])
+    monkeypatch.setattr(fuzz_check, "run_program", lambda program, device, graphs=None, outcome=None: [])
     s = run_fuzz("cpu", examples=100000, time_budget=0.3, out=tmp_path, executors=("torch",), **SMALL)
     assert 0 < s["ran"] < 100000 and not s["failures"] and s["seconds"] < 30
+
+
+def _program(forward: list, init: list, shape, mode="inference", dtype="float32") -> Program:
+    from fxopt.fuzz.graphs import render
+
+    return Program(render(init, forward, "x"), shape, dtype, "contiguous", mode, 3, {"executor": "torch"}, ["t"])
+
+
+def test_cast_program_passes_and_its_float64_reference_runs():
+    prog = _program(["x = x.to(torch.float16).to(x.dtype) * 2.0", "x = self.m0(torch.flatten(x, 1))"],
+                    ["self.m0 = nn.Linear(6, 2)"], (2, 1, 2, 3))
+    assert fuzz_check.run_program(prog, "cpu")
+    model, x = fuzz_check.build(prog, "cpu")
+    ref = fuzz_check.Reference64(model, x, prog)
+    out = ref.out()
+    assert out.dtype == torch.float64 and torch.allclose(out.float(), model(x), atol=1e-2)
+    calls = []
+
+    def lazy():
+        calls.append(1)
+        return out
+    y = model(x)
+    fuzz_check.compare("same", y, y, lazy, 1e-5, 1e-6)
+    assert not calls  # not run where fxopt matches eager
+    with pytest.raises(fuzz_check.Mismatch, match="vs float64"):
+        fuzz_check.compare("off", y + 1.0, y, lazy, 1e-5, 1e-6)
+    assert calls == [1]
+
+
+def test_eager_error_is_a_pass_when_fxopt_raises_the_same_type():
+    prog = _program(["x = self.m0(x)"], ["self.m0 = nn.BatchNorm2d(1)"], (1, 1, 1, 1), mode="training")
+    outcome = {}
+    fuzz_check.run_program(prog, "cpu", outcome=outcome)
+    assert outcome == {"eager_error": "ValueError"}
+    cov = Coverage()
+    cov.add(prog, [], eager_error=outcome["eager_error"])
+    assert cov.eager_errors == 1 and "eager errors: 1" in cov.table()
+
+
+def test_eager_error_is_a_failure_when_fxopt_does_not_raise_it():
+    def eager():
+        raise ValueError("bad input")
+
+    def wrapped():
+        try:
+            raise ValueError("bad input")
+        except ValueError as e:
+            raise RuntimeError("wrapped by the tracer") from e
+    with pytest.raises(fuzz_check.EagerRaised):
+        fuzz_check.run_both(eager, wrapped)
+    with pytest.raises(fuzz_check.Mismatch, match="fxopt returns"):
+        fuzz_check.run_both(eager, lambda: 1)
+    with pytest.raises(fuzz_check.Mismatch, match="fxopt TypeError"):
+        fuzz_check.run_both(eager, lambda: (_ for _ in ()).throw(TypeError("other")))
+    assert fuzz_check.run_both(lambda: 1, lambda: 2) == (1, 2)
+
+
+def test_training_programs_have_no_batchnorm_over_one_value():
+    @seed(4)
+    @settings(max_examples=60, database=None, deadline=None)
+    @given(programs(modes=("training",), max_batch=2, max_size=2))
+    def draw(p):
+        model, x = fuzz_check.build(p, "cpu")
+        model(x)  # eager runs it: no BatchNorm with one value per channel
+    draw()
+
+
+def test_family_targets_reach_grouped_and_winograd_programs():
+    import re
+
+    from fxopt.fuzz.graphs import TARGETS
+
+    seen = {}
+
+    @seed(0)
+    @settings(max_examples=60, database=None, deadline=None)
+    @given(programs(max_batch=4, max_size=8, max_layers=2))
+    def draw(p):
+        convs = [tuple(map(int, m.groups())) for m in
+                 re.finditer(r"nn.Conv2d\((\d+), (\d+), (\d+), stride=(\d+), .*dilation=(\d+), groups=(\d+)", p.source)]
+        if p.target == "grouped":  # what the grouped kernel needs: channels_last, 2+ channels a group
+            assert p.fmt == "channels_last" and p.options.get("conv_algorithm") in (None, "direct")
+            assert any(g > 1 and cin // g >= 2 for cin, _, _, _, _, g in convs), p
+        if p.target == "winograd":  # an inference 3x3 stride-1 conv with a Winograd algorithm forced
+            assert p.mode == "inference" and p.options["conv_algorithm"].startswith("winograd_")
+            assert any(k == 3 and s == 1 and d == 1 for _, _, k, s, d, _ in convs), p
+        seen[p.target] = seen.get(p.target, 0) + 1
+        seen[p.dtype] = seen.get(p.dtype, 0) + 1
+        seen[p.fmt] = seen.get(p.fmt, 0) + 1
+    draw()
+    assert seen.get("grouped", 0) >= 3 and seen.get("winograd", 0) >= 3, seen
+    assert len(set(TARGETS) & seen.keys()) >= 6, seen
+    for k in ("float32", "float16", "bfloat16", "contiguous", "channels_last"):
+        assert seen.get(k, 0) >= 60 // 6, seen

@@ -4,10 +4,15 @@ Compared: the outputs' structure, shapes, dtypes, strides (dims of size 1 except
 (which outputs share storage with each other or with the input) exactly; values within the dtype's
 tolerance (``fxopt.tolerances``; on CUDA float32 at least 1e-3 for TF32), widened to the tolerance
 of every convolution algorithm the graph chose (``ConvAlgorithm.tolerance``, docs/NUMERICS.md).
-Where the values differ by more, they are judged against the model run in float64: fxopt passes
+Where the values differ by more, they are judged against the model run in float64 (``Reference64``,
+run only then; a reference that cannot run is the fuzzer's failure, never skipped): fxopt passes
 when its error against float64 is at most twice eager's plus the absolute tolerance (eager's own
 result is rounded, in 16 bits most of all). A training step also compares the loss, every gradient
 (10x), the input's gradient and the parameters and buffers after an SGD step.
+
+Where eager raises (bad input), fxopt must raise the same exception type: the compiled call's
+exception or one it was raised from (Dynamo wraps what its fake-tensor run of the graph raised);
+``outcome["eager_error"]`` then names it and the program passes.
 
 On the CPU with ``executor="cuda"`` nothing runs on a GPU; the checkable part is checked: every
 kernel generated and compiled with NVRTC (``report.kernels``), every fused region's IR run on the
@@ -26,6 +31,39 @@ from .graphs import Program
 
 class Mismatch(AssertionError):
     pass
+
+
+class EagerRaised(Exception):
+    """Eager raised ``error`` and fxopt the same type: not a failure."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error = error
+
+
+def _chain(e: BaseException) -> list:
+    out = []
+    while e is not None and e not in out:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def run_both(eager_fn, compiled_fn) -> tuple:
+    """(eager's result, fxopt's); where eager raises, raises ``EagerRaised`` when fxopt raised the
+    same type (see the module's docstring), else ``Mismatch``."""
+    try:
+        want = eager_fn()
+    except Exception as e:  # noqa: BLE001 - eager's error is the expected behaviour
+        try:
+            compiled_fn()
+        except Exception as f:  # noqa: BLE001
+            if any(isinstance(k, type(e)) for k in _chain(f)):
+                raise EagerRaised(e) from None
+            raise Mismatch(f"eager raises {type(e).__name__} ({str(e)[:200]}), fxopt "
+                           f"{type(f).__name__} ({str(f)[:300]})") from None
+        raise Mismatch(f"eager raises {type(e).__name__} ({str(e)[:200]}), fxopt returns") from None
+    return want, compiled_fn()
 
 
 def build(program: Program, device: str):
@@ -88,12 +126,12 @@ def _err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def compare(what: str, got, want, ref64, rtol: float, atol: float, check_strides: bool = True) -> None:
-    """Raise Mismatch unless ``got`` matches ``want`` (see the module's docstring)."""
+    """Raise Mismatch unless ``got`` matches ``want`` (see the module's docstring); ``ref64``: the
+    float64 result, or a function computing it (called only where the values differ), or None."""
     g, w = _flat(got), _flat(want)
-    r = _flat(ref64) if ref64 is not None else [None] * len(w)
     if len(g) != len(w):
         raise Mismatch(f"{what}: {len(g)} outputs, eager {len(w)}")
-    for i, (a, b, c) in enumerate(zip(g, w, r)):
+    for i, (a, b) in enumerate(zip(g, w)):
         if not isinstance(b, torch.Tensor):
             continue
         name = f"{what}[{i}]"
@@ -104,48 +142,74 @@ def compare(what: str, got, want, ref64, rtol: float, atol: float, check_strides
         try:
             torch.testing.assert_close(a, b, rtol=rtol, atol=atol, equal_nan=True)
         except AssertionError as e:
-            if c is None:
+            if ref64 is None:
                 raise Mismatch(f"{name}: {e}") from None
+            c = _flat(ref64() if callable(ref64) else ref64)[i]  # the float64 reference, run only now
             err_c, err_e = _err(a, c), _err(b, c)
             if not err_c <= 2 * err_e + atol:
                 raise Mismatch(f"{name}: error vs float64 {err_c:.3g}, eager's {err_e:.3g} (atol {atol}); "
                                f"vs eager: {str(e).splitlines()[1:3]}") from None
 
 
-def _reference64(model, x, program: Program):
-    try:
-        m = copy.deepcopy(model).double()
-        xd = x.detach().double().requires_grad_(program.mode == "training")
-        return m, xd
-    except (RuntimeError, TypeError):
-        return None, None
+class Reference64:
+    """The model run in float64, lazily: a copy of the model and input taken now (before eager's
+    step changes them), run on the first call; for a training step the loss's backward too."""
+
+    def __init__(self, model, x, program: Program):
+        self.model, self.x, self.training = copy.deepcopy(model), x.detach().clone(), program.mode == "training"
+        self._out = self._loss = None
+
+    def out(self):
+        if self._out is None:
+            self.model.double()
+            self.x = self.x.double().requires_grad_(self.training)
+            with contextlib.nullcontext() if self.training else torch.no_grad():
+                self._out = self.model(self.x)
+        return self._out
+
+    def loss(self, loss_fn):
+        if self._loss is None:
+            self._loss = loss_fn(self.out(), True)
+            self._loss.backward()
+        return self._loss
+
+    def grad(self, name: str, loss_fn):
+        """The float64 gradient of parameter ``name`` (``"input"``: of the input)."""
+        self.loss(loss_fn)
+        p = self.x if name == "input" else dict(self.model.named_parameters())[name]
+        return p.grad
 
 
-def run_program(program: Program, device: str, graphs: list | None = None) -> list:
+def run_program(program: Program, device: str, graphs: list | None = None, outcome: dict | None = None) -> list:
     """Run and compare ``program``; returns the GraphReports fxopt compiled (raises Mismatch);
-    ``graphs`` collects them as they compile (for a failure's tolerance and coverage)."""
+    ``graphs`` collects them as they compile (for a failure's tolerance and coverage); ``outcome``
+    gets ``eager_error`` where eager raised and fxopt raised the same."""
     from fxopt.testing import compile_with_fxopt
 
     model, x = build(program, device)
     if device == "cpu" and program.options.get("executor") == "cuda":
         return check_cuda_on_cpu(program, model, x)
     eager, mine = model, copy.deepcopy(model)
+    ref = Reference64(model, x, program)
     graphs = [] if graphs is None else graphs
     compiled = compile_with_fxopt(mine, program.options, graphs)
-    if program.mode == "inference":
-        with torch.no_grad():
-            out_e = eager(x)
-            outs = [compiled(x) for _ in range(2 if device == "cuda" else 1)]  # capture, then a replay
-            m64, x64 = _reference64(model, x, program)
-            ref = m64(x64) if m64 is not None else None
-        rtol, atol = tolerance_for(program, device, graphs)
-        for k, out_c in enumerate(outs):
-            compare(f"call {k} output", out_c, out_e, ref, rtol, atol)
-            pat_c, pat_e = _alias_pattern(_flat(out_c), x), _alias_pattern(_flat(out_e), x)
-            if pat_c != pat_e:
-                raise Mismatch(f"call {k}: outputs alias {pat_c}, eager's {pat_e}")
-    else:
-        _training_step(program, device, eager, mine, compiled, x, graphs)
+    try:
+        if program.mode == "inference":
+            with torch.no_grad():
+                out_e, out0 = run_both(lambda: eager(x), lambda: compiled(x))
+                outs = [out0] + [compiled(x) for _ in range(device == "cuda")]  # capture, then a replay
+            rtol, atol = tolerance_for(program, device, graphs)
+            for k, out_c in enumerate(outs):
+                compare(f"call {k} output", out_c, out_e, ref.out, rtol, atol)
+                pat_c, pat_e = _alias_pattern(_flat(out_c), x), _alias_pattern(_flat(out_e), x)
+                if pat_c != pat_e:
+                    raise Mismatch(f"call {k}: outputs alias {pat_c}, eager's {pat_e}")
+        else:
+            _training_step(program, device, eager, mine, compiled, x, graphs, ref)
+    except EagerRaised as e:
+        if outcome is not None:
+            outcome["eager_error"] = type(e.error).__name__
+        return graphs
     if not graphs:
         raise Mismatch("fxopt compiled no graph")
     for g in graphs:
@@ -154,16 +218,14 @@ def run_program(program: Program, device: str, graphs: list | None = None) -> li
     return graphs
 
 
-def _training_step(program, device, eager, mine, compiled, x, graphs) -> None:
+def _training_step(program, device, eager, mine, compiled, x, graphs, ref: Reference64) -> None:
     dtype = getattr(torch, program.dtype)
     amp = torch.autocast(device, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-    m64, x64 = _reference64(eager, x, program)
     xe, xc = (x.detach().clone().requires_grad_(True) for _ in range(2))
     with amp:
-        out_e, out_c = eager(xe), compiled(xc)
-    out64 = m64(x64) if m64 is not None else None
+        out_e, out_c = run_both(lambda: eager(xe), lambda: compiled(xc))
     rtol, atol = tolerance_for(program, device, graphs)
-    compare("output", out_c, out_e, out64, rtol, atol, check_strides=False)
+    compare("output", out_c, out_e, ref.out, rtol, atol, check_strides=False)
     gen = torch.Generator().manual_seed(program.seed + 2)
     ws = [torch.randn(o.shape, generator=gen).to(o.device) for o in _flat(out_e)]
 
@@ -172,20 +234,18 @@ def _training_step(program, device, eager, mine, compiled, x, graphs) -> None:
                    for o, w in zip(_flat(outs), ws))
     le, lc = loss(out_e), loss(out_c)
     n = sum(o.numel() for o in _flat(out_e)) ** 0.5
-    compare("loss", lc, le, loss(out64, True) if out64 is not None else None, rtol, atol * max(1.0, n))
+    compare("loss", lc, le, lambda: ref.loss(loss), rtol, atol * max(1.0, n))
     le.backward()
     lc.backward()
-    if out64 is not None:
-        loss(out64, True).backward()
     params_e, params_c = dict(eager.named_parameters()), dict(mine.named_parameters())
-    params_64 = dict(m64.named_parameters()) if m64 is not None else {}
     for name, p in params_e.items():
-        q, r = params_c[name].grad, getattr(params_64.get(name), "grad", None)
+        q = params_c[name].grad
         if (p.grad is None) != (q is None):
             raise Mismatch(f"{name}.grad: {q is not None}, eager {p.grad is not None}")
         if p.grad is not None:
-            compare(f"{name}.grad", q, p.grad, r, rtol * 10, atol * 10, check_strides=False)
-    compare("input.grad", xc.grad, xe.grad, x64.grad if x64 is not None else None, rtol * 10, atol * 10,
+            compare(f"{name}.grad", q, p.grad, lambda name=name: ref.grad(name, loss), rtol * 10, atol * 10,
+                    check_strides=False)
+    compare("input.grad", xc.grad, xe.grad, lambda: ref.grad("input", loss), rtol * 10, atol * 10,
             check_strides=False)
     if params_e:
         for m in (eager, mine):

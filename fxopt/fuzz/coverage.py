@@ -6,6 +6,11 @@ counts once for ``reduction:rows``). Kernel families come from the generated ker
 algorithms from ``report.conv_algorithms``. ``FAMILIES`` lists the families a long run should
 reach; ``missing()`` names those it never did, so that a large number of graphs cannot hide a
 family nothing reached.
+
+The counts are the search's: ``graphs`` programs drawn and passed (``eager_errors`` of them where
+eager raised and fxopt raised the same), ``failures`` distinct failing programs (one reproducer
+each); the examples hypothesis ran while shrinking a failure are counted apart (``shrink_runs``, of
+which ``shrink_failed`` failed), not in the coverage.
 """
 from __future__ import annotations
 
@@ -28,6 +33,9 @@ FAMILIES = ("reduction:rows", "reduction:inner", "reduction:outer", "pointwise:r
             "pool:window", "conv:grouped", "conv:depthwise", "conv:direct", "linear:rows", "conv:winograd",
             "algorithm:direct", "algorithm:winograd_2x2_3x3", "algorithm:winograd_4x4_3x3", "algorithm:fft",
             "algorithm:gemm")
+#: families no executor launches today, with why (a run cannot reach them; they stay listed as never reached)
+NOT_LAUNCHED = {"conv:winograd": "the generated F(2x2, 3x3) transform kernels (kernels/winograd.py) are not an "
+                                 "executor candidate; the winograd_* algorithms run fxopt/winograd.py's torch pipeline"}
 
 
 def kernel_family(name: str) -> str:
@@ -52,43 +60,50 @@ def graph_keys(program, graphs: list) -> dict:
                 choices.add(str(d["choice"]))
     fams |= {f"algorithm:{a}" for a in algs}
     return {"families": fams, "choices": choices, "ops": set(program.ops),
-            "dtypes": {program.dtype}, "layouts": {program.fmt}, "modes": {program.mode},
+            "dtypes": {program.dtype}, "targets": {getattr(program, "target", "any")}, "layouts": {program.fmt}, "modes": {program.mode},
             "executors": {program.options.get("executor", "auto")},
             "cudagraphs": {str(program.options.get("cudagraphs", "default"))},
             "graph_kinds": {g.kind for g in graphs}}
 
 
 class Coverage:
-    SECTIONS = ("families", "choices", "ops", "dtypes", "layouts", "modes", "executors", "cudagraphs", "graph_kinds")
+    SECTIONS = ("families", "targets", "choices", "ops", "dtypes", "layouts", "modes", "executors", "cudagraphs",
+                "graph_kinds", "eager_error_types")
+
+    TOTALS = ("graphs", "eager_errors", "failures", "shrink_runs", "shrink_failed")
 
     def __init__(self):
-        self.graphs = 0
-        self.failures = 0
+        self.graphs = self.eager_errors = self.failures = self.shrink_runs = self.shrink_failed = 0
         self.counts = {s: Counter() for s in self.SECTIONS}
 
-    def add(self, program, graphs: list) -> None:
+    def add(self, program, graphs: list, eager_error: str | None = None) -> None:
         self.graphs += 1
-        for sec, keys in graph_keys(program, graphs).items():
-            self.counts[sec].update(keys)
+        self.eager_errors += bool(eager_error)
+        keys = graph_keys(program, graphs)
+        if eager_error:
+            keys["eager_error_types"] = {eager_error}
+        for sec, ks in keys.items():
+            self.counts[sec].update(ks)
 
     def missing(self, families=FAMILIES) -> list:
         return [f for f in families if not self.counts["families"][f]]
 
     def to_json(self) -> dict:
-        return {"graphs": self.graphs, "failures": self.failures,
+        return {**{t: getattr(self, t) for t in self.TOTALS},
                 **{s: dict(sorted(c.items())) for s, c in self.counts.items()}, "missing_families": self.missing()}
 
     @classmethod
     def from_json(cls, d: dict) -> "Coverage":
         cov = cls()
-        cov.graphs, cov.failures = d.get("graphs", 0), d.get("failures", 0)
+        for t in cls.TOTALS:
+            setattr(cov, t, d.get(t, 0))
         for s in cls.SECTIONS:
-            cov.counts[s].update(d.get(s, {}))
+            cov.counts[s].update(d.get(s, {}) if isinstance(d.get(s), dict) else {})
         return cov
 
     def merge(self, other: "Coverage") -> "Coverage":
-        self.graphs += other.graphs
-        self.failures += other.failures
+        for t in self.TOTALS:
+            setattr(self, t, getattr(self, t) + getattr(other, t))
         for s in self.SECTIONS:
             self.counts[s].update(other.counts[s])
         return self
@@ -98,10 +113,13 @@ class Coverage:
             json.dump(self.to_json(), f, indent=1, sort_keys=True)
 
     def table(self) -> str:
-        lines = [f"coverage: {self.graphs} graphs, {self.failures} failures"]
+        lines = [f"coverage of the search: {self.graphs} programs passed (eager errors: {self.eager_errors}, "
+                 f"fxopt raising the same), {self.failures} failing programs (one reproducer each); "
+                 f"shrinking ran {self.shrink_runs} more examples ({self.shrink_failed} failed), not counted below"]
         for s in self.SECTIONS:
             items = ", ".join(f"{k} {v}" for k, v in sorted(self.counts[s].items(), key=lambda kv: (-kv[1], kv[0])))
             lines.append(f"  {s}: {items or '-'}")
         miss = self.missing()
         lines.append(f"  never reached: {', '.join(miss) if miss else 'none'}")
+        lines += [f"    {f}: {NOT_LAUNCHED[f]}" for f in miss if f in NOT_LAUNCHED]
         return "\n".join(lines)

@@ -54,6 +54,7 @@ class Program:
     options: dict = field(default_factory=dict)
     layers: list = field(default_factory=list)  # readable layer descriptions
     ops: list = field(default_factory=list)     # op tags for the coverage report
+    target: str = "any"                          # the family target the program was drawn for
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -65,15 +66,15 @@ class Program:
         return cls(**{**d, "shape": tuple(d["shape"])})
 
     def __repr__(self) -> str:  # what hypothesis prints for a failing example
-        return (f"Program({self.dtype}, {self.fmt}, {self.mode}, input {self.shape}, seed {self.seed}, "
+        return (f"Program({self.target}: {self.dtype}, {self.fmt}, {self.mode}, input {self.shape}, seed {self.seed}, "
                 f"options {json.dumps(self.options)}, layers {self.layers})\n{self.source}")
 
 
 class _Builder:
     """Accumulates the model's __init__ and forward lines while tracking the shape."""
 
-    def __init__(self, draw, c: int, h: int, w: int, training: bool):
-        self.draw, self.c, self.h, self.w, self.training = draw, c, h, w, training
+    def __init__(self, draw, c: int, h: int, w: int, training: bool, batch: int = 2):
+        self.draw, self.c, self.h, self.w, self.training, self.batch = draw, c, h, w, training, batch
         self.init: list = []
         self.fwd: list = []
         self.desc: list = []
@@ -92,6 +93,11 @@ class _Builder:
         self.ops.add(f"act:{a}")
         return ACTS[a].format(x=x), a
 
+    def bn_ok(self, hw: int) -> bool:
+        """Whether a BatchNorm over ``hw`` pixels per sample is valid: training needs more than one
+        value per channel (eager raises otherwise)."""
+        return not self.training or self.batch * hw > 1
+
     def bn(self, c: int) -> str:
         m = self.mod(f"nn.BatchNorm2d({c})")
         self.init.append(f"_random_stats({m})")
@@ -103,7 +109,8 @@ def _out(size: int, k: int, s: int, p: int, d: int) -> int:
     return (size + 2 * p - d * (k - 1) - 1) // s + 1
 
 
-def _conv(b: _Builder, three: bool) -> None:
+def _conv(b: _Builder, three: bool, want: str | None = None) -> None:
+    """A conv layer; ``want`` ("dense", "depthwise", "grouped"): that kind where the channels allow it."""
     draw, c = b.draw, b.c
     k = 3 if three else draw(st.sampled_from([1, 1, 2, 3, 3, 5, 7]))
     s = 1 if three else draw(st.sampled_from([1, 1, 2]))
@@ -115,10 +122,15 @@ def _conv(b: _Builder, three: bool) -> None:
     if oh < 1 or ow < 1:
         return
     cout = draw(st.sampled_from([c, 1, 2, 3, 4, 5, 6, 7, 8, 12]))
-    kind = "dense" if three and draw(st.booleans()) else draw(st.sampled_from(["dense", "dense", "depthwise", "grouped"]))
+    kind = want or ("dense" if three and draw(st.booleans()) else
+                    draw(st.sampled_from(["dense", "dense", "depthwise", "grouped"])))
     g = 1
+    wide = [q for q in range(2, c // 2 + 1) if c % q == 0]  # groups of 2+ channels each
     if kind == "depthwise":
         g, cout = c, c * draw(st.sampled_from([1, 1, 2]))
+    elif kind == "grouped" and want and wide:  # the grouped kernel's own case: 2+ channels a group
+        g = draw(st.sampled_from(wide))
+        cout = g * draw(st.sampled_from([c // g, 1, 2, 3, 4]))
     elif kind == "grouped":
         common = [q for q in range(2, c + 1) if c % q == 0 and cout % q == 0]
         g = draw(st.sampled_from(common)) if common else 1
@@ -128,7 +140,7 @@ def _conv(b: _Builder, three: bool) -> None:
     m = b.mod(f"nn.Conv2d({c}, {cout}, {k}, stride={s}, padding={pad}, dilation={d}, groups={g}, bias={bias})")
     y = f"{m}(x)"
     text = f"conv{k}x{k} s{s} d{d} p{pad.strip(chr(39))} g{g} {c}->{cout}"
-    if draw(st.booleans()):
+    if b.bn_ok(oh * ow) and draw(st.booleans()):
         y = f"{b.bn(cout)}({y})"
         text += "-bn"
     y, a = b.act(y)
@@ -166,6 +178,8 @@ def _norm(b: _Builder) -> None:
     kind = draw(st.sampled_from(["batch", "instance", "group", "layer_c", "layer_chw"]))
     affine = draw(st.booleans())
     if kind == "batch":
+        if not b.bn_ok(b.h * b.w):
+            return
         b.fwd.append(f"x = {b.bn(c)}(x)")
     elif kind == "instance":
         if b.h * b.w < 2:
@@ -184,9 +198,10 @@ def _norm(b: _Builder) -> None:
     b.ops.add(f"norm:{kind}")
 
 
-def _pool(b: _Builder) -> None:
+def _pool(b: _Builder, window: bool = False) -> None:
+    """A pool; ``window``: a max or average pool of a 2x2 or 3x3 window (the window pools' kernels)."""
     draw = b.draw
-    kind = draw(st.sampled_from(["max", "avg", "adaptive", "global"]))
+    kind = draw(st.sampled_from(["max", "max", "avg"] if window else ["max", "avg", "adaptive", "global"]))
     if kind == "global":
         b.fwd.append("x = F.adaptive_avg_pool2d(x, 1)")
         b.h = b.w = 1
@@ -195,7 +210,7 @@ def _pool(b: _Builder) -> None:
         b.fwd.append(f"x = F.adaptive_avg_pool2d(x, ({oh}, {ow}))")
         b.h, b.w = oh, ow
     else:
-        k = draw(st.integers(1, 3))
+        k = draw(st.integers(2 if window else 1, 3))
         s = draw(st.integers(1, 2))
         p = draw(st.integers(0, k // 2))
         ceil = draw(st.booleans())
@@ -302,6 +317,8 @@ def _se(b: _Builder) -> None:
 
 
 def _residual(b: _Builder) -> None:
+    if not b.bn_ok(b.h * b.w):
+        return
     k = b.draw(st.sampled_from([1, 3]))
     m = b.mod(f"nn.Conv2d({b.c}, {b.c}, {k}, padding={k // 2}, bias=False)")
     y, a = b.act(f"{b.bn(b.c)}({m}(x)) + x")
@@ -311,8 +328,10 @@ def _residual(b: _Builder) -> None:
 
 
 def _cast(b: _Builder, dtype: str) -> None:
+    """A round trip through another dtype, back to the operand's own (``x.dtype``: the float64
+    reference model stays float64, an autocast region keeps its dtype)."""
     other = b.draw(st.sampled_from([d for d in ("float16", "bfloat16", "float32") if d != dtype]))
-    b.fwd.append(f"x = x.to(torch.{other}).to(torch.{dtype}) * 2.0")
+    b.fwd.append(f"x = x.to(torch.{other}).to(x.dtype) * 2.0")
     b.desc.append(f"cast({other})")
     b.ops.add("cast")
 
@@ -351,19 +370,51 @@ def render(init: list, fwd: list, ret: str) -> str:
     return "\n".join(lines)
 
 
+#: family targets, drawn first: each shapes the program so that a kernel family or algorithm that a
+#: free draw reaches rarely is reached in a fair share of the programs ("any": the free draw)
+TARGETS = ("any", "any", "any", "grouped", "winograd", "depthwise", "pool", "reduction", "linear", "cast")
+
+
+def _target(draw, b: _Builder, target: str, dtype: str) -> None:
+    """The target's layer, first in the program (the input was drawn to suit it)."""
+    if target == "grouped":
+        _conv(b, draw(st.booleans()), want="grouped")
+    elif target == "winograd":
+        _conv(b, True, want=draw(st.sampled_from(["dense", "dense", "grouped"])))
+    elif target == "depthwise":
+        _conv(b, False, want="depthwise")
+    elif target == "pool":
+        _pool(b, window=True)
+    elif target == "reduction":
+        _reduce(b)  # (the "linear" target: the head, at the end)
+    elif target == "cast":
+        _cast(b, dtype)
+
+
 @st.composite
 def programs(draw, dtypes=DTYPES, modes=("inference", "training"), max_layers: int = 5, max_batch: int = 64,
-             max_size: int = 12, algorithms=ALGORITHMS, cudagraphs=(None, False), executor=None, kinds=KINDS):
-    """A random ``Program``; ``cudagraphs``: values of the option to draw (None: the default)."""
+             max_size: int = 12, algorithms=ALGORITHMS, cudagraphs=(None, False), executor=None, kinds=KINDS,
+             targets=TARGETS):
+    """A random ``Program``; ``cudagraphs``: values of the option to draw (None: the default);
+    ``targets``: the family targets to draw from (``TARGETS``)."""
+    target = draw(st.sampled_from(list(targets)))
     dtype = draw(st.sampled_from(list(dtypes)))
-    mode = draw(st.sampled_from(list(modes)))
+    # the grouped kernel reads channels_last tensors; Winograd and the window pools' kernels are
+    # inference's (training convolutions are cuDNN's; a training max pool keeps its indices)
+    mode = "inference" if target in ("winograd", "pool") and "inference" in modes else draw(st.sampled_from(list(modes)))
+    fmt = "channels_last" if target == "grouped" else draw(st.sampled_from(["contiguous", "channels_last"]))
     n = draw(st.sampled_from(sorted({min(v, max_batch) for v in (1, 1, 2, 3, 4, 5, 8, 17, 64)})))
-    c = draw(st.integers(1, 7) | st.sampled_from([8, 12, 16]))
-    h, w = draw(st.integers(1, max_size)), draw(st.integers(1, max_size))
-    b = _Builder(draw, c, h, w, mode == "training")
+    if target == "grouped":
+        c = draw(st.sampled_from([4, 6, 8, 12, 16]))
+    else:
+        c = draw(st.integers(1, 7) | st.sampled_from([8, 12, 16]))
+    lo = {"pool": 4, "grouped": 2}.get(target, 1)  # (1x1 pixels: layouts coincide, the conv is a matmul)
+    h, w = draw(st.integers(lo, max(lo, max_size))), draw(st.integers(lo, max(lo, max_size)))
+    b = _Builder(draw, c, h, w, mode == "training", n)
     shape = (n, c, h, w)
     aux = None
-    for i in range(draw(st.integers(1, max_layers))):
+    _target(draw, b, target, dtype)
+    for i in range(draw(st.integers(0 if b.fwd else 1, max_layers))):
         kind = draw(st.sampled_from(list(kinds)))
         if kind in ("conv", "conv3"):
             _conv(b, kind == "conv3")
@@ -379,10 +430,15 @@ def programs(draw, dtypes=DTYPES, modes=("inference", "training"), max_layers: i
             b.ops.add("outputs:two")
     if not b.fwd:
         _pointwise(b)
-    if draw(st.integers(0, 3)) == 0:
+    if target == "linear" or draw(st.integers(0, 3)) == 0:
         _head(b)
     options = {}
-    algorithm = draw(st.sampled_from(list(algorithms)))
+    if target == "winograd":
+        algorithm = draw(st.sampled_from(["winograd_2x2_3x3", "winograd_4x4_3x3"]))
+    elif target == "grouped":  # the grouped kernel is the direct algorithm's
+        algorithm = draw(st.sampled_from([None, "direct"]))
+    else:
+        algorithm = draw(st.sampled_from(list(algorithms)))
     if algorithm:
         options["conv_algorithm"] = algorithm
     graphs = draw(st.sampled_from(list(cudagraphs)))
@@ -393,5 +449,5 @@ def programs(draw, dtypes=DTYPES, modes=("inference", "training"), max_layers: i
     if dtype != "float32" and draw(st.booleans()):
         options["fast_math"] = False
     ret = "x" if aux is None else f"x, {aux}"
-    return Program(render(b.init, b.fwd, ret), shape, dtype, draw(st.sampled_from(["contiguous", "channels_last"])),
-                   mode, draw(st.integers(0, 2**16)), options, b.desc, sorted(b.ops))
+    return Program(render(b.init, b.fwd, ret), shape, dtype, fmt, mode, draw(st.integers(0, 2**16)), options,
+                   b.desc, sorted(b.ops), target)

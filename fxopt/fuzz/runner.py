@@ -35,10 +35,14 @@ def _strategy(device: str, executors, max_batch: int, max_size: int, max_layers:
         ex_modes = tuple(m for m in modes if not (executor == "cpu" and m == "training"))
         return programs(dtypes=dtypes, modes=ex_modes or ("inference",), max_layers=max_layers, max_batch=max_batch,
                         max_size=max_size, algorithms=ALGORITHMS, cudagraphs=cudagraphs, executor=executor)
-    return st.one_of([one(e) for e in executors]).map(_cpu_options if device == "cpu" else (lambda p: p))
+    return st.one_of([one(e) for e in executors]).map(_fuzz_options)
 
 
-def _cpu_options(program):
+def _fuzz_options(program):
+    # every graph measures its candidates afresh (in memory): no choice reused from an earlier graph
+    # or run, no autotuning file rewritten at every entry, no compile-cache entry written per graph,
+    # and a reproducer does not depend on the cache of the machine it runs on
+    program.options.setdefault("autotune_cache", False)
     if program.options.get("executor") == "cpu":
         program.options.setdefault("cpu_onnxruntime", False)  # timing ONNX Runtime sessions: seconds a graph
     return program
@@ -74,14 +78,17 @@ def run_fuzz(device: str = "cpu", examples: int = 100, seed: int = 0, time_budge
             if spent > time_budget * (1.5 if state["failed"] else 1.0):
                 raise _BudgetSpent
         state["ran"] += 1
-        state["graphs"] = []
+        state["graphs"], outcome = [], {}
+        shrinking = state["failed"] is not None  # after a round's first failure hypothesis only shrinks it
+        cov.shrink_runs += shrinking
         try:
-            graphs = run_program(program, device, state["graphs"])
+            graphs = run_program(program, device, state["graphs"], outcome=outcome)
         except Exception as e:
             state["failed"] = (program, f"{type(e).__name__}: {e}", traceback.format_exc())
-            cov.failures += 1
+            cov.shrink_failed += shrinking
             raise
-        cov.add(program, graphs)
+        if not shrinking:  # the coverage of the search: shrinking's small programs would swamp it
+            cov.add(program, graphs, eager_error=outcome.get("eager_error"))
 
     db = DirectoryBasedExampleDatabase(str(out_dir / "hypothesis-db"))
     rnd = 0
@@ -109,12 +116,15 @@ def run_fuzz(device: str = "cpu", examples: int = 100, seed: int = 0, time_budge
             rnd += 1
         if time_budget is not None and time.monotonic() - start > time_budget:
             break
+    cov.failures = len(failures)
     summary = {"device": device, "shard": [i, n], "seed": seed, "examples": share, "ran": state["ran"],
-               "seconds": round(time.monotonic() - start, 1), "coverage": cov.to_json(), "failures": failures}
+               "seconds": round(time.monotonic() - start, 1), "coverage": cov.to_json(), "failures": failures,
+               "failing_programs": len(failures), "searched": cov.graphs, "shrink_runs": cov.shrink_runs}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     cov.write(out_dir / "coverage.json")
     log(cov.table())
-    log(f"{state['ran']} graphs in {summary['seconds']} s, {len(failures)} failures; {out_dir}")
+    log(f"{state['ran']} examples in {summary['seconds']} s: {cov.graphs} programs passed, {len(failures)} failing "
+        f"programs (reproducers), {cov.shrink_runs} examples run while shrinking; {out_dir}")
     return summary
 
 
@@ -133,7 +143,7 @@ def merge(dirs, out=None, log=print) -> dict:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "merged.json").write_text(json.dumps(merged, indent=1, sort_keys=True))
     log(cov.table())
-    log(f"{len(found)} shards, {ran} graphs, {len(failures)} failures")
+    log(f"{len(found)} shards, {ran} examples, {cov.graphs} programs passed, {len(failures)} failing programs")
     for f in failures:
         log(f"  {f.get('repro', '-')}: {f['error'].splitlines()[0][:200] if f['error'] else ''}")
     return merged
