@@ -226,7 +226,7 @@ def time_ms(fn, inputs: list, device_type: str, warmup: int = 3, iters: int = 10
 def measure(sig, batch: int, candidates: list[str], device: torch.device) -> ConvChoice:
     """Time every candidate on random data of the conv's shape; reject inaccurate ones. On CUDA,
     ``direct`` takes the faster memory format where ``channels_first_candidate`` holds."""
-    from fxopt.backends.conv_algorithms import channels_first_candidate, get_algorithm
+    from fxopt.conv_algorithms import channels_first_candidate, get_algorithm
 
     # generated where it is used: at large batches, random inputs made on the host cost seconds
     gen = torch.Generator(device=device).manual_seed(0)

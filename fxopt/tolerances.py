@@ -4,7 +4,7 @@ Rewrites change the order of floating-point operations (BatchNorm folded into
 weights, fused epilogues, other convolution algorithms), so results are equal
 up to rounding. These are the bounds the tests and ``verify=True`` hold every
 rewrite to; algorithm-specific bounds (Winograd, FFT) are in docs/NUMERICS.md
-and ``fxopt.backends.conv_algorithms``.
+and ``fxopt.conv_algorithms``.
 
 | dtype    | rtol  | atol  |
 |----------|-------|-------|

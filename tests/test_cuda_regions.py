@@ -229,7 +229,7 @@ def test_vectorized_nhwc_depthwise_compiles(dtype, k, stride, dilation):
 
 
 def test_channels_first_candidate_only_for_large_kernel_depthwise_convs_in_channels_last():
-    from fxopt.backends.conv_algorithms import NCHW_MIN_KERNEL
+    from fxopt.conv_algorithms import NCHW_MIN_KERNEL
     from fxopt.backends.cuda.kernels.conv_library import plan_conv_in_nchw
     from fxopt.ops import fused_conv_ref
 

@@ -61,7 +61,7 @@ def test_training_gradients(case):
 @_examples(15)
 @given(case=cnn_cases(dtypes=(torch.float32,), ndims=(1, 2)))
 def test_forced_algorithm(algorithm, case):
-    from fxopt.backends.conv_algorithms import get_algorithm
+    from fxopt.conv_algorithms import get_algorithm
 
     rtol, atol = get_algorithm(algorithm).tolerance(torch.float32)
     check_equivalence(case, options={"conv_algorithm": algorithm}, rtol=max(rtol, 1e-4), atol=max(atol, 1e-4))

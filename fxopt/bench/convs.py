@@ -68,7 +68,7 @@ def large_kernel_rows(iters: int) -> list[dict]:
 
 
 def winograd_rows(iters: int) -> list[dict]:
-    from fxopt.backends.conv_algorithms import ConvSig, get_algorithm
+    from fxopt.conv_algorithms import ConvSig, get_algorithm
 
     rows = []
     for net, layers in (("vgg16", VGG16_3x3), ("resnet18", RESNET18_3x3)):

@@ -75,7 +75,7 @@ class Recorder:
         import fxopt.autotune as autotune
         import fxopt.backends.cuda.runtime.measure as node_measure
         import fxopt.passes.select_conv_algorithm as sca
-        from fxopt.backends.conv_algorithms import ALGORITHMS
+        from fxopt.conv_algorithms import ALGORITHMS
 
         seen_run: set = set()
         for name, algo in ALGORITHMS.items():

@@ -98,7 +98,7 @@ def tolerance_for(program: Program, device: str, graphs: list) -> tuple:
         try:
             from fxopt.conv_algorithms import get_algorithm
         except ImportError:
-            from fxopt.backends.conv_algorithms import get_algorithm
+            from fxopt.conv_algorithms import get_algorithm
         try:
             r, a = get_algorithm(alg).tolerance(dtype)
         except (KeyError, ValueError):

@@ -17,7 +17,7 @@ import torch.fx as fx
 from fxopt.backends.cuda.codegen.source import layout_name
 from fxopt.backends.cuda.kernels.common import LibraryCandidate, node_val
 from fxopt.backends.cuda.kernels.conv import CONV_DTYPES
-from fxopt.backends.conv_algorithms import channels_first_candidate
+from fxopt.conv_algorithms import channels_first_candidate
 from fxopt.ops import conv_sig_of, fused_conv_ref
 
 

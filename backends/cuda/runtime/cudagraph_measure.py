@@ -54,7 +54,7 @@ def _alternating_medians(fns: dict, rounds: int = 4, runs: int = 3) -> dict:
     return alternating_medians(fns, rounds, runs, "cuda")
 
 
-def _median_ms(fn, runs: int = 5) -> float:
+def median_ms(fn, runs: int = 5) -> float:
     return _alternating_medians({"t": fn}, rounds=1, runs=runs)["t"]
 
 

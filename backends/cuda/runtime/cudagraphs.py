@@ -89,7 +89,7 @@ import torch.fx as fx
 
 from fxopt.backends.cuda.compiler import programmatic_launches, without_programmatic_launch
 from fxopt.backends.cuda.runtime.cudagraph_measure import (NO_PDL, RUNS, Measuring, _describe,  # noqa: F401
-                                                           _median_ms, _reserved_bytes, _side_runs)
+                                                           _reserved_bytes, _side_runs)
 from fxopt.passinfra import written_in_place
 from fxopt.weights import _PTRS_EQUAL, WeightWatch
 

@@ -51,7 +51,7 @@ def real_args(node: fx.Node) -> list:
     if conv and len(args) > 11 and args[10] != "direct" and isinstance(args[11], torch.Tensor):
         # the algorithm's prepacked weight, of THIS random weight (a random one would make the
         # reference compute another convolution than the candidates)
-        from fxopt.backends.conv_algorithms import get_algorithm
+        from fxopt.conv_algorithms import get_algorithm
         from fxopt.ops import conv_sig_of
 
         args[11] = get_algorithm(args[10]).prepare(args[1], conv_sig_of(args[0], args[1], *args[4:8]))
@@ -63,7 +63,7 @@ def time_graphed_ms(fn, args, iters: int = 10, reps: int = 1) -> float:
     without the per-launch Python cost that would otherwise dominate small kernels. The graph
     holds `reps` back-to-back calls (the result is per call), so the graph launch latency and
     event jitter, which are comparable to a small kernel's time, are spread over many calls."""
-    from fxopt.backends.cuda.runtime.cudagraphs import _median_ms
+    from fxopt.backends.cuda.runtime.cudagraph_measure import median_ms
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -75,7 +75,7 @@ def time_graphed_ms(fn, args, iters: int = 10, reps: int = 1) -> float:
     with torch.cuda.graph(graph):
         for _ in range(reps):
             fn(*args)
-    ms = _median_ms(graph.replay, runs=iters) / reps
+    ms = median_ms(graph.replay, runs=iters) / reps
     del graph
     return ms
 
