@@ -80,8 +80,8 @@ def _check(report, v):
         assert all(any(a.key == "shape" for a in m.attrs) for n in convs for m in n.outputsMetadata)
 
 
-@pytest.mark.parametrize("name,model,x", _models(), ids=lambda v: v if isinstance(v, str) else "")
-def test_build_cpu(name, model, x):
+@pytest.mark.parametrize("name,model,x", _models()[:2], ids=lambda v: v if isinstance(v, str) else "")
+def test_build_cpu(name, model, x):  # ResNet-18 on the CPU: the profiled one below
     report = fxopt.explain(model, x)
     v = view.build(report, label=name)
     _check(report, v)
@@ -93,13 +93,56 @@ def test_build_cpu(name, model, x):
     assert moved[conv].value > x.numel() * 0  # inputs + weights + outputs
     if name == "catnet":
         assert any(n.label == "cat" for n in opt.nodes)
+
+
+@pytest.mark.parametrize("name,model,x", _models(), ids=lambda v: v if isinstance(v, str) else "")
+def test_cuda_executor_kernel_groups(name, model, x):
+    """The cuda executor planned on CPU tensors (kernels generated, the reference runs): each region
+    names the optimized-graph nodes it computes, and its kernel is a group of exactly those (a node
+    several kernels recompute: in the first one's); the measured node groups name theirs too."""
+    report = fxopt.explain(model, x, options={"executor": "cuda"})
+    for g in report.graphs:
+        after = {n.name for n in g.after.graph.nodes}
+        regions = g.executor_details.get("regions") or {}
+        groups = {k.region: k for k in kernel_groups(g)}
+        claimed: set = set()
+        for region, r in regions.items():
+            assert r["nodes"] and set(r["nodes"]) <= after, (region, r)
+            # its generated kernel (named after it, with the variant) lists the same nodes, compiled here
+            assert [k.nodes for k in g.kernels if k.name.startswith(r["kernel"] + "_")] == [r["nodes"]]
+            assert groups[region].kernel == r["kernel"] and groups[region].compiled is not None
+            assert set(groups[region].ops) == set(r["nodes"]) - claimed
+            claimed |= set(r["nodes"])
+        assert {o for k in groups.values() for o in k.ops} == claimed
+        # a per-node template kernel names its node; a node group its nodes
+        assert all(set(k.nodes) <= after for k in g.kernels) and any(k.nodes for k in g.kernels)
+        for key, grp in (g.executor_details.get("node_groups") or {}).items():
+            assert set(grp["nodes"]) <= after and len(grp["nodes"]) >= 2 and grp["kernels"], key
+    g = report.graphs[0]
+    if name == "catnet":  # the concatenation and the conv epilogues it computes
+        [r] = [r for r in g.executor_details["regions"].values() if "aten.cat.default" in r["ops"]]
+        cat = next(n for n in g.after.graph.nodes if n.target is torch.ops.aten.cat.default)
+        assert cat.name in r["nodes"] and {a.name for a in cat.all_input_nodes} <= set(r["nodes"])
     if name == "resnet18":
-        assert any(n.namespace == "layer1/0/conv1" for n in opt.nodes)
+        assert any("aten.mean.dim" in r["ops"] for r in g.executor_details["regions"].values())
+    groups = g.executor_details.get("node_groups") or {}
+    if name == "seedcnn":  # conv + max pool: a group where its kernel wins (as measured on a GPU)
+        key, grp = next(iter(groups.items()))
+        choice, kernels = next(iter(grp["kernels"].items()))
+        g.executor_details["node_choices"] = {key: {"choice": choice, "ms": {"reference": 2.0, choice: 1.0}}}
+        [k] = [k for k in kernel_groups(g) if k.region == key]
+        assert set(k.ops) == set(grp["nodes"]) and k.kernel == " + ".join(kernels)
+    v = view.build(report, label=name)
+    _check(report, v)
+    opt = v.graphs[graph_ids(0)[0]]
+    in_groups = {n.id for n in opt.nodes if KERNEL_PREFIX in n.namespace}
+    assert in_groups == {o for k in kernel_groups(g) for o in k.ops}
+    assert bool(in_groups) == (name != "seedcnn" or bool(groups))
 
 
 def test_kernel_groups():
-    """A generated kernel (executor_details["regions"]: region -> kernel and the ops it covers) is a
-    group of exactly its ops, inside the module holding them all; its time and bytes sit on its last op."""
+    """A report whose regions list their ops by node name (no "nodes"): a group of exactly those
+    ops, inside the module holding them all; its time and bytes sit on its last op."""
     report = fxopt.explain(CatNet().eval(), torch.randn(1, 3, 16, 16), options={"executor": "cuda"})
     g = report.graphs[0]
     cat = next(n for n in g.after.graph.nodes if n.target is torch.ops.aten.cat.default)
@@ -124,6 +167,10 @@ def test_profile_and_files(resnet18_profiled, tmp_path):
     convs = [k for k in times if k.startswith("fused_conv")]
     assert len(convs) >= 10 and all(times[k].value > 0 for k in convs)
     assert v.overlays["time"].graphsData[graph_ids(0)[0]].name == "CPU time (us)"
+    opt = v.graphs[graph_ids(0)[0]]
+    assert any(n.namespace == "layer1/0/conv1" for n in opt.nodes)
+    executors = {r.value for r in v.overlays["executor"].graphsData[opt.id].results.values()}
+    assert executors & {"oneDNN", "ONNX Runtime", "ATen", "unoptimized graph"}
     manifest = view.write(v, str(tmp_path / "out"))
     data = json.load(open(tmp_path / "out" / manifest["model"]))
     assert data["label"] == "resnet18" and {g["id"] for g in data["graphs"]} == set(v.graphs)

@@ -6,8 +6,10 @@ passes. A node's id is its FX name; its namespace is the module it came from (``
 from ``nn_module_stack``), so layers fold and unfold. Nodes without a module (weights folded into
 constants, views, layout conversions) take the module that reads them; the ``fxopt_constants``
 module and the parameters only it reads form the ``constants`` group. The ops of one generated
-kernel (a fused region of the cuda executor: ``executor_details["regions"]``, ``report.kernels[i].ops``)
-form a group ``kernel <name>`` inside the deepest module holding all of them. Attributes: the op,
+kernel (a fused region of the cuda executor, ``executor_details["regions"]``, whose ``"nodes"`` name
+the optimized-graph nodes it computes; a measured node group that won, ``["node_groups"]``) form a
+group ``kernel <name>`` inside the deepest module holding all of them; a node that several kernels
+recompute inline sits in the first one's group. Attributes: the op,
 its module, the executor that runs it, the convolution algorithm with its candidates' times, the
 cuda executor's measured candidates; outputs: shape, dtype, memory format (the edge label Model
 Explorer shows under "tensor shape") and bytes.
@@ -72,39 +74,55 @@ def details(g) -> Any:
 def runnable_of(g) -> Optional[fx.GraphModule]:
     """The graph module the executor runs for a GraphReport (the runner's function, unwrapped)."""
     d = details(g)
-    for key in ("cpu_runner", "cudagraph_runner"):
-        fn = getattr(d.get(key), "fn", None)
+    # the runners, then the typed executor record where the report keeps one (CUDA graphs off)
+    for fn in [getattr(d.get(key), "fn", None) for key in ("cpu_runner", "cudagraph_runner")] + \
+            [getattr(getattr(g, "lowered", None), "fn", None)]:
         for _ in range(4):
             if isinstance(fn, fx.GraphModule):
                 return fn
             fn = getattr(fn, "__wrapped__", None)
-    lowered = getattr(g, "lowered", None)  # a typed executor record, where the report keeps one
-    fn = getattr(lowered, "fn", None)
-    return fn if isinstance(fn, fx.GraphModule) else None
+    return None
 
 
 def kernel_groups(g) -> list[KernelGroup]:
-    """The generated kernels of a GraphReport that cover ops of its optimized graph, in graph order."""
+    """The generated kernels of a GraphReport that cover nodes of its optimized graph, in graph
+    order; each node in one group at most (the first that computes it)."""
     names = [n.name for n in g.after.graph.nodes]
     order = {n: i for i, n in enumerate(names)}
     records = {getattr(k, "name", None): k for k in getattr(g, "kernels", []) or []}
     choices = details(g).get("node_choices") or {}
     groups = []
+    seen: set = set()
     runnable = None
     for region, r in (details(g).get("regions") or {}).items():
-        ops = sorted((o for o in (r.get("ops") or []) if o in order), key=order.get)
-        if len(ops) != len(r.get("ops") or []):  # ops named by their targets: the executor's graph says which
-            if runnable is None:
-                runnable = runnable_of(g) or False
-            ops = sorted(_region_members(g.after, runnable, region), key=order.get) if runnable else []
+        if r.get("nodes") is not None:  # the optimized-graph nodes the region computes
+            ops = [o for o in r["nodes"] if o in order]
+        else:  # an older report: ops by name, or by target through the executor's graph
+            ops = [o for o in (r.get("ops") or []) if o in order]
+            if len(ops) != len(r.get("ops") or []):
+                if runnable is None:
+                    runnable = runnable_of(g) or False
+                ops = _region_members(g.after, runnable, region) if runnable else []
+        ops = sorted(set(ops) - seen, key=order.get)
         if not ops:
             continue
         kernel = str(r.get("kernel") or region)
         c = choices.get(region) or {}
-        rec = records.get(kernel)
+        rec = records.get(kernel) or next((k for n, k in records.items() if str(n).startswith(kernel + "_")
+                                           and list(getattr(k, "nodes", None) or []) == r.get("nodes")), None)
         groups.append(KernelGroup(region, kernel, ops, choice=c.get("choice"), ms=dict(c.get("ms") or {}),
                                   compiled=getattr(rec, "compiled", None)))
-    seen = {o for k in groups for o in k.ops}
+        seen |= set(ops)
+    for key, grp in (details(g).get("node_groups") or {}).items():  # measured groups, where one won
+        c = choices.get(key) or {}
+        kernels = (grp.get("kernels") or {}).get(c.get("choice"))
+        ops = sorted(set(o for o in grp.get("nodes") or [] if o in order) - seen, key=order.get)
+        if not kernels or not ops:
+            continue
+        rec = records.get(kernels[0])
+        groups.append(KernelGroup(key, " + ".join(kernels), ops, choice=c.get("choice"), ms=dict(c.get("ms") or {}),
+                                  compiled=getattr(rec, "compiled", None)))
+        seen |= set(ops)
     for rec in getattr(g, "kernels", []) or []:  # kernels that list their ops without a region entry
         ops = sorted((o for o in (getattr(rec, "ops", None) or []) if o in order and o not in seen), key=order.get)
         if ops and len(ops) == len(getattr(rec, "ops")):
@@ -350,6 +368,12 @@ def optimized_graph(g, i: int, conv_algorithms: Optional[dict] = None) -> Any:
     unfused = details(g).get("unfused") or {}
     declined = (details(g).get("onednn") or {}).get("declined") or {}
     in_kernel = {}
+    grouped = {k.kernel for k in groups}
+    own_kernels: dict[str, list] = {}  # a node's candidate kernels of its own (per-node templates)
+    for rec in getattr(g, "kernels", []) or []:
+        nodes = list(getattr(rec, "nodes", None) or [])
+        if len(nodes) == 1 and rec.name not in grouped:
+            own_kernels.setdefault(nodes[0], []).append(rec.name)
     group_attrs: dict[str, dict[str, str]] = {}
     for k in groups:
         k.namespace = "/".join(p for p in (_common_prefix([ns[o] for o in k.ops]), KERNEL_PREFIX + k.kernel) if p)
@@ -372,6 +396,8 @@ def optimized_graph(g, i: int, conv_algorithms: Optional[dict] = None) -> Any:
         k = in_kernel.get(node.name)
         if k is not None:
             attrs += [("kernel", k.kernel), ("kernel choice", str(k.choice or "not measured"))]
+        if node.name in own_kernels:
+            attrs.append(("generated kernels", _short(", ".join(own_kernels[node.name]), 200)))
         c = choices.get(node.name)
         if c:
             attrs.append(("choice", str(c.get("choice"))))

@@ -44,7 +44,8 @@ class Profile:
 
 def node_labels(g, runnable: fx.GraphModule) -> dict[str, str]:
     """Runnable node name -> the optimized-graph node its time belongs to: the same name, the same
-    value (a node an executor replaced keeps its metadata), or a generated kernel's last op."""
+    value (a node an executor replaced keeps its metadata), or a generated kernel's last op (a
+    convolution whose epilogue moved into a kernel keeps its own: cuDNN runs it)."""
     after = {n.name: n for n in g.after.graph.nodes}
     by_val = {id(n.meta["val"]): n.name for n in g.after.graph.nodes if n.meta.get("val") is not None}
     anchor = {o: k.anchor for k in kernel_groups(g) for o in k.ops}
@@ -55,6 +56,9 @@ def node_labels(g, runnable: fx.GraphModule) -> dict[str, str]:
             continue
         if n.name in regions:
             out[n.name] = regions[n.name]
+            continue
+        if n.meta.get("fxopt_split_from") in after:  # a conv whose epilogue a kernel computes: its own time
+            out[n.name] = n.meta["fxopt_split_from"]
             continue
         name = n.name if n.name in after else by_val.get(id(n.meta.get("val")))
         if name is None and n.op == "call_function" and n.target is operator.getitem and n.args[0].name in regions:

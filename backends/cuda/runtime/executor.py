@@ -40,6 +40,7 @@ and listed; the reference runs.
 """
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -65,6 +66,8 @@ class KernelRecord:
     error: Optional[str] = None
     #: the ATen ops a generated region kernel covers (empty for template kernels of one node)
     ops: list = field(default_factory=list)
+    #: the names of the optimized graph's nodes it computes (its region's, its node's, its group's)
+    nodes: list = field(default_factory=list)
 
 
 class PendingKernels:
@@ -74,10 +77,11 @@ class PendingKernels:
     all and records every kernel in the report in order. An item with a kernel that failed to
     compile gets none (its candidate is not offered); the others are unaffected."""
 
-    def __init__(self, items: list, info: dict):
+    def __init__(self, items: list, info: dict, nodes: Optional[dict] = None):
         from fxopt.backends.cuda.compiler import nvrtc_available, submit_many
 
         self.info = info
+        self.nodes = nodes or {}  # id(item) -> the optimized graph's names of the nodes it computes
         self.t0 = time.perf_counter()
         self.sources = [(e, v, ks) for e in items for v, ks in e.sources.items()]
         self.available = bool(self.sources) and nvrtc_available()
@@ -105,18 +109,36 @@ class PendingKernels:
     def finish(self) -> None:
         self.ready([e for e, _, _ in self.sources])
         if not self.available:
-            self.info["kernels"].extend(KernelRecord(ks.name, ks.source, False, "NVRTC unavailable", _ops(ks))
-                                        for _, _, ks in self.sources)
+            self.info["kernels"].extend(KernelRecord(ks.name, ks.source, False, "NVRTC unavailable", _ops(ks),
+                                                     list(self.nodes.get(id(e), [])))
+                                        for e, _, ks in self.sources)
             return
-        for (_, _, ks), fut in zip(self.sources, self.futures):
+        for (e, _, ks), fut in zip(self.sources, self.futures):
             err = fut.exception()
             self.info["kernels"].append(KernelRecord(ks.name, ks.source, err is None and fut.result().compiled,
-                                                     None if err is None else str(err), _ops(ks)))
+                                                     None if err is None else str(err), _ops(ks),
+                                                     list(self.nodes.get(id(e), []))))
 
 
 def _ops(ks) -> list:
     k = ks.meta.get("kernel") if isinstance(ks.meta, dict) else None
     return list(getattr(k, "ops", []) or [])
+
+
+def source_names(nodes) -> list:
+    """The optimized graph's names of nodes of the executor's copy of it (names survive the copy;
+    the two parts of a conv whose epilogue moved into generated kernels carry their fused conv's),
+    in order, once each."""
+    return list(dict.fromkeys(n.meta.get("fxopt_split_from", n.name) for n in nodes))
+
+
+def region_nodes(region) -> list:
+    """The optimized graph's names of the nodes a region computes: those it covers, its outputs,
+    and the op an item it covers is taken from."""
+    covered = set(region.covered) | set(region.outputs)
+    covered |= {n.args[0] for n in list(covered) if n.target is operator.getitem
+                and isinstance(n.args[0], fx.Node) and n.args[0].op == "call_function"}
+    return source_names(n for n in next(iter(covered)).graph.nodes if n in covered) if covered else []
 
 
 def _compile(items: list, info: dict) -> None:
@@ -159,6 +181,7 @@ class _PlannedRegion:
     generated: GeneratedRegion
     reference: RegionReference
     templates: dict               # name -> (candidate, callable over the region's inputs)
+    nodes: list = field(default_factory=list)  # the optimized graph's names of the nodes it computes
 
     def candidates(self) -> dict:
         out = {"reference": self.reference}
@@ -190,16 +213,17 @@ def fuse_regions(runnable: fx.GraphModule, info: dict, skip: set, strict: bool =
     if not sched.regions:
         return []
     planned = []
-    refs, gens, tmpls = [], [], []
+    refs, gens, tmpls, names = [], [], [], []
     for r in sched.regions:
         refs.append(RegionReference(runnable, r))
         gens.append(GeneratedRegion(r, fast_math))
         tmpls.append(template_candidates(r))
+        names.append(region_nodes(r))
     nodes = rewrite(runnable, sched.regions, refs)
-    for node, ref, gen, tm in zip(nodes, refs, gens, tmpls):
-        planned.append(_PlannedRegion(node, gen, ref, tm))
+    for node, ref, gen, tm, covered in zip(nodes, refs, gens, tmpls, names):
+        planned.append(_PlannedRegion(node, gen, ref, tm, covered))
     info["regions"] = {p.node.name: {"kernel": p.generated.name, "ops": p.generated.ops,
-                                     "inputs": [a.name for a in p.node.args]} for p in planned}
+                                     "inputs": [a.name for a in p.node.args], "nodes": p.nodes} for p in planned}
     return planned
 
 
@@ -215,9 +239,18 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     groups = [g for f in GROUPS for g in by_family[f.name]]
     first = [c for p in planned for c in p.first]
     firsts = {id(c) for c in first}
+    computes = {id(c): p.nodes for p in regions for c in [p.generated] + [c for c, _ in p.templates.values()]}
+    computes.update((id(c), source_names([p.node])) for p in planned for c in p.cands)
+    computes.update((id(c), source_names(g.nodes)) for g in groups for c in g.candidates)
+    if groups:  # group (its nodes as decisions name it) -> its nodes in the optimized graph, its kernels
+        info["node_groups"] = {"+".join(n.name for n in g.nodes): {
+            "kind": g.kind, "nodes": source_names(list(g.nodes) + [u for n in g.nodes for u in n.users
+                                                                    if u.target is operator.getitem]),
+            "kernels": {f"generated_{c.label}": [ks.name for ks in c.sources.values()] for c in g.candidates}}
+            for g in groups}
     pending = PendingKernels([p.generated for p in regions] + [c for p in regions for c, _ in p.templates.values()]
                              + first + [c for p in planned for c in p.cands if id(c) not in firsts]
-                             + [c for g in groups for c in g.candidates], info)
+                             + [c for g in groups for c in g.candidates], info, computes)
     decisions = {}
     info["node_choices"] = decisions
     on_gpu = torch.cuda.is_available() and ctx.device_type == "cuda"

@@ -60,8 +60,8 @@ def split_conv_epilogues(gm: fx.GraphModule, skip: set = frozenset()) -> int:
         with g.inserting_before(node):
             conv = g.call_function(fused_conv_ref, tuple(args[:2] + [None, None] + args[4:8] + ["none", []] + args[10:]))
             epi = g.call_function(conv_epilogue_ref, (conv, bias, res, act, list(params)))
-        conv.meta = dict(node.meta)
-        epi.meta = dict(node.meta)
+        conv.meta = dict(node.meta, fxopt_split_from=node.meta.get("fxopt_split_from", node.name))
+        epi.meta = dict(conv.meta)  # both carry the fused conv's name (the report's regions name it)
         node.replace_all_uses_with(epi)
         g.erase_node(node)
         count += 1
