@@ -26,7 +26,7 @@ def test_cpu_and_torch_executors_match_eager(tmp_path):
 
 def test_cuda_executor_checks_on_the_cpu(tmp_path):
     """Kernels generated and compiled with NVRTC, regions' IR against ATen, row geometry."""
-    s = run_fuzz("cpu", examples=3, seed=6, out=tmp_path, executors=("cuda",), modes=("inference",), **SMALL)
+    s = run_fuzz("cpu", examples=3, seed=5, out=tmp_path, executors=("cuda",), modes=("inference",), **SMALL)
     assert s["ran"] == 3 and not s["failures"], s["failures"]
     assert s["coverage"]["families"], "no kernel generated"
 

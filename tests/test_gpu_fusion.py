@@ -240,3 +240,69 @@ def test_mean_of_a_normalized_row():
     scale = inputs[0].abs().max().item()
     got, want = gen_region(*inputs)[0], ref(*inputs)[0]
     assert (got.double() - exact).abs().max().item() <= max(4 * (want.double() - exact).abs().max().item(), 1e-6 * scale)
+
+
+class _ConvBnAbsLayerNorm(torch.nn.Module):
+    """LayerNorm([8, 1, 2]) after conv 3x3, BatchNorm (random running statistics) and abs: the
+    fuzzer's program (inference, float32, input 1x8x1x2 of seed 1, Winograd 2x2 convolution)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(8, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-0.5, 0.5)
+            self.bn.running_var.uniform_(0.5, 1.5)
+            self.bn.weight.uniform_(0.5, 1.5)
+            self.bn.bias.uniform_(-0.2, 0.2)
+        self.ln = torch.nn.LayerNorm([8, 1, 2], elementwise_affine=False)
+
+    def forward(self, x):
+        return self.ln(torch.abs(self.bn(self.conv(x))))
+
+
+def test_layer_norm_with_a_per_channel_shift_matches_float64():
+    """The fused LayerNorm over rows of 16 = 8 x 1 x 2 with the conv's BatchNorm shift (one value
+    per channel, added to both positions of a channel) folded in: 8 lanes, each a vector of 2 and
+    its channel's shift (``fx_red_native_layer_norm_rows32v2_*``), and the scalar variant. Each,
+    launched directly on the region's inputs, against the region computed in float64 (a variance
+    with some squared deviations counted twice would be off by far more); then the compiled model
+    against the float64 model."""
+    from fxopt.backends.cuda.kernels.region import launch_fused, vector_aligned
+    from fxopt.backends.cuda.schedule.rewrite import split_conv_epilogues
+    from fxopt.fuzz.backend_api import reduction_sources
+    from fxopt.testing import compile_with_fxopt
+
+    options = {"conv_algorithm": "winograd_2x2_3x3", "autotune_cache": False}
+    torch.manual_seed(0)
+    model = _ConvBnAbsLayerNorm().eval()
+    x = torch.randn((1, 8, 1, 2), generator=torch.Generator().manual_seed(1))
+    exact = copy.deepcopy(model).double()(x.double())
+    model, x = model.cuda(), x.cuda()
+    checked = []
+    for report, example in capture(model, (x,), {"executor": "torch", **options}):
+        gm = torch_ref.lower(report.after)
+        split_conv_epilogues(gm)  # as the cuda executor: the BatchNorm shift joins the LayerNorm's region
+        vals = _values(gm, example)
+        for region in schedule(gm, strict=True).regions:
+            if region.name != "fx_red_native_layer_norm":
+                continue
+            inputs = [vals[n] for n in region.inputs]
+            assert [tuple(t.shape) for t in inputs] == [(1, 8, 1, 2), (8,)]
+            ref = RegionReference(gm, region)
+            want = ref(*[t.double() for t in inputs])[0]
+            for ks in reduction_sources(region.kernel):
+                out = torch.full((1, 8, 1, 2), float("nan"), device="cuda")
+                assert vector_aligned(ks, inputs, [out])
+                launch_fused(ks, inputs, [out], ks.compile())
+                torch.cuda.synchronize()
+                err = (out.double() - want).abs().max().item()
+                assert err <= 2e-5, f"{ks.name}: error {err} against float64"
+                checked.append(ks.name)
+    assert any(n.startswith("fx_red_native_layer_norm_rows32v2_") for n in checked), checked
+    assert any(n.startswith("fx_red_native_layer_norm_rows32v1_") for n in checked), checked
+
+    with torch.no_grad():
+        got = compile_with_fxopt(copy.deepcopy(model), {"executor": "cuda", **options})(x)
+        eager = model(x)
+    err, err_eager = ((t.double().cpu() - exact).abs().max().item() for t in (got, eager))
+    assert err <= max(4 * err_eager, 1e-4), f"fxopt's error against float64 {err}, eager's {err_eager}"

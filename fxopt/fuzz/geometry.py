@@ -1,16 +1,24 @@
 """The thread mapping of a generated register-row reduction kernel, run on the CPU.
 
 ``check_row_geometry(ks)`` reads the CUDA source of a kernel generated for the ``inner`` strategy
-with rows kept in registers (``codegen/row_reduction.py``: names ``fx_red_*_rows<block>v<vec>*``)
+with rows kept in registers (``kernels/reduction.py``: names ``fx_red_*_rows<block>v<vec>*``)
 and executes its index arithmetic for every thread of its launch grid (``ks.meta["grid"]``,
 ``ks.block``): the lane / row mapping, the clamped chunk indices, the vector loads, the guarded
 accumulations, the warp-shuffle butterfly and the guarded stores. Values are not computed; each
-accumulator carries the multiset of the input elements (buffer, offset) it has combined. It
-asserts, per reduction phase and per row:
+accumulator carries the multiset of the values it has combined, each value as the set of the input
+elements (buffer, offset) of the row it depends on. It asserts, per reduction phase and per row:
 
 - every element of the row is combined exactly once (no element missed, none counted twice:
-  the masked lanes of a partial last chunk, the clamped rows of the last block);
-- the rows' elements of a buffer that holds ``rows x row_size`` values are disjoint across rows;
+  the masked lanes of a partial last chunk, the clamped rows of the last block). What "once"
+  means per buffer comes from the kernel's IR (``ks.meta["kernel"]``): the phase's value reads,
+  at each of the row's ``row_size`` positions, its loads whose offsets depend on the reduced
+  variables, each element once per position. A buffer indexed by the whole row (the row's
+  values) is read once per element; one indexed by part of it is read by every position that
+  shares its index: a per-channel parameter in a LayerNorm over (C, H, W) once per H x W
+  position, so each of its C elements is combined H x W times. The accumulator's multiset of each
+  buffer must equal that of the IR, for each row (which also makes the rows' elements of the
+  row's values disjoint across rows), and each value combined must read the elements of one
+  position (the row's value beside its own channel's parameter);
 - every load is in bounds of its buffer's span;
 - every output element is stored exactly once over the whole grid, all in bounds.
 
@@ -24,6 +32,8 @@ from __future__ import annotations
 import re
 from collections import Counter
 from functools import lru_cache
+
+import torch
 
 __all__ = ["check_row_geometry", "is_row_kernel", "GeometryParseError"]
 
@@ -105,8 +115,9 @@ def _parse(source: str, name: str):
 
 
 def _run_thread(ops, env: dict, spans: dict, errors: list) -> dict:
-    """One thread's pass over the loop body: its accumulators' element multisets before the
-    shuffles, the shuffle starts, its stores (under their guards)."""
+    """One thread's pass over the loop body: its accumulators before the shuffles (each the
+    multiset of the values it combined, a value the set of row elements it depends on), the
+    shuffle starts, its stores (under their guards)."""
     deps: dict = {}  # value name -> the row elements it depends on
     vloads: dict = {}
     accs: dict = {}
@@ -154,7 +165,7 @@ def _run_thread(ops, env: dict, spans: dict, errors: list) -> dict:
             ok = m.group(2) is None or env[m.group(2)]
             comb = m.group(3) if m.group(2) is not None else m.group(4)
             if ok:
-                accs[m.group(1)] = accs[m.group(1)] + Counter(elements(comb.replace(m.group(1), "")))
+                accs[m.group(1)] = accs[m.group(1)] + Counter([frozenset(elements(comb.replace(m.group(1), "")))])
         elif kind == "shfl":
             shfl[m.group(2)] = int(m.group(1))
         elif kind == "red":
@@ -173,6 +184,35 @@ def _run_thread(ops, env: dict, spans: dict, errors: list) -> dict:
 def _bounds(what: str, buf: int, off: int, vec: int, spans: list, errors: list) -> None:
     if off < 0 or off + vec > spans[buf]:
         errors.append(f"{what}: access [{off}, {off + vec}) outside its span {spans[buf]}")
+
+
+def _expected(k) -> dict:
+    """{(row, phase name): the multiset of the row's positions, each as the set of the elements
+    (buffer, offset) its row loads read} for the ``ReductionKernel`` ``k``."""
+    from fxopt.backends.cuda import ir
+    from fxopt.backends.cuda.ir import Load, eval_ix
+
+    rows, R, red = k.rows, k.row_size, set(k.reduced)
+    vars_ = list(k.outer) + list(k.reduced)  # the row index (innermost outer variable fastest), then the position
+    grids = torch.meshgrid(*[torch.arange(v.size) for v in vars_], indexing="ij")
+    env = {v: g.reshape(rows, R) for v, g in zip(vars_, grids)}
+    out: dict = {}
+    for ph in k.phases:
+        loads = sorted({e for e in ir.walk(ph.value) if isinstance(e, Load) and ir.all_vars(e.offset) & red},
+                       key=repr)
+        offs = [(ld.buf, eval_ix(ld.offset, env).expand(rows, R).tolist()) for ld in loads]
+        for row in range(rows):
+            out[(row, ph.name)] = Counter(frozenset((buf, o[row][p]) for buf, o in offs) for p in range(R))
+    return out
+
+
+def _per_element(values: Counter) -> Counter:
+    """A multiset of values (sets of elements) as the multiset of their elements."""
+    out: Counter = Counter()
+    for elems, n in values.items():
+        for e in elems:
+            out[e] += n
+    return out
 
 
 def check_row_geometry(ks, max_errors: int = 5) -> dict:
@@ -219,20 +259,33 @@ def check_row_geometry(ks, max_errors: int = 5) -> dict:
     seen_rows = {r for r, _ in per_row}
     if phases and seen_rows != set(range(rows)):
         errors.append(f"rows never reduced: {sorted(set(range(rows)) - seen_rows)[:8]}")
-    owner: dict = {}
+    expected = _expected(k)
     for (row, acc), vals in sorted(per_row.items()):
+        want = expected.get((row, acc[len("acc_"):]))
+        if want is None:
+            errors.append(f"row {row}, {acc}: no such phase in the kernel")
+            continue
+        flat_want = _per_element(want)
         for v in vals:  # every thread of the row holds the whole row after the butterfly
-            for buf in sorted({b for b, _ in v}):  # each buffer the phase reads along the row
-                mine = {e: c for e, c in v.items() if e[0] == buf}
-                dup = [e for e, c in mine.items() if c != 1]
-                if dup or sum(mine.values()) != R:
-                    errors.append(f"row {row}, {acc}: {sum(mine.values())} elements of in{buf} combined for a row "
-                                  f"of {R}" + (f", counted twice: {dup[:4]}" if dup else ""))
-            if not v and R:
+            if v == want:
+                continue
+            flat = _per_element(v)
+            for buf in sorted({b for b, _ in flat} | {b for b, _ in flat_want}):  # each buffer read along the row
+                mine = Counter({e: c for e, c in flat.items() if e[0] == buf})
+                need = Counter({e: c for e, c in flat_want.items() if e[0] == buf})
+                if mine == need:
+                    continue
+                dup = [e for e, c in mine.items() if c > need[e]]  # more often than the row's positions read it
+                miss = [e for e, c in need.items() if mine[e] < c]
+                errors.append(f"row {row}, {acc}: {sum(mine.values())} elements of in{buf} combined for a row "
+                              f"of {R} that reads {sum(need.values())}" + (f", counted twice: {dup[:4]}" if dup else "")
+                              + (f", missed: {miss[:4]}" if miss else ""))
+            if not v and want:
                 errors.append(f"row {row}, {acc}: no element combined")
-        for buf, off in vals[0]:
-            if spans["in"][buf] >= rows * R and owner.setdefault((acc, buf, off), row) != row:
-                errors.append(f"{acc}: element {off} of in{buf} reduced in rows {owner[(acc, buf, off)]} and {row}")
+            elif flat == flat_want:  # the right elements, paired wrongly (a parameter of another channel)
+                odd = sorted(sorted(e) for e in (v - want))
+                errors.append(f"row {row}, {acc}: values that combine elements of no single position of the row: "
+                              f"{odd[:2]}")
     twice = [e for e, c in stored.items() if c > 1]
     if twice:
         errors.append(f"output elements stored more than once: {twice[:4]}")
