@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 from fxopt.backends.cuda import compiler as nvrtc
 from fxopt.backends.cuda.codegen import c as csnip, source
-from fxopt.backends.cuda.codegen.epilogue import Epilogue
+from fxopt.backends.cuda.codegen.epilogue import has_bias, has_residual, template_epilogue
 from fxopt.backends.cuda.kernels import common, conv_epilogue, depthwise_conv, pool, winograd
 from fxopt.backends.cuda.kernels.conv_epilogue import PointwiseOp, PointwiseRegion, TensorArg
 
@@ -96,7 +96,7 @@ def test_compile_pool_and_gap_grid(dtype):
 def test_compile_depthwise_grid(dtype):
     ks = []
     for i, (k, s, lay) in enumerate(itertools.product(range(3, 8), (1, 2), LAYOUTS)):
-        epi = Epilogue(bias=i % 2 == 0, residual=s == 1 and i % 3 == 0, activation=ACTS[i % len(ACTS)])
+        epi = template_epilogue(bias=i % 2 == 0, residual=s == 1 and i % 3 == 0, activation=ACTS[i % len(ACTS)])
         ks.append(depthwise_conv.generate_depthwise_conv2d(k, s, k // 2, dtype, lay, epi, index64=i % 7 == 0))
     compile_all(ks)
 
@@ -106,11 +106,11 @@ def test_compile_depthwise_grid(dtype):
 def test_compile_winograd_grid(dtype):
     ks = [winograd.generate_winograd_input_transform(dtype, lay, pad) for lay in LAYOUTS for pad in (0, 1)]
     ks += [winograd.generate_winograd_output_transform(dtype, lay, epi)
-           for lay in LAYOUTS for epi in (None, Epilogue(True), Epilogue(True, True, "relu"),
-                                          Epilogue(False, True, ("hardtanh", (0.0, 6.0))))]
+           for lay in LAYOUTS for epi in (None, template_epilogue(True), template_epilogue(True, True, "relu"),
+                                          template_epilogue(False, True, ("hardtanh", (0.0, 6.0))))]
     if dtype != torch.float32:  # half activations, fp32 transform buffers
         ks += [winograd.generate_winograd_input_transform(dtype, "nhwc", transform_dtype=torch.float32),
-               winograd.generate_winograd_output_transform(dtype, "nchw", Epilogue(True), torch.float32, True)]
+               winograd.generate_winograd_output_transform(dtype, "nchw", template_epilogue(True), torch.float32, True)]
     compile_all(ks)
 
 
@@ -604,15 +604,15 @@ def test_gpu_pool_gap(layout, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gpu_depthwise(layout, dtype):
     fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
-    for k, s, (H, W), epi in [(3, 1, (9, 7), Epilogue(True, True, "relu")), (5, 2, (12, 11), Epilogue(True)),
-                              (7, 1, (8, 8), Epilogue(False, False, "hardswish")), (4, 2, (5, 6), None)]:
+    for k, s, (H, W), epi in [(3, 1, (9, 7), template_epilogue(True, True, "relu")), (5, 2, (12, 11), template_epilogue(True)),
+                              (7, 1, (8, 8), template_epilogue(False, False, "hardswish")), (4, 2, (5, 6), None)]:
         C, p = 6, k // 2
         x = torch.randn(2, C, H, W, device="cuda").to(dtype).contiguous(memory_format=fmt)
         w = (torch.randn(C, 1, k, k, device="cuda") / k).to(dtype)
         bias = torch.randn(C, device="cuda").to(dtype)
-        want = F.conv2d(x.double(), w.double(), bias.double() if epi and epi.bias else None, s, p, groups=C)
+        want = F.conv2d(x.double(), w.double(), bias.double() if epi and has_bias(epi) else None, s, p, groups=C)
         res = torch.randn(want.shape, device="cuda").to(dtype).contiguous(memory_format=fmt)
-        if epi and epi.residual:
+        if epi and has_residual(epi):
             want = want + res.double()
         if epi and epi.activation:
             want = EAGER[epi.activation](want, ())
@@ -620,7 +620,7 @@ def test_gpu_depthwise(layout, dtype):
         ks = depthwise_conv.generate_depthwise_conv2d(k, s, p, dtype, layout, epi)
         out = torch.empty(want.shape, dtype=dtype, device="cuda", memory_format=fmt)
         depthwise_conv.launch_depthwise_conv2d(ks, x, depthwise_conv.prepare_depthwise_weight(w, layout), out,
-                                  bias if epi and epi.bias else None, res if epi and epi.residual else None)
+                                  bias if epi and has_bias(epi) else None, res if epi and has_residual(epi) else None)
         torch.testing.assert_close(out.float(), want, rtol=_tol(dtype) * 2, atol=_tol(dtype) * 4)
 
 
@@ -637,7 +637,7 @@ def test_gpu_winograd(layout, dtype):
         res = torch.randn(want.shape, device="cuda").to(dtype).contiguous(memory_format=fmt)
         want = F.relu(want + res.double()).float()
         ks_in = winograd.generate_winograd_input_transform(dtype, layout, pad, transform_dtype=torch.float32)
-        ks_out = winograd.generate_winograd_output_transform(dtype, layout, Epilogue(True, True, "relu"), torch.float32)
+        ks_out = winograd.generate_winograd_output_transform(dtype, layout, template_epilogue(True, True, "relu"), torch.float32)
         U = winograd.winograd_filter_transform(w, torch.float32)
         got = winograd.winograd_conv2d(ks_in, ks_out, x, U, bias, res)
         torch.testing.assert_close(got.float(), want, rtol=_tol(dtype) * 2, atol=_tol(dtype) * 4)

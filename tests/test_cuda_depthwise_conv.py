@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import fxopt
 import fxopt.testing
 from fxopt.backends import torch_ref
-from fxopt.backends.cuda.codegen.epilogue import Epilogue
+from fxopt.backends.cuda.codegen.epilogue import template_epilogue
 from fxopt.backends.cuda.kernels.depthwise_conv import (channel_block, column_taps,
                                                         generate_depthwise_conv2d_nhwc_rows)
 from fxopt.backends.cuda.compiler import compile_many, nvrtc_available
@@ -106,7 +106,7 @@ def test_variants_only_where_the_one_pixel_kernel_has_threads_to_spare():
     plans = plan_depthwise_rows(dw7)
     assert [(p.sources[0].meta["vec"], p.sources[0].meta["tw"]) for p in plans] == [(4, 4), (4, 8), (2, 8)]
     assert all(isinstance(p, DepthwiseConvRows) for p in plans) and len({p.label for p in plans}) == 3
-    assert plans[0].epilogue == Epilogue(True, False, ("relu", ())) and [p.align for p in plans] == [8, 8, 4]
+    assert plans[0].epilogue == template_epilogue(True, False, ("relu", ())) and [p.align for p in plans] == [8, 8, 4]
     assert plan_depthwise_rows(dw3) == []  # 64 x 16 x 16 pixels x 4 vectors: 65536 threads, not enough
     gm = lowered(Block().eval().half(), torch.randn(1, 32, 32, 32).half(), cl)
     assert all(plan_depthwise_rows(n) == [] for n in convs(gm))  # batch 1: the one-pixel kernel's parallelism
@@ -132,10 +132,10 @@ def test_channel_blocks_and_argument_checks():
 def test_every_variant_compiles_with_nvrtc(dtype):
     full = 16 // dtype.itemsize
     cases = [  # (n, c, hw, k, stride, padding, dilation, epilogue, vec, tw)
-        (32, 96, 56, 7, 1, 3, 1, Epilogue(True, False, None), full // 2, 4),
-        (32, 768, 7, 7, 1, 3, 1, Epilogue(True, True, "relu"), full, 4),
-        (8, 144, 28, 3, 2, 1, 1, Epilogue(True, False, ("hardtanh", (0.0, 6.0))), full // 2, 8),
-        (4, 64, 15, 5, 1, 4, 2, Epilogue(False, True, "silu"), full, 8),
+        (32, 96, 56, 7, 1, 3, 1, template_epilogue(True, False, None), full // 2, 4),
+        (32, 768, 7, 7, 1, 3, 1, template_epilogue(True, True, "relu"), full, 4),
+        (8, 144, 28, 3, 2, 1, 1, template_epilogue(True, False, ("hardtanh", (0.0, 6.0))), full // 2, 8),
+        (4, 64, 15, 5, 1, 4, 2, template_epilogue(False, True, "silu"), full, 8),
     ]
     sources = []
     for n, c, hw, k, s, p, d, epi, vec, tw in cases:
@@ -176,7 +176,7 @@ def test_kernels_match_pytorch_on_gpu(n, cvec, k, stride, padding, dilation, h, 
     b = torch.randn(c, device="cuda", dtype=dtype) if bias else None
     res = torch.randn(n, c, oh, ow, device="cuda", dtype=dtype).contiguous(memory_format=cl) if residual else None
     ks = generate_depthwise_conv2d_nhwc_rows(n, c, h, w, oh, ow, k, stride, padding, dilation, dtype,
-                                             Epilogue(bias, residual, act), vec, tw)
+                                             template_epilogue(bias, residual, act), vec, tw)
     out = torch.full((n, c, oh, ow), float("nan"), device="cuda", dtype=dtype).contiguous(memory_format=cl)
     ks.compile().launch(ks.meta["grid"], ks.block, [x, wt] + [t for t in (b, res) if t is not None] + [out])
     want = _reference(x, wt, b, res, stride, padding, dilation, act)

@@ -16,7 +16,7 @@ import fxopt.testing
 from fxopt.backends import torch_ref
 from fxopt.backends.cuda.runtime import executor as X, measure
 from fxopt.backends.cuda.runtime import groups
-from fxopt.backends.cuda.codegen.epilogue import Epilogue
+from fxopt.backends.cuda.codegen.epilogue import has_residual, template_epilogue
 from fxopt.backends.cuda.kernels.direct_conv import MAX_UNROLLED, cout_tile, generate_direct_conv2d
 from fxopt.backends.cuda.compiler import compile_many, nvrtc_available
 from fxopt.backends.cuda.kernels.direct_conv import launch_direct_conv2d
@@ -55,7 +55,7 @@ def test_plans_both_seedcnn_convs_and_both_conv_pool_pairs(layout):
         assert len(split) == 1 and split[0]["split"] == {3: 4, 6: 8}[node.args[0].meta["val"].shape[1]]
         assert split[0]["cout_tile"] == smallest
         for c in cands:
-            assert c.spec["epilogue"] == Epilogue(True, False, ("relu", ()))
+            assert c.spec["epilogue"] == template_epilogue(True, False, ("relu", ()))
             assert c.spec["layout"] == ("nhwc" if layout == "channels_last" else "nchw")
             assert c.pool is None and c.conv_size == tuple(node.meta["val"].shape[2:])
     pools = [n for n in gm.graph.nodes if n.target is aten.max_pool2d_with_indices.default]
@@ -127,7 +127,7 @@ def test_a_conv_with_a_residual_gets_no_pool_fusion():
 
     gm = lowered(Res().eval(), torch.randn(1, 4, 8, 8))
     conv = next(n for n in gm.graph.nodes if n.target is fused_conv_ref)
-    assert plan_direct_conv(conv) and plan_direct_conv(conv)[0].spec["epilogue"].residual
+    assert plan_direct_conv(conv) and has_residual(plan_direct_conv(conv)[0].spec["epilogue"])
     assert all(plan_conv_maxpool(n) is None for n in gm.graph.nodes)
 
 
@@ -140,7 +140,7 @@ def test_cout_tile_keeps_enough_threads_and_fits_shared_memory():
     stem = {"cin": 3, "cout": 64, "k": (7, 7)}
     assert all(t * 147 <= MAX_UNROLLED for t in _tiles(stem, torch.empty(1, 64, 112, 112)))
     with pytest.raises(ValueError):
-        generate_direct_conv2d(16, 8, 3, epilogue=Epilogue(residual=True), pool=((2, 2), (2, 2), (0, 0)))
+        generate_direct_conv2d(16, 8, 3, epilogue=template_epilogue(residual=True), pool=((2, 2), (2, 2), (0, 0)))
     with pytest.raises(ValueError):
         generate_direct_conv2d(64, 8, 3)              # reduction 576
     with pytest.raises(ValueError):
@@ -159,7 +159,7 @@ def test_split_variant_only_for_few_pixels():
 
 
 def test_launch_checks_weight_and_channels_before_launching():
-    ks = generate_direct_conv2d(3, 6, 5, epilogue=Epilogue(bias=True))
+    ks = generate_direct_conv2d(3, 6, 5, epilogue=template_epilogue(bias=True))
     x, out = torch.randn(1, 3, 8, 8), torch.empty(1, 6, 4, 4)
     with pytest.raises(ValueError, match="weight"):
         launch_direct_conv2d(ks, x, torch.randn(6, 3, 3, 3), out, torch.randn(6))
@@ -182,7 +182,7 @@ def test_launch_checks_weight_and_channels_before_launching():
        tile=st.integers(1, 16), split=st.sampled_from([1, 2, 4, 8]))
 def test_every_variant_compiles_with_nvrtc(cin, cout, k, stride, padding, dilation, dtype, layout, wl, pool,
                                            bias, act, tile, split):
-    ks = generate_direct_conv2d(cin, cout, k, stride, padding, dilation, dtype, layout, Epilogue(bias, False, act),
+    ks = generate_direct_conv2d(cin, cout, k, stride, padding, dilation, dtype, layout, template_epilogue(bias, False, act),
                                 wl, pool, min(tile, cout), split=split)
     assert ("__shfl_xor_sync" in ks.source) == (split > 1)
     (compiled,) = compile_many([ks])
@@ -273,7 +273,7 @@ def test_kernels_match_pytorch_on_gpu(n, cin, cout, k, stride, padding, dilation
     b = torch.randn(cout, device="cuda", dtype=dtype) if bias else None
     res = torch.randn(n, cout, ch, ch, device="cuda", dtype=dtype).contiguous(memory_format=mf) if residual else None
     ks = generate_direct_conv2d(cin, cout, k, stride, padding, dilation, dtype, layout,
-                                Epilogue(bias, residual, act), wl, pool and pool[:3], min(tile, cout), split=split)
+                                template_epilogue(bias, residual, act), wl, pool and pool[:3], min(tile, cout), split=split)
     oh = ch if pool is None else pool2d_output_size(ch, ch, *pool)[0]
     out = torch.empty(n, cout, oh, oh, device="cuda", dtype=dtype).contiguous(memory_format=mf)
     launch_direct_conv2d(ks, x, w, out, b, res, (ch, ch))

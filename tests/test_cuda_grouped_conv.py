@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import fxopt
 import fxopt.testing
 from fxopt.backends import torch_ref
-from fxopt.backends.cuda.codegen.epilogue import Epilogue
+from fxopt.backends.cuda.codegen.epilogue import template_epilogue
 from fxopt.backends.cuda.kernels.grouped_conv import (SMEM_FLOATS, channel_tile, generate_grouped_conv2d_nhwc,
                                                       input_vector)
 from fxopt.backends.cuda.compiler import compile_many, nvrtc_available
@@ -63,8 +63,8 @@ def test_plans_the_grouped_convs_of_a_channels_last_graph_and_declines_the_other
     assert [c.sources[0].meta["cot"] for c in first] == [8, 4]
     assert [c.sources[0].meta["cot"] for c in second] == [8, 4]
     assert len({c.label for c in first}) == 2 and all(c.label.startswith("groupedconv_t") for c in first)
-    assert first[0].spec["epilogue"] == Epilogue(True, False, ("relu", ()))  # the folded BN's bias, the ReLU
-    assert second[0].spec["epilogue"] == Epilogue(True, False, None)
+    assert first[0].spec["epilogue"] == template_epilogue(True, False, ("relu", ()))  # the folded BN's bias, the ReLU
+    assert second[0].spec["epilogue"] == template_epilogue(True, False, None)
     assert second[0].sources[0].meta["stride"] == (2, 2) and second[0].sources[0].meta["groups"] == 4
 
 
@@ -128,7 +128,7 @@ def test_launch_checks_the_epilogue_operands_and_passes_them_in_order():
     x = torch.randn(2, 8, 5, 5, dtype=torch.float16).contiguous(memory_format=cl)
     w, b = torch.randn(8, 4, 3, 3, dtype=torch.float16), torch.randn(8, dtype=torch.float16)
     res = torch.randn(2, 8, 5, 5, dtype=torch.float16).contiguous(memory_format=cl)
-    epi = Epilogue(True, True, "relu")
+    epi = template_epilogue(True, True, "relu")
     out = launch_nhwc(cand, epi, (2, 8, 5, 5), x, w, b, res)
     (grid, block, args), = calls
     assert grid == (3, 2, 1) and block == (96, 1, 1)
@@ -139,7 +139,7 @@ def test_launch_checks_the_epilogue_operands_and_passes_them_in_order():
     assert launch_nhwc(cand, epi, (2, 8, 5, 5), x, w, b.float(), res) is None
     assert launch_nhwc(cand, epi, (2, 8, 5, 5), x, w, b, res.contiguous()) is None
     assert launch_nhwc(cand, epi, (2, 8, 4, 5), x, w, b, res) is None
-    assert launch_nhwc(cand, Epilogue(True, False, None), (2, 8, 5, 5), x, w, b, res) is None
+    assert launch_nhwc(cand, template_epilogue(True, False, None), (2, 8, 5, 5), x, w, b, res) is None
     assert len(calls) == 1
     assert launch_nhwc(cand, epi, (0, 8, 5, 5), x[:0], w, b, res[:0]).shape == (0, 8, 5, 5)
     assert len(calls) == 1  # an empty output: nothing to launch
@@ -149,11 +149,11 @@ def test_launch_checks_the_epilogue_operands_and_passes_them_in_order():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_every_variant_compiles_with_nvrtc(dtype):
     cases = [  # (n, cin, cout, groups, hw, k, stride, padding, dilation, weight layout, epilogue, cot, ppt)
-        (1, 336, 336, 14, 14, 3, 1, 1, 1, "ohwi", Epilogue(True, False, "relu"), 8, 1),
-        (32, 48, 48, 2, 56, 3, 2, 1, 1, "oihw", Epilogue(True, True, ("hardtanh", (0.0, 6.0))), 4, 2),
-        (2, 12, 18, 3, 9, 5, 1, 4, 2, "oihw", Epilogue(False, False, None), 2, 2),
-        (2, 1024, 1024, 32, 7, 3, 1, 1, 1, "ohwi", Epilogue(True, True, "silu"), 8, 2),
-        (1, 6, 6, 3, 5, 1, 1, 0, 1, "ohwi", Epilogue(True, False, None), 1, 1),
+        (1, 336, 336, 14, 14, 3, 1, 1, 1, "ohwi", template_epilogue(True, False, "relu"), 8, 1),
+        (32, 48, 48, 2, 56, 3, 2, 1, 1, "oihw", template_epilogue(True, True, ("hardtanh", (0.0, 6.0))), 4, 2),
+        (2, 12, 18, 3, 9, 5, 1, 4, 2, "oihw", template_epilogue(False, False, None), 2, 2),
+        (2, 1024, 1024, 32, 7, 3, 1, 1, 1, "ohwi", template_epilogue(True, True, "silu"), 8, 2),
+        (1, 6, 6, 3, 5, 1, 1, 0, 1, "ohwi", template_epilogue(True, False, None), 1, 1),
     ]
     sources = []
     for n, cin, cout, groups, hw, k, s, p, d, wl, epi, cot, ppt in cases:
@@ -206,7 +206,7 @@ def test_kernels_match_pytorch_on_gpu(n, groups, cgi, cgo_mult, k, stride, paddi
     b = torch.randn(cout, device="cuda", dtype=dtype) if bias else None
     res = torch.randn(n, cout, o, o, device="cuda", dtype=dtype).contiguous(memory_format=cl) if residual else None
     ks = generate_grouped_conv2d_nhwc(n, cin, cout, groups, hw, hw, o, o, k, stride, padding, dilation, dtype,
-                                      Epilogue(bias, residual, act), wl, cot, ppt)
+                                      template_epilogue(bias, residual, act), wl, cot, ppt)
     out = torch.full((n, cout, o, o), float("nan"), device="cuda", dtype=dtype).contiguous(memory_format=cl)
     ks.compile().launch(ks.meta["grid"], ks.block, [x, w] + [t for t in (b, res) if t is not None] + [out])
     want = _reference(x, w, b, res, stride, padding, dilation, groups, act)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import fxopt
 from fxopt.backends import torch_ref
-from fxopt.backends.cuda.codegen.epilogue import Epilogue
+from fxopt.backends.cuda.codegen.epilogue import template_epilogue
 from fxopt.backends.cuda.kernels.linear import MAX_ROWS, generate_linear, row_capacity, vector_width
 from fxopt.backends.cuda.compiler import compile_many, nvrtc_available
 from fxopt.backends.cuda.kernels.linear import launch_linear
@@ -42,8 +42,8 @@ def test_plans_the_three_seedcnn_linears_with_their_epilogues(batch):
     cands = [plan_linear(n) for n in nodes]
     assert all(isinstance(c, LinearRows) for c in cands)
     assert [(c.spec["k"], c.spec["n"]) for c in cands] == [(400, 120), (120, 84), (84, 10)]
-    assert [c.spec["epilogue"] for c in cands] == [Epilogue(True, False, ("relu", ())),
-                                                   Epilogue(True, False, ("relu", ())), Epilogue(True, False, None)]
+    assert [c.spec["epilogue"] for c in cands] == [template_epilogue(True, False, ("relu", ())),
+                                                   template_epilogue(True, False, ("relu", ())), template_epilogue(True, False, None)]
     assert all(c.spec["rows"] == row_capacity(batch) and c.spec["rows"] >= batch for c in cands)
     assert all(c.spec["dtype"] == torch.float32 and c.label == "linear" for c in cands)
 
@@ -68,7 +68,7 @@ def test_declines_batches_beyond_the_row_limit_and_other_inputs():
     assert [plan_linear(n) for n in linear_nodes(gm)] == [None] * 3  # a GEMM: cuBLAS
     w, b = torch.randn(4, 8), torch.randn(4)
     assert plan_linear(_linear_graph(torch.randn(2, 8), w, b, "relu")).spec["rows"] == 2
-    assert plan_linear(_linear_graph(torch.randn(2, 8), w, None)).spec["epilogue"] == Epilogue(False, False, None)
+    assert plan_linear(_linear_graph(torch.randn(2, 8), w, None)).spec["epilogue"] == template_epilogue(False, False, None)
     assert plan_linear(_linear_graph(torch.randn(2, 3, 8), w, b)) is None  # 3-D input
     assert plan_linear(_linear_graph(torch.randn(2, 8).half(), w.half(), b)) is None  # fp32 bias, fp16 x
     assert plan_linear(_linear_graph(torch.randn(2, 8).half(), w, None)) is None  # fp32 weight, fp16 x
@@ -88,11 +88,11 @@ def test_row_capacity_and_vector_width():
     with pytest.raises(ValueError):
         generate_linear(8, 8, 16, features_per_warp=4)  # 64 outputs per warp > 32 lanes
     with pytest.raises(ValueError):
-        generate_linear(8, 8, 1, epilogue=Epilogue(False, True, None))  # no residual
+        generate_linear(8, 8, 1, epilogue=template_epilogue(False, True, None))  # no residual
 
 
 def test_launch_checks_sizes_dtypes_and_alignment_before_launching():
-    ks = generate_linear(16, 4, 2, torch.float32, Epilogue(True, False, None))
+    ks = generate_linear(16, 4, 2, torch.float32, template_epilogue(True, False, None))
     x, w, b, out = torch.randn(2, 16), torch.randn(4, 16), torch.randn(4), torch.empty(2, 4)
     with pytest.raises(ValueError, match="do not match"):
         launch_linear(ks, torch.randn(2, 15), w, out, b)
@@ -110,7 +110,7 @@ def test_launch_checks_sizes_dtypes_and_alignment_before_launching():
 
 def test_candidate_declines_cpu_tensors_and_other_shapes():
     c = LinearRows("lin", {"k": 16, "n": 4, "rows": 2, "dtype": torch.float32,
-                           "epilogue": Epilogue(True, False, None)})
+                           "epilogue": template_epilogue(True, False, None)})
     c.kernels[0] = object()  # "compiled": the run-time checks come first
     x, w, b = torch.randn(2, 16), torch.randn(4, 16), torch.randn(4)
     assert c(x, w, b, "none", []) is None  # CPU tensors
@@ -125,7 +125,7 @@ def test_candidate_declines_cpu_tensors_and_other_shapes():
 def test_every_variant_compiles_with_nvrtc(k, n, rows, dtype, bias, act, nw):
     if rows * nw > 32:
         nw = 1
-    ks = generate_linear(k, n, rows, dtype, Epilogue(bias, False, act), nw)
+    ks = generate_linear(k, n, rows, dtype, template_epilogue(bias, False, act), nw)
     assert f"linear, few rows" in ks.source and ks.meta["vec"] == vector_width(k, dtype)
     (compiled,) = compile_many([ks])
     assert compiled.pdl_safe
@@ -155,7 +155,7 @@ def test_kernel_matches_pytorch_on_gpu(m, k, n, dtype, bias, act, nw, seed):
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
     b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
-    ks = generate_linear(k, n, rows, dtype, Epilogue(bias, False, act), nw)
+    ks = generate_linear(k, n, rows, dtype, template_epilogue(bias, False, act), nw)
     out = launch_linear(ks, x, w, torch.full((m, n), float("nan"), device="cuda", dtype=dtype), b)
     # fp32: a 2100-term dot product summed in another order than PyTorch's differs by ~1e-6 of the
     # largest output, rarely more (one unseeded failure at 1e-5 on the GPU)
@@ -204,8 +204,8 @@ def test_plans_the_gate_convs_of_one_pixel_as_linear_layers(layout):
     fc1, fc2 = plans[1], plans[2]
     assert isinstance(fc1, ConvAsLinear) and fc1.label == "linear"
     assert (fc1.spec["k"], fc1.spec["n"], fc1.spec["rows"]) == (64, 16, 2)
-    assert fc1.spec["epilogue"] == Epilogue(True, False, ("silu", ()))
-    assert fc2.spec["epilogue"] == Epilogue(True, False, ("sigmoid", ()))
+    assert fc1.spec["epilogue"] == template_epilogue(True, False, ("silu", ()))
+    assert fc2.spec["epilogue"] == template_epilogue(True, False, ("sigmoid", ()))
     gm = lowered(SE().eval().half(), torch.randn(MAX_ROWS + 1, 16, 8, 8).half(), {"layout": layout})
     assert all(plan_conv_as_linear(n) is None for n in conv_nodes(gm))  # a batch that is a real GEMM
 

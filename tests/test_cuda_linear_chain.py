@@ -14,7 +14,7 @@ import fxopt.testing
 from fxopt.backends import torch_ref
 from fxopt.backends.cuda.runtime import executor as X, measure
 from fxopt.backends.cuda.runtime import groups
-from fxopt.backends.cuda.codegen.epilogue import Epilogue
+from fxopt.backends.cuda.codegen.epilogue import template_epilogue
 from fxopt.backends.cuda.kernels.linear import MAX_ROWS, generate_linear_chain, row_capacity
 from fxopt.backends.cuda.compiler import compile_many, nvrtc_available
 from fxopt.backends.cuda.kernels.linear import LinearChain, LinearChainGroup, linear_chain_of, plan_linear_chains
@@ -25,7 +25,7 @@ from fxopt.tolerances import relative_error
 needs_nvrtc = pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (cuda-core) not importable")
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 ACTS = [None, "relu", ("hardtanh", (0.0, 6.0)), "gelu", "silu", "sigmoid"]
-RELU = Epilogue(True, False, ("relu", ()))
+RELU = template_epilogue(True, False, ("relu", ()))
 
 
 def lowered(model, x):
@@ -81,17 +81,17 @@ def test_declines_big_batches_big_heads_and_shared_outputs():
 
 def test_generator_rejects_what_the_template_cannot_run():
     with pytest.raises(ValueError, match="layers"):
-        generate_linear_chain([(8, 8, Epilogue())], 1)
+        generate_linear_chain([(8, 8, template_epilogue())], 1)
     with pytest.raises(ValueError, match="takes K"):
-        generate_linear_chain([(8, 8, Epilogue()), (4, 2, Epilogue())], 1)
+        generate_linear_chain([(8, 8, template_epilogue()), (4, 2, template_epilogue())], 1)
     with pytest.raises(ValueError, match="residual"):
-        generate_linear_chain([(8, 8, Epilogue(residual=True)), (8, 2, Epilogue())], 1)
+        generate_linear_chain([(8, 8, template_epilogue(residual=True)), (8, 2, template_epilogue())], 1)
     with pytest.raises(ValueError, match="shared-memory"):
-        generate_linear_chain([(8, 4096, Epilogue()), (4096, 2, Epilogue())], 16)
+        generate_linear_chain([(8, 4096, template_epilogue()), (4096, 2, template_epilogue())], 16)
 
 
 def test_candidate_declines_cpu_tensors_and_other_shapes():
-    cand = LinearChain("t", {"layers": [(8, 4, Epilogue(True)), (4, 2, Epilogue())], "rows": 2,
+    cand = LinearChain("t", {"layers": [(8, 4, template_epilogue(True)), (4, 2, template_epilogue())], "rows": 2,
                              "dtype": torch.float32})
     cand.kernels[0] = object()  # never launched: every call below declines first
     w0, b0, w1 = torch.randn(4, 8), torch.randn(4), torch.randn(2, 4)
@@ -107,7 +107,7 @@ def test_candidate_declines_cpu_tensors_and_other_shapes():
 def test_every_chain_compiles_with_nvrtc(sizes, rows, dtype, epis):
     if 2 * rows * max(sizes[1:-1]) > 6144:
         return
-    layers = [(k, n, Epilogue(b, False, a)) for (k, n), (b, a) in zip(zip(sizes, sizes[1:]), epis)]
+    layers = [(k, n, template_epilogue(b, False, a)) for (k, n), (b, a) in zip(zip(sizes, sizes[1:]), epis)]
     ks = generate_linear_chain(layers, rows, dtype)
     assert ks.source.count("__syncthreads();") == len(layers)  # one barrier after each layer
     (compiled,) = compile_many([ks])
@@ -194,7 +194,7 @@ def test_chain_matches_the_layers_on_gpu(m, sizes, dtype, epis, seed):
         layers.append((w, b, act))
         a = "none" if act is None else (act if isinstance(act, str) else act[0])
         flat += [w, b, a, [] if not isinstance(act, tuple) else list(act[1])]
-        spec.append((k, n, Epilogue(bias, False, act)))
+        spec.append((k, n, template_epilogue(bias, False, act)))
     cand = LinearChain("t", {"layers": spec, "rows": rows, "dtype": dtype})
     (cand.kernels[0],) = compile_many([cand.sources[0]])
     x = torch.randn(m, sizes[0], device="cuda", dtype=dtype)

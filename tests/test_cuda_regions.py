@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import fxopt
 import fxopt.testing
 from fxopt.backends import torch_ref
+from fxopt.backends.cuda.codegen.epilogue import has_bias, has_residual
 from fxopt.backends.cuda.compiler import nvrtc_available
 from fxopt.backends.cuda.kernels.depthwise_conv import DepthwiseConv, plan_depthwise
 from fxopt.backends.cuda.kernels.pool import GlobalAvgPool, MaxPool, plan_global_avgpool, plan_maxpool
@@ -70,7 +71,7 @@ def test_plans_depthwise_maxpool_and_global_avgpool(layout):
     assert set(p) == {MaxPool, DepthwiseConv, GlobalAvgPool}
     assert all(len(v) == 1 for v in p.values())  # the stem and the 1x1 conv are not depthwise
     dw = p[DepthwiseConv][0][1]
-    assert dw.epilogue.bias and not dw.epilogue.residual  # BN folded into a bias
+    assert has_bias(dw.epilogue) and not has_residual(dw.epilogue)  # BN folded into a bias
     assert dw.sources[0].meta["weight_layout"] == "ckk"
     want = "nhwc" if layout == "channels_last" else "nchw"
     assert {c.layout for v in p.values() for _, c in v} == {want}
@@ -217,14 +218,14 @@ def test_vectorized_nhwc_depthwise_is_planned_only_for_channels_last_and_whole_v
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("k,stride,dilation", [(3, 1, 1), (3, 2, 1), (5, 2, 1), (7, 1, 1), (3, 1, 2)])
 def test_vectorized_nhwc_depthwise_compiles(dtype, k, stride, dilation):
-    from fxopt.backends.cuda.codegen.epilogue import Epilogue
+    from fxopt.backends.cuda.codegen.epilogue import template_epilogue
     from fxopt.backends.cuda.kernels.depthwise_conv import generate_depthwise_conv2d_nhwc_vec
     from fxopt.backends.cuda.compiler import compile_kernel
 
     h = 9
     oh = (h + 2 * (k // 2) * dilation - dilation * (k - 1) - 1) // stride + 1
     ks = generate_depthwise_conv2d_nhwc_vec(2, 24, h, h, oh, oh, k, stride, (k // 2) * dilation, dilation, dtype,
-                                            Epilogue(True, True, ("silu", ())))
+                                            template_epilogue(True, True, ("silu", ())))
     assert compile_kernel(ks.source, ks.name, "sm_90", (), ks.param_types).compiled
 
 

@@ -30,6 +30,7 @@ does (the same loads at the same offsets): the CPU-testable semantics of every k
 from __future__ import annotations
 
 
+from .epilogue import ACC, BIAS, RES, ACTIVATIONS, Arg, EpilogueParts, activation_chain, epilogue_expr, epilogue_parts
 from .expr import (BINARY, COMPARE, FALSE, LOGICAL, REDUCE_OPS, TRUE, UNARY, UNARY_P, BoolConst, Cast, Const, Expr,
                    InRange, Load, Op, Red, Where, op)
 from .index import Atom, FloorDiv, Ix, Mod, Var, all_vars, strided, unravel
@@ -41,4 +42,5 @@ __all__ = ["BINARY", "COMPARE", "FALSE", "LOGICAL", "REDUCE_OPS", "TRUE", "UNARY
            "Const", "Expr", "InRange", "Load", "Op", "Red", "Where", "op", "Atom", "FloorDiv", "Ix", "Mod", "Var",
            "all_vars", "strided", "unravel", "eval_ix", "evaluate", "Buffer", "Kernel", "Phase", "PointwiseKernel",
            "ReductionKernel", "Store", "children", "index_exprs", "kernel_exprs", "simplify", "specialize",
-           "substitute", "walk"]
+           "substitute", "walk", "ACC", "BIAS", "RES", "ACTIVATIONS", "Arg", "EpilogueParts", "activation_chain",
+           "epilogue_expr", "epilogue_parts"]

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from fxopt.backends.cuda.codegen.epilogue import Epilogue
+from fxopt.backends.cuda.codegen.epilogue import has_bias, has_residual, template_epilogue
 from fxopt.backends.cuda.codegen.source import KernelSource
 from fxopt.backends.cuda.kernels.common import TemplateCandidate, check_layout, dense_strides, ints, memory_layout_ok, node_val
 from fxopt.ops import fused_conv_ref
@@ -42,10 +42,9 @@ def conv_args(node: fx.Node) -> Optional[dict]:
     for t in (node.args[2], node.args[3]):
         if t is not None and (node_val(t) is None or node_val(t).dtype != out.dtype):
             return None  # a bias or residual of another dtype
-    act = node.args[8]
+    epilogue = template_epilogue(node.args[2] is not None, node.args[3] is not None, node.args[8], node.args[9])
     return {"x": x, "w": w, "out": out, "groups": node.args[7], "k": k, "stride": stride, "padding": padding,
-            "dilation": dilation, "epilogue": Epilogue(node.args[2] is not None, node.args[3] is not None,
-                                                       None if act == "none" else (act, tuple(node.args[9])))}
+            "dilation": dilation, "epilogue": epilogue}
 
 
 def check_conv_args(ks: KernelSource, x: torch.Tensor, out: torch.Tensor, bias, residual) -> None:
@@ -54,17 +53,17 @@ def check_conv_args(ks: KernelSource, x: torch.Tensor, out: torch.Tensor, bias, 
     lay, epi = ks.meta["layout"], ks.meta["epilogue"]
     check_layout(x, lay, f"{ks.name}: x")
     check_layout(out, lay, f"{ks.name}: out", x.dtype)
-    if (bias is not None) != epi.bias or (residual is not None) != epi.residual:
+    if (bias is not None) != has_bias(epi) or (residual is not None) != has_residual(epi):
         raise ValueError(f"{ks.name}: bias/residual do not match the kernel's epilogue {epi}")
     if residual is not None:
         check_layout(residual, lay, f"{ks.name}: residual", x.dtype)
 
 
-def launch_nhwc(cand: TemplateCandidate, epi: Epilogue, out_shape: tuple, x, weight, bias, residual):
+def launch_nhwc(cand: TemplateCandidate, epi, out_shape: tuple, x, weight, bias, residual):
     """Launch a channels_last conv template (its grid in the source's meta) with a new NHWC output of
     ``out_shape``, after checking the epilogue's operands: present as compiled, of x's dtype, dense
     (None where not: the reference runs)."""
-    if (bias is not None) != epi.bias or (residual is not None) != epi.residual:
+    if (bias is not None) != has_bias(epi) or (residual is not None) != has_residual(epi):
         return None
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         return None

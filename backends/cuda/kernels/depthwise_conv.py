@@ -33,7 +33,8 @@ import torch
 import torch.fx as fx
 
 from fxopt.backends.cuda.codegen.c import ctype, ctype as _ctype, decompose as _decompose, prelude, prelude as _prelude
-from fxopt.backends.cuda.codegen.epilogue import Epilogue
+from fxopt.backends.cuda.codegen.epilogue import (NO_EPILOGUE, epilogue_code, epilogue_desc, epilogue_key,
+                                                  epilogue_params, has_bias, has_residual, template_epilogue)
 from fxopt.backends.cuda.codegen.source import KernelSource, MAX_BLOCKS as _GRID_BLOCKS, DTYPE_SHORT, index_type, checked_layout, int_pair, unique_name, layout_name, needs_index64
 from fxopt.backends.cuda.kernels.common import TemplateCandidate, compiled_kernel, dense_strides, ints, load, memory_layout_ok, node_val
 from fxopt.backends.cuda.kernels.conv import CONV_DTYPES, MANY_THREADS, launch_nhwc, check_conv_args
@@ -98,7 +99,7 @@ def _load_weights(vec: int) -> str:
 
 def generate_depthwise_conv2d_nhwc_rows(n: int, c: int, h: int, w: int, oh: int, ow: int, k, stride=1, padding=0,
                                         dilation=1, dtype: torch.dtype = torch.float16,
-                                        epilogue: Epilogue | None = None, vec: int = 4, tw: int = 4,
+                                        epilogue=None, vec: int = 4, tw: int = 4,
                                         block: int = 256) -> KernelSource:
     """Depthwise conv on NHWC tensors (x (n, c, h, w) -> y (n, c, oh, ow), weight (C, 1, KH, KW) read as
     (C, KH, KW)), ``tw`` output pixels along a row x ``vec`` channels per thread. ``vec`` (a power of
@@ -111,7 +112,7 @@ def generate_depthwise_conv2d_nhwc_rows(n: int, c: int, h: int, w: int, oh: int,
         raise ValueError(f"depthwise conv (rows): {vec} channels per thread must divide {c} and load 4-16 bytes")
     if not 1 <= tw <= 16:
         raise ValueError(f"depthwise conv (rows): {tw} pixels per thread (1..16)")
-    T, epi = ctype(dtype), epilogue or Epilogue()
+    T, epi = ctype(dtype), NO_EPILOGUE if epilogue is None else epilogue
     cg = channel_block(c, vec)
     stride_s = smem_row(cg)
     if KH * KW * stride_s > 12288:
@@ -124,15 +125,15 @@ def generate_depthwise_conv2d_nhwc_rows(n: int, c: int, h: int, w: int, oh: int,
     index64 = needs_index64(max(n * h * w * c, n * oh * ow * c))
     taps = column_taps(tw, KW, SW, DW)
     name = unique_name(f"fx_dwr{KH}x{KW}_s{SH}x{SW}_{DTYPE_SHORT[dtype]}_nhwc_v{vec}w{tw}", n, c, h, w, oh, ow, KH, KW, SH,
-                  SW, PH, PW, DH, DW, epi, vec, tw, block, index64)
+                  SW, PH, PW, DH, DW, epilogue_key(epi), vec, tw, block, index64)
     src = load("depthwise_conv2d_nhwc_rows.cu").substitute(
         prelude=prelude({dtype}), KH=KH, KW=KW, KK=KH * KW, SH=SH, SW=SW, PH=PH, PW=PW, DH=DH, DW=DW, VEC=vec,
         TW=tw, CG=cg, S=stride_s, TC=tc, TP=tp, C=c, H=h, W=w, OH=oh, OW=ow, OWT=owt, TILES=tiles, COLS=len(taps),
-        block=block, name=name, T=T, idx=index_type(index64), extra_params=epi.params(T), epi_desc=epi.describe(),
+        block=block, name=name, T=T, idx=index_type(index64), extra_params=epilogue_params(epi, T), epi_desc=epilogue_desc(epi),
         load_weights=_load_weights(vec), columns=_columns(taps, vec, T, w, c),
-        epilogue=epi.code(" " * 8, "fx_to_f32(bias[c])", "fx_to_f32(res[o])"))
+        epilogue=epilogue_code(epi, " " * 8, "fx_to_f32(bias[c])", "fx_to_f32(res[o])"))
     params = [("x", f"const {T}*"), ("w", f"const {T}*")]
-    params += [("bias", f"const {T}*")] * epi.bias + [("res", f"const {T}*")] * epi.residual + [("y", f"{T}*")]
+    params += [("bias", f"const {T}*")] * has_bias(epi) + [("res", f"const {T}*")] * has_residual(epi) + [("y", f"{T}*")]
     grid = (max(1, min(-(-tiles // tp), MAX_BLOCKS)), c // cg, 1)
     meta = {"layout": "nhwc", "k": (KH, KW), "stride": (SH, SW), "padding": (PH, PW), "dilation": (DH, DW),
             "epilogue": epi, "vec": vec, "tw": tw, "grid": grid, "shape": (n, c, h, w, oh, ow)}
@@ -140,7 +141,7 @@ def generate_depthwise_conv2d_nhwc_rows(n: int, c: int, h: int, w: int, oh: int,
 
 
 def generate_depthwise_conv2d(k, stride=1, padding=0, dtype: torch.dtype = torch.float32,
-                              layout: str = "nchw", epilogue: Epilogue | None = None,
+                              layout: str = "nchw", epilogue=None,
                               dilation=1, index64: bool = False, block: int = 256,
                               weight_layout: str | None = None) -> KernelSource:
     """Direct depthwise conv (groups == C, multiplier 1) with fused bias/residual/activation.
@@ -150,23 +151,23 @@ def generate_depthwise_conv2d(k, stride=1, padding=0, dtype: torch.dtype = torch
     (KH, KW), (SH, SW), (PH, PW), (DH, DW) = int_pair(k), int_pair(stride), int_pair(padding), int_pair(dilation)
     if not (1 <= KH <= 7 and 1 <= KW <= 7 and 1 <= SH <= 2 and 1 <= SW <= 2 and min(PH, PW) >= 0):
         raise ValueError("depthwise conv: kernel 1..7, stride 1..2, padding >= 0")
-    lay, ct, epi = checked_layout(layout), _ctype(dtype), epilogue or Epilogue()
+    lay, ct, epi = checked_layout(layout), _ctype(dtype), NO_EPILOGUE if epilogue is None else epilogue
     wl = weight_layout or ("ckk" if lay == "nchw" else "kkc")
     if wl not in ("ckk", "kkc"):
         raise ValueError(f"depthwise conv: weight_layout must be 'ckk' or 'kkc', not {wl!r}")
     name = unique_name(f"fx_dw{KH}x{KW}_s{SH}x{SW}_{DTYPE_SHORT[dtype]}_{lay}", KH, KW, SH, SW, PH, PW, DH, DW,
-                  epi, index64, block, wl)
+                  epilogue_key(epi), index64, block, wl)
     decompose, in_at = _decompose(lay)
     w_at = "(c * $KH + kh) * $KW + kw" if wl == "ckk" else "(idx_t)(kh * $KW + kw) * C + c"
     src = load("depthwise_conv2d.cu").substitute(
         prelude=_prelude({dtype}), KH=KH, KW=KW, SH=SH, SW=SW, PH=PH, PW=PW, DH=DH, DW=DW,
         layout=lay, weight_layout="(C, KH, KW)" if wl == "ckk" else "(KH, KW, C)",
-        epi_desc=epi.describe(), block=block, name=name, T=ct, extra_params=epi.params(ct),
+        epi_desc=epilogue_desc(epi), block=block, name=name, T=ct, extra_params=epilogue_params(epi, ct),
         idx=index_type(index64), decompose=decompose, in_at=in_at,
         w_at=w_at.replace("$KH", str(KH)).replace("$KW", str(KW)),
-        epilogue=epi.code(" " * 4, "fx_to_f32(bias[c])", "fx_to_f32(res[o])"))
+        epilogue=epilogue_code(epi, " " * 4, "fx_to_f32(bias[c])", "fx_to_f32(res[o])"))
     params = [("x", f"const {ct}*"), ("w", f"const {ct}*")]
-    params += [("bias", f"const {ct}*")] * epi.bias + [("res", f"const {ct}*")] * epi.residual
+    params += [("bias", f"const {ct}*")] * has_bias(epi) + [("res", f"const {ct}*")] * has_residual(epi)
     params += [("y", f"{ct}*")] + [(n, "long long") for n in ("N", "C", "H", "W", "OH", "OW")]
     meta = {"layout": lay, "k": (KH, KW), "stride": (SH, SW), "padding": (PH, PW),
             "dilation": (DH, DW), "epilogue": epi, "weight_layout": wl}
@@ -175,14 +176,14 @@ def generate_depthwise_conv2d(k, stride=1, padding=0, dtype: torch.dtype = torch
 
 def generate_depthwise_conv2d_nhwc_vec(n: int, c: int, h: int, w: int, oh: int, ow: int, k, stride=1, padding=0,
                                        dilation=1, dtype: torch.dtype = torch.float16,
-                                       epilogue: Epilogue | None = None, block: int = 256) -> KernelSource:
+                                       epilogue=None, block: int = 256) -> KernelSource:
     """Depthwise conv on NHWC tensors with every size compiled in, each thread computing one output
     pixel for ``vec`` consecutive channels (16-byte vector loads of the input per tap and one
     vector store), the block's weights staged in shared memory. Requires C % vec == 0 and 16-byte
     aligned x / y / residual (checked by the caller). Launch args: x, w (C, KH, KW), [bias], [res],
     y; grid and block in ``meta``."""
     (KH, KW), (SH, SW), (PH, PW), (DH, DW) = int_pair(k), int_pair(stride), int_pair(padding), int_pair(dilation)
-    ct, epi = _ctype(dtype), epilogue or Epilogue()
+    ct, epi = _ctype(dtype), NO_EPILOGUE if epilogue is None else epilogue
     vec = 16 // dtype.itemsize
     if c % vec:
         raise ValueError(f"depthwise conv (vector): {c} channels are not a multiple of {vec}")
@@ -194,14 +195,14 @@ def generate_depthwise_conv2d_nhwc_vec(n: int, c: int, h: int, w: int, oh: int, 
     pixels = n * oh * ow
     index64 = needs_index64(max(n * h * w * c, pixels * c))
     name = unique_name(f"fx_dwv{KH}x{KW}_s{SH}x{SW}_{DTYPE_SHORT[dtype]}_nhwc", n, c, h, w, oh, ow, KH, KW, SH, SW, PH, PW,
-                  DH, DW, epi, block, index64)
+                  DH, DW, epilogue_key(epi), block, index64)
     src = load("depthwise_conv2d_nhwc_vec.cu").substitute(
         prelude=_prelude({dtype}), KH=KH, KW=KW, KK=KH * KW, SH=SH, SW=SW, PH=PH, PW=PW, DH=DH, DW=DW, VEC=vec,
         CG=cg, TC=tc, TP=tp, C=c, H=h, W=w, OH=oh, OW=ow, PIXELS=pixels, block=block, name=name, T=ct,
-        idx=index_type(index64), extra_params=epi.params(ct), epi_desc=epi.describe(),
-        epilogue=epi.code(" " * 6, "fx_to_f32(bias[c])", "fx_to_f32(res[o])"))
+        idx=index_type(index64), extra_params=epilogue_params(epi, ct), epi_desc=epilogue_desc(epi),
+        epilogue=epilogue_code(epi, " " * 6, "fx_to_f32(bias[c])", "fx_to_f32(res[o])"))
     params = [("x", f"const {ct}*"), ("w", f"const {ct}*")]
-    params += [("bias", f"const {ct}*")] * epi.bias + [("res", f"const {ct}*")] * epi.residual + [("y", f"{ct}*")]
+    params += [("bias", f"const {ct}*")] * has_bias(epi) + [("res", f"const {ct}*")] * has_residual(epi) + [("y", f"{ct}*")]
     grid = (max(1, min(-(-pixels // tp), _GRID_BLOCKS)), -(-c // cg), 1)
     meta = {"layout": "nhwc", "k": (KH, KW), "stride": (SH, SW), "padding": (PH, PW), "dilation": (DH, DW),
             "epilogue": epi, "vec": vec, "grid": grid, "shape": (n, c, h, w, oh, ow)}
@@ -219,7 +220,7 @@ def prepare_depthwise_weight(w: torch.Tensor, layout: str) -> torch.Tensor:
 def launch_depthwise_conv2d(ks: KernelSource, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
                             bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                             kernel=None) -> torch.Tensor:
-    """``w`` from prepare_depthwise_weight; bias/residual as the kernel's Epilogue requires."""
+    """``w`` from prepare_depthwise_weight; bias/residual as the kernel's epilogue requires."""
     check_conv_args(ks, x, out, bias, residual)
     N, C, H, W = x.shape
     OH, OW = out.shape[2:]
@@ -234,8 +235,7 @@ def launch_depthwise_conv2d(ks: KernelSource, x: torch.Tensor, w: torch.Tensor, 
 class DepthwiseConv(TemplateCandidate):
     def __init__(self, node: fx.Node, layout: str, out: torch.Tensor, k, stride, padding, dilation):
         bias, res, act, act_params = node.args[2], node.args[3], node.args[8], node.args[9]
-        activation = None if act == "none" else (act, tuple(act_params))
-        self.epilogue = Epilogue(bias is not None, res is not None, activation)
+        self.epilogue = template_epilogue(bias is not None, res is not None, act, act_params)
         self.layout, self.out_meta = layout, out
         self.k, self.stride, self.padding, self.dilation = k, stride, padding, dilation
         self.x_shape = tuple(node_val(node.args[0]).shape[1:])
@@ -262,7 +262,7 @@ class _DepthwiseNhwc(TemplateCandidate):
 
     def __init__(self, name: str, node: fx.Node, out: torch.Tensor, align: int, generate):
         bias, res, act, act_params = node.args[2], node.args[3], node.args[8], node.args[9]
-        self.epilogue = Epilogue(bias is not None, res is not None, None if act == "none" else (act, tuple(act_params)))
+        self.epilogue = template_epilogue(bias is not None, res is not None, act, act_params)
         self.x_shape, self.out_shape, self.dtype = tuple(node_val(node.args[0]).shape), tuple(out.shape), out.dtype
         self.align = align
         n, c, h, w = self.x_shape

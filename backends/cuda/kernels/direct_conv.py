@@ -25,7 +25,8 @@ import torch
 import torch.fx as fx
 
 from fxopt.backends.cuda.codegen.c import ctype, prelude
-from fxopt.backends.cuda.codegen.epilogue import Epilogue
+from fxopt.backends.cuda.codegen.epilogue import (NO_EPILOGUE, epilogue_code, epilogue_desc, epilogue_key,
+                                                  epilogue_params, has_bias, has_residual)
 from fxopt.backends.cuda.codegen.source import KernelSource, index_type, checked_layout, int_pair, unique_name, layout_name, needs_index64
 from fxopt.backends.cuda.kernels.common import NodeGroup, compiled_kernel, dense_strides, ints, load, memory_layout_ok, node_val, weight_fits, weight_layout_of
 from fxopt.backends.cuda.kernels.conv import conv_args, check_conv_args
@@ -112,7 +113,7 @@ MAX_PATCH = 64
 
 def generate_direct_conv2d(cin: int, cout: int, k, stride=1, padding=0, dilation=1,
                            dtype: torch.dtype = torch.float32, layout: str = "nchw",
-                           epilogue: Epilogue | None = None, weight_layout: str = "oihw",
+                           epilogue=None, weight_layout: str = "oihw",
                            pool: Optional[tuple] = None, cout_tile_: int | None = None,
                            index64: bool = False, block: int = 128, split: int = 1) -> KernelSource:
     """Launch args: x, w, [bias], [res], y, N, H, W, CH, CW, OH, OW (CH, CW: conv output size;
@@ -127,19 +128,19 @@ def generate_direct_conv2d(cin: int, cout: int, k, stride=1, padding=0, dilation
         raise ValueError(f"direct conv: C_in*KH*KW = {CIKK} > {MAX_REDUCTION}")
     if weight_layout not in ("oihw", "ohwi"):
         raise ValueError(f"direct conv: weight_layout must be 'oihw' or 'ohwi', not {weight_layout!r}")
-    lay, ct, epi = checked_layout(layout), ctype(dtype), epilogue or Epilogue()
+    lay, ct, epi = checked_layout(layout), ctype(dtype), NO_EPILOGUE if epilogue is None else epilogue
     COT = int(cout_tile_ or min(CO, 16))
     if COT * CIKK > SMEM_FLOATS or not 1 <= COT <= 16:
         raise ValueError(f"direct conv: tile of {COT} output channels does not fit")
     (PKH, PKW), (PSH, PSW), (PPH, PPW) = ((1, 1), (1, 1), (0, 0)) if pool is None else (
         int_pair(pool[0]), int_pair(pool[1]), int_pair(pool[2]))
-    if pool is not None and (epi.residual or PPH > PKH // 2 or PPW > PKW // 2):
+    if pool is not None and (has_residual(epi) or PPH > PKH // 2 or PPW > PKW // 2):
         raise ValueError("direct conv + max pool: no residual, pool padding <= half the window")
     if split not in (1, 2, 4, 8):
         raise ValueError(f"direct conv: split {split} must be 1, 2, 4 or 8 lanes")
     name = unique_name(f"fx_dconv{KH}x{KW}_c{CI}x{CO}_{_SHORT[dtype]}_{lay}" + ("_maxpool" if pool else "")
                   + (f"_split{split}" if split > 1 else ""),
-                  CI, CO, KH, KW, SH, SW, PH, PW, DH, DW, epi, weight_layout, pool, COT, index64, block, split)
+                  CI, CO, KH, KW, SH, SW, PH, PW, DH, DW, epilogue_key(epi), weight_layout, pool, COT, index64, block, split)
     out_at = ("((n * $CO + co) * OH + oh) * OW + ow" if lay == "nchw"
               else "((n * OH + oh) * OW + ow) * $CO + co").replace("$CO", str(CO))
     res_at = ("((n * $CO + co) * CH + ch) * CW + cw" if lay == "nchw"
@@ -150,7 +151,7 @@ def generate_direct_conv2d(cin: int, cout: int, k, stride=1, padding=0, dilation
     pool_desc = "no pool" if pool is None else f"max pool {PKH}x{PKW} stride ({PSH}, {PSW}) padding ({PPH}, {PPW})"
     patch = ((PKH - 1) * SH + (KH - 1) * DH + 1) * ((PKW - 1) * SW + (KW - 1) * DW + 1)
     pool_desc += ", input patch in registers" if pool is not None and patch <= MAX_PATCH else ""
-    epilogue = epi.code(" " * 10, "fx_to_f32(bias[co])", f"fx_to_f32(res[{res_at}])")
+    epilogue = epilogue_code(epi, " " * 10, "fx_to_f32(bias[co])", f"fx_to_f32(res[{res_at}])")
     # a pool window whose input patch fits in registers loads it once per input channel
     body = "direct_conv2d_patch.cu" if pool is not None and patch <= MAX_PATCH else "direct_conv2d_window.cu"
     patch_values = [f"sum[{a}][{b}][{j}]" for a in range(PKH) for b in range(PKW) for j in range(COT)]
@@ -162,8 +163,8 @@ def generate_direct_conv2d(cin: int, cout: int, k, stride=1, padding=0, dilation
         reduce_patch=sp["reduce"] if body == "direct_conv2d_patch.cu" else "",
         reduce_window=sp["reduce"].replace("\n", "\n    ") if body != "direct_conv2d_patch.cu" else "",
         prelude=prelude({dtype}), KH=KH, KW=KW, CI=CI, CO=CO, COT=COT, CIKK=CIKK, SH=SH, SW=SW, PH=PH, PW=PW,
-        DH=DH, DW=DW, layout=lay, weight_layout=weight_layout, epi_desc=epi.describe(), pool_desc=pool_desc,
-        block=block, name=name, T=ct, extra_params=epi.params(ct), idx=index_type(index64), w_at=w_at,
+        DH=DH, DW=DW, layout=lay, weight_layout=weight_layout, epi_desc=epilogue_desc(epi), pool_desc=pool_desc,
+        block=block, name=name, T=ct, extra_params=epilogue_params(epi, ct), idx=index_type(index64), w_at=w_at,
         best_init="(-__int_as_float(0x7f800000))" if pool else "0.f",
         PKH=PKH, PKW=PKW, PSH=PSH, PSW=PSW, PPH=PPH, PPW=PPW,
         loops=_loops(lay, CI, KH, KW, DH, DW, COT, CIKK, split),
@@ -171,7 +172,7 @@ def generate_direct_conv2d(cin: int, cout: int, k, stride=1, padding=0, dilation
         combine="if (acc > best[j] || acc != acc) best[j] = acc;" if pool else "best[j] = acc;",
         out_at=out_at)
     params = [("x", f"const {ct}*"), ("w", f"const {ct}*")]
-    params += [("bias", f"const {ct}*")] * epi.bias + [("res", f"const {ct}*")] * epi.residual
+    params += [("bias", f"const {ct}*")] * has_bias(epi) + [("res", f"const {ct}*")] * has_residual(epi)
     params += [("y", f"{ct}*")] + [(n, "long long") for n in ("N", "H", "W", "CH", "CW", "OH", "OW")]
     meta = {"layout": lay, "cin": CI, "cout": CO, "k": (KH, KW), "stride": (SH, SW), "padding": (PH, PW),
             "dilation": (DH, DW), "epilogue": epi, "weight_layout": weight_layout, "pool": pool,
@@ -335,7 +336,7 @@ def plan_conv_maxpool(pool: fx.Node) -> Optional[tuple[fx.Node, list[DirectConv]
     if not isinstance(conv, fx.Node) or len(conv.users) != 1:
         return None
     spec = _conv_spec(conv)
-    if spec is None or spec["epilogue"].residual:
+    if spec is None or has_residual(spec["epilogue"]):
         return None
     out = node_val(pool)
     out = out[0] if isinstance(out, (tuple, list)) else None

@@ -30,7 +30,8 @@ import torch
 import torch.fx as fx
 
 from fxopt.backends.cuda.codegen.c import ctype, prelude
-from fxopt.backends.cuda.codegen.epilogue import Epilogue
+from fxopt.backends.cuda.codegen.epilogue import (NO_EPILOGUE, epilogue_code, epilogue_desc, epilogue_key,
+                                                  epilogue_params, has_bias, has_residual)
 from fxopt.backends.cuda.codegen.source import KernelSource, index_type, int_pair, unique_name, layout_name, needs_index64
 from fxopt.backends.cuda.kernels.common import TemplateCandidate, load, memory_layout_ok, weight_fits, weight_layout_of
 from fxopt.backends.cuda.kernels.conv import MANY_THREADS, conv_args, launch_nhwc
@@ -83,7 +84,7 @@ def _fma(cot: int, ct: int, ppt: int) -> str:
 
 def generate_grouped_conv2d_nhwc(n: int, cin: int, cout: int, groups: int, h: int, w: int, oh: int, ow: int,
                                  k, stride=1, padding=0, dilation=1, dtype: torch.dtype = torch.float16,
-                                 epilogue: Epilogue | None = None, weight_layout: str = "oihw", cot: int = 8,
+                                 epilogue=None, weight_layout: str = "oihw", cot: int = 8,
                                  ppt: int = 1, block: int = 256) -> KernelSource:
     """Grouped conv on NHWC tensors (x (n, cin, h, w) -> y (n, cout, oh, ow), weight
     (cout, cin / groups, KH, KW) in ``weight_layout`` "oihw" or channels_last "ohwi"), ``cot``
@@ -105,7 +106,7 @@ def generate_grouped_conv2d_nhwc(n: int, cin: int, cout: int, groups: int, h: in
     ct = channel_tile(cgo, red, cot)
     if not ct:
         raise ValueError(f"grouped conv: the weights of {cot} channels ({red} each) exceed shared memory")
-    lay_ct, epi, vec = ctype(dtype), epilogue or Epilogue(), input_vector(cgi, dtype)
+    lay_ct, epi, vec = ctype(dtype), NO_EPILOGUE if epilogue is None else epilogue, input_vector(cgi, dtype)
     tc = ct // cot
     if tc > block:
         raise ValueError(f"grouped conv: {tc} threads per pixel exceed the block of {block}")
@@ -115,18 +116,18 @@ def generate_grouped_conv2d_nhwc(n: int, cin: int, cout: int, groups: int, h: in
     index64 = needs_index64(max(n * h * w * cin, pixels * cout))
     tag = f"t{cot}" + (f"p{ppt}" if ppt > 1 else "")
     name = unique_name(f"fx_gconv{KH}x{KW}_g{groups}_c{cgi}x{cgo}_{_SHORT[dtype]}_nhwc_{tag}", n, cin, cout, groups,
-                  h, w, oh, ow, KH, KW, SH, SW, PH, PW, DH, DW, epi, weight_layout, cot, ppt, block, index64)
+                  h, w, oh, ow, KH, KW, SH, SW, PH, PW, DH, DW, epilogue_key(epi), weight_layout, cot, ppt, block, index64)
     w_at = "(idx_t)(co0 + c) * $R + ci * $KK + kk" if weight_layout == "oihw" else "(idx_t)(co0 + c) * $R + r"
     w_at = w_at.replace("$R", str(red)).replace("$KK", str(KH * KW))
     src = load("grouped_conv2d_nhwc.cu").substitute(
         prelude=prelude({dtype}), KH=KH, KW=KW, SH=SH, SW=SW, PH=PH, PW=PW, DH=DH, DW=DW, G=groups, CGI=cgi,
         CGO=cgo, CIN=cin, COUT=cout, COT=cot, CT=ct, TC=tc, TP=tp, V=vec, R=red, H=h, W=w, OH=oh, OW=ow,
-        PIXELS=pixels, block=block, name=name, T=lay_ct, idx=index_type(index64), extra_params=epi.params(lay_ct),
-        epi_desc=epi.describe(), w_at=w_at, fma=_fma(cot, ct, ppt), PPT=ppt,
+        PIXELS=pixels, block=block, name=name, T=lay_ct, idx=index_type(index64), extra_params=epilogue_params(epi, lay_ct),
+        epi_desc=epilogue_desc(epi), w_at=w_at, fma=_fma(cot, ct, ppt), PPT=ppt,
         ci_unroll="" if cgi // vec <= 8 else "4",
-        epilogue=epi.code(" " * 6, "fx_to_f32(bias[c])", "fx_to_f32(res[o])"))
+        epilogue=epilogue_code(epi, " " * 6, "fx_to_f32(bias[c])", "fx_to_f32(res[o])"))
     params = [("x", f"const {lay_ct}*"), ("w", f"const {lay_ct}*")]
-    params += [("bias", f"const {lay_ct}*")] * epi.bias + [("res", f"const {lay_ct}*")] * epi.residual
+    params += [("bias", f"const {lay_ct}*")] * has_bias(epi) + [("res", f"const {lay_ct}*")] * has_residual(epi)
     params += [("y", f"{lay_ct}*")]
     grid = (max(1, min(-(-pixels // (tp * ppt)), _MAX_BLOCKS)), cout // ct, 1)
     meta = {"layout": "nhwc", "k": (KH, KW), "stride": (SH, SW), "padding": (PH, PW), "dilation": (DH, DW),

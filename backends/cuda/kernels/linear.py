@@ -35,7 +35,8 @@ import torch
 import torch.fx as fx
 
 from fxopt.backends.cuda.codegen.c import ctype, prelude
-from fxopt.backends.cuda.codegen.epilogue import Epilogue
+from fxopt.backends.cuda.codegen.epilogue import (NO_EPILOGUE, epilogue_code, epilogue_desc, epilogue_key,
+                                                  epilogue_params, has_bias, has_residual, template_epilogue)
 from fxopt.backends.cuda.codegen.source import KernelSource, unique_name
 from fxopt.backends.cuda.kernels.common import NodeGroup, compiled_kernel, load
 from fxopt.backends.cuda.kernels.conv import conv_args
@@ -61,7 +62,7 @@ def row_capacity(m: int) -> int:
 
 
 def generate_linear(k: int, n: int, rows: int, dtype: torch.dtype = torch.float32,
-                    epilogue: Epilogue | None = None, features_per_warp: int = 1,
+                    epilogue=None, features_per_warp: int = 1,
                     block: int = 128) -> KernelSource:
     """Launch args: x, w, [bias], y, M (M <= rows). Grid: ceil(N / (block / 32 * features_per_warp))."""
     K, N, MR, NW = int(k), int(n), int(rows), int(features_per_warp)
@@ -71,16 +72,16 @@ def generate_linear(k: int, n: int, rows: int, dtype: torch.dtype = torch.float3
         raise ValueError(f"linear: rows {MR} x features per warp {NW} must fit one warp's lanes")
     if block % 32 or not 32 <= block <= 1024:
         raise ValueError("linear: block must be a multiple of 32, at most 1024")
-    epi = epilogue or Epilogue()
-    if epi.residual:
+    epi = NO_EPILOGUE if epilogue is None else epilogue
+    if has_residual(epi):
         raise ValueError("linear: no residual input")
     ct, vec = ctype(dtype), vector_width(K, dtype)
-    name = unique_name(f"fx_linear_k{K}_n{N}_r{MR}_{_SHORT[dtype]}", K, N, MR, NW, epi, block, vec)
+    name = unique_name(f"fx_linear_k{K}_n{N}_r{MR}_{_SHORT[dtype]}", K, N, MR, NW, epilogue_key(epi), block, vec)
     src = Template(load("linear_rows.cu").template).substitute(
         prelude=prelude({dtype}), K=K, N=N, MR=MR, NW=NW, VEC=vec, T=ct, block=block, name=name,
-        extra_params=epi.params(ct), epi_desc=epi.describe(),
-        epilogue=epi.code(" " * 8, "fx_to_f32(bias[n])", ""))
-    params = [("x", f"const {ct}*"), ("w", f"const {ct}*")] + [("bias", f"const {ct}*")] * epi.bias
+        extra_params=epilogue_params(epi, ct), epi_desc=epilogue_desc(epi),
+        epilogue=epilogue_code(epi, " " * 8, "fx_to_f32(bias[n])", ""))
+    params = [("x", f"const {ct}*"), ("w", f"const {ct}*")] + [("bias", f"const {ct}*")] * has_bias(epi)
     params += [("y", f"{ct}*"), ("M", "long long")]
     meta = {"k": K, "n": N, "rows": MR, "features_per_warp": NW, "vec": vec, "epilogue": epi, "dtype": dtype}
     return KernelSource(name, src, tuple(params), "linear_rows", meta, (block, 1, 1), False)
@@ -93,7 +94,7 @@ MAX_LAYERS = 8
 
 def generate_linear_chain(layers: list, rows: int, dtype: torch.dtype = torch.float32,
                           block: int = BLOCK) -> KernelSource:
-    """layers: [(K, N, Epilogue)], each K the previous N. Launch args: x, (w_i, [b_i]) per layer,
+    """layers: [(K, N, epilogue)] (epilogues from ``template_epilogue``), each K the previous N. Launch args: x, (w_i, [b_i]) per layer,
     y, M (M <= rows). Grid: one block."""
     if not 2 <= len(layers) <= MAX_LAYERS:
         raise ValueError(f"linear chain: {len(layers)} layers, the template takes 2..{MAX_LAYERS}")
@@ -102,7 +103,7 @@ def generate_linear_chain(layers: list, rows: int, dtype: torch.dtype = torch.fl
     if block % 32 or not 32 <= block <= 1024:
         raise ValueError("linear chain: block must be a multiple of 32, at most 1024")
     for i, (k, n, epi) in enumerate(layers):
-        if min(k, n) < 1 or epi.residual:
+        if min(k, n) < 1 or has_residual(epi):
             raise ValueError(f"linear chain: layer {i} (K={k}, N={n}) must be positive and take no residual")
         if i and k != layers[i - 1][1]:
             raise ValueError(f"linear chain: layer {i} takes K={k}, the previous layer gives {layers[i - 1][1]}")
@@ -125,11 +126,12 @@ def generate_linear_chain(layers: list, rows: int, dtype: torch.dtype = torch.fl
         store = (f"        y[(long long)m * {n} + n] = fx_from<{ct}>(acc);" if i == last else
                  f"        act_[{i % 2}][m * {n} + n] = fx_to_f32(fx_from<{ct}>(acc));  // stored as {ct}")
         body.append(layer_t.substitute(
-            l=i, K=k, N=n, MR=rows, VEC=vec, T=ct, WARPS=block // 32, epi_desc=epi.describe(),
-            accumulate=acc, store=store, epilogue=epi.code(" " * 8, f"fx_to_f32(b{i}[n])", "")))
-        params += [(f"w{i}", f"const {ct}*")] + [(f"b{i}", f"const {ct}*")] * epi.bias
-    desc = "; ".join(f"{k}->{n} {epi.describe()}" for k, n, epi in layers)
-    name = unique_name(f"fx_linear_chain{len(layers)}_r{rows}_{_SHORT[dtype]}", tuple(layers), rows, dtype, block)
+            l=i, K=k, N=n, MR=rows, VEC=vec, T=ct, WARPS=block // 32, epi_desc=epilogue_desc(epi),
+            accumulate=acc, store=store, epilogue=epilogue_code(epi, " " * 8, f"fx_to_f32(b{i}[n])", "")))
+        params += [(f"w{i}", f"const {ct}*")] + [(f"b{i}", f"const {ct}*")] * has_bias(epi)
+    desc = "; ".join(f"{k}->{n} {epilogue_desc(epi)}" for k, n, epi in layers)
+    name = unique_name(f"fx_linear_chain{len(layers)}_r{rows}_{_SHORT[dtype]}",
+                       tuple((k, n, epilogue_key(e)) for k, n, e in layers), rows, dtype, block)
     src = Template(load("linear_chain.cu").template).substitute(
         prelude=prelude({dtype}), L=len(layers), last=last, K0=layers[0][0], NLAST=layers[-1][1], MR=rows,
         NMAX=nmax, block=block, name=name, T=ct, desc=desc,
@@ -156,7 +158,7 @@ def launch_linear(ks: KernelSource, x: torch.Tensor, w: torch.Tensor, out: torch
                          f"do not match K={K}, N={N}")
     if x.shape[0] > m["rows"]:
         raise ValueError(f"{ks.name}: {x.shape[0]} rows, generated for at most {m['rows']}")
-    if (bias is not None) != m["epilogue"].bias:
+    if (bias is not None) != has_bias(m["epilogue"]):
         raise ValueError(f"{ks.name}: bias {'missing' if bias is None else 'unexpected'}")
     tensors = [("x", x), ("w", w), ("out", out)] + ([("bias", bias)] if bias is not None else [])
     for what, t in tensors:
@@ -229,7 +231,7 @@ def plan_linear(node: fx.Node) -> Optional[LinearRows]:
     if bias is not None and (_val(bias) is None or _val(bias).dtype != x.dtype or _val(bias).dim() != 1):
         return None
     spec = {"k": int(x.shape[1]), "n": int(w.shape[0]), "rows": row_capacity(int(x.shape[0])), "dtype": x.dtype,
-            "epilogue": Epilogue(bias is not None, False, None if act == "none" else (act, tuple(act_params)))}
+            "epilogue": template_epilogue(bias is not None, False, act, act_params)}
     return LinearRows(f"linear_{node.name}", spec)
 
 
@@ -263,7 +265,7 @@ def plan_conv_as_linear(node: fx.Node) -> Optional[ConvAsLinear]:
     """A candidate for a fused_conv node that is a linear layer over at most MAX_ROWS rows (see the
     module docstring); None where none applies."""
     c = conv_args(node)
-    if c is None or c["groups"] != 1 or c["k"] != (1, 1) or c["padding"] != (0, 0) or c["epilogue"].residual:
+    if c is None or c["groups"] != 1 or c["k"] != (1, 1) or c["padding"] != (0, 0) or has_residual(c["epilogue"]):
         return None  # not a 1x1 dense conv without padding and residual (see conv_args for the rest)
     x, w, out = c["x"], c["w"], c["out"]
     if tuple(x.shape[2:]) != (1, 1) or tuple(out.shape[2:]) != (1, 1) or not 1 <= x.shape[0] <= MAX_ROWS:
@@ -313,7 +315,7 @@ class LinearChain:
             w, b = flat[4 * i], flat[4 * i + 1]
             if w.dtype != dt or tuple(w.shape) != (n, k) or not w.is_contiguous():
                 return None
-            if not _aligned(w, vector_width(k, dt) * w.element_size()) or (b is not None) != epi.bias:
+            if not _aligned(w, vector_width(k, dt) * w.element_size()) or (b is not None) != has_bias(epi):
                 return None
             if b is not None and (b.dtype != dt or tuple(b.shape) != (n,) or not b.is_contiguous()):
                 return None
@@ -326,7 +328,7 @@ class LinearChain:
 
 
 def _layer(node: fx.Node, rows: Optional[int], dtype) -> Optional[tuple]:
-    """(K, N, Epilogue) of an eligible fused_linear node, else None."""
+    """(K, N, epilogue) of an eligible fused_linear node, else None."""
     if node.op != "call_function" or node.target is not fused_linear_ref or len(node.args) != 5:
         return None
     x, w, out = _val(node.args[0]), _val(node.args[1]), node.meta.get("val")
@@ -341,8 +343,7 @@ def _layer(node: fx.Node, rows: Optional[int], dtype) -> Optional[tuple]:
     bias, act, act_params = node.args[2], node.args[3], node.args[4]
     if bias is not None and (_val(bias) is None or _val(bias).dtype != x.dtype or _val(bias).dim() != 1):
         return None
-    return int(x.shape[1]), int(w.shape[0]), Epilogue(bias is not None, False,
-                                                        None if act == "none" else (act, tuple(act_params)))
+    return int(x.shape[1]), int(w.shape[0]), template_epilogue(bias is not None, False, act, act_params)
 
 
 def plan_linear_chains(graph: fx.Graph) -> list[tuple[list[fx.Node], LinearChain]]:

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from fxopt.backends.cuda.codegen.c import ctype as _ctype, lit, prelude as _prelude
-from fxopt.backends.cuda.codegen.epilogue import Epilogue
+from fxopt.backends.cuda.codegen.epilogue import (NO_EPILOGUE, epilogue_code, epilogue_desc, epilogue_key,
+                                                  epilogue_params, has_bias, has_residual)
 from fxopt.backends.cuda.codegen.source import KernelSource, DTYPE_SHORT, index_type, checked_layout, unique_name
 from fxopt.backends.cuda.kernels.common import check_layout, compiled_kernel, load
 
@@ -79,17 +80,18 @@ def generate_winograd_input_transform(dtype: torch.dtype = torch.float32, layout
 
 
 def generate_winograd_output_transform(dtype: torch.dtype = torch.float32, layout: str = "nchw",
-                                       epilogue: Epilogue | None = None,
+                                       epilogue=None,
                                        transform_dtype: torch.dtype | None = None,
                                        index64: bool = False, block: int = 256) -> KernelSource:
     """Y = A^T m A per tile, then bias + residual + activation. M is (16, K, P) for nchw,
     (16, P, K) for nhwc. Launch args: M, [bias], [res], y, N, K, OH, OW, TH, TW;
     ``grid_block(P * K)``."""
-    lay, ct, mt, epi = checked_layout(layout), _ctype(dtype), _ctype(transform_dtype or dtype), epilogue or Epilogue()
-    name = unique_name(f"fx_wino_out_{DTYPE_SHORT[dtype]}_{lay}", epi, transform_dtype, index64, block)
+    lay, ct, mt = checked_layout(layout), _ctype(dtype), _ctype(transform_dtype or dtype)
+    epi = NO_EPILOGUE if epilogue is None else epilogue
+    name = unique_name(f"fx_wino_out_{DTYPE_SHORT[dtype]}_{lay}", epilogue_key(epi), transform_dtype, index64, block)
     loads = [f"    const float m{i}_{j} = fx_to_f32(M[(idx_t){i * 4 + j} * total + o]);"
              for i in range(4) for j in range(4)]
-    if epi.bias:
+    if has_bias(epi):
         loads.append("    const float bk = fx_to_f32(bias[c]);")
     code = winograd_transform_code(WINO_AT, [[f"m{i}_{j}" for j in range(4)] for i in range(4)], "r")
     at = "((n * K + c) * OH + oh) * OW + ow" if lay == "nchw" else "((n * OH + oh) * OW + ow) * K + c"
@@ -98,16 +100,16 @@ def generate_winograd_output_transform(dtype: torch.dtype = torch.float32, layou
         for j in range(2):
             stores.append(f"    {{\n      const int oh = th * 2 + {i}, ow = tw * 2 + {j};\n"
                           f"      if (oh < OH && ow < OW) {{\n        const idx_t oi = {at};\n"
-                          f"        float acc = r{i}_{j};\n{epi.code(' ' * 8, 'bk', 'fx_to_f32(res[oi])')}\n"
+                          f"        float acc = r{i}_{j};\n{epilogue_code(epi, ' ' * 8, 'bk', 'fx_to_f32(res[oi])')}\n"
                           f"        y[oi] = fx_from<{ct}>(acc);\n      }}\n    }}")
     src = load("winograd_output.cu").substitute(
         prelude=_prelude({dtype, transform_dtype or dtype}), layout=lay,
-        m_layout="K][P" if lay == "nchw" else "P][K", epi_desc=epi.describe(), block=block,
-        name=name, MT=mt, T=ct, extra_params=epi.params(ct), idx=index_type(index64),
+        m_layout="K][P" if lay == "nchw" else "P][K", epi_desc=epilogue_desc(epi), block=block,
+        name=name, MT=mt, T=ct, extra_params=epilogue_params(epi, ct), idx=index_type(index64),
         decompose=wino_decompose(lay, "K"), loads="\n".join(loads),
         transform="\n".join(f"    const float {n} = {e};" for n, e in code), stores="\n".join(stores))
-    params = [("M", f"const {mt}*")] + [("bias", f"const {ct}*")] * epi.bias
-    params += [("res", f"const {ct}*")] * epi.residual + [("y", f"{ct}*")]
+    params = [("M", f"const {mt}*")] + [("bias", f"const {ct}*")] * has_bias(epi)
+    params += [("res", f"const {ct}*")] * has_residual(epi) + [("y", f"{ct}*")]
     params += [(n, "long long") for n in ("N", "K", "OH", "OW", "TH", "TW")]
     return KernelSource(name, src, tuple(params), "winograd_output", {"layout": lay, "epilogue": epi},
                         (block, 1, 1), index64)
@@ -154,7 +156,7 @@ def launch_winograd_output(ks: KernelSource, M: torch.Tensor, out: torch.Tensor,
                            kernel=None) -> torch.Tensor:
     lay, epi = ks.meta["layout"], ks.meta["epilogue"]
     check_layout(out, lay, f"{ks.name}: out")
-    if (bias is not None) != epi.bias or (residual is not None) != epi.residual:
+    if (bias is not None) != has_bias(epi) or (residual is not None) != has_residual(epi):
         raise ValueError(f"{ks.name}: bias/residual do not match the kernel's epilogue {epi}")
     if residual is not None:
         check_layout(residual, lay, f"{ks.name}: residual", out.dtype)

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from fxopt.backends.cuda.ir import Cast, Const, Ix, Where, op
+from fxopt.backends.cuda.ir import ACTIVATIONS, Cast, Const, Ix, Where, epilogue_expr, op
 from fxopt.backends.cuda.kernels.common import meta
 from .values import FLOATS, Args, Decline, Value
 
@@ -102,28 +102,14 @@ def _bn_eval(a, idx):
     return y
 
 
-#: fused_conv's activation names as IR ops: name -> fn(x, params) -> Expr
-_ACTIVATION_IR = {
-    "none": lambda x, p: x, "relu": lambda x, p: op("relu", x), "silu": lambda x, p: op("silu", x),
-    "gelu": lambda x, p: op("gelu", x), "gelu_tanh": lambda x, p: op("gelu_tanh", x),
-    "hardswish": lambda x, p: op("hardswish", x), "hardsigmoid": lambda x, p: op("hardsigmoid", x),
-    "sigmoid": lambda x, p: op("sigmoid", x), "tanh": lambda x, p: op("tanh", x),
-    "hardtanh": lambda x, p: op("clamp", x, params=(float(p[0]), float(p[1]))),
-    "leaky_relu": lambda x, p: op("leaky_relu", x, params=(float(p[0]),)),
-}
-
-
 def _conv_epilogue(a, idx):
-    """fxopt.ops.conv_epilogue_ref: act(y + bias[c] (+ residual))."""
-    y = a.value(a.arg(0, "y")).load(idx)
+    """fxopt.ops.conv_epilogue_ref: act(y + bias[c] (+ residual)), as ``ir.epilogue_expr`` builds it."""
     bias, res, act, params = a.arg(1, "bias"), a.arg(2, "residual"), a.arg(3, "activation"), a.arg(4, "act_params")
-    if bias is not None:
-        y = op("add", y, a.value(bias).load([idx[1]] if len(idx) > 1 else [Ix()]))
-    if res is not None:
-        y = op("add", y, a.bload(res)(idx))
-    if act not in _ACTIVATION_IR:
+    if act not in ACTIVATIONS:
         raise Decline(f"activation {act}")
-    return _ACTIVATION_IR[act](y, tuple(params or ()))
+    return epilogue_expr(a.value(a.arg(0, "y")).load(idx),
+                         None if bias is None else a.value(bias).load([idx[1]] if len(idx) > 1 else [Ix()]),
+                         None if res is None else a.bload(res)(idx), act, tuple(params or ()))
 
 
 def _softplus(a, idx):
