@@ -154,6 +154,37 @@ class OneDnnConv(torch.nn.Module):
         return apply_activation(y + residual, self.activation, self.act_params)
 
 
+def outputs_differ(got, ref, dtype: torch.dtype) -> Optional[str]:
+    """None where every output of ``got`` has ``ref``'s shape and dtype, NaNs where ``ref`` has
+    them, and a max-norm relative error (``fxopt.tolerances.relative_error``) within the rtol of
+    ``dtype`` (the lowest precision the graph computes in), else what differs."""
+    from fxopt.tolerances import relative_error, tolerance
+
+    g = list(got) if isinstance(got, (list, tuple)) else [got]
+    r = list(ref) if isinstance(ref, (list, tuple)) else [ref]
+    if len(g) != len(r):
+        return f"{len(g)} outputs instead of {len(r)}"
+    rtol = tolerance(dtype)[0]
+    for i, (a, b) in enumerate(zip(g, r)):
+        if not isinstance(b, torch.Tensor):
+            if a != b:
+                return f"output {i}: {a!r} != {b!r}"
+            continue
+        if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            return f"output {i}: {getattr(a, 'shape', a)}/{getattr(a, 'dtype', '')} vs {b.shape}/{b.dtype}"
+        if not b.is_floating_point():
+            if not torch.equal(a, b):
+                return f"output {i}: values differ"
+            continue
+        if not torch.equal(a.isnan(), b.isnan()):
+            return f"output {i}: NaNs differ"
+        finite = b.isfinite()
+        err = relative_error(torch.where(finite, a, 0), torch.where(finite, b, 0))
+        if not err <= rtol:
+            return f"output {i}: relative error {err:.3g} > {rtol} ({str(dtype).replace('torch.', '')})"
+    return None
+
+
 def _replace(graph: fx.Graph, node: fx.Node, op: str, target, args: tuple) -> None:
     """``node`` replaced by a new ``op`` node of ``target(*args)`` carrying its metadata."""
     with graph.inserting_before(node):
@@ -272,8 +303,18 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
 
         ort, why = cpu_candidate(gm, ctx)
     details["onnxruntime_candidate"] = "timed per signature" if ort is not None else f"none ({why})"
+    ov, why = None, "option cpu_openvino=False"
+    if ctx.options.cpu_openvino:
+        from fxopt.backends import openvino
+
+        ov, why = openvino.cpu_candidate(gm, ctx)
+    details["openvino_candidate"] = (f"timed per signature (inference precision {ov.precision})" if ov is not None
+                                     else f"none ({why})")
+    from fxopt.backends.openvino import compute_dtype
+
     runner = CpuRunner(runnable, baseline, placeholder_indices(gm, ctx.param_placeholders),
-                       decisions_cache=decisions_cache(ctx, runnable, baseline, "cpu"), onnxruntime=ort)
+                       decisions_cache=decisions_cache(ctx, runnable, baseline, "cpu"), onnxruntime=ort,
+                       openvino=ov, check_dtype=compute_dtype(ctx.unoptimized or gm))
     # the runner's decisions() say, per signature, which graph runs and the times
     return Lowered(fn=runner, executor=EXECUTOR, cudagraphs="off (CPU)", cpu_runner=runner,
                    baseline_check=baseline is not None, details=details)
@@ -284,18 +325,24 @@ class CpuRunner:
     ONNX Runtime session) measures faster for a signature."""
 
     #: the ways a signature can run: decision name -> timing key
-    KEYS = {"optimized graph": "optimized_ms", "baseline graph": "baseline_ms", "onnxruntime": "onnxruntime_ms"}
+    KEYS = {"optimized graph": "optimized_ms", "baseline graph": "baseline_ms", "onnxruntime": "onnxruntime_ms",
+            "openvino": "openvino_ms"}
 
     def __init__(self, fn: Callable, baseline: Optional[Callable], static_indices: Sequence[int],
                  decisions_cache: Optional[tuple] = None, margin: float = 0.03, rounds: int = 5,
-                 max_timed: int = 8, onnxruntime: Optional[Callable] = None):
+                 max_timed: int = 8, onnxruntime: Optional[Callable] = None, openvino: Optional[Callable] = None,
+                 check_dtype: torch.dtype = torch.float32):
         """fn / baseline: the optimized and unoptimized graphs (same arguments); onnxruntime: the
         optimized graph in ONNX Runtime (same arguments), or None; static_indices: the parameter
         inputs (not part of the signature); decisions_cache: (AutotuneCache, device, code hash) or
         None; max_timed: signatures timed at most (a varying batch size would pay the timing calls
         for every new size); later ones run the way most decisions chose. An alternative must be
-        faster than the optimized graph by more than ``margin``."""
-        self.fn, self.baseline, self.onnxruntime = fn, baseline, onnxruntime
+        faster than the optimized graph by more than ``margin``; openvino: the graph compiled by
+        OpenVINO (same arguments), or None. ONNX Runtime and OpenVINO must first give the reference's
+        outputs (the baseline graph's, else the optimized graph's) within the tolerance of
+        ``check_dtype`` (the lowest precision the graph computes in), or they are left out."""
+        self.fn, self.baseline, self.onnxruntime, self.openvino = fn, baseline, onnxruntime, openvino
+        self.check_dtype = check_dtype
         self.margin, self.rounds, self.max_timed = margin, rounds, max_timed
         self.static = set(static_indices)
         self._dynamic: Optional[list] = None  # the indices of the other arguments, from the first call
@@ -306,7 +353,8 @@ class CpuRunner:
     @property
     def ways(self) -> dict:
         """The ways a signature can run, by decision name (the optimized graph first)."""
-        ways = {"optimized graph": self.fn, "baseline graph": self.baseline, "onnxruntime": self.onnxruntime}
+        ways = {"optimized graph": self.fn, "baseline graph": self.baseline, "onnxruntime": self.onnxruntime,
+                "openvino": self.openvino}
         return {k: v for k, v in ways.items() if v is not None}
 
     def _signature(self, args) -> tuple:
@@ -349,14 +397,24 @@ class CpuRunner:
 
     def _measure(self, args) -> dict:
         """Every way's wall-clock median (alternating rounds, after two warm-up calls each: folded
-        constants, packed weights, primitives, ONNX Runtime's session); the fastest runs. A way
-        that fails (ONNX export or session creation) is left out, with the reason."""
+        constants, packed weights, primitives, ONNX Runtime's session, OpenVINO's compiled model);
+        the fastest runs. A way that fails (export, conversion, session creation) or whose outputs
+        differ from the reference's beyond the tolerance is left out, with the reason."""
         from fxopt.autotune import alternating_medians
 
-        fns, failed = {}, {}
-        for name, way in self.ways.items():
+        fns, failed, reference = {}, {}, None
+        ways = self.ways
+        order = [n for n in ("baseline graph", "optimized graph") if n in ways] + \
+            [n for n in ways if n not in ("baseline graph", "optimized graph")]
+        for name, way in ((n, ways[n]) for n in order):
             try:
-                way(*args)
+                out = way(*args)
+                if name in ("baseline graph", "optimized graph") and reference is None:
+                    reference = out
+                elif name not in ("baseline graph", "optimized graph"):
+                    wrong = outputs_differ(out, reference, self.check_dtype)
+                    if wrong:
+                        raise ValueError(f"outputs differ from the reference: {wrong}")
                 way(*args)
                 fns[self.KEYS[name]] = (lambda w=way: w(*args))
             except Exception as e:  # noqa: BLE001 - only the optimized graph must run

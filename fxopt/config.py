@@ -53,6 +53,10 @@ class Options:
     #: cpu executor: also time the optimized graph in an ONNX Runtime session (CPU EP) per input
     #: signature and run it where it is faster (needs onnxruntime; graphs it cannot export skip it)
     cpu_onnxruntime: bool = True
+    #: cpu executor: also time the graph compiled by OpenVINO (CPU plugin) per input signature and run
+    #: it where it is faster and its outputs match (needs openvino: pip install fxopt[openvino]; float32
+    #: graphs at float32 precision, bfloat16 ones at bfloat16)
+    cpu_openvino: bool = True
     #: inference graphs that need nothing of AOTAutograd's runtime wrapper (no aliasing, mutation,
     #: subclasses, autocast...) are called by Dynamo directly, saving the wrapper's per-call cost
     direct_call: bool = True
@@ -136,6 +140,8 @@ class Options:
             raise ValueError(f"fxopt: compile_cache must be True or False, got {self.compile_cache!r}")
         if not isinstance(self.cpu_onnxruntime, bool):
             raise ValueError(f"fxopt: cpu_onnxruntime must be True or False, got {self.cpu_onnxruntime!r}")
+        if not isinstance(self.cpu_openvino, bool):
+            raise ValueError(f"fxopt: cpu_openvino must be True or False, got {self.cpu_openvino!r}")
         if not isinstance(self.cudnn_search, bool):
             raise ValueError(f"fxopt: cudnn_search must be True or False, got {self.cudnn_search!r}")
         if self.dump_dir is None:

@@ -15,7 +15,7 @@ def _versions() -> Dict[str, Optional[str]]:
         v["cuDNN"] = str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else None
     except Exception:
         pass
-    for mod in ("torchvision", "triton", "onnx", "onnxruntime"):
+    for mod in ("torchvision", "triton", "onnx", "onnxruntime", "openvino"):
         try:
             v[mod] = __import__(mod).__version__
         except Exception:
@@ -67,4 +67,18 @@ def _device_info(device: str) -> Dict[str, Any]:
             name = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
     except Exception:
         pass
-    return {"device_name": f"CPU: {name}", "capability": None, "cpu_threads": torch.get_num_threads()}
+    bf16 = _cpu_bf16()  # in the name: the report header shows it
+    return {"device_name": f"CPU: {name} (bfloat16 units: {bf16}; {torch.get_num_threads()} threads)",
+            "capability": None, "cpu_threads": torch.get_num_threads(), "cpu_bf16": bf16}
+
+
+def _cpu_bf16() -> str:
+    """The CPU's bfloat16 units as /proc/cpuinfo names them (AMX tiles, AVX512-BF16), or "none"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(l.split(":", 1)[1].split() for l in f if l.startswith("flags")))
+    except Exception:
+        return "unknown"
+    found = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"))
+             if flag in flags]
+    return ", ".join(found) if found else "none"

@@ -1,6 +1,6 @@
 """The backends the benchmark harness times, by name (:data:`BACKENDS`): eager PyTorch, Inductor
 in its modes, fxopt with its options, fxopt's deployment package, and the floors (``torch.compile``
-with PyTorch's non-optimizing backends). ONNX Runtime lives in ``fxopt.bench.ort_peer``, the
+with PyTorch's non-optimizing backends). ONNX Runtime lives in ``fxopt.bench.ort_peer``, OpenVINO in ``fxopt.bench.ov_peer``, the
 deployment backends in ``fxopt.bench.deploy``.
 
 A backend is a :class:`BackendSpec`: ``prepare(model, example_input, device, dtype,
@@ -16,6 +16,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 import torch
 
 from .ort_peer import onnxruntime_peer
+from .ov_peer import openvino_peer
 from .spec import BackendSpec, Prepared, PrepareFn
 
 __all__ = ["BACKENDS", "DEFAULT_BACKENDS", "first_line", "fxopt_available"]
@@ -158,6 +159,9 @@ BACKENDS: Dict[str, BackendSpec] = {s.name: s for s in [
                 context=_cudnn_default_ctx(_freezing_ctx)),
     BackendSpec("onnxruntime", onnxruntime_peer(False)),
     BackendSpec("onnxruntime-cudagraph", onnxruntime_peer(True), needs_cuda=True),
+    # CPU only: float32 arithmetic, and OpenVINO's default precision (bfloat16 on CPUs with bf16 units)
+    BackendSpec("openvino-f32", openvino_peer("f32")),
+    BackendSpec("openvino", openvino_peer(None)),
     BackendSpec("fxopt", _fxopt({}), is_fxopt=True),
     BackendSpec("fxopt-no-cudagraphs", _fxopt({"cudagraphs": False}), is_fxopt=True),
     BackendSpec("fxopt-direct", _fxopt({"conv_algorithm": "direct"}), is_fxopt=True, default=False),

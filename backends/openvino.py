@@ -1,0 +1,196 @@
+"""OpenVINO as one more way the cpu executor times per input signature (option ``cpu_openvino``).
+
+Why: OpenVINO's CPU plugin compiles a whole network into one graph of its own kernels (depthwise
+convolutions with their epilogues, no per-op Python dispatch, its own thread pool); at batch 1 that
+is where the time between oneDNN calls goes. It is an optional extra (``pip install
+fxopt[openvino]``): without it, or where it refuses a graph, the cpu executor runs as before.
+
+What runs: the graph as AOTAutograd handed it (``ctx.unoptimized``: aten ops, the module's exact
+semantics; the optimized graph where there is none), its parameters bound as constants, traced
+and converted by ``openvino.convert_model`` and compiled for the CPU plugin per input signature
+(``PERFORMANCE_HINT=LATENCY``, ``INFERENCE_NUM_THREADS`` = torch's thread count). When a parameter
+changes in place (its version counter moves) or is replaced, the compiled models are rebuilt.
+
+Precision: ``INFERENCE_PRECISION_HINT=f32`` for a graph that computes in float32 (OpenVINO's
+default on a CPU with bfloat16 units is bfloat16: never used to lower a float32 model's precision);
+``bf16`` only where the graph itself computes in bfloat16 (a bfloat16 model, or casts to bfloat16
+from ``torch.autocast``) and the CPU has bfloat16 units. The runner (``backends/cpu.py``) checks
+the outputs against the reference before it may choose this way.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+MAX_MODELS = 8
+#: torch dtypes OpenVINO tensors can share (bfloat16 by its bits)
+_SHAREABLE = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool, torch.uint8,
+              torch.int8)
+
+
+def why_unavailable() -> Optional[str]:
+    """None where ``import openvino`` works, else why not."""
+    try:
+        import openvino  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken install
+        return f"openvino is not importable ({type(e).__name__}: {str(e)[:120]}); pip install fxopt[openvino]"
+    return None
+
+
+def cpu_has_bf16() -> bool:
+    """Whether OpenVINO's CPU plugin has bfloat16 arithmetic here (AVX512-BF16 or AMX)."""
+    try:
+        import openvino as ov
+
+        return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def shared_tensor(t: torch.Tensor):
+    """An ``openvino.Tensor`` on ``t``'s memory (contiguous ``t``; bfloat16 by its bits)."""
+    import openvino as ov
+
+    if t.dtype == torch.bfloat16:
+        return ov.Tensor(t.view(torch.int16).numpy(), list(t.shape), ov.Type.bf16)
+    return ov.Tensor(t.numpy(), shared_memory=True)
+
+
+def compute_dtype(gm: fx.GraphModule) -> torch.dtype:
+    """The lowest floating-point precision the graph computes in (bfloat16 / float16 where any value
+    is; else float32 / float64)."""
+    seen = set()
+    for n in gm.graph.nodes:
+        vals = n.meta.get("val")
+        for v in vals if isinstance(vals, (list, tuple)) else [vals]:
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                seen.add(v.dtype)
+    for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        if d in seen:
+            return d
+    return torch.float32
+
+
+def precision_for(gm: fx.GraphModule) -> tuple[Optional[str], Optional[str]]:
+    """(OpenVINO inference precision for ``gm``, None) or (None, why OpenVINO cannot run it)."""
+    d = compute_dtype(gm)
+    if d == torch.bfloat16:
+        return ("bf16", None) if cpu_has_bf16() else ("f32", None)
+    if d == torch.float32:
+        return "f32", None
+    return None, f"{d} graph (OpenVINO candidate: float32 and bfloat16 graphs)"
+
+
+class _Bound(torch.nn.Module):
+    """``gm`` with its parameter inputs bound: what ``openvino.convert_model`` traces."""
+
+    def __init__(self, fn, n_args: int, params: dict):
+        super().__init__()
+        self.fn, self.n_args, self.params = fn, n_args, params
+
+    def forward(self, *user):
+        it = iter(user)
+        args = [self.params[i] if i in self.params else next(it) for i in range(self.n_args)]
+        out = self.fn(*args)
+        return tuple(out) if isinstance(out, (list, tuple)) else out
+
+
+class OvRunner:
+    """The compiled callable: the graph's flat args in (parameters included), its outputs out, with
+    one OpenVINO compiled model per signature of the user inputs. Conversion failures raise."""
+
+    def __init__(self, gm: fx.GraphModule, param_indices, precision: str, max_models: int = MAX_MODELS):
+        from fxopt.backends import torch_ref
+
+        self.gm, self.fn, self.precision, self.max_models = gm, torch_ref.lower(gm), precision, max_models
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.n_args = len(placeholders)
+        self.params = sorted(param_indices)
+        self.user = [i for i in range(self.n_args) if i not in set(self.params)]
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        self.out_type = type(out) if isinstance(out, (list, tuple)) else None
+        self.out_vals = [o.meta.get("val") if isinstance(o, fx.Node) else None
+                         for o in (out if isinstance(out, (list, tuple)) else [out])]
+        self.models: OrderedDict = OrderedDict()
+        self._param_key = None
+        self.builds = 0
+
+    def _compile(self, args):
+        import openvino as ov
+
+        params = {i: args[i].detach() if isinstance(args[i], torch.Tensor) else args[i] for i in self.params}
+        example = tuple(args[i] for i in self.user)
+        with torch.no_grad():
+            # torch.export keeps the aten ops (TorchScript tracing records some OpenVINO has no rule for)
+            ep = torch.export.export(_Bound(self.fn, self.n_args, params), example, strict=False)
+            ov_model = ov.convert_model(ep)
+        # the exported program's inputs come out dynamic: this signature's shapes
+        ov_model.reshape({port: ov.PartialShape(list(t.shape)) for port, t in zip(ov_model.inputs, example)})
+        cfg = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": max(1, torch.get_num_threads()),
+               "INFERENCE_PRECISION_HINT": self.precision}
+        compiled = ov.Core().compile_model(ov_model, "CPU", cfg)
+        self.builds += 1
+        shapes = [tuple(int(d) for d in o.get_shape()) for o in compiled.outputs]
+        return compiled.create_infer_request(), shapes
+
+    def request(self, args):
+        key = tuple((id(args[i]), args[i]._version, args[i].data_ptr()) if isinstance(args[i], torch.Tensor)
+                    else args[i] for i in self.params)
+        if key != self._param_key:  # a weight changed: every compiled model holds stale constants
+            self.models.clear()
+            self._param_key = key
+        sig = tuple((tuple(args[i].shape), args[i].dtype) if isinstance(args[i], torch.Tensor) else args[i]
+                    for i in self.user)
+        req = self.models.get(sig)
+        if req is None:
+            req = self.models[sig] = self._compile(args)
+            while len(self.models) > self.max_models:
+                self.models.popitem(last=False)
+        else:
+            self.models.move_to_end(sig)
+        return req
+
+    def __call__(self, *args):
+        req, shapes = self.request(args)
+        inputs = [args[i].detach().contiguous() for i in self.user if isinstance(args[i], torch.Tensor)]
+        for k, t in enumerate(inputs):
+            req.set_input_tensor(k, shared_tensor(t))
+        outs = []
+        for k, (v, shape) in enumerate(zip(self.out_vals, shapes)):
+            out = torch.empty(shape, dtype=v.dtype)
+            req.set_output_tensor(k, shared_tensor(out))
+            outs.append(out)
+        req.infer()
+        outs = [_restride(t, v) for t, v in zip(outs, self.out_vals)]
+        return self.out_type(outs) if self.out_type is not None else outs[0]
+
+
+def _restride(t: torch.Tensor, v) -> torch.Tensor:
+    """OpenVINO's outputs are contiguous: give them the strides eager's outputs have."""
+    if isinstance(v, torch.Tensor) and not v.is_contiguous() and t.dim() == v.dim():
+        return torch.empty_strided(t.shape, v.stride(), dtype=t.dtype).copy_(t)
+    return t
+
+
+def cpu_candidate(gm: fx.GraphModule, ctx):
+    """(an :class:`OvRunner` of the graph as AOTAutograd handed it, None) for the cpu executor's
+    runner to time per signature, or (None, why not): openvino missing, a dtype it has no
+    candidate for, symbolic shapes or non-tensor outputs."""
+    why = why_unavailable()
+    if why:
+        return None, why
+    from fxopt.backends.lowering import placeholder_indices
+
+    src = ctx.unoptimized if ctx.unoptimized is not None else gm
+    precision, why = precision_for(src)
+    if why:
+        return None, why
+    out = next(n for n in src.graph.nodes if n.op == "output").args[0]
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    if not outs or not all(isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)
+                           and o.meta["val"].dtype in _SHAREABLE for o in outs):
+        return None, "an output that is not a tensor of a dtype OpenVINO shares"
+    return OvRunner(src, placeholder_indices(src, ctx.param_placeholders), precision), None
