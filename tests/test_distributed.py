@@ -367,3 +367,19 @@ def test_the_checks_catch_an_eager_run_and_a_drift():
     assert not compare(run, run)
     assert compare({**run, "params": {"w": torch.ones(3) + 1e-4}}, run)
     assert compare({**run, "losses": [1.0001]}, run)
+
+
+def test_bench_fsdp_shards_the_blocks_with_their_own_forward():
+    """``fxopt.bench.fsdp`` (the GPU benchmark) shards a ResNet's blocks, never a ``torch.nn``
+    layer alone (it would run eagerly under torch.compile); its arguments default to DDP and FSDP2."""
+    import torchvision
+
+    from fxopt.bench.fsdp import parse_args, shard_blocks
+    from fxopt.testing.models import SeedCNN2
+
+    blocks = shard_blocks(torchvision.models.resnet18())
+    assert [type(b).__name__ for b in blocks] == ["BasicBlock"] * 8
+    assert shard_blocks(SeedCNN2()) == []
+    assert [type(b).__name__ for b in shard_blocks(ResNetBN())] == ["Stem", "BasicBlock", "BasicBlock", "Head"]
+    a = parse_args(["--device", "cpu", "--model", "seedcnn2"])
+    assert a.modes == ["ddp", "fsdp"] and a.amp == "none" and a.batch == 64
