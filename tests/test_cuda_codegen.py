@@ -1,9 +1,10 @@
 """CUDA code generator + NVRTC compiler tests.
 
 CPU part: every generator is compiled with NVRTC for sm_90 over a grid of parameters
-(compile failure = test failure), compiler cache/error behaviour, and the torch reference
-executor of PointwiseRegion checked against eager torch.  GPU part (``@pytest.mark.gpu``):
-kernels are launched and compared with torch.
+(compile failure = test failure), compiler cache/error behaviour, and the conv-epilogue kernel (the
+fused epilogue's IR expression rendered after cuDNN) over every activation x bias x residual x dtype
+x layout: its text, and its reference semantics checked against eager torch.  GPU part
+(``@pytest.mark.gpu``): kernels are launched and compared with torch.
 """
 from __future__ import annotations
 
@@ -14,25 +15,25 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
 
-from fxopt.backends.cuda import compiler as nvrtc
+from fxopt.backends.cuda import compiler as nvrtc, ir
 from fxopt.backends.cuda.codegen import c as csnip, source
 from fxopt.backends.cuda.codegen.epilogue import has_bias, has_residual, template_epilogue
 from fxopt.backends.cuda.kernels import common, conv_epilogue, depthwise_conv, pool, winograd
-from fxopt.backends.cuda.kernels.conv_epilogue import PointwiseOp, PointwiseRegion, TensorArg
+from fxopt.backends.cuda.kernels.conv_epilogue import epilogue_inputs, epilogue_reference, generate_conv_epilogue
+from fxopt.ops import ACTIVATIONS as FUSED_ACTIVATIONS, apply_activation
 
 DTYPES = source.SUPPORTED_DTYPES
 LAYOUTS = ("nchw", "nhwc")
 ARCH = "sm_90"
 ACTS = [None, "relu", ("hardtanh", (0.0, 6.0)), "silu", "gelu", "gelu_tanh", "hardswish",
         "hardsigmoid", "sigmoid", "tanh", ("leaky_relu", (0.1,)), ["relu", ("clamp", (None, 4.0))]]
-UNARY_SPECS = [("identity", ()), ("neg", ()), ("relu", ()), ("hardtanh", ()), ("hardtanh", (0.0, 6.0)),
-               ("leaky_relu", ()), ("leaky_relu", (0.2,)), ("silu", ()), ("gelu", ()), ("gelu_tanh", ()),
-               ("hardswish", ()), ("hardsigmoid", ()), ("sigmoid", ()), ("tanh", ()), ("exp", ()),
-               ("abs", ()), ("clamp", (-0.5, None)), ("clamp", (None, 0.5)), ("clamp", (-1.0, 2.0)),
-               ("cast", (torch.float16,)), ("cast", (torch.bfloat16,)), ("cast", (torch.float32,))]
-assert {op for op, _ in UNARY_SPECS} == set(csnip.UNARY_OPS)
+#: every activation a fused conv carries (fxopt.ops.ACTIVATIONS), with the parameters it takes
+EPI_ACTS = [("none", []), ("relu", []), ("hardtanh", [0.0, 6.0]), ("leaky_relu", [0.1]), ("silu", []), ("gelu", []),
+            ("gelu_tanh", []), ("hardswish", []), ("hardsigmoid", []), ("sigmoid", []), ("tanh", [])]
+assert {a for a, _ in EPI_ACTS} == set(FUSED_ACTIVATIONS)
+#: (activation, params, bias, residual): every epilogue a conv-epilogue kernel computes
+EPILOGUES = [(a, p, b, r) for a, p in EPI_ACTS for b in (False, True) for r in (False, True)]
 
 if os.environ.get("FXOPT_REQUIRE_NVRTC") == "1":
     needs_nvrtc = pytest.mark.usefixtures()
@@ -54,29 +55,23 @@ def compile_all(kernels):
     return out
 
 
-def all_ops_region(dtype, out_dtype=None, name="all_ops") -> PointwiseRegion:
-    """Every op and every broadcast kind in one region."""
-    ins = [TensorArg("x", dtype), TensorArg("r", dtype), TensorArg("b", dtype, "channel"),
-           TensorArg("s", torch.float32, "scalar")]
-    ops, prev = [("a0", PointwiseOp("add", ["x", "b"])), ("a1", PointwiseOp("mul", ["a0", "s"])),
-                 ("a2", PointwiseOp("sub", ["a1", "r"])), ("a3", PointwiseOp("div", ["a2", "s"])),
-                 ("a4", PointwiseOp("add", ["a3"], (0.5,))), ("a5", PointwiseOp("div", ["a4"], (3.0,)))], "a5"
-    for k, (op, p) in enumerate(UNARY_SPECS):
-        ops.append((f"u{k}", PointwiseOp(op, [prev], p)))
-        prev = f"u{k}"
-    return PointwiseRegion(name, ins, ops, prev, out_dtype or dtype)
+def epi_kernel(act="relu", params=(), bias=True, residual=True, dtype=torch.float32, layout="nchw", vec=1, **kw):
+    e = template_epilogue(bias, residual, act, list(params))
+    return generate_conv_epilogue(f"conv_epi_{'b' * bias}{'r' * residual}_{act}", e, dtype, layout, vec, **kw)
 
 
 # --------------------------------------------------------------------- compile grids
 @needs_nvrtc
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_compile_pointwise_grid(dtype):
-    ks = [conv_epilogue.generate_pointwise(all_ops_region(dtype), lay, vec)
-          for lay, vec in itertools.product(LAYOUTS, (1, 2, 4, 8))]
-    ks += [conv_epilogue.generate_pointwise(all_ops_region(dtype, torch.float32, "to_f32"), lay, 4, index64=True)
-           for lay in LAYOUTS]
-    for k in ks:
-        assert k.param_types[-3:] == ("long long",) * 3 and k.param_names[-4] == "out"
+def test_compile_conv_epilogue_grid(dtype):
+    """Every activation x bias x residual, the layouts and vector widths taking turns, some with
+    64-bit indices."""
+    ks = [epi_kernel(a, p, b, r, dtype, LAYOUTS[i % 2], (1, 2, 4, 8)[i % 4] if dtype != torch.float32 else (1, 2, 4)[i % 3],
+                     index64=i % 5 == 0)
+          for i, (a, p, b, r) in enumerate(EPILOGUES)]
+    for k, (a, p, b, r) in zip(ks, EPILOGUES):
+        assert k.param_names == ("in0",) + ("in1", "in2")[:b + r] + ("out", "numel", "C", "HW")
+        assert k.param_types[-3:] == ("long long",) * 3 and k.param_types[0] == f"const {csnip.ctype(dtype)}*"
     compile_all(ks)
 
 
@@ -117,8 +112,8 @@ def test_compile_winograd_grid(dtype):
 @needs_nvrtc
 def test_compile_without_cuda_headers():
     """The header-free fp16/bf16 fallback (used when no cuda_fp16.h is found) compiles."""
-    for dt in (torch.float16, torch.bfloat16):
-        ks = conv_epilogue.generate_pointwise(all_ops_region(dt, name="noheaders"), "nhwc", 8)
+    for dt, act in itertools.product((torch.float16, torch.bfloat16), ("gelu_tanh", "hardswish")):
+        ks = epi_kernel(act, (), True, True, dt, "nhwc", 8)
         ck = nvrtc.compile_kernel(ks.source, ks.name, ARCH, {"define_macro": "FXOPT_NO_CUDA_HEADERS"})
         assert ck.cubin
 
@@ -156,28 +151,27 @@ def test_compile_error_carries_log_source_and_line():
 @needs_nvrtc
 @pytest.mark.parametrize("layout,vec", [("nchw", 1), ("nhwc", 8)])
 def test_fast_math_epilogue_template_only_for_16_bit_results(layout, vec):
-    """Option fast_math reaches the conv-epilogue template: its exp and quotient approximate (no
-    IEEE division left in the PTX) where the result is fp16/bf16; a float32 result is unchanged."""
+    """Option fast_math reaches the conv-epilogue kernel: the activation's exp and quotient approximate
+    (no IEEE division left in the PTX) where the result is fp16/bf16; a float32 result, or an
+    activation without them, is unchanged."""
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        region = all_ops_region(dtype)
-        ieee = conv_epilogue.generate_pointwise(region, layout, vec)
-        fast = conv_epilogue.generate_pointwise(region, layout, vec, fast_math=True)
+        ieee, fast = (epi_kernel("silu", (), True, True, dtype, layout, vec, fast_math=f) for f in (False, True))
         if dtype == torch.float32:
             assert (fast.source, fast.name, fast.meta["fast_math"]) == (ieee.source, ieee.name, False)
             continue
-        assert fast.meta["fast_math"] and fast.name != ieee.name
+        assert fast.meta["fast_math"] and fast.name == ieee.name + "_fm"
         assert fast.source.replace(fast.name, ieee.name) == "#define FXOPT_FAST_MATH 1\n" + ieee.source
         ptx_ieee, ptx_fast = (nvrtc.compile_ptx(k.source, k.name, ARCH) for k in (ieee, fast))
-        # the region's own divisions (by a tensor, by 3) stay IEEE; the activations' go
-        assert ptx_fast.count("div.rn.f32") < ptx_ieee.count("div.rn.f32")
-    compile_all([conv_epilogue.generate_pointwise(all_ops_region(torch.float16), layout, vec, fast_math=True)])
+        assert "div.rn.f32" in ptx_ieee and "div.rn.f32" not in ptx_fast
+        relu = epi_kernel("relu", (), True, False, dtype, layout, vec, fast_math=True)
+        assert not relu.meta["fast_math"] and relu.source == epi_kernel("relu", (), True, False, dtype, layout, vec).source
+    compile_all([epi_kernel("hardswish", (), True, True, torch.float16, layout, vec, fast_math=True)])
 
 
 @needs_nvrtc
-def test_compile_error_from_broken_region(monkeypatch):
+def test_compile_error_from_a_broken_epilogue(monkeypatch):
     monkeypatch.setitem(csnip._UNARY_C, "relu", "({a} +* )")
-    region = PointwiseRegion("broken", [TensorArg("x")], [("y", PointwiseOp("relu", ["x"]))], "y")
-    ks = conv_epilogue.generate_pointwise(region)
+    ks = epi_kernel("relu", (), False, False)
     with pytest.raises(nvrtc.CompileError) as ei:
         ks.compile(ARCH)
     lines = ei.value.error_lines()
@@ -331,25 +325,19 @@ def test_default_arch():
 
 
 # --------------------------------------------------------------------- codegen checks (no NVRTC)
-def test_region_validation_errors():
-    x = TensorArg("x")
+def test_generation_errors():
     with pytest.raises(ValueError):
-        PointwiseRegion("r", [x], [("y", PointwiseOp("relu", ["nope"]))], "y").validate()
+        epi_kernel(layout="nwhc")
+    with pytest.raises(ValueError):
+        epi_kernel(vec=3)
+    with pytest.raises(ValueError):  # more than 32 bytes a vector
+        epi_kernel(dtype=torch.float32, vec=16)
+    with pytest.raises(ValueError):  # the residual before the bias: no epilogue chain
+        generate_conv_epilogue("r", ir.op("add", ir.op("add", ir.ACC, ir.RES), ir.BIAS), torch.float32)
+    with pytest.raises(ValueError):
+        template_epilogue(True, False, "frobnicate")
     with pytest.raises(NotImplementedError):
-        PointwiseRegion("r", [x], [("y", PointwiseOp("frobnicate", ["x"]))], "y").validate()
-    with pytest.raises(ValueError):
-        PointwiseRegion("r", [x], [("y", PointwiseOp("add", ["x"]))], "y").validate()
-    with pytest.raises(ValueError):
-        PointwiseRegion("r", [x], [("y", PointwiseOp("relu", ["x"]))], "z").validate()
-    with pytest.raises(NotImplementedError):
-        PointwiseRegion("r", [TensorArg("x", torch.float64)], [], "x").validate()
-    with pytest.raises(ValueError):
-        TensorArg("x", broadcast="row")
-    ok = PointwiseRegion("r", [x], [("y", PointwiseOp("relu", ["x"]))], "y")
-    with pytest.raises(ValueError):
-        conv_epilogue.generate_pointwise(ok, "nwhc")
-    with pytest.raises(ValueError):
-        conv_epilogue.generate_pointwise(ok, vector_width=3)
+        epi_kernel(dtype=torch.float64)
     with pytest.raises(ValueError):
         pool.generate_pool2d("max", 3, 1, 2)  # padding > k/2
     with pytest.raises(ValueError):
@@ -359,14 +347,14 @@ def test_region_validation_errors():
 
 
 def test_grid_block_and_index64():
-    ks = conv_epilogue.generate_pointwise(all_ops_region(torch.float16), "nhwc", 8)
+    ks = epi_kernel("gelu", (), True, True, torch.float16, "nhwc", 8)
     assert ks.grid_block(0)[0] == (0, 1, 1)
     assert ks.grid_block(8 * 256 * 3 + 1)[0] == (4, 1, 1)
     assert ks.grid_block(10**9)[0][0] == 1 << 16  # grid-stride: capped grid
     with pytest.raises(ValueError):
         ks.grid_block(2**31)
     assert source.needs_index64(2**31) and not source.needs_index64(2**30)
-    ks64 = conv_epilogue.generate_pointwise(all_ops_region(torch.float16), "nhwc", 8, index64=True)
+    ks64 = epi_kernel("gelu", (), True, True, torch.float16, "nhwc", 8, index64=True)
     assert "typedef long long idx_t" in ks64.source and ks64.grid_block(2**31)[0][0] == 1 << 16
     gap = pool.generate_global_avgpool(torch.float32, "nhwc")
     assert gap.grid_block(2 * 100 * 49, N=2, C=100) == ((4, 2, 1), (32, 8, 1))
@@ -403,24 +391,33 @@ def test_pool_output_size_matches_torch():
 
 
 def test_vector_width_selection_and_contract():
-    region = PointwiseRegion("r", [TensorArg("x", torch.float16), TensorArg("b", torch.float16, "channel")],
-                             [("y", PointwiseOp("add", ["x", "b"]))], "y", torch.float16)
+    ins = epilogue_inputs(template_epilogue(True))
+    assert [(a.name, a.broadcast) for a in ins] == [("y", "full"), ("bias", "channel")]
+
+    def choose(layout, x, b, out):
+        return conv_epilogue.choose_vector_width(ins, torch.float16, layout, {"y": x, "bias": b}, out)
+
     x = torch.zeros(2, 16, 3, 3).to(memory_format=torch.channels_last).half()
     b, out = torch.zeros(16).half(), torch.empty_like(x)
-    assert conv_epilogue.choose_vector_width(region, "nhwc", {"x": x, "b": b}, out) == 8
-    assert conv_epilogue.choose_vector_width(region, "nchw", {"x": x, "b": b}, out) == 1  # HW = 9
-    bb = torch.zeros(17).half()[1:]  # misaligned channel vector
-    assert conv_epilogue.choose_vector_width(region, "nhwc", {"x": x, "b": bb}, out) == 1
+    assert choose("nhwc", x, b, out) == 8
+    assert choose("nchw", x, b, out) == 1  # HW = 9
+    assert choose("nhwc", x, torch.zeros(17).half()[1:], out) == 1  # misaligned channel vector
+    assert choose("nhwc", x, b, torch.empty(2 * 16 * 9 + 1).half()[1:].view(2, 3, 3, 16).permute(0, 3, 1, 2)) == 1
     x12 = torch.zeros(2, 12, 4, 4).half()
-    assert conv_epilogue.choose_vector_width(region, "nhwc", {"x": x12, "b": torch.zeros(12).half()}, x12) == 4
-    assert conv_epilogue.choose_vector_width(region, "nchw", {"x": x12, "b": torch.zeros(12).half()}, x12) == 8
-    ks = conv_epilogue.generate_pointwise(region, "nchw", 8)
+    assert choose("nhwc", x12, torch.zeros(12).half(), x12) == 4
+    assert choose("nchw", x12, torch.zeros(12).half(), x12) == 8
+    ks = epi_kernel("none", (), True, False, torch.float16, "nchw", 8)
+    assert ks.meta["inputs"] == ins and ks.meta["dtype"] == torch.float16
     with pytest.raises(ValueError):  # HW % 8 != 0 violates the contract: refused, never launched
-        conv_epilogue.launch_pointwise(ks, {"x": x.contiguous(), "b": b}, torch.empty_like(x.contiguous()))
+        conv_epilogue.launch_conv_epilogue(ks, {"y": x.contiguous(), "bias": b}, torch.empty_like(x.contiguous()))
     with pytest.raises(ValueError):  # wrong memory layout
-        conv_epilogue.launch_pointwise(ks, {"x": x, "b": b}, out)
+        conv_epilogue.launch_conv_epilogue(ks, {"y": x, "bias": b}, out)
+    with pytest.raises(TypeError):  # wrong dtype
+        conv_epilogue.launch_conv_epilogue(ks, {"y": x12, "bias": torch.zeros(12)}, x12)
+    with pytest.raises(ValueError):  # a bias of the wrong length
+        conv_epilogue.launch_conv_epilogue(ks, {"y": x12, "bias": torch.zeros(8).half()}, x12)
     empty = torch.empty(0, 16, 4, 4).half()
-    assert conv_epilogue.launch_pointwise(ks, {"x": empty, "b": b}, torch.empty_like(empty)).numel() == 0
+    assert conv_epilogue.launch_conv_epilogue(ks, {"y": empty, "bias": b}, torch.empty_like(empty)).numel() == 0
 
 
 def test_depthwise_weight_layouts():
@@ -430,149 +427,104 @@ def test_depthwise_weight_layouts():
     assert wn.shape == (3, 3, 2) and wn[1, 2, 1] == w[1, 0, 1, 2]
 
 
-# --------------------------------------------------------------------- reference executor
-EAGER = {
-    "identity": lambda a, p: a, "neg": lambda a, p: -a, "relu": lambda a, p: F.relu(a),
-    "hardtanh": lambda a, p: F.hardtanh(a, *(p or (-1.0, 1.0))),
-    "leaky_relu": lambda a, p: F.leaky_relu(a, *(p or (0.01,))), "silu": lambda a, p: F.silu(a),
-    "gelu": lambda a, p: F.gelu(a), "gelu_tanh": lambda a, p: F.gelu(a, approximate="tanh"),
-    "hardswish": lambda a, p: F.hardswish(a), "hardsigmoid": lambda a, p: F.hardsigmoid(a),
-    "sigmoid": lambda a, p: torch.sigmoid(a), "tanh": lambda a, p: torch.tanh(a),
-    "exp": lambda a, p: torch.exp(a), "abs": lambda a, p: torch.abs(a),
-    "clamp": lambda a, p: torch.clamp(a, *p), "cast": lambda a, p: a.to(p[0]).to(a.dtype),
-    "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b, "div": lambda a, b: a / b,
-}
+# --------------------------------------------------------------------- the conv-epilogue kernel
+def _body(ks) -> list[str]:
+    lines = ks.source.splitlines()
+    start = lines.index(f"FX_INLINE float {ks.name}_body(" + ", ".join(
+        f"float x{j}" for j in range(len(ks.meta["inputs"]))) + ") {")
+    return lines[start + 1:lines.index("}", start)]
 
 
-@st.composite
-def regions_and_inputs(draw):
-    dt = st.sampled_from(DTYPES)
-    ins = [TensorArg("x0", draw(dt))]
-    for j in range(1, draw(st.integers(1, 4))):
-        ins.append(TensorArg(f"x{j}", draw(dt), draw(st.sampled_from(["full", "channel", "scalar"]))))
-    names, ops = [a.name for a in ins], []
-    for k in range(draw(st.integers(1, 6))):
-        kind = draw(st.sampled_from(["unary", "unary", "binary", "const"]))
-        if kind == "unary":
-            op, p = draw(st.sampled_from(UNARY_SPECS))
-            ops.append((f"v{k}", PointwiseOp(op, [draw(st.sampled_from(names))], p)))
-        elif kind == "binary":
-            op = draw(st.sampled_from(sorted(csnip.BINARY_OPS)))
-            ops.append((f"v{k}", PointwiseOp(op, [draw(st.sampled_from(names)) for _ in range(2)])))
-        else:
-            op = draw(st.sampled_from(sorted(csnip.BINARY_OPS)))
-            c = draw(st.sampled_from([0.5, -2.0, 3.0, 1e-3, 0.1]))
-            ops.append((f"v{k}", PointwiseOp(op, [draw(st.sampled_from(names))], (c,))))
-        names.append(f"v{k}")
-    region = PointwiseRegion("rand", ins, ops, draw(st.sampled_from(names[len(ins) - 1:])), draw(dt))
-    shape = (draw(st.integers(0, 2)), draw(st.integers(1, 6)), draw(st.integers(1, 5)), draw(st.integers(1, 5)))
-    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
-    channels_last = draw(st.booleans())
-    tensors = {}
-    for a in ins:
-        n = {"full": shape, "channel": (shape[1],), "scalar": ()}[a.broadcast]
-        t = (torch.rand(n, generator=g) * 6 - 3).to(a.dtype)
-        tensors[a.name] = t.to(memory_format=torch.channels_last) if channels_last and t.dim() == 4 else t
-    return region, shape, tensors
+def test_the_body_is_the_chain_in_order_one_value_per_step():
+    assert _body(epi_kernel("relu", (), True, True)) == [
+        "  const float t0 = (x0 + x1);  // t_bias = add", "  const float t1 = (t0 + x2);  // t_res = add",
+        "  const float t2 = (t1 < 0.f ? 0.f : t1);  // t_act = relu", "  return t2;"]
+    assert _body(epi_kernel("hardtanh", (0, 6), False, True)) == [
+        "  const float t0 = (x0 + x1);  // t_res = add",
+        "  const float t1 = fx_clamp(t0, 0.0f, 6.0f);  // t_act = hardtanh", "  return t1;"]
+    assert _body(epi_kernel("leaky_relu", (0.1,), False, False)) == [
+        "  const float t0 = (x0 > 0.f ? x0 : x0 * 0.1f);  // t_act = leaky_relu", "  return t0;"]
+    assert _body(epi_kernel("none", (), False, False)) == ["  const float t0 = x0;  // t_id = identity", "  return t0;"]
+    ks = epi_kernel("silu", (), True, False, torch.float16, "nhwc", 8)
+    assert ks.name == "fx_pw_conv_epi_b_silu_nhwc_v8"
+    assert "// fused pointwise region 'conv_epi_b_silu': layout nhwc, vector width 8" in ks.source
+    assert "    const float a1 = fx_to_f32(in1[i % C]);" in ks.source
+    assert "fx_vec<fx_half, 8> a1 = *reinterpret_cast<const fx_vec<fx_half, 8>*>(in1 + (i % C));" in ks.source
+    nchw = epi_kernel("silu", (), True, False, torch.float16, "nchw", 8)
+    assert nchw.source.count("const float a1 = fx_to_f32(in1[(i / HW) % C]);") == 2  # one bias per vector
 
 
-@settings(max_examples=30, deadline=None)
-@given(regions_and_inputs())
-def test_reference_matches_eager_torch(case):
-    """PointwiseRegion.reference == eager torch: op by op (on the reference's own inputs,
-    so errors do not compound), plus broadcasting and the final rounding end to end."""
-    region, shape, tensors = case
-    trace: dict = {}
-    out = region.reference(tensors, trace=trace)
-    assert out.shape == shape and out.dtype == region.out_dtype
-    view = {"full": lambda t: t, "channel": lambda t: t.view(1, -1, 1, 1), "scalar": lambda t: t}
-    for a in region.inputs:  # eager broadcasting of the raw inputs
-        torch.testing.assert_close(trace[a.name].expand(shape),
-                                   view[a.broadcast](tensors[a.name]).float().expand(shape))
-    for ssa, op in region.ops:
-        xs = [trace[i] for i in op.inputs]
-        if op.op in csnip.BINARY_OPS:
-            want = EAGER[op.op](xs[0], xs[1] if len(xs) == 2 else op.params[0])
-        else:
-            want = EAGER[op.op](xs[0], tuple(op.params))
-        torch.testing.assert_close(trace[ssa], want, rtol=2e-6, atol=1e-6, equal_nan=True)
-    torch.testing.assert_close(out, trace[region.output].expand(shape).to(region.out_dtype),
-                               rtol=0, atol=0, equal_nan=True)
+@pytest.mark.parametrize("act,params,bias,residual", EPILOGUES, ids=str)
+def test_every_epilogue_renders_its_steps_and_inputs(act, params, bias, residual):
+    e = template_epilogue(bias, residual, act, params)
+    ks = generate_conv_epilogue("e", e, torch.bfloat16, "nhwc", 4)
+    body = _body(ks)
+    labels = [ln.split("// ")[1] for ln in body[:-1]]
+    want = ["t_bias = add"] * bias + ["t_res = add"] * residual + [f"t_act = {act}"] * (act != "none")
+    assert labels == (want or ["t_id = identity"]) and body[-1] == f"  return t{len(labels) - 1};"
+    assert [a.name for a in ks.meta["inputs"]] == ["y"] + ["bias"] * bias + ["res"] * residual
+    assert ks.meta["epilogue"] == e and ks.source.count("fx_to_f32(in") == 1 + bias + residual
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("act", ["relu", "hardswish", "gelu", "silu", ("hardtanh", (0.0, 6.0))], ids=str)
-def test_reference_conv_epilogue_region_vs_eager(dtype, act):
-    """A typical lowered region (x * scale[c] + shift[c] + residual -> act) vs eager torch
-    in the native dtype."""
-    op, p = (act, ()) if isinstance(act, str) else act
-    region = PointwiseRegion("bn_add_act", [TensorArg("x", dtype), TensorArg("sc", dtype, "channel"),
-                                            TensorArg("sh", dtype, "channel"), TensorArg("res", dtype)],
-                             [("m", PointwiseOp("mul", ["x", "sc"])), ("a", PointwiseOp("add", ["m", "sh"])),
-                              ("r", PointwiseOp("add", ["a", "res"])), ("y", PointwiseOp(op, ["r"], p))],
-                             "y", dtype)
+@pytest.mark.parametrize("act,params,bias,residual", EPILOGUES, ids=str)
+def test_reference_is_the_fused_convs_epilogue(act, params, bias, residual, dtype, layout):
+    """The kernel's semantics (the IR expression's ops in float32, one rounding) equal what
+    ``fused_conv`` computes after its convolution, eagerly."""
     g = torch.Generator().manual_seed(3)
-    x, res = (torch.randn(2, 8, 5, 5, generator=g).to(dtype) for _ in range(2))
-    sc, sh = (torch.randn(8, generator=g).to(dtype) for _ in range(2))
-    got = region.reference({"x": x, "sc": sc, "sh": sh, "res": res})
-    want = EAGER[op](x * sc.view(1, -1, 1, 1) + sh.view(1, -1, 1, 1) + res, p)
-    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
+    y, res = ((torch.randn(2, 8, 5, 3, generator=g) * 4).to(dtype).contiguous(memory_format=fmt) for _ in range(2))
+    tensors = {"y": y, "bias": torch.randn(8, generator=g).to(dtype), "res": res}
+    epi = conv_epilogue.GeneratedEpilogue("t", template_epilogue(bias, residual, act, params), dtype, layout, 2)
+    got = epi.reference(tensors)
+    acc = y.float() + (tensors["bias"].float().view(1, -1, 1, 1) if bias else 0) + (res.float() if residual else 0)
+    want = apply_activation(acc, act, params).to(dtype)
+    assert got.dtype == dtype and got.shape == y.shape
+    tol = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(epilogue_reference(epi.epilogue, tensors, dtype), got, rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------- GPU: launch and compare
-def _cuda_inputs(region, shape, layout, seed, offset_elems=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
-    tensors = {}
-    for a in region.inputs:
-        n = {"full": shape, "channel": (shape[1],), "scalar": (1,)}[a.broadcast]
-        t = torch.rand(n, generator=g, device="cuda") * 6 - 3
-        tensors[a.name] = t.to(a.dtype).contiguous(memory_format=fmt if a.broadcast == "full" else torch.contiguous_format)
-    return tensors
-
-
 def _tol(dtype):
     return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
 
 
 @gpu
-@settings(max_examples=30, deadline=None)
-@given(regions_and_inputs(), st.sampled_from(LAYOUTS),
-       st.sampled_from([(0, 3, 4, 4), (1, 1, 1, 1), (2, 8, 7, 9), (3, 16, 5, 5), (1, 24, 13, 13), (2, 64, 8, 8)]),
-       st.sampled_from([None, 1, 8]), st.integers(0, 1000))
-def test_gpu_pointwise_matches_reference(case, layout, shape, vec, seed):
-    region = case[0]
-    tensors = _cuda_inputs(region, shape, layout, seed)
-    fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
-    out = torch.empty(shape, dtype=region.out_dtype, device="cuda", memory_format=fmt)
-    if vec is None:
-        vec = conv_epilogue.choose_vector_width(region, layout, tensors, out)
-    elif not conv_epilogue.vector_width_ok(region, layout, vec, shape, {k: v.data_ptr() for k, v in tensors.items()},
-                               out.data_ptr()) or vec * max(d.itemsize for d in region.dtypes()) > 32:
-        vec = 1
-    ks = conv_epilogue.generate_pointwise(region, layout, vec)
-    conv_epilogue.launch_pointwise(ks, tensors, out)
-    trace: dict = {}
-    ref = region.reference({k: (v.reshape(()) if a.broadcast == "scalar" else v) for a in region.inputs
-                            for k, v in [(a.name, tensors[a.name])]}, trace=trace)
-    mag = max([t.abs().nan_to_num(0, 0, 0).max().item() for t in trace.values() if t.numel()] + [1.0])
-    tol = _tol(region.out_dtype)
-    torch.testing.assert_close(out, ref, rtol=max(tol, 1e-4), atol=1e-4 * mag * mag + tol, equal_nan=True)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act,params,bias,residual", EPILOGUES, ids=str)
+def test_gpu_conv_epilogue_matches_its_reference(act, params, bias, residual, dtype):
+    e = template_epilogue(bias, residual, act, params)
+    for layout, (shape, i64) in itertools.product(LAYOUTS, [((3, 5, 7, 11), False), ((2, 16, 8, 8), True),
+                                                            ((0, 5, 3, 3), False), ((1, 24, 13, 13), False)]):
+        fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
+        g = torch.Generator(device="cuda").manual_seed(sum(shape))
+        full = [(torch.rand(shape, generator=g, device="cuda") * 8 - 4).to(dtype).contiguous(memory_format=fmt)
+                for _ in range(2)]
+        tensors = {"y": full[0], "bias": (torch.rand(shape[1], generator=g, device="cuda") * 2 - 1).to(dtype),
+                   "res": full[1]}
+        want = epilogue_reference(e, tensors, dtype)
+        ins = epilogue_inputs(e)
+        for vec in sorted({1, conv_epilogue.choose_vector_width(ins, dtype, layout, tensors, full[0])}):
+            out = torch.full_like(full[0], float("nan"))
+            ks = generate_conv_epilogue("g", e, dtype, layout, vec, index64=i64)
+            conv_epilogue.launch_conv_epilogue(ks, tensors, out)
+            torch.testing.assert_close(out, want, rtol=_tol(dtype), atol=_tol(dtype), msg=f"{ks.name} {shape}")
 
 
 @gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gpu_pointwise_all_ops_odd_and_index64(layout, dtype):
-    region = all_ops_region(dtype)
-    for shape, i64 in [((3, 5, 7, 11), False), ((2, 16, 8, 8), True), ((0, 5, 3, 3), False)]:
-        tensors = _cuda_inputs(region, shape, layout, 0)
-        out = torch.empty_like(tensors["x"])
-        vec = conv_epilogue.choose_vector_width(region, layout, tensors, out)
-        conv_epilogue.launch_pointwise(conv_epilogue.generate_pointwise(region, layout, vec, index64=i64), tensors, out)
-        ref = region.reference({**tensors, "s": tensors["s"].reshape(())})
-        torch.testing.assert_close(out, ref, rtol=_tol(dtype), atol=_tol(dtype) * 10, equal_nan=True)
+def test_gpu_generated_epilogue_runs_in_place_or_declines(layout):
+    fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
+    epi = conv_epilogue.GeneratedEpilogue("t", template_epilogue(True, True, "relu"), torch.float16, layout, 8)
+    y = torch.randn(2, 16, 6, 6, device="cuda").half().contiguous(memory_format=fmt)
+    bias, res = torch.randn(16, device="cuda").half(), torch.randn_like(y)
+    want = epi.reference({"y": y, "bias": bias, "res": res})
+    assert epi(y, bias, res) is y
+    torch.testing.assert_close(y, want, rtol=_tol(torch.float16), atol=_tol(torch.float16))
+    other = torch.channels_last if layout == "nchw" else torch.contiguous_format
+    assert epi(y.contiguous(memory_format=other), bias, res.contiguous(memory_format=other)) is None
 
 
 @gpu
@@ -588,7 +540,7 @@ def test_gpu_pool_gap(layout, dtype):
             OH, OW = pool.pool2d_output_size(13, 11, k, s, p, ceil)
             out = torch.empty(2, 5, OH, OW, dtype=dtype, device="cuda", memory_format=fmt)
             pool.launch_pool2d(ks, x, out)
-            xa = x.float() if act is None else EAGER[act](x.float(), ())
+            xa = x.float() if act is None else apply_activation(x.float(), act, [])
             want = (F.max_pool2d(xa, k, s, p, ceil_mode=ceil) if kind == "max" else
                     F.avg_pool2d(xa, k, s, p, ceil_mode=ceil, count_include_pad=cip))
             torch.testing.assert_close(out.float(), want, rtol=_tol(dtype), atol=_tol(dtype))
@@ -614,8 +566,8 @@ def test_gpu_depthwise(layout, dtype):
         res = torch.randn(want.shape, device="cuda").to(dtype).contiguous(memory_format=fmt)
         if epi and has_residual(epi):
             want = want + res.double()
-        if epi and epi.activation:
-            want = EAGER[epi.activation](want, ())
+        for act, p in (ir.epilogue_parts(epi).activations if epi else ()):
+            want = apply_activation(want, act, list(p))
         want = want.float()
         ks = depthwise_conv.generate_depthwise_conv2d(k, s, p, dtype, layout, epi)
         out = torch.empty(want.shape, dtype=dtype, device="cuda", memory_format=fmt)
@@ -645,8 +597,7 @@ def test_gpu_winograd(layout, dtype):
 
 @gpu
 def test_gpu_launch_on_current_stream_and_cuda_graph():
-    region = PointwiseRegion("g", [TensorArg("x")], [("y", PointwiseOp("silu", ["x"]))], "y")
-    ks = conv_epilogue.generate_pointwise(region, "nchw", 4)
+    ks = epi_kernel("silu", (), False, False, torch.float32, "nchw", 4)
     ck = ks.compile()
     ck.load()  # load the module before capture
     x = torch.randn(4, 8, 16, 16, device="cuda")
@@ -655,12 +606,12 @@ def test_gpu_launch_on_current_stream_and_cuda_graph():
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # launches go to torch's current stream
         y = x * 2
-        conv_epilogue.launch_pointwise(ks, {"x": y}, out, kernel=ck)
+        conv_epilogue.launch_conv_epilogue(ks, {"y": y}, out, kernel=ck)
     torch.cuda.current_stream().wait_stream(s)
     torch.testing.assert_close(out, F.silu(x * 2))
     graph, static_out = torch.cuda.CUDAGraph(), torch.empty_like(x)
     with torch.cuda.graph(graph):
-        conv_epilogue.launch_pointwise(ks, {"x": x}, static_out, kernel=ck)
+        conv_epilogue.launch_conv_epilogue(ks, {"y": x}, static_out, kernel=ck)
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(static_out, F.silu(x))
@@ -672,11 +623,10 @@ def test_gpu_programmatic_launch_chain_keeps_stream_order():
     one wrote and overwrites what it read), launched with programmatic dependent launch where the
     device has it (sm_90+; before that the same chain runs without it), eagerly and replayed from a
     CUDA graph: the result is the sequential one."""
-    add = conv_epilogue.generate_pointwise(PointwiseRegion("pdl_add", [TensorArg("x")],
-                                                [("y", PointwiseOp("add", ["x"], (1.0,)))], "y"), "nchw", 4)
-    mul = conv_epilogue.generate_pointwise(PointwiseRegion("pdl_mul", [TensorArg("x")],
-                                                [("y", PointwiseOp("mul", ["x"], (0.5,)))], "y"), "nchw", 4)
-    ks = (add, mul)
+    add = epi_kernel("none", (), True, False, torch.float32, "nchw", 4)  # x + b[c]
+    add_relu = epi_kernel("relu", (), True, False, torch.float32, "nchw", 4)  # relu(x + b[c])
+    ks = (add, add_relu)
+    biases = (torch.full((16,), 1.0, device="cuda"), torch.full((16,), -0.75, device="cuda"))
     cks = [k.compile() for k in ks]
     for ck in cks:
         ck.load()
@@ -688,11 +638,12 @@ def test_gpu_programmatic_launch_chain_keeps_stream_order():
 
     def chain():
         for k in range(20):
-            conv_epilogue.launch_pointwise(ks[k % 2], {"x": bufs[k % 2]}, bufs[(k + 1) % 2], kernel=cks[k % 2])
+            conv_epilogue.launch_conv_epilogue(ks[k % 2], {"y": bufs[k % 2], "bias": biases[k % 2]}, bufs[(k + 1) % 2],
+                                               kernel=cks[k % 2])
 
     def expected(x):
         for k in range(20):
-            x = x + 1.0 if k % 2 == 0 else x * 0.5
+            x = x + 1.0 if k % 2 == 0 else torch.relu(x - 0.75)
         return x
 
     x0 = bufs[0].clone()

@@ -1,9 +1,10 @@
 """The cuda executor's CPU-testable part: generated epilogue kernels compile with NVRTC, and their
-math (the region's torch reference) equals the fused op's reference."""
+math (the epilogue's torch reference) equals the fused op's reference."""
 import pytest
 import torch
 
 import fxopt
+from fxopt.backends.cuda.codegen.epilogue import template_epilogue
 from fxopt.backends.cuda.compiler import nvrtc_available
 from fxopt.backends.cuda.kernels.conv_epilogue import GeneratedEpilogue, plan_conv_epilogue as plan
 from fxopt.ops import ACTIVATIONS, apply_activation
@@ -29,10 +30,11 @@ def test_cuda_executor_on_cpu_generates_and_compiles_kernels():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_epilogue_region_matches_reference(activation, layout, dtype):
     params = {"hardtanh": [0.0, 6.0], "leaky_relu": [0.1]}.get(activation, [])
-    epi = GeneratedEpilogue("t", dtype, layout, True, True, activation, params, 8 if layout == "nhwc" else 4)
+    epi = GeneratedEpilogue("t", template_epilogue(True, True, activation, params), dtype, layout,
+                            8 if layout == "nhwc" else 4)
     y, res = torch.randn(2, 8, 4, 4).to(dtype), torch.randn(2, 8, 4, 4).to(dtype)
     bias = torch.randn(8).to(dtype)
-    got = epi.region.reference({"y": y, "bias": bias, "res": res})
+    got = epi.reference({"y": y, "bias": bias, "res": res})
     want = apply_activation((y.float() + bias.float()[:, None, None] + res.float()), activation, params).to(dtype)
     torch.testing.assert_close(got.to(dtype), want, rtol=1e-2, atol=1e-2)
     if nvrtc_available():

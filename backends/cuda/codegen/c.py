@@ -21,7 +21,6 @@ from string import Template
 import torch
 
 CTYPE = {torch.float32: "float", torch.float16: "fx_half", torch.bfloat16: "fx_bf16"}
-BINARY_OPS = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 # unary op -> (min params, max params)
 UNARY_OPS = {"identity": (0, 0), "neg": (0, 0), "relu": (0, 0), "hardtanh": (0, 2),
              "leaky_relu": (0, 1), "silu": (0, 0), "gelu": (0, 0), "gelu_tanh": (0, 0),
@@ -108,8 +107,8 @@ def c_unary(op: str, a: str, p: tuple = ()) -> str:
 
 
 def norm_acts(act) -> list[tuple[str, tuple]]:
-    """None | 'relu' | ('hardtanh', (0, 6)) | PointwiseOp-like (.op/.params) | a list of
-    those -> [(op, params)], validated as unary ops."""
+    """None | 'relu' | ('hardtanh', (0, 6)) | an object with .op/.params | a list of those ->
+    [(op, params)], validated as unary ops."""
     if act is None:
         out = []
     elif isinstance(act, str):

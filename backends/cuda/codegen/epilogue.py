@@ -3,11 +3,13 @@
 chain as statements on ``acc`` (``acc += bias;``, ``acc += res;``, then one line per activation,
 commented with its name), ``epilogue_params`` / ``epilogue_desc`` / ``has_bias`` / ``has_residual``
 say what the kernel takes, and ``epilogue_key`` is what the kernels' names digest of it. An
-expression that is no such chain goes through the general ``Emitter``."""
+expression that is no such chain goes through the general ``Emitter``. ``epilogue_body`` renders the
+chain as the conv-epilogue kernel's pointwise body instead: one ``const float`` per step
+(``t_bias``, ``t_res``, ``t_act``), then ``return``."""
 from __future__ import annotations
 
 from fxopt.backends.cuda import ir
-from fxopt.backends.cuda.codegen.c import act_lines
+from fxopt.backends.cuda.codegen.c import act_lines, c_unary
 from fxopt.backends.cuda.codegen.emit import Emitter
 from fxopt.backends.cuda.codegen.source import c_comment
 from fxopt.backends.cuda.ir import ACC, BIAS, RES
@@ -42,6 +44,34 @@ def epilogue_code(e, indent: str, bias_expr: str, res_expr: str) -> str:
         lines.append(f"{indent}acc += {res_expr};")
     act = act_lines(list(parts.activations), "acc", indent)
     return "\n".join(lines + ([act] if act else []))
+
+
+def epilogue_body(e, names: dict, indent: str = "  ") -> list[str]:
+    """The lines of a pointwise function's body computing epilogue ``e`` (a chain): one SSA value
+    per step, commented with its step and op (``const float t0 = (x0 + x1);  // t_bias = add``, then
+    ``t_res = add``, then ``t_act = <activation>`` per activation, ``t_id = identity`` where there is
+    no step), then ``return``. ``names``: the C variable of each leaf (``ir.ACC``, ``ir.BIAS``,
+    ``ir.RES``)."""
+    parts = _parts(e)
+    if parts is None:
+        raise ValueError(f"not an epilogue chain over ir.ACC: {e!r}")
+    lines, cur = [], names[ACC]
+
+    def step(label: str, op: str, expr: str) -> None:
+        nonlocal cur
+        t = f"t{len(lines)}"
+        lines.append(f"{indent}const float {t} = {expr};  // {c_comment(label)} = {op}")
+        cur = t
+
+    if parts.bias is not None:
+        step("t_bias", "add", f"({cur} + {names[BIAS]})")
+    if parts.residual is not None:
+        step("t_res", "add", f"({cur} + {names[RES]})")
+    for k, (name, p) in enumerate(parts.activations):
+        step("t_act" if k == 0 else f"t_act{k}", name, c_unary(name, cur, tuple(p)))
+    if not lines:
+        step("t_id", "identity", c_unary("identity", cur))
+    return lines + [f"{indent}return {cur};"]
 
 
 def epilogue_params(e, T_: str) -> str:

@@ -14,7 +14,7 @@ $name($params, long long numel_, long long C_, long long HW_) {
   (void)C; (void)HW;
   const idx_t tid = (idx_t)blockIdx.x * blockDim.x + threadIdx.x;
   const idx_t stride = (idx_t)gridDim.x * blockDim.x;
-$hoisted
+
 $vector_loop
   for (idx_t i = $tail_start + tid; i < numel; i += stride) {
 $scalar_loads
