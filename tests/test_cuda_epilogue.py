@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fxopt.backends.cuda import ir
-from fxopt.backends.cuda.codegen.epilogue import (epilogue_code, epilogue_desc, epilogue_key, epilogue_params,
-                                                 has_bias, has_residual, template_epilogue)
+from fxopt.backends.cuda.codegen.epilogue import (epilogue_body, epilogue_code, epilogue_desc, epilogue_key,
+                                                 epilogue_params, has_bias, has_residual, template_epilogue)
 from fxopt.backends.cuda.codegen.source import unique_name
 from fxopt.backends.cuda.ir.expr import apply_op
 
@@ -45,6 +45,19 @@ def test_a_chain_of_activations_in_order():
     e = template_epilogue(False, True, ["relu", ("clamp", (None, 4.0))])
     assert epilogue_code(e, "", "b", "r").splitlines() == [
         "acc += r;", "acc = (acc < 0.f ? 0.f : acc);  // relu", "acc = (acc > 4.0f ? 4.0f : acc);  // clamp"]
+
+
+def test_the_pointwise_body_one_value_per_step():
+    names = {ir.ACC: "y", ir.BIAS: "b", ir.RES: "r"}
+    assert epilogue_body(template_epilogue(True, True, "hardtanh", [0, 6]), names, "") == [
+        "const float t0 = (y + b);  // t_bias = add", "const float t1 = (t0 + r);  // t_res = add",
+        "const float t2 = fx_clamp(t1, 0.0f, 6.0f);  // t_act = hardtanh", "return t2;"]
+    assert epilogue_body(template_epilogue(False, True, ["relu", ("clamp", (None, 4.0))]), names) == [
+        "  const float t0 = (y + r);  // t_res = add", "  const float t1 = (t0 < 0.f ? 0.f : t0);  // t_act = relu",
+        "  const float t2 = (t1 > 4.0f ? 4.0f : t1);  // t_act1 = clamp", "  return t2;"]
+    assert epilogue_body(template_epilogue(), names, "") == ["const float t0 = y;  // t_id = identity", "return t0;"]
+    with pytest.raises(ValueError):  # the residual first: no chain
+        epilogue_body(ir.op("add", ir.op("add", ir.ACC, ir.RES), ir.BIAS), names)
 
 
 def test_an_expression_that_is_no_chain_goes_through_the_emitter():
