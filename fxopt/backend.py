@@ -140,6 +140,7 @@ class FxoptCompiler:
         self.direct: Optional[Callable] = None  # the inference graph, when it may skip AOT's wrapper
         self.forward_params: set[str] = set()  # training: the forward's parameter placeholders
         self.forward_runner = None  # training: the forward graph's CUDA-graph runner, if any
+        self.dynamic_fallback: Optional[str] = None  # why a symbolic graph was specialized by the passes
         placeholders = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
         self.n_inputs = len(placeholders)
         self.params: dict[int, str] = {}
@@ -193,6 +194,15 @@ class FxoptCompiler:
     def compile(self, gm: fx.GraphModule, fake_args: list, kind: str) -> Callable:
         from fxopt.backends import lower
 
+        if kind == "inference" and self.options.dynamic_shapes:
+            from fxopt.dynamic import has_symbols
+
+            if has_symbols(fake_args):  # one pipeline run, lowered per size (fxopt.dynamic)
+                from fxopt.dynamic_compile import compile_symbolic
+
+                compiled = compile_symbolic(self, gm, fake_args, kind)
+                if compiled is not None:
+                    return compiled
         t0 = time.perf_counter()
         ctx = self._context(gm, fake_args, kind)
         if ctx.mode == "training":
@@ -224,6 +234,12 @@ class FxoptCompiler:
         if kind != "inference":  # how AOTAutograd split the joint graph (fxopt.training)
             report.training = training_details(before, kind, self.partitioner)
         report.executor_details["compile_cache"] = cache.status
+        if self.dynamic_fallback is not None:
+            report.executor_details["dynamic"] = {"fallback": self.dynamic_fallback}
+        return self.finish(gm, compiled, report, kind)
+
+    def finish(self, gm: fx.GraphModule, compiled: Callable, report: GraphReport, kind: str) -> Callable:
+        """The compiled graph as AOTAutograd takes it, its report handed on."""
         if kind == "inference" and self.options.direct_call:
             why = direct_call_blocker(gm, self.n_inputs)
             report.executor_details["aot_runtime_wrapper"] = why or "skipped (direct call)"

@@ -24,7 +24,7 @@ def cmd_explain(args) -> int:
 
     model, x = model_and_input(args)
     with torch.no_grad():
-        report = fxopt.explain(model, x, options=args.options)
+        report = fxopt.explain(model, x, options=args.options, dynamic=args.dynamic)
     print(json.dumps(report.to_dict(), indent=1) if args.json else report)
     return 0
 
@@ -35,6 +35,9 @@ def add_explain(sub) -> None:
     p.add_argument("--options", type=options_json,
                    help="fxopt options as JSON, e.g. '{\"layout\": \"channels_last\"}'")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--dynamic", action="store_true",
+                   help="compile with symbolic sizes (torch.compile(dynamic=True)) and run the input and its batch "
+                        "plus one: which dimensions are symbolic, which sizes were specialized and their cost")
     p.set_defaults(run=cmd_explain)
 
 

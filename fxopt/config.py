@@ -62,6 +62,14 @@ class Options:
     direct_call: bool = True
     #: maximum number of captured CUDA graphs (input signatures) per compiled graph
     cudagraph_max_signatures: int = 8
+    #: dynamic shapes (a graph Dynamo traced with symbolic sizes: ``dynamic=True``, automatic
+    #: dynamic, ``mark_dynamic``): run the passes once on the symbolic graph and lower it per
+    #: concrete size at that size's first call, without a new Dynamo compile (``fxopt.dynamic``);
+    #: False: the passes specialize the graph to the size it was traced at (Dynamo recompiles)
+    dynamic_shapes: bool = True
+    #: dynamic shapes: sizes kept lowered at once (each with its kernels and CUDA graphs); the least
+    #: recently used goes first, and a size seen again is lowered again (never run eagerly)
+    max_specializations: int = 16
     #: training: how AOTAutograd splits forward and backward; "min_cut" recomputes cheap pointwise
     #: values in the backward instead of saving them, "default" saves every value it needs
     partitioner: str = "min_cut"
@@ -144,6 +152,11 @@ class Options:
             raise ValueError(f"fxopt: cpu_openvino must be True or False, got {self.cpu_openvino!r}")
         if not isinstance(self.cudnn_search, bool):
             raise ValueError(f"fxopt: cudnn_search must be True or False, got {self.cudnn_search!r}")
+        if not isinstance(self.dynamic_shapes, bool):
+            raise ValueError(f"fxopt: dynamic_shapes must be True or False, got {self.dynamic_shapes!r}")
+        if isinstance(self.max_specializations, bool) or not isinstance(self.max_specializations, int) \
+                or self.max_specializations < 1:
+            raise ValueError(f"fxopt: max_specializations must be an int >= 1, got {self.max_specializations!r}")
         if self.dump_dir is None:
             self.dump_dir = os.environ.get("FXOPT_DUMP_DIR") or None
 

@@ -8,11 +8,14 @@ from fxopt.pipeline import ALL_PASS_NAMES
 from fxopt.report import Report
 
 
-def explain(model, *example_inputs, options=None, training: bool = False) -> Report:
+def explain(model, *example_inputs, options=None, training: bool = False, dynamic: bool = False) -> Report:
     """Capture `model` on `example_inputs`, run the fxopt pipeline and return a Report.
 
     Inference (the default) runs under ``torch.no_grad()``, as ``torch.compile`` would for
     inference; ``training=True`` captures the forward and backward graphs instead.
+    ``dynamic=True`` compiles with symbolic sizes (``torch.compile(dynamic=True)``) and runs the
+    inputs and, where their batch can grow, the batch plus one: the report then says which
+    dimensions are symbolic and which sizes were specialized at what cost (``fxopt.dynamic``).
     No ``torch.compile`` call is needed from the caller, and the model is not modified.
     Capturing goes through Dynamo, whose per-code caches are cleared afterwards
     (``torch.compiler.reset()``): models compiled earlier recompile on their next call.
@@ -25,10 +28,12 @@ def explain(model, *example_inputs, options=None, training: bool = False) -> Rep
     def capture(gm, inputs):
         return fxopt_backend(gm, inputs, options=opts, _sink=graphs)
 
-    compiled = torch.compile(model, backend=capture, dynamic=False)
+    compiled = torch.compile(model, backend=capture, dynamic=dynamic)
     counts = {}
     try:
         _run(compiled, example_inputs, training)
+        if dynamic and all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in example_inputs):
+            _run(compiled, [torch.cat([t, t[:1]]) for t in example_inputs], training)
         if not training and _on_cuda(example_inputs):
             counts = {"fxopt": kernel_launches(compiled, example_inputs),
                       "eager": kernel_launches(model, example_inputs)}

@@ -88,6 +88,8 @@ def conv_sig_of(x: Tensor, weight: Tensor, stride, padding, dilation, groups, ba
     from fxopt.conv_algorithms import ConvSig
 
     def _int(v):
+        if isinstance(v, torch.SymInt) and v.node.maybe_as_int() is None:
+            return None  # symbolic: int() would specialize it
         try:
             return int(v)
         except Exception:  # unbacked / symbolic size

@@ -110,6 +110,49 @@ def _specialise(gm: fx.GraphModule, args: list, vals: Optional[dict] = None,
     return static
 
 
+def _is_size_op(target) -> bool:
+    import operator
+
+    aten = torch.ops.aten
+    return (target in (aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
+                       aten.sym_storage_offset.default, torch.sym_max, torch.sym_min, torch.sym_int,
+                       torch.sym_float, torch.sym_sum)
+            or any(target is f for f in vars(operator).values()))
+
+
+def _fold_sizes(gm: fx.GraphModule) -> int:
+    """In a graph specialised at static sizes: every use of a size input (a ``SymInt`` placeholder:
+    Dynamo passes the sizes of a symbolic graph as inputs) and of size arithmetic (``sym_size``,
+    ``operator.mul`` on sizes) replaced by its int, the arithmetic erased (placeholders stay: the
+    callers' arguments). Returns how many nodes were folded."""
+    folded = 0
+    for n in list(gm.graph.nodes):
+        v = n.meta.get("val")
+        if type(v) is not int or not (n.op == "placeholder" or (n.op == "call_function" and _is_size_op(n.target))):
+            continue
+        for user in list(n.users):
+            user.args = fx.node.map_arg(user.args, lambda a: v if a is n else a)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda a: v if a is n else a)
+        if n.op != "placeholder":
+            gm.graph.erase_node(n)
+        folded += 1
+    if folded:
+        gm.recompile()
+    return folded
+
+
+def specialise_at(gm: fx.GraphModule, args: list, vals: Optional[dict] = None,
+                  batch: Optional[int] = None) -> tuple[fx.GraphModule, dict]:
+    """A graph optimized with symbolic sizes, made static at the sizes of ``args``: one mechanism for
+    a package's batch (``fxopt.packaging``) and for ``torch.compile``'s dynamic shapes
+    (``fxopt.dynamic``). Every node's value at these sizes (``_specialise``), the size inputs and
+    size arithmetic folded into ints (``_fold_sizes``), and the layout clones these sizes show to be
+    copies removed (``_drop_noop_layout_clones``). Returns (graph, counts)."""
+    static = _specialise(gm, args, vals, batch)
+    sizes = _fold_sizes(static)
+    return static, {"sizes_folded": sizes, "layout_clones_removed": _drop_noop_layout_clones(static)}
+
+
 _LAYOUT_FORMATS = (torch.channels_last, torch.contiguous_format)
 
 

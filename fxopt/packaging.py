@@ -55,7 +55,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from fxopt.package_batch import _drop_noop_layout_clones, _exported_vals, _specialise, _vals_agree
+from fxopt.package_batch import _exported_vals, _specialise, _vals_agree, specialise_at
 from fxopt.package_file import PackageCorruptError, PackageError, PackageVersionError  # noqa: F401
 
 __all__ = ["package", "load", "PackagedModule", "PackageError", "PackageVersionError", "PackageCorruptError"]
@@ -222,12 +222,12 @@ class PackagedModule(torch.nn.Module):
             if len(self.lowerings) < options.cudagraph_max_signatures:
                 vals = self.manifest.get("vals")
                 if self.check_vals:  # packaging (which measures): FakeTensors, the stored values checked
-                    gm = _specialise(self.graph, args)
+                    gm, counts = specialise_at(self.graph, args)
                     if vals is not None and not _vals_agree(_specialise(self.graph, args, vals, batch), gm):
                         self.manifest["vals"] = None
                 else:
-                    gm = _specialise(self.graph, args, vals, batch)
-                self.timings[f"layout_clones_removed_b{batch}"] = _drop_noop_layout_clones(gm)
+                    gm, counts = specialise_at(self.graph, args, vals, batch)
+                self.timings[f"layout_clones_removed_b{batch}"] = counts["layout_clones_removed"]
                 key = batch
             else:  # beyond the bound: one symbolic graph with PyTorch's kernels for the other sizes
                 options = dataclasses.replace(options, executor="torch", cudagraphs=False)

@@ -274,6 +274,10 @@ class Report:
         for table in (self.fusion_table(), self.cpu_table()):
             if table:
                 parts.append(table)
+        from fxopt.dynamic import summary_lines
+
+        for g in self.graphs:
+            parts.extend(summary_lines(g.executor_details.get("dynamic") or {}))
         for i, g in enumerate(self.graphs):
             parts.append(f"--- graph {i} ({g.kind}) after the pipeline; executor={g.executor}, cudagraphs={g.cudagraphs}")
             parts.append(g.after.print_readable(print_output=False))

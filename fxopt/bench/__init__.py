@@ -384,6 +384,10 @@ def run_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] = None) -
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--serving" in argv:  # the varying-size serving loop: fxopt bench --serving --help
+        from .serving import main as serving_main
+
+        return serving_main([x for x in argv if x != "--serving"])
     if "--train" in argv:  # the training-step benchmark has its own options: fxopt bench --train --help
         from .train import main as train_main
 

@@ -327,6 +327,14 @@ class CudaGraphRunner(Measuring):
         # released replays it without further work
         self._fast: Optional[tuple] = None
 
+    def release(self) -> int:
+        """Drop every captured graph (and with them their memory pools, once the outputs lent to
+        callers are gone); later calls capture again. Returns how many were dropped."""
+        n = len(self.graphs)
+        self.graphs.clear()
+        self._last, self._fast = (None, None), None
+        return n
+
     def _key(self, args) -> tuple:
         return (self._epoch, *_signature(args, self.dynamic))
 

@@ -1,0 +1,240 @@
+"""Dynamic shapes: one Dynamo graph and one pass-pipeline run for every size, lowered per size lazily.
+
+Dynamo hands a backend a graph with symbolic sizes after it saw a second size (automatic dynamic),
+under ``torch.compile(dynamic=True)`` or for dimensions marked with ``torch._dynamo.mark_dynamic``.
+Every size a pass or an executor reads as an int adds a guard to Dynamo's shape environment, and a
+guard such as ``Eq(s0, 2)`` specializes the graph back: Dynamo recompiles at every new size, and
+after its recompile limit runs new sizes eagerly. So a symbolic inference graph takes another path:
+
+1. ``PrivateShapes``: the graph's fake inputs rebuilt in a shape environment of fxopt's own, one
+   private symbol per Dynamo symbol (the same hints), and the graph re-propagated there. What the
+   passes read of the sizes adds guards to that environment, never to Dynamo's.
+2. The pass pipeline runs once on that symbolic graph (``fxopt.pipeline.run_pipeline``).
+3. ``SizeDispatcher`` is what Dynamo calls. At the first call of a concrete size (the values of the
+   private symbols, read from the arguments) it checks the guards the passes added against that size,
+   makes the optimized graph static at it with the mechanism a package uses for a batch size
+   (``fxopt.package_batch.specialise_at``) and lowers it with the executor (its kernels, measured
+   choices and CUDA-graph runner); the result is cached per size. A size where a guard fails gets
+   the passes run again at that size (the reason is recorded); it still never runs eagerly.
+   At most ``max_specializations`` sizes stay lowered: the least recently used is dropped (its
+   CUDA graphs released) and lowered again if it comes back.
+
+What cannot be rebuilt symbolically (a size that is an expression of symbols, inputs whose strides
+are neither contiguous nor channels_last) takes today's path, specialized by the passes, and the
+report says why (``executor_details["dynamic"]``).
+"""
+from __future__ import annotations
+
+import collections
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+
+
+class Unsupported(Exception):
+    """The graph cannot run the symbolic path (the message says why)."""
+
+
+def _is_sym(x) -> bool:
+    return isinstance(x, torch.SymInt) and not isinstance(x.node.maybe_as_int(), int)
+
+
+def has_symbols(fake_args) -> bool:
+    """Whether any input (a tensor's size or stride, or a size input) is symbolic."""
+    for a in fake_args:
+        if isinstance(a, torch.Tensor):
+            if any(_is_sym(d) for d in (*a.shape, *a.stride())):
+                return True
+        elif _is_sym(a):
+            return True
+    return False
+
+
+def _dense_strides(sizes: list, order: list) -> list:
+    """Strides (sympy) of a dense tensor whose dimensions are laid out innermost-first by ``order``."""
+    import sympy
+
+    strides, acc = [None] * len(sizes), sympy.Integer(1)
+    for d in order:
+        strides[d] = acc
+        acc = acc * sizes[d]
+    return strides
+
+
+class PrivateShapes:
+    """Dynamo's symbolic fake inputs rebuilt in fxopt's own shape environment (module docstring)."""
+
+    def __init__(self, fake_args: list):
+        import sympy
+        from torch._dynamo.source import ConstantSource
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        self.shape_env = ShapeEnv(duck_shape=False)  # sizes equal at the traced ones are not assumed equal
+        self.mode = FakeTensorMode(shape_env=self.shape_env, allow_non_fake_inputs=True)
+        self.symbols: dict = {}  # Dynamo's symbol -> (private SymInt, private sympy symbol)
+        self.where: dict = {}  # private symbol name -> (argument index, dim or None for a size input)
+        self.dims: list[str] = []  # "input 0 dim 0 (s0, traced at 2)", for the report
+
+        def private(d, at) -> object:
+            if not _is_sym(d):
+                return int(d)
+            expr = d.node.expr
+            if not isinstance(expr, sympy.Symbol):
+                raise Unsupported(f"a size is an expression of symbols ({expr})")
+            if expr not in self.symbols:
+                hint = int(d.node.hint)
+                name = f"fxopt_{expr}"
+                sym = self.shape_env.create_symbol(hint, ConstantSource(name))
+                self.symbols[expr] = (self.shape_env.create_symintnode(sym, hint=hint), sym)
+                self.where[str(sym)] = at
+                self.dims.append(f"input {at[0]} {'size input' if at[1] is None else f'dim {at[1]}'} "
+                                 f"({sym}, traced at {hint})")
+            return self.symbols[expr][0]
+
+        self.fakes = []
+        for i, a in enumerate(fake_args):
+            if isinstance(a, torch.Tensor):
+                self.fakes.append(self._tensor(a, [private(d, (i, k)) for k, d in enumerate(a.shape)]))
+            elif isinstance(a, torch.SymInt):
+                self.fakes.append(private(a, (i, None)))
+            else:
+                self.fakes.append(a)
+        if not self.symbols:
+            raise Unsupported("no symbolic sizes")
+
+    def _tensor(self, a: torch.Tensor, sizes: list) -> torch.Tensor:
+        """A fake tensor in the private environment with ``a``'s dtype, device and layout."""
+        if not any(_is_sym(d) for d in (*a.shape, *a.stride(), a.storage_offset())):
+            with self.mode:
+                t = torch.empty_strided([int(d) for d in a.shape], [int(d) for d in a.stride()], dtype=a.dtype,
+                                        device=a.device)
+            return t.requires_grad_(a.requires_grad) if a.requires_grad else t
+        exprs = [d.node.expr if isinstance(d, torch.SymInt) else d for d in a.shape]
+        strides = [s.node.expr if isinstance(s, torch.SymInt) else s for s in a.stride()]
+        orders = {torch.contiguous_format: list(range(a.dim() - 1, -1, -1))}
+        if a.dim() == 4:
+            orders[torch.channels_last] = [1, 3, 2, 0]
+        for fmt, order in orders.items():
+            want = _dense_strides(exprs, order)
+            if all((w - s).expand() == 0 for w, s in zip(want, strides)):
+                with self.mode:
+                    t = torch.empty(sizes, dtype=a.dtype, device=a.device, memory_format=fmt)
+                return t.requires_grad_(a.requires_grad) if a.requires_grad else t
+        raise Unsupported("an input with symbolic sizes is neither contiguous nor channels_last")
+
+    def key(self, args) -> tuple:
+        """The concrete value of every private symbol in these arguments."""
+        out = []
+        for name, (i, d) in self.where.items():
+            a = args[i]
+            out.append(int(a.shape[d]) if d is not None else int(a))
+        return tuple(out)
+
+    def describe(self, key: tuple) -> str:
+        return ", ".join(f"{name}={v}" for name, v in zip(self.where, key))
+
+    def failed_guard(self, key: tuple) -> Optional[str]:
+        """The first guard the passes added (or range they refined) that these sizes break, or None."""
+        import sympy
+
+        env = self.shape_env
+        values = {sym: sympy.Integer(v) for (_, sym), v in zip(self.symbols.values(), key)}
+        for sym, v in values.items():
+            vr = env.var_to_range.get(sym)
+            if vr is not None and not (vr.lower <= v <= vr.upper):
+                return f"{sym} in [{vr.lower}, {vr.upper}]"
+        for g in env.guards:
+            try:
+                ok = bool(g.expr.xreplace(values))
+            except TypeError:
+                return f"{g.expr} (not decided by the sizes)"
+            if not ok:
+                return str(g.expr)
+        for sym, rep in env.replacements.items():
+            if sym in values and bool(sympy.Ne(rep.xreplace(values), values[sym])):
+                return f"{sym} == {rep}"
+        return None
+
+    def guards(self) -> list[str]:
+        return [str(g.expr) for g in self.shape_env.guards]
+
+
+class SizeDispatcher:
+    """What Dynamo calls for a symbolic graph: the optimized graph lowered per concrete size, the
+    least recently used dropped beyond ``max_specializations`` (module docstring).
+
+    ``lower_at(args, key) -> (Lowered, note or None)``: the executor's result for these sizes.
+    ``info``: the live record the report shows (``executor_details["dynamic"]``)."""
+
+    def __init__(self, shapes: PrivateShapes, lower_at: Callable, max_specializations: int, info: dict):
+        self.shapes, self.lower_at = shapes, lower_at
+        self.max = max_specializations
+        self.cache: collections.OrderedDict = collections.OrderedDict()  # key -> Lowered
+        self.info = info
+        info.setdefault("specializations", {})
+        info.setdefault("evictions", 0)
+        info["max_specializations"] = max_specializations
+        info["live"] = 0
+        self._last = (None, None)
+
+    def __call__(self, *args):
+        key = self.shapes.key(args)
+        last_key, fn = self._last
+        if key != last_key:
+            fn = self._lookup(key, args)
+            self._last = (key, fn)
+        return fn(*args)
+
+    def _lookup(self, key: tuple, args) -> Callable:
+        low = self.cache.get(key)
+        if low is not None:
+            self.cache.move_to_end(key)
+            return low.fn
+        while len(self.cache) >= self.max:
+            old_key, old = self.cache.popitem(last=False)
+            release(old)
+            self.info["evictions"] += 1
+            self.info["specializations"][self.shapes.describe(old_key)]["live"] = False
+        t0 = time.perf_counter()
+        low, note = self.lower_at(list(args), key)
+        cost = round(time.perf_counter() - t0, 4)
+        self.cache[key] = low
+        rec = self.info["specializations"].setdefault(self.shapes.describe(key), {"lowered": 0, "seconds": []})
+        rec["lowered"] += 1
+        rec["seconds"].append(cost)
+        rec["live"] = True
+        rec["executor"] = low.executor
+        if note:
+            rec["note"] = note
+        self.info["live"] = len(self.cache)
+        return low.fn
+
+    def lowered(self) -> dict:
+        """Size description -> the ``Lowered`` kept for it."""
+        return {self.shapes.describe(k): v for k, v in self.cache.items()}
+
+
+def release(lowered) -> None:
+    """Drop what a specialization holds on the device: its CUDA graphs and their memory pools."""
+    runner = getattr(lowered, "cudagraph_runner", None)
+    if runner is not None and hasattr(runner, "release"):
+        runner.release()
+
+
+def summary_lines(info: dict) -> list[str]:
+    """The report's lines for one graph's dynamic-shape record."""
+    if not info:
+        return []
+    if info.get("fallback"):
+        return [f"dynamic shapes: specialized by the passes ({info['fallback']})"]
+    lines = [f"dynamic shapes: symbolic {'; '.join(info.get('symbolic', []))}; passes ran once; "
+             f"{info.get('live', 0)} of at most {info.get('max_specializations')} sizes lowered, "
+             f"{info.get('evictions', 0)} evicted"]
+    for size, rec in info.get("specializations", {}).items():
+        secs = ", ".join(f"{s:.3f}" for s in rec["seconds"])
+        lines.append(f"  {size}: lowered {rec['lowered']}x ({secs} s){'' if rec.get('live') else ' (evicted)'}"
+                     + (f"; {rec['note']}" if rec.get("note") else ""))
+    return lines

@@ -1,0 +1,133 @@
+"""The backend's path for a graph with symbolic sizes (``fxopt.dynamic`` says why and how): the
+pipeline once on the symbolic graph in fxopt's own shape environment, a ``SizeDispatcher`` that
+lowers it per concrete size."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from fxopt.dynamic import PrivateShapes, SizeDispatcher, Unsupported, release
+from fxopt.lowered import Lowered
+from fxopt.report import GraphReport
+
+log = logging.getLogger("fxopt")
+
+
+def _private_graph(gm: fx.GraphModule, shapes: PrivateShapes) -> fx.GraphModule:
+    """A copy of ``gm`` whose values are propagated from the private fake inputs."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from fxopt.pipeline import copy_graph_module
+
+    copy = copy_graph_module(gm)
+    with shapes.mode, torch.no_grad():
+        FakeTensorProp(copy, shapes.mode).propagate_dont_convert_inputs(*shapes.fakes)
+    return copy
+
+
+def compile_symbolic(compiler, gm: fx.GraphModule, fake_args: list, kind: str) -> Optional[Callable]:
+    """The compiled graph for a symbolic ``gm`` (``compiler``: the ``FxoptCompiler``), or None where it
+    cannot take the symbolic path (``compiler.dynamic_fallback`` then says why and the caller
+    specializes it as before)."""
+    from fxopt import pipeline
+    from fxopt.autotune import cudnn_choosing
+    from fxopt.backends import resolve_executor
+
+    from torch._guards import tracing
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    t0 = time.perf_counter()
+    # the fake mode found through Dynamo's tracing context, or active around the compiler, is Dynamo's
+    with tracing(None), unset_fake_temporarily():
+        return _compile(compiler, gm, fake_args, kind, t0)
+
+
+def _compile(compiler, gm: fx.GraphModule, fake_args: list, kind: str, t0: float) -> Optional[Callable]:
+    from fxopt import pipeline
+    from fxopt.autotune import cudnn_choosing
+    from fxopt.backends import resolve_executor
+
+    try:
+        shapes = PrivateShapes(fake_args)
+        sym_gm = _private_graph(gm, shapes)
+    except Unsupported as e:
+        compiler.dynamic_fallback = str(e)
+        return None
+    except Exception as e:  # noqa: BLE001 - what does not propagate symbolically is specialized
+        compiler.dynamic_fallback = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        return None
+    ctx = compiler._context(sym_gm, shapes.fakes, kind)
+    before = pipeline.copy_graph_module(sym_gm)
+    with cudnn_choosing(compiler.options.cudnn_search):
+        optimized, records, fallback = pipeline.run_pipeline(sym_gm, ctx, dump_prefix=f"{kind}_")
+    ctx.unoptimized = before if fallback is None else None
+    info = {"symbolic": list(shapes.dims), "guards": shapes.guards(), "pipeline_runs": 1,
+            "pipeline_s": round(time.perf_counter() - t0, 4)}
+    lower_at = _lowering(compiler, ctx, before, optimized, shapes, kind, info)
+    dispatcher = SizeDispatcher(shapes, lower_at, compiler.options.max_specializations, info)
+    executor = resolve_executor(compiler.options.executor, compiler.device_type, kind)
+    lowered = Lowered(fn=dispatcher, executor=f"{executor} (per size)", cudagraphs="per size",
+                      details={"dynamic": info})
+    report = GraphReport(
+        kind=kind, before=before, after=optimized, passes=records, conv_algorithms=dict(ctx.conv_algorithms),
+        fallback=fallback, executor=lowered.executor, cudagraphs=lowered.cudagraphs, measurements=ctx.measurements,
+        compile_ms=(time.perf_counter() - t0) * 1e3, lowered=lowered)
+    report.executor_details["compile_cache"] = "off (symbolic graph)"
+    report.dispatcher = dispatcher
+    return compiler.finish(gm, dispatcher, report, kind)
+
+
+def _lowering(compiler, ctx, before: fx.GraphModule, optimized: fx.GraphModule, shapes: PrivateShapes,
+              kind: str, info: dict) -> Callable:
+    """``lower_at(args, key) -> (Lowered, note)`` for the dispatcher."""
+    from fxopt import pipeline
+    from fxopt.autotune import cudnn_choosing
+    from fxopt.backends import lower
+    from fxopt.package_batch import specialise_at
+
+    def lower_at(args: list, key: tuple):
+        why = shapes.failed_guard(key)
+        note = None
+        with torch.no_grad():
+            base = specialise_at(before, args)[0]
+        if why is None:
+            with torch.no_grad():
+                static = specialise_at(optimized, args)[0]
+            c = dataclasses.replace(ctx, unoptimized=base if ctx.unoptimized is not None else None,
+                                    fake_cache={}, notes={})
+        else:  # the passes decided on a size these sizes break: they run again at these sizes
+            saved, compiler.example_inputs = compiler.example_inputs, args[len(args) - compiler.n_inputs:]
+            try:
+                c = compiler._context(base, [n.meta.get("val") for n in base.graph.find_nodes(op="placeholder")],
+                                      kind)
+            finally:
+                compiler.example_inputs = saved
+            with cudnn_choosing(compiler.options.cudnn_search):
+                static, _, fb = pipeline.run_pipeline(pipeline.copy_graph_module(base), c)
+            c.unoptimized = base if fb is None else None
+            info["pipeline_runs"] = info.get("pipeline_runs", 1) + 1
+            note = f"passes ran again at this size (the symbolic graph assumed {why})"
+        try:
+            with cudnn_choosing(compiler.options.cudnn_search):
+                return lower(static, c, kind), note
+        except Exception as e:  # noqa: BLE001 - a size that does not lower runs the unoptimized graph
+            if compiler.options.strict:
+                raise
+            from fxopt.pipeline import FxoptFallbackWarning
+
+            warnings.warn(f"fxopt: lowering failed at {shapes.describe(key)} ({type(e).__name__}: {e}); running "
+                          "the unoptimized graph at that size", FxoptFallbackWarning, stacklevel=2)
+            return Lowered(fn=base, executor="torch", cudagraphs="off (fallback)",
+                           fallback_reason=f"lowering failed: {type(e).__name__}: {e}"), \
+                f"lowering failed: {type(e).__name__}"
+
+    return lower_at
+
+
+__all__ = ["compile_symbolic", "release"]
