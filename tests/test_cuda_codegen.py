@@ -566,8 +566,8 @@ def test_gpu_depthwise(layout, dtype):
         res = torch.randn(want.shape, device="cuda").to(dtype).contiguous(memory_format=fmt)
         if epi and has_residual(epi):
             want = want + res.double()
-        for act, p in (ir.epilogue_parts(epi).activations if epi else ()):
-            want = apply_activation(want, act, list(p))
+        for act, params in (ir.epilogue_parts(epi).activations if epi else ()):
+            want = apply_activation(want, act, list(params))
         want = want.float()
         ks = depthwise_conv.generate_depthwise_conv2d(k, s, p, dtype, layout, epi)
         out = torch.empty(want.shape, dtype=dtype, device="cuda", memory_format=fmt)

@@ -91,6 +91,27 @@ def test_lent_outputs_are_busy_while_the_caller_holds_them_or_a_view():
     assert copied[0].data_ptr() != outs[0].data_ptr() and torch.equal(copied[1][0], outs[1])
 
 
+def test_outputs_that_view_each_other_stay_views_of_each_other():
+    """An output and a view of it (``return h, h.transpose(2, 3)``) share memory in eager; the
+    copies handed out share one copy of it, so writing one shows in the other, as in eager."""
+    from fxopt.backends.cuda.runtime.cudagraphs import _Instance
+
+    x = torch.randn(2, 3)
+    h, other = torch.randn(1, 2, 3, 4), torch.randn(5)
+    for outputs in ((h, h.transpose(2, 3), other), [(h,), [h[0, 1]], other]):
+        inst = _Instance(None, {}, None, outputs, [x])
+        got = inst.hand_out()
+        flat = [got[0], got[1], got[2]] if isinstance(got, tuple) else [got[0][0], got[1][0], got[2]]
+        a, b, c = flat
+        assert a.untyped_storage().data_ptr() != h.untyped_storage().data_ptr()  # a copy, not the buffer
+        assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # one copy for both
+        assert c.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()  # alone: lent as it is
+        assert torch.equal(a, h) and torch.equal(c, other)
+        assert b.stride() == (h.transpose(2, 3) if isinstance(got, tuple) else h[0, 1]).stride()
+        a.add_(1.0)
+        assert torch.equal(b, (a.transpose(2, 3) if isinstance(got, tuple) else a[0, 1]))
+
+
 def test_outputs_sharing_memory_are_never_lent():
     from fxopt.backends.cuda.runtime.cudagraphs import _Instance
 

@@ -406,3 +406,32 @@ def test_amp_training_of_in_place_activations_saves_no_copies_and_matches_eager(
         assert not any(n.target is torch.ops.aten.clone.default for n in g.before.graph.nodes)
     for (name, b), rb in zip(model.named_buffers(), ref.buffers()):
         assert relative_error(b.float(), rb.float()) <= 2e-2, name
+
+
+class _OutputAndItsView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 1, 1, bias=False)
+
+    def forward(self, x):
+        h = torch.abs(self.conv(x))
+        return h, h.transpose(2, 3)
+
+
+@pytest.mark.parametrize("cudagraphs", [True, False])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 1, 3, 5)])
+def test_an_output_and_its_view_stay_views_of_each_other(shape, cudagraphs):
+    """Found by ``fxopt fuzz``: eager's two outputs share memory; the CUDA-graph runner copied each
+    on its own, so writing one no longer showed in the other."""
+    model = _OutputAndItsView().cuda().eval()
+    x = torch.randn(shape, device="cuda")
+    fast = torch.compile(model, backend="fxopt", options={"cudagraphs": cudagraphs})
+    with torch.no_grad():
+        want = model(x)
+        for _ in range(3):  # the capture, then replays
+            got = fast(x)
+    assert got[0].untyped_storage().data_ptr() == got[1].untyped_storage().data_ptr()
+    assert [g.stride() for g in got] == [w.stride() for w in want]
+    torch.testing.assert_close(got[0], want[0])
+    got[0].add_(1.0)
+    torch.testing.assert_close(got[1], got[0].transpose(2, 3))

@@ -236,13 +236,14 @@ class _Instance:
             out = list(self.outputs)
             for i, t in zip(positions, map(_DETACH, tensors)):
                 out[i] = t
-            for i in copied:
-                out[i] = _copy(self.outputs[i])
+            for i, c in zip(copied, _copies([self.outputs[i] for i in copied])):
+                out[i] = c
             return type(self.outputs)(out)
         if self.lendable:
             return _lend(self.outputs)
+        copies = iter(_copies([t for t, w in zip(_flat(self.outputs), self.ways) if w == "copy"]))
         ways = iter(self.ways)
-        return _map_tensors(self.outputs, lambda t: _copy(t) if next(ways) == "copy" else _DETACH(t))
+        return _map_tensors(self.outputs, lambda t: next(copies) if next(ways) == "copy" else _DETACH(t))
 
     def run(self, args):
         """Copy the buffered inputs in, replay, hand the outputs out."""
@@ -550,6 +551,26 @@ def _lend(outputs):
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.preserve_format)
+
+
+def _copies(tensors: list) -> list:
+    """Copies of ``tensors``, where outputs that share memory with each other (an output and a view
+    of it, as eager returns them) share one copy of that memory, so they stay views of each other."""
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault(_storage(t), []).append(t)
+    shared = {}
+    for ptr, ts in groups.items():
+        if len(ts) > 1:
+            shared[ptr] = ts[0].untyped_storage().clone()
+    out = []
+    for t in tensors:
+        st = shared.get(_storage(t))
+        if st is None:
+            out.append(_copy(t))
+        else:
+            out.append(torch.empty((), dtype=t.dtype, device=t.device).set_(st, t.storage_offset(), t.size(), t.stride()))
+    return out
 
 
 def _copy_out(outputs):
