@@ -158,31 +158,12 @@ def outputs_differ(got, ref, dtype: torch.dtype) -> Optional[str]:
     """None where every output of ``got`` has ``ref``'s shape and dtype, NaNs where ``ref`` has
     them, and a max-norm relative error (``fxopt.tolerances.relative_error``) within the rtol of
     ``dtype`` (the lowest precision the graph computes in), else what differs."""
-    from fxopt.tolerances import relative_error, tolerance
+    from fxopt.tolerances import tolerance, whole_tensors_differ
 
-    g = list(got) if isinstance(got, (list, tuple)) else [got]
-    r = list(ref) if isinstance(ref, (list, tuple)) else [ref]
-    if len(g) != len(r):
-        return f"{len(g)} outputs instead of {len(r)}"
     rtol = tolerance(dtype)[0]
-    for i, (a, b) in enumerate(zip(g, r)):
-        if not isinstance(b, torch.Tensor):
-            if a != b:
-                return f"output {i}: {a!r} != {b!r}"
-            continue
-        if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
-            return f"output {i}: {getattr(a, 'shape', a)}/{getattr(a, 'dtype', '')} vs {b.shape}/{b.dtype}"
-        if not b.is_floating_point():
-            if not torch.equal(a, b):
-                return f"output {i}: values differ"
-            continue
-        if not torch.equal(a.isnan(), b.isnan()):
-            return f"output {i}: NaNs differ"
-        finite = b.isfinite()
-        err = relative_error(torch.where(finite, a, 0), torch.where(finite, b, 0))
-        if not err <= rtol:
-            return f"output {i}: relative error {err:.3g} > {rtol} ({str(dtype).replace('torch.', '')})"
-    return None
+    why = whole_tensors_differ(list(got) if isinstance(got, (list, tuple)) else [got],
+                               list(ref) if isinstance(ref, (list, tuple)) else [ref], lambda b: rtol)
+    return None if why is None else f"{why} ({str(dtype).replace('torch.', '')})"
 
 
 def _replace(graph: fx.Graph, node: fx.Node, op: str, target, args: tuple) -> None:

@@ -291,24 +291,13 @@ def _other_batch(inputs: tuple, info: dict) -> Optional[tuple]:
 def _close(got: list, ref: list) -> Optional[str]:
     """Whole-tensor agreement (max |got - ref| / max |ref|) within fxopt's tolerance for the
     dtype (TF32's on CUDA float32, as eager runs it), shapes and dtypes equal."""
-    from fxopt.tolerances import relative_error, tolerance
+    from fxopt.tolerances import tolerance, whole_tensors_differ
 
-    if len(got) != len(ref):
-        return f"{len(got)} outputs instead of {len(ref)}"
-    for i, (a, b) in enumerate(zip(got, ref)):
-        if not isinstance(b, torch.Tensor):
-            if a != b:
-                return f"output {i}: {a!r} != {b!r}"
-            continue
-        if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
-            return f"output {i}: {getattr(a, 'shape', a)}/{getattr(a, 'dtype', '')} vs {b.shape}/{b.dtype}"
+    def rtol_of(b: torch.Tensor) -> float:
         rtol = tolerance(b.dtype)[0]
-        if b.is_cuda and b.dtype == torch.float32:
-            rtol = max(rtol, 1e-3)
-        err = relative_error(a, b)
-        if not err <= rtol or bool((a.isnan() != b.isnan()).any()):
-            return f"output {i}: relative error {err:.3g} > {rtol:g}"
-    return None
+        return max(rtol, 1e-3) if b.is_cuda and b.dtype == torch.float32 else rtol
+
+    return whole_tensors_differ(got, ref, rtol_of)
 
 
 def _check_against(model, module: PackagedModule, inputs: tuple) -> Optional[str]:

@@ -51,11 +51,14 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return (got64 - ref64).abs().max().item() / scale
 
 
-def outputs_close(got: Any, ref: Any) -> Optional[str]:
-    """None when every tensor in `got` matches `ref` within tolerance, else a description."""
+def tensor_pairs(got: Any, ref: Any):
+    """(index, got tensor, ref tensor) for every output of ``ref`` that is a tensor, after checking
+    that the outputs agree in number, that non-tensor outputs are equal and that tensors have
+    ``ref``'s shape and dtype; a string (what differs) instead where they do not."""
     g, r = _flatten(got), _flatten(ref)
     if len(g) != len(r):
         return f"{len(g)} outputs instead of {len(r)}"
+    pairs = []
     for i, (a, b) in enumerate(zip(g, r)):
         if not isinstance(b, torch.Tensor):
             if a != b:
@@ -63,6 +66,38 @@ def outputs_close(got: Any, ref: Any) -> Optional[str]:
             continue
         if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
             return f"output {i}: {getattr(a, 'shape', a)}/{getattr(a, 'dtype', '')} vs {b.shape}/{b.dtype}"
+        pairs.append((i, a, b))
+    return pairs
+
+
+def whole_tensors_differ(got: Any, ref: Any, rtol_of) -> Optional[str]:
+    """None where every output agrees as ``tensor_pairs`` checks, NaNs stand where ``ref``'s do and
+    the max-norm relative error of the finite values (``relative_error``) is within ``rtol_of(ref
+    tensor)``; else what differs. Integer and bool outputs must be equal."""
+    pairs = tensor_pairs(got, ref)
+    if isinstance(pairs, str):
+        return pairs
+    for i, a, b in pairs:
+        if not b.is_floating_point():
+            if not torch.equal(a, b):
+                return f"output {i}: values differ"
+            continue
+        if not torch.equal(a.isnan(), b.isnan()):
+            return f"output {i}: NaNs differ"
+        finite = b.isfinite()
+        err = relative_error(torch.where(finite, a, 0), torch.where(finite, b, 0))
+        rtol = rtol_of(b)
+        if not err <= rtol:
+            return f"output {i}: relative error {err:.3g} > {rtol:g}"
+    return None
+
+
+def outputs_close(got: Any, ref: Any) -> Optional[str]:
+    """None when every tensor in `got` matches `ref` within tolerance, else a description."""
+    pairs = tensor_pairs(got, ref)
+    if isinstance(pairs, str):
+        return pairs
+    for i, a, b in pairs:
         rtol, atol = tolerance(b.dtype)
         try:
             torch.testing.assert_close(a, b, rtol=rtol, atol=atol, equal_nan=True)

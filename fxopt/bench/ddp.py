@@ -476,20 +476,25 @@ def render_markdown(results: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    a = parse_args(argv)
-    results = run(a)
+def write_results(results: Optional[dict], out: str, render) -> int:
+    """Rank 0's results (None on the other ranks) as ``results.json`` and ``render``'s markdown in
+    ``out``, the markdown printed; the exit status: 1 where a check failed."""
     if results is None:
         return 0
     from .report import write_json
 
-    os.makedirs(a.out, exist_ok=True)
-    write_json(results, os.path.join(a.out, "results.json"))
-    text = render_markdown(results)
-    with open(os.path.join(a.out, "results.md"), "w") as fh:
+    os.makedirs(out, exist_ok=True)
+    write_json(results, os.path.join(out, "results.json"))
+    text = render(results)
+    with open(os.path.join(out, "results.md"), "w") as fh:
         fh.write(text)
     sys.stdout.write(text)
     return 0 if all(c["ok"] for c in results["summary"]["checks"]) else 1
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = parse_args(argv)
+    return write_results(run(a), a.out, render_markdown)
 
 
 if __name__ == "__main__":

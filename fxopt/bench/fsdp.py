@@ -365,19 +365,10 @@ def render_markdown(results: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    a = parse_args(argv)
-    results = run(a)
-    if results is None:
-        return 0
-    from .report import write_json
+    from .ddp import write_results
 
-    os.makedirs(a.out, exist_ok=True)
-    write_json(results, os.path.join(a.out, "results.json"))
-    text = render_markdown(results)
-    with open(os.path.join(a.out, "results.md"), "w") as fh:
-        fh.write(text)
-    sys.stdout.write(text)
-    return 0 if all(c["ok"] for c in results["summary"]["checks"]) else 1
+    a = parse_args(argv)
+    return write_results(run(a), a.out, render_markdown)
 
 
 if __name__ == "__main__":
