@@ -55,8 +55,9 @@ class Options:
     cpu_onnxruntime: bool = True
     #: cpu executor: also time the graph compiled by OpenVINO (CPU plugin) per input signature and run
     #: it where it is faster and its outputs match (needs openvino: pip install fxopt[openvino]; float32
-    #: graphs at float32 precision, bfloat16 ones at bfloat16)
-    cpu_openvino: bool = True
+    #: graphs at float32 precision, bfloat16 ones at bfloat16). Off by default: exporting, converting
+    #: and compiling it adds 1-3.5 s to a small CNN's first call per signature
+    cpu_openvino: bool = False
     #: inference graphs that need nothing of AOTAutograd's runtime wrapper (no aliasing, mutation,
     #: subclasses, autocast...) are called by Dynamo directly, saving the wrapper's per-call cost
     direct_call: bool = True

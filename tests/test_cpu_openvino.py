@@ -123,7 +123,7 @@ def test_openvino_is_chosen_where_faster_and_matches_eager(slow_torch_graphs):
     m, x = SeedCNN().eval(), torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         ref = m(x)
-    out, g = _compile(m, x, {"cpu_onnxruntime": False})
+    out, g = _compile(m, x, {"cpu_onnxruntime": False, "cpu_openvino": True})
     assert g.executor_details["openvino_candidate"] == "timed per signature (inference precision f32)"
     d = _decision(g)
     assert d["runs"] == "openvino" and d["openvino_ms"] < d["optimized_ms"], d
@@ -136,12 +136,12 @@ def test_openvino_runs_bf16_only_for_bf16_graphs(slow_torch_graphs):
     m, x = _net(), torch.randn(2, 3, 16, 16)
     with torch.no_grad():
         ref = m(x)
-    out, g = _compile(_net().bfloat16(), x.bfloat16(), {"cpu_onnxruntime": False})
+    out, g = _compile(_net().bfloat16(), x.bfloat16(), {"cpu_onnxruntime": False, "cpu_openvino": True})
     want = "bf16" if ovb.cpu_has_bf16() else "f32"
     assert g.executor_details["openvino_candidate"] == f"timed per signature (inference precision {want})"
     assert _decision(g)["runs"] == "openvino"
     assert out.dtype == torch.bfloat16 and relative_error(out.float(), ref) <= BF16_RTOL
-    out, g = _compile(m, x, {"cpu_onnxruntime": False}, autocast=True)
+    out, g = _compile(m, x, {"cpu_onnxruntime": False, "cpu_openvino": True}, autocast=True)
     assert g.executor_details["openvino_candidate"] == f"timed per signature (inference precision {want})"
     assert relative_error(out.float(), ref) <= BF16_RTOL
 
@@ -157,7 +157,7 @@ def test_openvino_is_declined_where_its_outputs_differ(slow_torch_graphs, monkey
     m, x = SeedCNN().eval(), torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         ref = m(x)
-    out, g = _compile(m, x, {"cpu_onnxruntime": False})
+    out, g = _compile(m, x, {"cpu_onnxruntime": False, "cpu_openvino": True})
     d = _decision(g)
     assert d["runs"] != "openvino" and "outputs differ from the reference" in d["failed"]["openvino"]
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
@@ -175,7 +175,7 @@ def test_without_openvino_the_executor_runs_as_before(monkeypatch):
     m, x = SeedCNN().eval(), torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         ref = m(x)
-    out, g = _compile(m, x, {"cpu_onnxruntime": False})
+    out, g = _compile(m, x, {"cpu_onnxruntime": False, "cpu_openvino": True})
     assert g.executor_details["openvino_candidate"].startswith("none (openvino is not importable")
     assert "openvino_ms" not in _decision(g)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
@@ -210,7 +210,7 @@ def test_a_graph_openvino_refuses_runs_the_torch_graphs(slow_torch_graphs):
     m, x = Unconvertible().eval(), torch.randn(2, 3, 16, 16)
     with torch.no_grad():
         ref = m(x)
-    out, g = _compile(m, x, {"cpu_onnxruntime": False})
+    out, g = _compile(m, x, {"cpu_onnxruntime": False, "cpu_openvino": True})
     d = _decision(g)
     assert d["runs"] in ("optimized graph", "baseline graph") and "openvino" in d["failed"], d
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
@@ -220,7 +220,8 @@ def test_a_graph_openvino_refuses_runs_the_torch_graphs(slow_torch_graphs):
 def test_openvino_rebuilds_after_an_in_place_weight_change(slow_torch_graphs):
     m, x = SeedCNN().eval(), torch.randn(2, 3, 32, 32)
     graphs: list = []
-    compiled = fxopt.testing.compile_with_fxopt(m, {"autotune_cache": False, "cpu_onnxruntime": False}, graphs)
+    options = {"autotune_cache": False, "cpu_onnxruntime": False, "cpu_openvino": True}
+    compiled = fxopt.testing.compile_with_fxopt(m, options, graphs)
     with torch.no_grad():
         compiled(x)
         m.conv1.weight.mul_(0.5)
