@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop starting new cells after S seconds (the rest are marked skipped)")
     p.add_argument("--train", action="store_true", help="time training steps instead (fxopt.bench.train; "
                    "its options: fxopt bench --train --help)")
+    p.add_argument("--zoo", action="store_true", help="a public zoo of CNNs (timm, torchvision segmentation) in "
+                   "parts, merged with --zoo-merge (fxopt.bench.zoo; its options: fxopt bench --zoo --help)")
     p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
                    help="measure nothing: merge results.json files (or .json.gz) of runs split over several "
                    "commands on one machine into one report in --out")
@@ -388,6 +390,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .serving import main as serving_main
 
         return serving_main([x for x in argv if x != "--serving"])
+    if "--zoo" in argv or "--zoo-merge" in argv:  # the public zoo of CNNs: fxopt bench --zoo --help
+        from .zoo import main as zoo_main
+
+        return zoo_main(argv)
     if "--train" in argv:  # the training-step benchmark has its own options: fxopt bench --train --help
         from .train import main as train_main
 

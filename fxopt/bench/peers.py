@@ -154,6 +154,8 @@ BACKENDS: Dict[str, BackendSpec] = {s.name: s for s in [
     BackendSpec("inductor-max-autotune", _inductor("max-autotune"), default=False),
     # the same peers with cuDNN's default (no algorithm search)
     BackendSpec("eager-cudnn-default", _eager, context=_cudnn_default_ctx()),
+    BackendSpec("inductor-cudnn-default", _inductor(), context=_cudnn_default_ctx(), default=False),
+    BackendSpec("inductor-freezing-cudnn-default", _inductor(), context=_cudnn_default_ctx(_freezing_ctx), default=False),
     BackendSpec("inductor-reduce-overhead-cudnn-default", _inductor("reduce-overhead"), context=_cudnn_default_ctx()),
     BackendSpec("inductor-freezing-reduce-overhead-cudnn-default", _inductor("reduce-overhead"),
                 context=_cudnn_default_ctx(_freezing_ctx)),
