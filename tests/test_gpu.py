@@ -435,3 +435,28 @@ def test_an_output_and_its_view_stay_views_of_each_other(shape, cudagraphs):
     torch.testing.assert_close(got[0], want[0])
     got[0].add_(1.0)
     torch.testing.assert_close(got[1], got[0].transpose(2, 3))
+
+
+def test_a_failed_capture_leaves_random_numbers_and_later_captures_working():
+    """A capture that fails (an operation a capture does not permit) must not leave the device's
+    generator counting inside a graph: random ops and later captures still work, with eager's
+    numbers."""
+    from fxopt.backends.cuda.runtime.cudagraph_measure import capturing
+
+    def not_capturable():
+        x = torch.ones(4, device="cuda")
+        torch.cuda.synchronize()  # not permitted while the stream captures
+        return x
+
+    torch.cuda.manual_seed(5)
+    expected = torch.rand(8, device="cuda")
+    torch.cuda.manual_seed(5)
+    with pytest.raises(Exception):
+        with capturing(torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()):
+            not_capturable()
+    assert torch.equal(torch.rand(8, device="cuda"), expected)
+    g = torch.cuda.CUDAGraph()
+    with capturing(g, torch.cuda.graph_pool_handle()):
+        y = torch.nn.functional.dropout(torch.ones(64, device="cuda"), 0.5)
+    g.replay()
+    assert set(y.unique().tolist()) <= {0.0, 2.0}

@@ -10,6 +10,7 @@ replay and the plain run; ``CudaGraphRunner._decide`` (``cudagraphs.py``) choose
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Sequence
 
 import torch
@@ -32,6 +33,34 @@ def _side_runs(written: Sequence[torch.Tensor] = ()):
             t.copy_(v)
         if state is not None:
             torch.cuda.set_rng_state(state)
+
+
+@contextlib.contextmanager
+def capturing(graph, pool):
+    """``torch.cuda.graph(graph, pool=pool)``, except that a capture that fails (an operation a
+    capture does not permit, an allocation failing inside it) leaves the CUDA generators usable.
+    A capture registers the device's default generator, which counts its offsets inside the graph
+    from then on; a capture whose end fails never hands the generator back, and every later random
+    op or capture in the process fails ("Offset increment outside graph capture"). An empty capture
+    after the failure hands it back; the generator's seed and offset are those from before."""
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    except BaseException:
+        _release_generators()
+        raise
+
+
+def _release_generators() -> None:
+    if torch.cuda.is_current_stream_capturing():
+        return  # inside another capture: its end hands the generators back
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
+        try:
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                pass
+        except Exception:  # noqa: BLE001 - the original error is the one raised
+            pass
 
 
 def _reserved_bytes() -> int:

@@ -89,7 +89,7 @@ import torch.fx as fx
 
 from fxopt.backends.cuda.compiler import programmatic_launches, without_programmatic_launch
 from fxopt.backends.cuda.runtime.cudagraph_measure import (NO_PDL, RUNS, Measuring, _describe,  # noqa: F401
-                                                           _reserved_bytes, _side_runs)
+                                                           _reserved_bytes, _side_runs, capturing)
 from fxopt.passinfra import written_in_place
 from fxopt.weights import _PTRS_EQUAL, WeightWatch
 
@@ -385,7 +385,7 @@ class CudaGraphRunner(Measuring):
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=pool):
+        with capturing(graph, pool):
             outputs = fn(*call_args)
         return graph, outputs, pool
 
