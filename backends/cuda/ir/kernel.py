@@ -143,6 +143,28 @@ def substitute(e: Expr, mapping: dict, memo: Optional[dict] = None) -> Expr:
     return out
 
 
+def remap_buffers(e: Expr, mapping: dict, memo: Optional[dict] = None) -> Expr:
+    """``e`` with each load's input buffer ``i`` read from buffer ``mapping[i]`` (kernels merged
+    into one over the union of their inputs)."""
+    memo = {} if memo is None else memo
+    hit = memo.get(e)
+    if hit is not None:
+        return hit
+    if isinstance(e, Load):
+        out = Load(mapping[e.buf], e.offset)
+    elif isinstance(e, Op):
+        out = Op(e.op, tuple(remap_buffers(a, mapping, memo) for a in e.args), e.params)
+    elif isinstance(e, Where):
+        out = Where(remap_buffers(e.cond, mapping, memo), remap_buffers(e.a, mapping, memo),
+                    remap_buffers(e.b, mapping, memo))
+    elif isinstance(e, Cast):
+        out = Cast(remap_buffers(e.arg, mapping, memo), e.dtype)
+    else:
+        out = e
+    memo[e] = out
+    return out
+
+
 def simplify(e: Expr, memo: Optional[dict] = None) -> Expr:
     """Decide range tests the loop bounds already answer and drop the branches they exclude (the
     concatenation inputs and padding a split loop nest never reaches)."""

@@ -53,6 +53,7 @@ from fxopt.backends.cuda.runtime.running_stats import update_in_place
 from fxopt.backends.cuda.runtime.groups import fuse_group
 from fxopt.backends.cuda.kernels import FAMILIES, GROUPS
 from fxopt.backends.cuda.kernels.region import GeneratedRegion
+from fxopt.backends.cuda.schedule.copies import copy_summary
 from fxopt.backends.cuda.schedule.fusion import schedule
 from fxopt.backends.cuda.schedule.rewrite import rewrite, split_conv_epilogues
 from fxopt.backends.cuda.schedule.generated import RegionReference, template_candidates
@@ -210,6 +211,7 @@ def fuse_regions(runnable: fx.GraphModule, info: dict, skip: set, strict: bool =
     sched = schedule(runnable, skip, strict=strict)
     info["unfused"] = sched.unfused
     info["conv_epilogues_moved"] = split
+    info["copies"] = copy_summary(sched.regions)  # kernels that only move data, bytes per call
     if not sched.regions:
         return []
     planned = []

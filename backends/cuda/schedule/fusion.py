@@ -16,8 +16,11 @@ How (``schedule``):
    several kernels need where recomputing it in each costs more bytes than storing it once
    (``_cheaper_to_store``: with ``L`` input tensors and ``k`` kernels, ``k * L`` reads against
    ``L + 1 + k``; of a chain the same kernels share, only the value nearest them, e.g. a channel
-   shuffle after its concatenation and layout copies). Everything else is computed inline where
-   it is used.
+   shuffle after its concatenation and layout copies). ``k`` counts each kernel by the share of
+   the value it reads (``_shares``: kernels reading one piece of a split each read that piece) and
+   a concatenation costs per element the loads of the input it comes from (``_loads``), so split
+   pieces are read in place and concatenations are not stored to be shared (``copies.py``).
+   Everything else is computed inline where it is used.
 3. One kernel per realized fusible value (a ``PointwiseKernel`` over its shape) and per reduction
    (a ``ReductionKernel``: LayerNorm, softmax, GroupNorm, a mean... with its pointwise prologue
    inlined), built by ``build.py``. Every node whose rule declines is made a library node and the
@@ -27,6 +30,8 @@ How (``schedule``):
    so a kernel over dense tensors is one flat loop; reductions pick the thread mapping
    ("inner": threads across the reduced index; "outer": threads across rows, when the rows are
    what is contiguous, e.g. a spatial mean of a channels_last tensor).
+5. The kernels that each store one piece of the same split from the same inputs (for library
+   convolutions) become one kernel with one output per piece (``copies.merge_pieces``).
 
 Produces ``Region``s: the IR kernel, the graph nodes it reads and writes, the nodes it covers
 (for the reference implementation and the report). ``rewrite.py`` replaces each region by one
@@ -48,6 +53,8 @@ from fxopt.backends.cuda.kernels.common import meta
 from .build import Builder, pointwise_kernel, reduction_kernel
 from .loops import arrange
 from .lowering import container_items, is_view, target_name, value_rule, view_root
+from .movement_rules import MULTI_VIEWS
+from . import copies
 from .reduction_rules import reduction_rule
 from .values import Decline
 
@@ -188,6 +195,7 @@ class _Plan:
         while changed:
             changed = False
             owners = self._owners(out)
+            share = _shares(self.gm, cls, out)
             shadowed: set = set()
             for n in reversed(list(self.gm.graph.nodes)):
                 if cls.get(n) not in ("fusible", "view", "container") or n in out:
@@ -197,7 +205,7 @@ class _Plan:
                     continue
                 ks = owners.get(n, ())
                 if (cls[n] == "fusible" and not is_view(n) and len(ks) > 1
-                        and _cheaper_to_store(n, len(ks), cls, out)):
+                        and _cheaper_to_store(n, share.get(n, len(ks)) if copies.ENABLED else len(ks), cls, out)):
                     out.add(n)
                     shadowed.add(n)
                     changed = True
@@ -237,24 +245,83 @@ def _window(n: fx.Node) -> int:
     return int(k[0]) * int(k[-1])
 
 
-def _loads(n: fx.Node, cls: dict, realized: set, memo: dict) -> int:
+def _loads(n: fx.Node, cls: dict, realized: set, memo: dict) -> float:
     """Loads from memory per element that computing ``n`` inline costs (window ops count their
-    window; each input tensor of an inline subtree counts once per use)."""
+    window; each input tensor of an inline subtree counts once per use; a concatenation's element
+    comes from one of its inputs: their loads weighted by their share of its elements)."""
     if n in memo:
         return memo[n]
+    weights = _cat_weights(n) if copies.ENABLED else None
     total = 0
     for a in dict.fromkeys(n.all_input_nodes):
         if cls[a] in ("fusible", "view", "container") and a not in realized:
-            total += _loads(a, cls, realized, memo)
+            cost = _loads(a, cls, realized, memo)
         else:
-            total += 1
+            cost = 1
+        total += cost * weights.get(a, 1) if weights is not None else cost
     memo[n] = total * _window(n)
     return memo[n]
 
 
-def _cheaper_to_store(n: fx.Node, k: int, cls: dict, realized: set) -> bool:
+def _cat_weights(n: fx.Node) -> Optional[dict]:
+    """For a concatenation: each input's share of its elements (None for other nodes)."""
+    if n.op != "call_function" or n.target is not aten.cat.default:
+        return None
+    out = meta(n)
+    total = out.numel() if out is not None else 0
+    if not total:
+        return None
+    weights: dict = {}
+    for a in n.args[0]:
+        t = meta(a) if isinstance(a, fx.Node) else None
+        if t is None:
+            return None
+        weights[a] = weights.get(a, 0) + t.numel() / total
+    return weights
+
+
+#: ops whose value is a part of their input's (a kernel reading them reads only that part)
+_NARROWING = (aten.slice.Tensor, aten.select.int, aten.narrow.default)
+
+
+def _part_of(u: fx.Node, n: fx.Node) -> float:
+    """The share of ``n``'s elements that ``u`` reads where ``u`` is a part of ``n`` (a split's
+    piece, a slice), else 1."""
+    src = u.args[0] if u.target is operator.getitem and isinstance(u.args[0], fx.Node) else None
+    if not (u.target in _NARROWING or (src is not None and src.target in MULTI_VIEWS)):
+        return 1.0
+    a, b = meta(u), meta(n if src is None else src.args[0])
+    if a is None or b is None or not b.numel():
+        return 1.0
+    return min(1.0, a.numel() / b.numel())
+
+
+def _shares(gm: fx.GraphModule, cls: dict, realized: set) -> dict:
+    """For every fusible node: the share of its elements the kernels computing it inline read, summed
+    over those kernels (a kernel reading one piece of a split reads that piece only). Equal to the
+    number of kernels where each reads the whole value."""
+    part: dict = {}
+    for n in reversed(list(gm.graph.nodes)):
+        c = cls.get(n)
+        if c not in ("fusible", "view", "container"):
+            continue
+        if n in realized:
+            part[n] = {n: 1.0}
+            continue
+        ks: dict = {}
+        for u in n.users:
+            if u in realized or cls[u] in ("fusible", "view", "container"):
+                f = _part_of(u, n)
+                for k, w in part.get(u, {}).items():
+                    ks[k] = min(1.0, ks.get(k, 0.0) + w * f)
+        part[n] = ks
+    return {n: sum(ks.values()) for n, ks in part.items()}
+
+
+def _cheaper_to_store(n: fx.Node, k: float, cls: dict, realized: set) -> bool:
     """``k`` kernels computing ``n`` inline read ``k * L`` elements per element of ``n``; storing it
-    costs ``L`` reads, one write and ``k`` reads."""
+    costs ``L`` reads, one write and ``k`` reads. ``k``: the kernels' shares of ``n`` (``_shares``;
+    kernels that each read one piece of a split read it once in all)."""
     loads = _loads(n, cls, realized, {})
     return loads + 1 + k < k * loads
 
@@ -309,6 +376,7 @@ def schedule(gm: fx.GraphModule, skip: set = frozenset(), max_rounds: int = 50, 
             classes.demote(node, reason)
     else:
         return Schedule([], {"*": "the scheduler did not settle"})
+    regions = copies.merge_pieces(regions, Region)
     for r in regions:
         r.kernel.ops = r.ops
     unfused = {n.name: w for n, w in classes.why.items() if classes.cls[n] == "library"}
