@@ -71,6 +71,11 @@ class Options:
     #: dynamic shapes: sizes kept lowered at once (each with its kernels and CUDA graphs); the least
     #: recently used goes first, and a size seen again is lowered again (never run eagerly)
     max_specializations: int = 16
+    #: dynamic shapes: a new batch size of a batch-independent graph first runs padded on a lowered
+    #: larger batch (``fxopt.dynamic_buckets``), its own specialization lowered at its
+    #: ``specialize_after + 1``-th call; False: every size is lowered at its first call
+    dynamic_padding: bool = True
+    specialize_after: int = 2
     #: training: how AOTAutograd splits forward and backward; "min_cut" recomputes cheap pointwise
     #: values in the backward instead of saving them, "default" saves every value it needs
     partitioner: str = "min_cut"
@@ -158,6 +163,11 @@ class Options:
         if isinstance(self.max_specializations, bool) or not isinstance(self.max_specializations, int) \
                 or self.max_specializations < 1:
             raise ValueError(f"fxopt: max_specializations must be an int >= 1, got {self.max_specializations!r}")
+        if not isinstance(self.dynamic_padding, bool):
+            raise ValueError(f"fxopt: dynamic_padding must be True or False, got {self.dynamic_padding!r}")
+        if isinstance(self.specialize_after, bool) or not isinstance(self.specialize_after, int) \
+                or self.specialize_after < 1:
+            raise ValueError(f"fxopt: specialize_after must be an int >= 1, got {self.specialize_after!r}")
         if self.dump_dir is None:
             self.dump_dir = os.environ.get("FXOPT_DUMP_DIR") or None
 

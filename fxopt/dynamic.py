@@ -18,6 +18,14 @@ after its recompile limit runs new sizes eagerly. So a symbolic inference graph 
    the passes run again at that size (the reason is recorded); it still never runs eagerly.
    At most ``max_specializations`` sizes stay lowered: the least recently used is dropped (its
    CUDA graphs released) and lowered again if it comes back.
+4. Buckets (``fxopt.dynamic_buckets``): batch sizes fall in power-of-two buckets. The choices the
+   first lowering in a bucket measured are reused by every later lowering in it (nothing measured
+   at a second size of a bucket). Where the graph is batch-independent
+   (``fxopt.batch_independence``; option ``dynamic_padding``), a new batch size does not wait for a
+   lowering: it runs on the smallest lowered larger batch (lowering its bucket's top size where
+   there is none), padded, its outputs' first rows returned; at its ``specialize_after + 1``-th call
+   its own specialization is lowered and takes over (a size evicted before needs that many calls
+   more each time, so sizes beyond the bound do not keep displacing each other).
 
 What cannot be rebuilt symbolically (a size that is an expression of symbols, inputs whose strides
 are neither contiguous nor channels_last) takes today's path, specialized by the passes, and the
@@ -166,18 +174,33 @@ class SizeDispatcher:
     """What Dynamo calls for a symbolic graph: the optimized graph lowered per concrete size, the
     least recently used dropped beyond ``max_specializations`` (module docstring).
 
-    ``lower_at(args, key) -> (Lowered, note or None)``: the executor's result for these sizes.
-    ``info``: the live record the report shows (``executor_details["dynamic"]``)."""
+    ``lower_at(args, key, cache) -> (Lowered, note or None)``: the executor's result for these sizes,
+    its measured choices through ``cache`` (an autotuning cache, ``fxopt.dynamic_buckets``).
+    ``info``: the live record the report shows (``executor_details["dynamic"]``).
+    ``padding``: a ``fxopt.dynamic_buckets.Padding`` where the graph is batch-independent (a new
+    batch size then runs padded on a lowered larger one until it was seen ``specialize_after`` times,
+    then gets its own specialization), else None.
+    ``user_cache``: the autotuning cache the buckets' choices are recorded into."""
 
-    def __init__(self, shapes: PrivateShapes, lower_at: Callable, max_specializations: int, info: dict):
+    def __init__(self, shapes: PrivateShapes, lower_at: Callable, max_specializations: int, info: dict,
+                 padding=None, specialize_after: int = 2, user_cache=None, batch_pos: Optional[int] = None):
+        from fxopt.autotune import AutotuneCache
+
         self.shapes, self.lower_at = shapes, lower_at
         self.max = max_specializations
         self.cache: collections.OrderedDict = collections.OrderedDict()  # key -> Lowered
         self.info = info
+        self.padding, self.specialize_after = padding, max(1, int(specialize_after))
+        self.user_cache = user_cache if user_cache is not None else AutotuneCache(None)
+        self.batch_pos = batch_pos  # index of the batch in a key (None: no batch symbol known)
+        self.buckets: dict = {}  # bucket id -> BucketChoices
+        self.seen: collections.Counter = collections.Counter()  # key -> calls served padded
+        self.evicted: collections.Counter = collections.Counter()
         info.setdefault("specializations", {})
         info.setdefault("evictions", 0)
         info["max_specializations"] = max_specializations
         info["live"] = 0
+        info.setdefault("padded_calls", 0)
         self._last = (None, None)
 
     def __call__(self, *args):
@@ -188,33 +211,112 @@ class SizeDispatcher:
             self._last = (key, fn)
         return fn(*args)
 
+    def _record(self, key: tuple) -> dict:
+        return self.info["specializations"].setdefault(self.shapes.describe(key), {"lowered": 0, "seconds": []})
+
+    def _bucket_id(self, key: tuple) -> tuple:
+        from fxopt.dynamic_buckets import bucket
+
+        if self.batch_pos is None:
+            return key
+        return key[:self.batch_pos] + (bucket(key[self.batch_pos]),) + key[self.batch_pos + 1:]
+
     def _lookup(self, key: tuple, args) -> Callable:
         low = self.cache.get(key)
         if low is not None:
             self.cache.move_to_end(key)
             return low.fn
+        if self.padding is not None and self.seen[key] < self.specialize_after * (1 + self.evicted[key]):
+            donor = self._donor(key)
+            if donor is None:  # the bucket's top size is lowered: it serves every size of the bucket
+                donor = self._bucket_id(key)
+                if donor == key:
+                    return self._lower(key, args, role="specialized (bucket top)").fn
+                self._lower(donor, self.padding.pad_args(args, donor[self.batch_pos]), role="bucket top")
+            return _Padded(self, key, donor)
+        return self._lower(key, args, role="specialized").fn
+
+    def _donor(self, key: tuple) -> Optional[tuple]:
+        """The smallest lowered size with a larger batch and every other size equal (None: none)."""
+        p, b = self.batch_pos, key[self.batch_pos]
+        same = [k for k in self.cache if k[:p] == key[:p] and k[p + 1:] == key[p + 1:] and k[p] >= b]
+        return min(same, key=lambda k: k[p]) if same else None
+
+    def _lower(self, key: tuple, args, role: str):
         while len(self.cache) >= self.max:
             old_key, old = self.cache.popitem(last=False)
             release(old)
+            if self.padding is not None:
+                self.padding.release(old_key[self.batch_pos])
+            self.evicted[old_key] += 1
             self.info["evictions"] += 1
             self.info["specializations"][self.shapes.describe(old_key)]["live"] = False
+        from fxopt.dynamic_buckets import BucketChoices
+
+        bid = self._bucket_id(key)
+        first = bid not in self.buckets
+        if first:
+            self.buckets[bid] = BucketChoices(self.user_cache)
+        choices = self.buckets[bid] if first else self.buckets[bid].replayer()
         t0 = time.perf_counter()
-        low, note = self.lower_at(list(args), key)
+        low, note = self.lower_at(list(args), key, choices)
         cost = round(time.perf_counter() - t0, 4)
         self.cache[key] = low
-        rec = self.info["specializations"].setdefault(self.shapes.describe(key), {"lowered": 0, "seconds": []})
+        rec = self._record(key)
         rec["lowered"] += 1
         rec["seconds"].append(cost)
         rec["live"] = True
         rec["executor"] = low.executor
+        rec["runs"] = role
+        rec["choices"] = choices.counts  # live: a runner's decisions come at its first call
+        rec["choices_from"] = "measured here (first of its bucket)" if first else "its bucket's first lowering"
         if note:
             rec["note"] = note
         self.info["live"] = len(self.cache)
-        return low.fn
+        return low
+
+    def _specialize(self, key: tuple, args) -> Callable:
+        fn = self._lower(key, args, role="specialized").fn
+        self._last = (key, fn)
+        return fn
 
     def lowered(self) -> dict:
         """Size description -> the ``Lowered`` kept for it."""
         return {self.shapes.describe(k): v for k, v in self.cache.items()}
+
+
+class _Padded:
+    """A batch size served on a lowered larger one (``fxopt.dynamic_buckets.Padding``) until it was
+    seen ``specialize_after`` times: then its own specialization is lowered in that call and takes
+    over. Synchronously, not in a background thread: a CUDA-graph capture forbids work that other
+    threads launch meanwhile, and measuring beside a serving thread would time both."""
+
+    def __init__(self, dispatcher: SizeDispatcher, key: tuple, donor: tuple):
+        self.d, self.key, self.donor = dispatcher, key, donor
+        self.b, self.to = key[dispatcher.batch_pos], donor[dispatcher.batch_pos]
+        rec = dispatcher._record(key)
+        rec.setdefault("padded_calls", 0)
+        rec.setdefault("padded_from", [])
+        if self.to not in rec["padded_from"]:
+            rec["padded_from"].append(self.to)
+        self.rec = rec
+
+    def __call__(self, *args):
+        d = self.d
+        d.seen[self.key] += 1
+        if d.seen[self.key] > d.specialize_after * (1 + d.evicted[self.key]):
+            return d._specialize(self.key, args)(*args)
+        low = d.cache.get(self.donor)
+        if low is None:  # the larger size was evicted meanwhile
+            d._last = (None, None)
+            d.seen[self.key] -= 1
+            return d(*args)
+        d.cache.move_to_end(self.donor)
+        self.rec["padded_calls"] += 1
+        d.info["padded_calls"] += 1
+        if "runs" not in self.rec or self.rec.get("live") is not True:
+            self.rec["runs"] = f"padded to batch {self.to}"
+        return d.padding.slice_outputs(low.fn(*d.padding.pad_args(args, self.to)), self.b)
 
 
 def release(lowered) -> None:
@@ -232,9 +334,19 @@ def summary_lines(info: dict) -> list[str]:
         return [f"dynamic shapes: specialized by the passes ({info['fallback']})"]
     lines = [f"dynamic shapes: symbolic {'; '.join(info.get('symbolic', []))}; passes ran once; "
              f"{info.get('live', 0)} of at most {info.get('max_specializations')} sizes lowered, "
-             f"{info.get('evictions', 0)} evicted"]
+             f"{info.get('evictions', 0)} evicted",
+             "  padding: " + (f"on (batch {info['padding']}), {info.get('padded_calls', 0)} calls padded"
+                              if info.get("padding") and not info.get("padding_declined")
+                              else f"off ({info.get('padding_declined', 'not asked')})")]
     for size, rec in info.get("specializations", {}).items():
         secs = ", ".join(f"{s:.3f}" for s in rec["seconds"])
-        lines.append(f"  {size}: lowered {rec['lowered']}x ({secs} s){'' if rec.get('live') else ' (evicted)'}"
-                     + (f"; {rec['note']}" if rec.get("note") else ""))
+        how = rec.get("runs", "specialized")
+        line = f"  {size}: {how}"
+        if rec["lowered"]:
+            ch = rec.get("choices", {})
+            line += (f"; lowered {rec['lowered']}x ({secs} s){'' if rec.get('live') else ' (evicted)'}; choices "
+                     f"{ch.get('measured', 0)} measured, {ch.get('cached', 0)} cached, {ch.get('reused', 0)} reused")
+        if rec.get("padded_calls"):
+            line += f"; {rec['padded_calls']} calls padded to batch {', '.join(map(str, rec['padded_from']))}"
+        lines.append(line + (f"; {rec['note']}" if rec.get("note") else ""))
     return lines

@@ -70,7 +70,10 @@ def _compile(compiler, gm: fx.GraphModule, fake_args: list, kind: str, t0: float
     info = {"symbolic": list(shapes.dims), "guards": shapes.guards(), "pipeline_runs": 1,
             "pipeline_s": round(time.perf_counter() - t0, 4)}
     lower_at = _lowering(compiler, ctx, before, optimized, shapes, kind, info)
-    dispatcher = SizeDispatcher(shapes, lower_at, compiler.options.max_specializations, info)
+    padding, batch_pos = _padding(compiler.options, before, shapes, info)
+    dispatcher = SizeDispatcher(shapes, lower_at, compiler.options.max_specializations, info, padding=padding,
+                                specialize_after=compiler.options.specialize_after,
+                                user_cache=_user_cache(compiler.options), batch_pos=batch_pos)
     executor = resolve_executor(compiler.options.executor, compiler.device_type, kind)
     lowered = Lowered(fn=dispatcher, executor=f"{executor} (per size)", cudagraphs="per size",
                       details={"dynamic": info})
@@ -83,6 +86,44 @@ def _compile(compiler, gm: fx.GraphModule, fake_args: list, kind: str, t0: float
     return compiler.finish(gm, dispatcher, report, kind)
 
 
+def _user_cache(options):
+    """The autotuning cache the buckets' choices go to (in memory with ``autotune_cache=False``)."""
+    from fxopt.autotune import AutotuneCache
+
+    return AutotuneCache.for_option(options.autotune_cache)
+
+
+def _padding(options, before: fx.GraphModule, shapes: PrivateShapes, info: dict):
+    """``(Padding or None, index of the batch in a size key or None)``; the report says why not."""
+    from fxopt import batch_independence
+    from fxopt.dynamic_buckets import Padding
+
+    names = list(shapes.where)
+    dim0 = [str(a.shape[0].node.expr) for a in shapes.fakes
+            if isinstance(a, torch.Tensor) and a.dim() and isinstance(a.shape[0], torch.SymInt)]
+    batch_pos = next((names.index(n) for n in dim0 if n in names), None)  # the buckets' dimension
+    if not options.dynamic_padding:
+        info["padding_declined"] = "option dynamic_padding is off"
+        return None, batch_pos
+    try:
+        plan, why = batch_independence.check(before, shapes.fakes)
+    except Exception as e:  # noqa: BLE001 - the check failing only turns padding off
+        if options.strict:
+            raise
+        plan, why = None, f"the check failed ({type(e).__name__}: {e})"
+        warnings.warn(f"fxopt: batch_independence failed ({type(e).__name__}: {e}); no padded runs",
+                      stacklevel=2)
+    if plan is None:
+        info["padding_declined"] = why
+        return None, batch_pos
+    pos = names.index(plan.symbol) if plan.symbol in names else None
+    if pos is None:
+        info["padding_declined"] = f"the batch {plan.symbol} is not among the sizes read from the arguments"
+        return None, batch_pos
+    info["padding"] = plan.symbol
+    return Padding(plan), pos
+
+
 def _lowering(compiler, ctx, before: fx.GraphModule, optimized: fx.GraphModule, shapes: PrivateShapes,
               kind: str, info: dict) -> Callable:
     """``lower_at(args, key) -> (Lowered, note)`` for the dispatcher."""
@@ -91,7 +132,7 @@ def _lowering(compiler, ctx, before: fx.GraphModule, optimized: fx.GraphModule, 
     from fxopt.backends import lower
     from fxopt.package_batch import specialise_at
 
-    def lower_at(args: list, key: tuple):
+    def lower_at(args: list, key: tuple, choices=None):
         why = shapes.failed_guard(key)
         note = None
         with torch.no_grad():
@@ -113,6 +154,8 @@ def _lowering(compiler, ctx, before: fx.GraphModule, optimized: fx.GraphModule, 
             c.unoptimized = base if fb is None else None
             info["pipeline_runs"] = info.get("pipeline_runs", 1) + 1
             note = f"passes ran again at this size (the symbolic graph assumed {why})"
+        if choices is not None:  # the measured choices of this size's bucket (fxopt.dynamic_buckets)
+            c = dataclasses.replace(c, options=dataclasses.replace(c.options, autotune_cache=choices))
         try:
             with cudnn_choosing(compiler.options.cudnn_search):
                 return lower(static, c, kind), note

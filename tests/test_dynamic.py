@@ -1,5 +1,5 @@
 """Dynamic shapes (fxopt.dynamic): one Dynamo compile and one pipeline run for every size, the graph
-lowered per size lazily, never eagerly; an LRU bound on the sizes kept; training's smaller last batch."""
+lowered per size lazily (here without padded runs: tests/test_dynamic_serving.py has those), never eagerly; an LRU bound on the sizes kept; training's smaller last batch."""
 import copy
 
 import pytest
@@ -57,7 +57,7 @@ def _check(compiled, model, shapes, channels=3):
 
 def test_dynamic_true_compiles_once(pipeline_runs):
     torch.manual_seed(0)
-    model, backend = SeedCNN2().eval(), Counting()  # the default (cpu) executor
+    model, backend = SeedCNN2().eval(), Counting(dynamic_padding=False)  # the default (cpu) executor
     compiled = torch.compile(model, backend=backend, dynamic=True)
     _check(compiled, model, [(2, 32), (3, 32), (2, 32)])
     assert backend.compiles == 1
@@ -70,7 +70,7 @@ def test_dynamic_true_compiles_once(pipeline_runs):
 
 def test_automatic_dynamic_takes_the_symbolic_graph(pipeline_runs):
     torch.manual_seed(0)
-    model, backend = SmallResNet().eval(), Counting(executor="torch")
+    model, backend = SmallResNet().eval(), Counting(executor="torch", dynamic_padding=False)
     compiled = torch.compile(model, backend=backend)
     _check(compiled, model, [(1, 32), (2, 32), (3, 32), (5, 32), (7, 32), (3, 32)])
     # the first size static, every later one through Dynamo's second, symbolic graph
@@ -92,7 +92,7 @@ def test_without_dynamic_shapes_option_the_passes_specialize(pipeline_runs):
 
 def test_lru_bound_evicts_and_lowers_again():
     torch.manual_seed(0)
-    model, backend = BasicBlock(8, 8).eval(), Counting(executor="torch", max_specializations=2)
+    model, backend = BasicBlock(8, 8).eval(), Counting(executor="torch", max_specializations=2, dynamic_padding=False)
     compiled = torch.compile(model, backend=backend, dynamic=True)
     _check(compiled, model, [(2, 16), (3, 16), (4, 16), (2, 16), (4, 16), (3, 16)], channels=8)
     assert backend.compiles == 1
@@ -106,7 +106,7 @@ def test_lru_bound_evicts_and_lowers_again():
 
 def test_image_sizes_and_mark_dynamic(pipeline_runs):
     torch.manual_seed(0)
-    model, backend = SmallResNet().eval(), Counting(executor="torch")
+    model, backend = SmallResNet().eval(), Counting(executor="torch", dynamic_padding=False)
     compiled = torch.compile(model, backend=backend)
     x = torch.randn(2, 3, 32, 32)
     for d in (0, 2, 3):

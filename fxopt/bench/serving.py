@@ -1,12 +1,23 @@
 """A serving loop with varying sizes: ``fxopt bench --serving`` / ``python -m fxopt.bench.serving``.
 
-Per model and backend, one ``torch.compile``, then ``--calls`` calls with batch sizes drawn at
-random (seeded) from 1..``--max-batch``, then as many again with the batch and one of three image
-sizes drawn. Reported per backend: the Dynamo graphs compiled, the total seconds of calls that
-compiled (a new size's first call), the first-call time of a new size (median), the median latency
-per size for a sample of sizes against the same model compiled statically for that size, peak GPU
-memory, and whether any call ran eagerly (Dynamo's recompile limit hit: it then runs new sizes with
-PyTorch's ops). Writes ``serving.json`` into ``--out`` and prints a table.
+Per model and backend, one ``torch.compile``; then phase "batch": ``--calls`` calls with batch sizes
+drawn at random (seeded) from 1..``--max-batch`` at the model's image size, and phase "image": as
+many calls with the batch and one of three ``--image-sizes`` drawn (the same compiled model goes on
+serving). Peers: fxopt, inductor-default, inductor-dynamic (``dynamic=True``),
+inductor-reduce-overhead; fxopt-dynamic (``dynamic=True``) on request.
+
+Reported per backend and phase (``fxopt.bench.serving_report``): the Dynamo graphs compiled; the
+compile seconds (the wall time of calls during which Dynamo compiled a graph or fxopt lowered a
+size) and the overhead seconds (every call's time beyond the steady latency of its size: compiles,
+CUDA-graph captures, padded runs); the first-call time of a new size (median, max); whether any call
+ran eagerly (Dynamo's recompile limit hit, a graph break, and for fxopt: calls not served by an
+fxopt-compiled graph, runtime fallbacks); peak GPU memory (``torch.cuda.max_memory_allocated``,
+reset per backend). After the loops, for a sample of sizes (``--sample`` batches at the model's
+image size, ``--image-sample`` at the other image sizes), the median latency of the serving model
+(each size warmed first, so fxopt's exact specialization has taken over) against the same backend
+compiled statically for that size (``automatic_dynamic_shapes`` off: one static graph per size).
+``--time-budget`` bounds a run: a backend's loop stops at its share (the JSON says so), static
+comparisons are skipped when none is left. Writes ``serving.json`` and ``serving.md`` into ``--out``.
 """
 from __future__ import annotations
 
@@ -24,10 +35,13 @@ import torch
 
 BACKENDS = {
     "fxopt": dict(backend="fxopt"),
-    "inductor": dict(backend="inductor"),
+    "fxopt-dynamic": dict(backend="fxopt", dynamic=True),
+    "inductor-default": dict(backend="inductor"),
     "inductor-dynamic": dict(backend="inductor", dynamic=True),
     "inductor-reduce-overhead": dict(backend="inductor", mode="reduce-overhead"),
 }
+DEFAULT_BACKENDS = ["fxopt", "inductor-default", "inductor-dynamic", "inductor-reduce-overhead"]
+ALIASES = {"inductor": "inductor-default"}
 
 
 class _LimitHits(logging.Handler):
@@ -38,7 +52,7 @@ class _LimitHits(logging.Handler):
         self.hits = 0
 
     def emit(self, record):
-        if "hit config." in str(record.msg):
+        if "hit config." in str(record.msg) or "recompile_limit" in str(record.msg):
             self.hits += 1
 
 
@@ -60,120 +74,253 @@ def _median_ms(fn, x, device, iters: int) -> float:
     return statistics.median(_timed(fn, x, device) for _ in range(iters)) * 1e3
 
 
-def _plan(calls: int, max_batch: int, sides: Sequence[int], seed: int) -> list:
+def plan(calls: int, max_batch: int, sides: Sequence[int], seed: int) -> list:
     rng = random.Random(seed)
-    return [(rng.randint(1, max_batch), rng.choice(sides)) for _ in range(calls)]
+    return [(rng.randint(1, max_batch), rng.choice(list(sides))) for _ in range(calls)]
 
 
-def run_backend(name: str, model, chw, device, dtype, plans: dict, sample: Sequence, iters: int,
-                fxopt_options: Optional[dict]) -> dict:
+class FxoptProbe:
+    """fxopt as the backend, its reports kept and the calls its compiled graphs serve counted."""
+
+    def __init__(self, options: Optional[dict]):
+        self.options, self.reports, self.calls = options or {}, [], 0
+
+    def __call__(self, gm, inputs):
+        from fxopt.backend import fxopt_backend
+
+        fn = fxopt_backend(gm, inputs, options=self.options, _sink=self.reports)
+
+        def counted(*args):
+            self.calls += 1
+            return fn(*args)
+
+        return counted
+
+    def dynamic(self) -> list:
+        return [r.executor_details.get("dynamic") or {} for r in self.reports]
+
+    def lowerings(self) -> int:
+        return sum(rec.get("lowered", 0) for info in self.dynamic()
+                   for rec in info.get("specializations", {}).values())
+
+    def fallbacks(self) -> int:
+        return sum(1 for r in self.reports if r.executor_details.get("runtime_fallback")
+                   or str(r.executor).startswith("torch (fallback")) + sum(
+            1 for info in self.dynamic() for rec in info.get("specializations", {}).values()
+            if str(rec.get("note", "")).startswith("lowering failed"))
+
+
+def _compile(name: str, model, fxopt_options: Optional[dict], static: bool = False):
+    kwargs = dict(BACKENDS[name])
+    probe = None
+    if kwargs["backend"] == "fxopt":
+        probe = FxoptProbe(fxopt_options)
+        kwargs["backend"] = probe  # the probe hands fxopt its options
+    if static:
+        kwargs["dynamic"] = False
+    return torch.compile(model, **kwargs), probe
+
+
+def _phase(compiled, probe, plan_, chw, device, dtype, deadline: float) -> dict:
+    from torch._dynamo.utils import counters
+
+    graphs0 = counters["stats"]["unique_graphs"]
+    breaks0 = sum(counters["graph_break"].values())
+    fx_calls0 = probe.calls if probe else 0
+    times: dict = {}
+    first, compile_s, done = [], 0.0, 0
+    for b, side in plan_:
+        if time.perf_counter() > deadline:
+            break
+        x = torch.randn(b, chw[0], side, side, device=device, dtype=dtype)
+        g0, l0 = counters["stats"]["unique_graphs"], probe.lowerings() if probe else 0
+        dt = _timed(compiled, x, device)
+        if (b, side) not in times:
+            first.append(dt)
+            times[(b, side)] = []
+        else:
+            times[(b, side)].append(dt)
+        if counters["stats"]["unique_graphs"] != g0 or (probe and probe.lowerings() != l0):
+            compile_s += dt
+        done += 1
+    steady = {k: statistics.median(v) for k, v in times.items() if v}
+    overhead = 0.0
+    for k, v in times.items():
+        base = steady.get(k)
+        if base is not None:
+            overhead += sum(max(0.0, t - base) for t in v)
+    out = {"calls": done, "planned_calls": len(plan_), "truncated": done < len(plan_), "sizes": len(times),
+           "dynamo_graphs": counters["stats"]["unique_graphs"] - graphs0, "compile_s": round(compile_s, 3),
+           "overhead_s": round(overhead + sum(max(0.0, f - steady.get(k, f)) for f, k in zip(first, times)), 3),
+           "total_s": round(sum(first) + sum(sum(v) for v in times.values()), 3),
+           "first_call_new_size_s_median": round(statistics.median(first), 4) if first else None,
+           "first_call_new_size_s_max": round(max(first), 4) if first else None,
+           "steady_ms_median": round(statistics.median(steady.values()) * 1e3, 3) if steady else None,
+           "graph_breaks": sum(counters["graph_break"].values()) - breaks0}
+    if probe is not None:
+        out["calls_not_served_by_fxopt"] = done - (probe.calls - fx_calls0)
+    return out
+
+
+def run_backend(name: str, model, chw, device, dtype, plans: dict, samples: Sequence, iters: int,
+                fxopt_options: Optional[dict], deadline: float, static_cache: dict) -> dict:
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    kwargs = dict(BACKENDS[name])
-    if kwargs["backend"] == "fxopt" and fxopt_options:
-        kwargs["options"] = fxopt_options
-    compiled = torch.compile(model, **kwargs)
+    compiled, probe = _compile(name, model, fxopt_options)
     hits = _LimitHits()
     logging.getLogger("torch._dynamo").addHandler(hits)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    out: dict = {"backend": name}
+    out: dict = {"backend": name, "kwargs": {k: v for k, v in BACKENDS[name].items() if k != "backend"}}
     try:
-        for phase, plan in plans.items():
-            seen, first, steady, compile_s = set(), [], {}, 0.0
-            for b, side in plan:
-                x = torch.randn(b, chw[0], side, side, device=device, dtype=dtype)
-                before = counters["stats"]["unique_graphs"]
-                dt = _timed(compiled, x, device)
-                if (b, side) not in seen:
-                    seen.add((b, side))
-                    first.append(dt)
-                else:
-                    steady.setdefault((b, side), []).append(dt * 1e3)
-                if counters["stats"]["unique_graphs"] != before:
-                    compile_s += dt
-            out[phase] = {"calls": len(plan), "sizes": len(seen), "dynamo_graphs": counters["stats"]["unique_graphs"],
-                          "compile_calls_s": round(compile_s, 2),
-                          "first_call_new_size_s_median": round(statistics.median(first), 4),
-                          "first_call_new_size_s_max": round(max(first), 4),
-                          "eager_after_recompile_limit": hits.hits > 0}
-        per_size = {}
-        for b, side in sample:
-            x = torch.randn(b, chw[0], side, side, device=device, dtype=dtype)
-            dyn = _median_ms(compiled, x, device, iters)
-            torch._dynamo.reset()
-            static = torch.compile(model, **{**kwargs, "dynamic": False})
-            for _ in range(3):
-                _timed(static, x, device)
-            per_size[f"{b}x{side}"] = {"dynamic_ms": round(dyn, 3),
-                                       "static_ms": round(_median_ms(static, x, device, iters), 3)}
-            torch._dynamo.reset()
-            compiled = torch.compile(model, **kwargs)  # the serving model again (recompiles once: not counted)
-        out["latency_vs_static"] = per_size
-        out["eager_calls_possible"] = hits.hits > 0
+        for phase, p in plans.items():
+            out[phase] = _phase(compiled, probe, p, chw, device, dtype, deadline)
+        out["dynamo_graphs_total"] = counters["stats"]["unique_graphs"]
         out["recompile_limit_hits"] = hits.hits
         if device.type == "cuda":
             out["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+        if probe is not None:
+            out["fxopt_runtime_fallbacks"] = probe.fallbacks()
+            out["fxopt_dynamic"] = [{k: v for k, v in info.items() if k != "specializations"}
+                                    for info in probe.dynamic() if info]
+            out["fxopt_lowerings"] = probe.lowerings()
+        not_fx = sum(out[ph].get("calls_not_served_by_fxopt", 0) for ph in plans)
+        out["eager_calls"] = bool(hits.hits or any(out[ph]["graph_breaks"] for ph in plans) or not_fx
+                                  or out.get("fxopt_runtime_fallbacks"))
+        out["latency_vs_static"] = _versus_static(name, model, compiled, probe, chw, device, dtype, samples, iters,
+                                                  fxopt_options, deadline, static_cache)
     finally:
         logging.getLogger("torch._dynamo").removeHandler(hits)
     return out
 
 
+def _static_family(name: str) -> str:
+    """Backends whose static compiles are the same: fxopt and fxopt-dynamic, inductor and inductor-dynamic."""
+    return {"fxopt-dynamic": "fxopt", "inductor-dynamic": "inductor-default"}.get(name, name)
+
+
+def _versus_static(name, model, compiled, probe, chw, device, dtype, samples, iters, fxopt_options, deadline,
+                   static_cache: dict) -> dict:
+    per_size = {}
+    warm = (fxopt_options or {}).get("specialize_after", 2) + 3
+    for b, side in samples:  # the serving model first (a reset would drop it)
+        if time.perf_counter() > deadline:
+            per_size[f"{b}x{side}"] = {"skipped": "time budget"}
+            continue
+        x = torch.randn(b, chw[0], side, side, device=device, dtype=dtype)
+        for _ in range(warm):
+            _timed(compiled, x, device)
+        per_size[f"{b}x{side}"] = {"dynamic_ms": round(_median_ms(compiled, x, device, iters), 4)}
+    family = _static_family(name)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=max(8, len(samples) + 1)):
+        static, _ = _compile(family, model, fxopt_options, static=True)
+        for b, side in samples:
+            rec = per_size[f"{b}x{side}"]
+            if "dynamic_ms" not in rec:
+                continue
+            cached = static_cache.get((family, b, side))
+            if cached is None and time.perf_counter() > deadline:
+                rec["static_ms"] = None
+                rec["static_skipped"] = "time budget"
+                continue
+            if cached is None:
+                x = torch.randn(b, chw[0], side, side, device=device, dtype=dtype)
+                for _ in range(3):
+                    _timed(static, x, device)
+                cached = static_cache[(family, b, side)] = round(_median_ms(static, x, device, iters), 4)
+            rec["static_ms"] = cached
+            rec["ratio"] = round(rec["dynamic_ms"] / cached, 3) if cached else None
+    torch._dynamo.reset()
+    return per_size
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fxopt bench --serving", description=__doc__.splitlines()[0])
     p.add_argument("--models", default="resnet18", help="comma list (fxopt.bench.models names)")
-    p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list of {', '.join(BACKENDS)}")
+    p.add_argument("--backends", default=",".join(DEFAULT_BACKENDS), help=f"comma list of {', '.join(BACKENDS)}")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="float16 (cuda default) or float32 (cpu default)")
-    p.add_argument("--calls", type=int, default=1000, help="calls per phase (batch sizes, then image sizes)")
+    p.add_argument("--calls", type=int, default=1000, help="calls per phase")
     p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--sides", default=None, help="three image sides, e.g. 192,224,256 (default: the model's "
-                   "side and that +-32)")
-    p.add_argument("--sample", default="1,8,32", help="batch sizes timed against a static compile")
+    p.add_argument("--image-sizes", default=None, help="three image sides for the image phase, e.g. 192,224,256 "
+                   "(default: the model's side and that -32, +32)")
+    p.add_argument("--phases", default="batch,image", help="comma list of batch, image")
+    p.add_argument("--sample", default="1,16,64", help="batch sizes timed against a static compile (model's side)")
+    p.add_argument("--image-sample", default="16", help="batch sizes timed against a static compile at the "
+                   "other image sides")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--fxopt-options", default=None, help="fxopt options as JSON")
+    p.add_argument("--size-oblivious", action="store_true", help="compile under torch.fx.experimental._config."
+                   "backed_size_oblivious (no 0/1 specialization: batch 1 shares the symbolic graph)")
+    p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run (shared by backends)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out")
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    import contextlib
+
     from .models import build_model
+    from .serving_report import markdown
 
     a = build_parser().parse_args(argv)
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype or ("float16" if device.type == "cuda" else "float32"))
+    names = [ALIASES.get(n, n) for n in a.backends.split(",") if n]
+    bad = [n for n in names if n not in BACKENDS]
+    if bad:
+        raise SystemExit(f"unknown backend(s) {bad}; known: {list(BACKENDS)}")
+    t_start = time.perf_counter()
+    budget = a.time_budget or float("inf")
     results = []
-    for model_name in a.models.split(","):
+    models = a.models.split(",")
+    jobs = [(m, n) for m in models for n in names]
+    opts = json.loads(a.fxopt_options) if a.fxopt_options else None
+    oblivious = (torch.fx.experimental._config.patch(backed_size_oblivious=True) if a.size_oblivious
+                 else contextlib.nullcontext())
+    for j, (model_name, name) in enumerate(jobs):
         model, chw = build_model(model_name, seed=a.seed)
         model = model.to(device=device, dtype=dtype).eval()
         side = chw[1]
-        sides = [int(s) for s in a.sides.split(",")] if a.sides else [side, side + 32, max(side - 32, 8)]
-        plans = {"batch_sizes": _plan(a.calls, a.max_batch, [side], a.seed),
-                 "image_sizes": _plan(a.calls, a.max_batch, sides, a.seed + 1)}
-        sample = [(int(b), side) for b in a.sample.split(",") if int(b) <= a.max_batch]
-        opts = json.loads(a.fxopt_options) if a.fxopt_options else None
-        for name in a.backends.split(","):
-            try:
-                r = run_backend(name, model, chw, device, dtype, plans, sample, a.iters, opts)
-            except Exception as e:  # noqa: BLE001 - one backend failing does not end the run
-                r = {"backend": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-            r["model"] = model_name
-            results.append(r)
-            print(json.dumps(r), flush=True)
+        sides = [int(s) for s in a.image_sizes.split(",")] if a.image_sizes else [max(side - 32, 8), side, side + 32]
+        phases = a.phases.split(",")
+        plans = {}
+        if "batch" in phases:
+            plans["batch"] = plan(a.calls, a.max_batch, [side], a.seed)
+        if "image" in phases:
+            plans["image"] = plan(a.calls, a.max_batch, sides, a.seed + 1)
+        samples = [(int(b), side) for b in a.sample.split(",") if b and int(b) <= a.max_batch]
+        if "image" in phases:
+            samples += [(int(b), s) for s in sides if s != side for b in a.image_sample.split(",")
+                        if b and int(b) <= a.max_batch]
+        left = budget - (time.perf_counter() - t_start)
+        deadline = time.perf_counter() + left / (len(jobs) - j)
+        static_cache: dict = {}
+        try:
+            with oblivious:
+                r = run_backend(name, model, chw, device, dtype, plans, samples, a.iters, opts, deadline,
+                                static_cache)
+        except Exception as e:  # noqa: BLE001 - one backend failing does not end the run
+            r = {"backend": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        r["model"] = model_name
+        r["seconds"] = round(time.perf_counter() - t_start, 1)
+        results.append(r)
+        print(json.dumps(r, default=str), flush=True)
     os.makedirs(a.out, exist_ok=True)
+    meta = {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "dtype": str(dtype), "torch": torch.__version__, "calls": a.calls, "max_batch": a.max_batch,
+            "seed": a.seed, "size_oblivious": a.size_oblivious, "fxopt_options": opts,
+            "wall_s": round(time.perf_counter() - t_start, 1)}
     with open(os.path.join(a.out, "serving.json"), "w") as f:
-        json.dump({"device": str(device), "dtype": str(dtype), "torch": torch.__version__, "results": results}, f,
-                  indent=1)
-    print(f"{'model':12} {'backend':26} {'phase':12} {'graphs':>6} {'compile s':>9} {'1st new s':>9} eager")
-    for r in results:
-        for phase in ("batch_sizes", "image_sizes"):
-            if phase in r:
-                p = r[phase]
-                print(f"{r['model']:12} {r['backend']:26} {phase:12} {p['dynamo_graphs']:6d} {p['compile_calls_s']:9.2f} "
-                      f"{p['first_call_new_size_s_median']:9.3f} {p['eager_after_recompile_limit']}")
+        json.dump({**meta, "results": results}, f, indent=1, default=str)
+    md = markdown(meta, results)
+    with open(os.path.join(a.out, "serving.md"), "w") as f:
+        f.write(md)
+    print(md)
     return 1 if any("error" in r for r in results) else 0
 
 

@@ -1,0 +1,173 @@
+"""Size buckets for dynamic shapes: measured choices shared within a bucket, padded runs.
+
+Batch sizes fall in power-of-two buckets (``bucket(5) == 8``: 5..8 share a bucket).
+
+- ``BucketChoices``: the choices the first lowering in a bucket measured (or read from the
+  autotuning cache), in the order it asked for them, handed to every later lowering in the bucket.
+  Every choice fxopt measures goes through the autotuning cache (``fxopt.choices``) under a key that
+  names the shapes; a lowering at another size of the bucket asks for the same choices in the same
+  order under keys that differ only in their numbers (and hashes of generated sources), so a key's
+  *signature* (numbers and hashes blanked) finds the bucket's entry: nothing is measured at a second
+  size of a bucket. A key without such an entry goes to the user's cache and is measured there as
+  before. Recording at the bucket's top size (the size padded runs use) keeps the first lowering's
+  keys exact, so the user's cache serves it in a later process.
+- ``Padding``: a batch-independent graph (``fxopt.batch_independence``) run at a larger lowered
+  size: the batch copied into a buffer of that size (rows past it zero, or finite values of an
+  earlier call), the lowered graph run, the batched outputs' first rows returned: a view where the
+  batch is the outermost dimension of the output in memory (its strides those of a fresh tensor),
+  else a copy with the same layout.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import re
+from typing import Optional
+
+import torch
+
+from fxopt.autotune import AutotuneCache
+
+
+def bucket(n: int) -> int:
+    """The top of ``n``'s bucket: the smallest power of two >= n."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+_HASH = re.compile(r"[0-9a-f]{12,}")
+_NUM = re.compile(r"\d+")
+
+
+def signature(key: str) -> str:
+    """A cache key with its numbers and hashes blanked: the same choice at another size."""
+    return _NUM.sub("N", _HASH.sub("H", key))
+
+
+class BucketChoices(AutotuneCache):
+    """The autotuning cache of one bucket's lowerings (module docstring). ``inner``: the user's cache.
+    The first lowering records (``replaying`` False); ``replayer()`` gives a later lowering's view."""
+
+    def __init__(self, inner: AutotuneCache):
+        super().__init__(None)
+        self.inner = inner
+        self.recorded: dict = collections.defaultdict(list)  # (device, signature) -> [entry, ...] in order
+        self.counts = {"measured": 0, "cached": 0, "reused": 0}
+
+    def __deepcopy__(self, memo):  # options are copied with dataclasses.asdict: one cache
+        return self
+
+    def get(self, device: str, key: str) -> Optional[dict]:
+        entry = self.inner.get(device, key)
+        if entry is not None:
+            self.counts["cached"] += 1
+            self.recorded[(device, signature(key))].append(copy.deepcopy(entry))
+        return entry
+
+    def put(self, device: str, key: str, entry: dict) -> None:
+        self.counts["measured"] += 1
+        self.recorded[(device, signature(key))].append(copy.deepcopy(entry))
+        self.inner.put(device, key, entry)
+
+    def replayer(self) -> "_Replay":
+        return _Replay(self)
+
+
+class _Replay(AutotuneCache):
+    """A later lowering's view of its bucket's choices: the i-th request of a signature gets the
+    bucket's i-th entry of that signature; what the bucket does not hold goes to the user's cache."""
+
+    def __init__(self, source: BucketChoices):
+        super().__init__(None)
+        self.source = source
+        self.taken: collections.Counter = collections.Counter()
+        self.counts = {"measured": 0, "cached": 0, "reused": 0}
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def get(self, device: str, key: str) -> Optional[dict]:
+        sig = (device, signature(key))
+        entries = self.source.recorded.get(sig, [])
+        i = self.taken[sig]
+        if i < len(entries):
+            self.taken[sig] += 1
+            self.counts["reused"] += 1
+            return copy.deepcopy(entries[i])
+        entry = self.source.inner.get(device, key)
+        if entry is not None:
+            self.counts["cached"] += 1
+        return entry
+
+    def put(self, device: str, key: str, entry: dict) -> None:
+        self.counts["measured"] += 1
+        self.source.inner.put(device, key, entry)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory without gaps or overlap (a dense layout)."""
+    expect = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda p: p[1]):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+class Padding:
+    """Runs batch ``b`` on a graph lowered at batch ``B >= b`` (``plan``: a ``BatchPlan``)."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.buffers: dict = {}  # (B, argument index) -> (buffer, rows written by the last call)
+
+    def pad_args(self, args, to: int) -> list:
+        """The arguments at batch ``to``: batched tensors copied into a buffer of that batch."""
+        out = list(args)
+        for i, how in self.plan.args.items():
+            a = args[i]
+            if how == "size":
+                out[i] = to
+                continue
+            b = a.shape[0]
+            if b == to:
+                continue
+            key = (to, i)
+            buf, rows = self.buffers.get(key, (None, 0))
+            shape = (to, *a.shape[1:])
+            if buf is None or buf.shape != shape or buf.dtype != a.dtype or buf.device != a.device \
+                    or buf.stride() != _strides_like(a, shape):
+                buf = torch.empty_strided(shape, _strides_like(a, shape), dtype=a.dtype, device=a.device)
+                buf.zero_()
+                rows = 0
+            buf[:b].copy_(a)
+            if rows > b:  # rows an earlier, larger batch wrote: zero again
+                buf[b:rows].zero_()
+            self.buffers[key] = (buf, b)
+            out[i] = buf
+        return out
+
+    def slice_outputs(self, outs, b: int):
+        """The batched outputs' first ``b`` rows, with the strides a fresh tensor of that size has."""
+        seq = outs if isinstance(outs, (list, tuple)) else [outs]
+        res = []
+        for o, batched in zip(seq, self.plan.outputs):
+            if batched and isinstance(o, torch.Tensor):
+                o = o[:b]
+                if not _dense(o):
+                    o = torch.empty_like(o).copy_(o)  # keeps the layout's dimension order, dense
+            res.append(o)
+        res.extend(seq[len(res):])
+        if isinstance(outs, (list, tuple)):
+            return type(outs)(res) if isinstance(outs, tuple) else res
+        return res[0]
+
+    def release(self, to: int) -> None:
+        for key in [k for k in self.buffers if k[0] == to]:
+            del self.buffers[key]
+
+
+def _strides_like(a: torch.Tensor, shape) -> tuple:
+    """Strides of a dense tensor of ``shape`` laid out like ``a`` (its dimensions' order in memory)."""
+    if a.dim() == 4 and a.is_contiguous(memory_format=torch.channels_last) and not a.is_contiguous():
+        return torch.empty(shape, device="meta").to(memory_format=torch.channels_last).stride()
+    return torch.empty(shape, device="meta").stride()
