@@ -396,7 +396,10 @@ def main(argv: Optional[Sequence[str]] = None, zoo: Optional[Sequence[ZooEntry]]
         sys.stdout.write(list_zoo(zoo))
         return 0
     if a.zoo_merge:
-        doc = merge_parts(a.zoo_merge)
+        try:
+            doc = merge_parts(a.zoo_merge)
+        except (OSError, ValueError) as exc:  # a part without zoo.json, parts from different devices
+            p.error(f"--zoo-merge: {exc}")
         paths = write_zoo_reports(doc, a.out)
         print(f"merged {len(a.zoo_merge)} parts into {a.out}: {len(doc['zoo'])} cells", file=sys.stderr)
         return 0

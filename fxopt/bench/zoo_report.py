@@ -139,7 +139,11 @@ def write_chart(doc: Dict[str, Any], path: str) -> str:
         ax2.set_yscale("log", base=2)
         ax2.axhline(1.0, color="black", linewidth=1)
         ax2.axhline(s["geomean"], color="black", linestyle="--", linewidth=1, label=f"geomean {s['geomean']:.2f}×")
+        lo2, hi2 = min(order[0]["speedup"], 1.0) / 1.1, max(order[-1]["speedup"], 1.0) * 1.1
+        ax2.set_ylim(lo2, hi2)
+        ax2.set_yticks([t for t in (0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 3, 4, 6, 8) if lo2 <= t <= hi2])
         ax2.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}×"))
+        ax2.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax2.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax2.set_xlabel(f"cells, ascending ({s['below_1']} of {s['counted']} below 1.0×)")
         ax2.legend(fontsize=8)
