@@ -111,7 +111,7 @@ def test_list_and_cli_wiring(capsys):
 def test_part_resume_and_merge(tmp_path, monkeypatch):
     p0, p1, merged = (str(tmp_path / d) for d in ("p0", "p1", "merged"))
     # part 0/2: tiny_a (two cells) and the refused model; part 1/2: tiny_b
-    assert Z.main(["--zoo", *CPU, "--part", "0/2", "--out", p0], zoo=FAKE) == 0
+    assert Z.main(["--zoo", *CPU, "--part", "0/2", "--out", p0], zoo=FAKE, harness=B) == 0
     doc = _doc(p0)
     recs = {(r["name"], r["cell"]): r for r in doc["zoo"]}
     assert set(recs) == {("tiny_a", "fp32-b1"), ("tiny_a", "fp32-b2"), ("no_such_net", "fp32-b1")}
@@ -132,12 +132,12 @@ def test_part_resume_and_merge(tmp_path, monkeypatch):
     def no_run(*a, **k):
         raise AssertionError("a finished cell ran again")
     monkeypatch.setattr(B, "run_benchmark", no_run)
-    assert Z.main([*CPU, "--part", "0/2", "--out", p0], zoo=FAKE) == 0
+    assert Z.main([*CPU, "--part", "0/2", "--out", p0], zoo=FAKE, harness=B) == 0
     again = _doc(p0)
     assert len(again["zoo"]) == 3 and len(again["meta"]["resumed"]) == 1
     monkeypatch.undo()
 
-    assert Z.main([*CPU, "--part", "1/2", "--out", p1], zoo=FAKE) == 0
+    assert Z.main([*CPU, "--part", "1/2", "--out", p1], zoo=FAKE, harness=B) == 0
     assert B.main(["--zoo-merge", p0, p1, "--out", merged]) == 0
     m = _doc(merged)
     assert sorted((r["name"], r["cell"]) for r in m["zoo"]) == [
@@ -173,17 +173,17 @@ def test_time_budget_and_interruption_keep_what_was_measured(tmp_path, monkeypat
         return _fake_results(a.models[0], a.batch[0], a.dtype[0], 2.0, 1.0, interrupted=len(calls) == cut_at[0])
     monkeypatch.setattr(B, "run_benchmark", fake_run)
     # the second cell is cut off (SIGTERM): the first is kept, the second is left for the next call
-    assert Z.main([*CPU, "--out", out], zoo=FAKE) == 130
+    assert Z.main([*CPU, "--out", out], zoo=FAKE, harness=B) == 130
     doc = _doc(out)
     assert [(r["name"], r["cell"], r["speedup"]) for r in doc["zoo"]] == [("tiny_a", "fp32-b1", 2.0)]
     assert doc["meta"]["interrupted"] and doc["left"][0] == "test/tiny_a fp32-b2"
     # a budget already spent starts nothing
-    assert Z.main([*CPU, "--out", out, "--time-budget", "1e-9"], zoo=FAKE) == 0
+    assert Z.main([*CPU, "--out", out, "--time-budget", "1e-9"], zoo=FAKE, harness=B) == 0
     assert len(calls) == 2 and _doc(out)["meta"]["stopped"] == "time budget"
     # resumed: the rest only
     calls.clear()
     cut_at[0] = 0
-    assert Z.main([*CPU, "--out", out], zoo=FAKE) == 0
+    assert Z.main([*CPU, "--out", out], zoo=FAKE, harness=B) == 0
     assert calls == ["test/tiny_a", "test/tiny_b", "test/no_such_net"]
     assert len(_doc(out)["zoo"]) == 4 and _doc(out)["left"] == []
 

@@ -393,7 +393,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "--zoo" in argv or "--zoo-merge" in argv:  # the public zoo of CNNs: fxopt bench --zoo --help
         from .zoo import main as zoo_main
 
-        return zoo_main(argv)
+        return zoo_main(argv, harness=sys.modules[__name__])
     if "--train" in argv:  # the training-step benchmark has its own options: fxopt bench --train --help
         from .train import main as train_main
 

@@ -268,16 +268,6 @@ def cell_record(entry: ZooEntry, cell: str, results: Dict[str, Any], fx: str = "
     return rec
 
 
-def _write_atomic(doc: Dict[str, Any], path: str) -> None:
-    from .report import _jsonable
-
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(_jsonable(doc), f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def _new_doc(a: argparse.Namespace, argv: Sequence[str], backends: List[str]) -> Dict[str, Any]:
     from .environment import _device_info, _versions
 
@@ -289,10 +279,11 @@ def _new_doc(a: argparse.Namespace, argv: Sequence[str], backends: List[str]) ->
     return {"meta": meta, "peak": {}, "flops": {}, "cells": [], "checks": [], "errors_logged": 0, "zoo": []}
 
 
-def run_part(a: argparse.Namespace, argv: Sequence[str], zoo: Sequence[ZooEntry]) -> Dict[str, Any]:
-    """Measure the part's cells not yet in ``--out``/zoo.json, one harness row each, writing the
-    file after every cell; stops at the time budget or a SIGTERM/Ctrl-C (the cell under way is lost)."""
-    import fxopt.bench as B
+def run_part(a: argparse.Namespace, argv: Sequence[str], zoo: Sequence[ZooEntry], B) -> Dict[str, Any]:
+    """Measure the part's cells not yet in ``--out``/zoo.json, one harness row each (``B``: the
+    harness, ``fxopt.bench``, with ``parse_args`` and ``run_benchmark``), writing the file after
+    every cell; stops at the time budget or a SIGTERM/Ctrl-C (the cell under way is lost)."""
+    from .zoo_report import write_atomic
 
     i, n = (int(v) for v in a.part.split("/"))
     todo = select(zoo, a.models, a.cells, (i, n))
@@ -330,14 +321,14 @@ def run_part(a: argparse.Namespace, argv: Sequence[str], zoo: Sequence[ZooEntry]
                     stop = "interrupted"
                     break
                 _add_cell(doc, cell_record(entry, cell, res), res, time.perf_counter() - t_cell)
-                _write_atomic(doc, path)
+                write_atomic(doc, path)
                 left.pop(0)
     except KeyboardInterrupt:
         stop = "interrupted"
     doc["meta"]["interrupted"] = stop == "interrupted"
     doc["meta"]["stopped"] = stop
     doc["left"] = [f"{e.key} {c}" for e, c in left]
-    _write_atomic(doc, path)
+    write_atomic(doc, path)
     shutil.rmtree(scratch, ignore_errors=True)
     return doc
 
@@ -385,7 +376,9 @@ def list_zoo(zoo: Sequence[ZooEntry]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[Sequence[str]] = None, zoo: Optional[Sequence[ZooEntry]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, zoo: Optional[Sequence[ZooEntry]] = None, harness=None) -> int:
+    """``fxopt bench --zoo``; ``harness``: ``fxopt.bench`` (which calls this with itself, so that
+    this module does not import its package)."""
     from .zoo_report import merge_parts, write_zoo_reports
 
     argv = [x for x in (sys.argv[1:] if argv is None else argv) if x != "--zoo"]
@@ -421,7 +414,7 @@ def main(argv: Optional[Sequence[str]] = None, zoo: Optional[Sequence[ZooEntry]]
         raise KeyboardInterrupt
     with contextlib.suppress(ValueError):
         signal.signal(signal.SIGTERM, _on_term)
-    doc = run_part(a, argv, zoo)
+    doc = run_part(a, argv, zoo, harness)
     paths = write_zoo_reports(doc, a.out)
     if doc["left"]:
         print(f"{len(doc['left'])} cells left: run the same command again to go on", file=sys.stderr)

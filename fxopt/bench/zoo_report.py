@@ -180,14 +180,22 @@ def merge_parts(paths: Sequence[str]) -> Dict[str, Any]:
     return doc
 
 
+def write_atomic(doc: Dict[str, Any], path: str) -> None:
+    from .report import _jsonable
+
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(_jsonable(doc), f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
 def write_zoo_reports(doc: Dict[str, Any], out_dir: str) -> Dict[str, str]:
     """zoo.json (with the summary), zoo.md, zoo.png and the harness's per-backend results.md."""
-    from .zoo import _write_atomic
-
     os.makedirs(out_dir, exist_ok=True)
     doc = {**doc, "summary": summarize(doc.get("zoo", []))}
     paths = {"json": os.path.join(out_dir, "zoo.json"), "md": os.path.join(out_dir, "zoo.md")}
-    _write_atomic(doc, paths["json"])
+    write_atomic(doc, paths["json"])
     with open(paths["md"], "w") as f:
         f.write(render_zoo_markdown(doc))
     harness = {k: v for k, v in doc.items() if k not in ("zoo", "left", "summary")}
