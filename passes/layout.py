@@ -10,7 +10,9 @@ to channels_last (``aten.clone(memory_format=channels_last)``) unless they
 already are; its weight too (weight-only, so folded at compile time).
 
 Produces: channels_last regions. Layout-agnostic ops (pointwise, pooling, BN,
-concatenation, mean) keep the NHWC strides flowing. Before any other consumer
+concatenation, mean, and slicing views: slice / split / narrow) keep the NHWC strides flowing;
+a slicing view that is a graph output does only where eager's value under it is NHWC too (a view
+has eager's strides only on a base of eager's layout). Before any other consumer
 (views, reshapes, matrix products, unknown ops) and at graph outputs, the value
 is converted back to the memory format eager gives (recorded before the
 pipeline), so outputs have exactly eager's strides. Conversions of values that
@@ -54,6 +56,30 @@ LAYOUT_AGNOSTIC = {
     aten.mean.dim, aten.cat.default, aten._native_batch_norm_legit_no_training.default,
     aten.clone.default,
 }
+
+
+#: views that slice (any strides in, the same strides out): they keep NHWC flowing unless eager's
+#: result is a graph output viewing an NCHW value (its strides are eager's only on an NCHW base)
+SLICING = {aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.narrow.default}
+
+
+def _reaches_output(node: fx.Node) -> bool:
+    """``node``, or an item of it (a split's getitem), is a graph output."""
+    return any(u.op == "output" or (u.target is operator.getitem and any(v.op == "output" for v in u.users))
+               for u in node.users)
+
+
+def agnostic(node: fx.Node) -> bool:
+    """Whether ``node`` keeps NHWC flowing. Decided before any metadata is re-propagated: a slicing
+    view's input still has the strides eager gives it."""
+    if node.op != "call_function":
+        return False
+    if node.target in LAYOUT_AGNOSTIC:
+        return True
+    if node.target in SLICING:
+        src = val(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+        return src is not None and (format_of(src) is CL or not _reaches_output(node))
+    return False
 
 
 def should_run(gm: fx.GraphModule, ctx: PassContext) -> str | None:
@@ -136,7 +162,7 @@ def maybe_channels_last(gm: fx.GraphModule) -> set:
             continue
         if fmt is CL or (is_call(node, FUSED_CONV) and val(node) is not None and val(node).dim() == 4):
             maybe.add(node)
-        elif node.target in LAYOUT_AGNOSTIC and any(a in maybe for a in node.all_input_nodes):
+        elif agnostic(node) and any(a in maybe for a in node.all_input_nodes):
             maybe.add(node)
     return maybe
 
@@ -146,11 +172,12 @@ def restore_formats(gm: fx.GraphModule, ctx: PassContext, cache: dict) -> int:
     g, restored = gm.graph, 0
     out_node = next(n for n in g.nodes if n.op == "output")
     maybe = maybe_channels_last(gm)
+    keep = {n for n in maybe if agnostic(n)}  # decided on eager's strides, before any conversion
     for node in list(g.nodes):
         if node not in maybe:
             continue
         for user in list(node.users):
-            if user is out_node or (user.op == "call_function" and user.target in LAYOUT_AGNOSTIC):
+            if user is out_node or user in keep or (user.op == "call_function" and agnostic(user)):
                 continue
             user.replace_input_with(node, _convert(g, node, NCHW, cache))
             restored += 1
@@ -158,11 +185,23 @@ def restore_formats(gm: fx.GraphModule, ctx: PassContext, cache: dict) -> int:
     flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     for i, o in enumerate(flat):
         want = ctx.output_formats[i] if i < len(ctx.output_formats) else NCHW
+        if want is None and _slice_of_nhwc(o):  # a view of a value eager has in NHWC too: eager's strides
+            continue
         if o in maybe:
             flat[i] = _convert(g, o, want or NCHW, cache)
             restored += 1
     out_node.args = (type(outs)(flat) if isinstance(outs, (list, tuple)) else flat[0],)
     return restored
+
+
+def _slice_of_nhwc(node) -> bool:
+    """A slicing view (or a split's item) of a value whose eager strides are NHWC."""
+    if isinstance(node, fx.Node) and node.target is operator.getitem:
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.target not in SLICING:
+        return False
+    src = node.args[0]
+    return isinstance(src, fx.Node) and val(src) is not None and format_of(val(src)) is CL  # eager's meta still
 
 
 def drop_redundant(gm: fx.GraphModule) -> int:

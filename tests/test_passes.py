@@ -259,6 +259,39 @@ def test_layout_returns_conv_output_with_eager_strides():
         torch.compiler.reset()
 
 
+class _SliceOutputs(nn.Module):
+    """A conv's output concatenated, and sliced / split into graph outputs (views of it)."""
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2, self.bn = nn.Conv2d(4, 6, 1), nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(10)
+
+    def forward(self, x):
+        y = self.c1(x)
+        a, b = torch.split(y, [2, 4], 1)
+        return torch.relu(self.bn(torch.cat([x, y], 1))), y[:, 3:], b, self.c2(torch.cat([a, b], 1)), a * 2
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+def test_layout_gives_slices_of_a_conv_output_eagers_strides(fmt):
+    """Slicing views keep NHWC flowing inside the graph; a view handed out keeps eager's strides,
+    which are those of eager's base (an NHWC one where the model runs channels_last, else NCHW)."""
+    m = _SliceOutputs().eval().to(memory_format=fmt)
+    x = torch.randn(2, 4, 5, 5).contiguous(memory_format=fmt)
+    r = fxopt.explain(m, x, options={"layout": "channels_last"})
+    r.after.graph.lint()
+    split = next(n for n in r.after.graph.nodes if n.target in (torch.ops.aten.split_with_sizes.default,
+                                                                 torch.ops.aten.split.Tensor))
+    # the split reads the conv's NHWC output in place where eager's was NHWC; else an NCHW copy of it
+    assert (split.args[0].target is torch.ops.aten.clone.default) == (fmt is torch.contiguous_format)
+    compiled = torch.compile(m, backend="fxopt", options={"layout": "channels_last"})
+    with torch.no_grad():
+        got, want = compiled(x), m(x)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+        assert g.stride() == w.stride(), (g.shape, g.stride(), w.stride())
+    torch.compiler.reset()
+
+
 def test_layout_keeps_the_output_conversion_where_only_size_one_strides_differ():
     """A pooled NHWC output (1, c, 1, 1) is contiguous too, but its strides are not eager's: the
     conversion before the output stays (found by the thorough hypothesis profile); a conversion
