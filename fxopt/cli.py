@@ -166,12 +166,29 @@ def cmd_fuzz(args) -> int:
     if args.merge:
         merged = merge(args.merge, out=args.out)
         return 1 if merged["failures"] else 0
+    if args.jobs > 1:
+        from fxopt.fuzz.parallel import run_jobs
+
+        if args.shard != "0/1":
+            raise SystemExit("--jobs N runs the shards 0/N .. N-1/N itself: no --shard with it")
+        return run_jobs(args.jobs, args.out or "fuzz-out", _fuzz_arguments(args), args.threads,
+                        30.0 if args.progress is None else args.progress)
     i, n = (int(v) for v in args.shard.split("/"))
     if not 0 <= i < n:
         raise SystemExit(f"--shard {args.shard}: expected i/n with 0 <= i < n")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     summary = run_fuzz(args.device, args.examples, args.seed, args.time_budget, args.out or "fuzz-out", (i, n),
-                       executors=args.executor or None)
+                       executors=args.executor or None, progress=args.progress)
     return 1 if summary["failures"] else 0
+
+
+def _fuzz_arguments(args) -> list:
+    """The arguments every shard of a ``--jobs`` run gets."""
+    out = ["--device", args.device, "--examples", str(args.examples), "--seed", str(args.seed),
+           "--out", args.out or "fuzz-out"]
+    out += ["--time-budget", f"{args.time_budget:g}"] if args.time_budget is not None else []
+    return out + [a for e in args.executor or [] for a in ("--executor", e)]
 
 
 def add_fuzz(sub) -> None:
@@ -179,9 +196,14 @@ def add_fuzz(sub) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--examples", type=non_negative_int, default=200, help="graphs over all shards (default 200)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-budget", type=float, default=None, help="stop drawing graphs after SECONDS")
+    p.add_argument("--time-budget", type=float, default=None, help="stop drawing graphs after SECONDS (per shard)")
     p.add_argument("--out", default=None, help="directory of summaries, coverage and reproducers (default fuzz-out)")
     p.add_argument("--shard", default="0/1", help="i/n: this run's share of the examples and its seeds")
+    p.add_argument("--jobs", type=non_negative_int, default=1,
+                   help="run the shards 0/N .. N-1/N as N processes at once, then merge them (fxopt.fuzz.parallel)")
+    p.add_argument("--threads", type=non_negative_int, default=0,
+                   help="CPU threads of each process (default: all for one process, cores / N for --jobs N)")
+    p.add_argument("--progress", type=float, default=None, help="a progress line at most every SECONDS")
     p.add_argument("--executor", action="append", choices=["cpu", "torch", "cuda"],
                    help="executors to draw (default: cuda on a GPU; cpu, torch and cuda's CPU checks on the CPU)")
     p.add_argument("--merge", nargs="+", metavar="DIR", help="add up the shards' summaries under DIR... instead")

@@ -17,6 +17,13 @@ On CUDA, float32 convolutions and matrix products run in TF32 exactly as eager d
 (``torch.backends.cudnn.allow_tf32``, on by default), so eager itself is only ~1e-3 from the
 float64 result there; GPU comparisons of float32 graphs use rtol 1e-3. Algorithm choices
 are judged against a float64 convolution instead (``fxopt.autotune``).
+
+The cuda executor's generated Winograd candidate (``backends/cuda/kernels/winograd.py``: F(2x2, 3x3)
+with transforms, product and accumulation in fp32 for every dtype) has the numerics of
+``winograd_2x2_3x3`` computed in fp32 (docs/NUMERICS.md: 1.8e-6 max abs error in fp32, at the
+output's rounding in fp16/bf16) and is held to that algorithm's bound of the conv's dtype
+(``kernels.winograd.tolerance``: fp32 (1e-3, 3e-3), fp16 (1e-2, 1e-2), bf16 (4e-2, 8e-2)); the
+executor's measuring keeps it only where its relative error is within 1e-3 (fp32) / 1e-2 (16-bit).
 """
 from __future__ import annotations
 

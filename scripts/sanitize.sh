@@ -4,13 +4,21 @@
 #   scripts/sanitize.sh [OUTDIR]          (default: $OUT or sanitize_out/)
 #
 # 1. select: draws fuzz programs and plans them with the cuda executor on CPU tensors until every
-#    kernel family has SANITIZE_PER_FAMILY programs (python -m fxopt.fuzz.sample select; no GPU needed);
-# 2. memcheck: all selected programs, run on the GPU (CUDA graphs off);
-# 3. racecheck and synccheck: the programs whose kernels use shared memory or warp shuffles;
-#    only fxopt's kernels (named fx_...) are instrumented by these two.
+#    kernel family has SANITIZE_PER_FAMILY programs (python -m fxopt.fuzz.sample select; no GPU
+#    needed); a family without a program fails the run (the others still go on);
+# 2. memcheck: all selected programs, run on the GPU (CUDA graphs off, every candidate measured
+#    afresh with one warm-up and two timed runs, so every candidate kernel launches under the tool);
+# 3. racecheck and synccheck: the programs whose kernels use shared memory or warp shuffles.
+# The tools instrument fxopt's kernels (named fx_...); SANITIZE_ALL_KERNELS=1 has memcheck instrument
+# every kernel (cuDNN's and cuBLAS's too: several times slower).
+# Each tool gets a time limit; its programs start only while its budget (the limit less
+# SANITIZE_MARGIN seconds) lasts, and a program left out fails the run, naming its families. The
+# defaults (about 40 s to select, 250 + 140 + 110 s for the tools) keep the whole run within ~550 s
+# on an H100; SANITIZE_PER_FAMILY=2 with longer limits for a longer run.
 # Each tool's log is OUTDIR/<tool>.log; exits non-zero if a step failed or a tool reported errors.
-# Env: PYTHON (default python3), SANITIZE_PER_FAMILY (2), SANITIZE_MAX_DRAWS (300), SANITIZE_SEED (0),
-#      SANITIZE_TIMEOUT (seconds per tool, default 480), SANITIZE_SELECT_ONLY=1 (stop after step 1).
+# Env: PYTHON (default python3), SANITIZE_PER_FAMILY (1), SANITIZE_MAX_DRAWS (300), SANITIZE_SEED (0),
+#      SANITIZE_MEMCHECK_TIMEOUT (250), SANITIZE_RACECHECK_TIMEOUT (140), SANITIZE_SYNCCHECK_TIMEOUT (110),
+#      SANITIZE_MARGIN (60), SANITIZE_ALL_KERNELS=1, SANITIZE_SELECT_ONLY=1 (stop after step 1).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,32 +27,50 @@ PY="${PYTHON:-python3}"
 DIR="${1:-${OUT:-$REPO/sanitize_out}}"
 mkdir -p "$DIR"
 FAILED=()
+START=$SECONDS
 
-"$PY" -m fxopt.fuzz.sample select --out "$DIR/sample.json" --per-family "${SANITIZE_PER_FAMILY:-2}" \
-    --max-draws "${SANITIZE_MAX_DRAWS:-300}" --seed "${SANITIZE_SEED:-0}" 2>&1 | tee "$DIR/select.log" | tail -3
-[ "${PIPESTATUS[0]}" -ne 0 ] && { echo "selection failed (see $DIR/select.log)" >&2; exit 1; }
-[ "${SANITIZE_SELECT_ONLY:-0}" = "1" ] && exit 0
+"$PY" -m fxopt.fuzz.sample select --out "$DIR/sample.json" --per-family "${SANITIZE_PER_FAMILY:-1}" \
+    --max-draws "${SANITIZE_MAX_DRAWS:-300}" --seed "${SANITIZE_SEED:-0}" >"$DIR/select.log" 2>&1
+rc=$?
+grep -E "programs from|never reached" "$DIR/select.log" | tail -2 >&2
+case "$rc" in
+    0) ;;
+    3) FAILED+=("select (a family without a program: $DIR/select.log)") ;;
+    *) echo "selection failed (see $DIR/select.log)" >&2; exit 1 ;;
+esac
+echo "selected in $((SECONDS - START)) s: $DIR/sample.json" >&2
+if [ "${SANITIZE_SELECT_ONLY:-0}" = "1" ]; then
+    [ "${#FAILED[@]}" -ne 0 ] && { echo "FAILED: ${FAILED[*]}" >&2; exit 1; }
+    exit 0
+fi
 
 if ! command -v compute-sanitizer >/dev/null 2>&1; then
     echo "compute-sanitizer not on PATH" >&2
     exit 2
 fi
 
-run_tool() {  # tool, "sample run" args (quoted as one word), sanitizer args...
-    local tool="$1" which="$2"; shift 2
-    echo "=== $tool ===" >&2
+run_tool() {  # tool, time limit (s), "sample run" args (quoted as one word), sanitizer args...
+    local tool="$1" limit="$2" which="$3"; shift 3
+    local budget=$((limit - ${SANITIZE_MARGIN:-60}))
+    [ "$budget" -lt 30 ] && budget=30
+    echo "=== $tool (limit ${limit} s) ===" >&2
+    local t0=$SECONDS
     # shellcheck disable=SC2086
-    timeout "${SANITIZE_TIMEOUT:-480}" compute-sanitizer --tool "$tool" --error-exitcode 3 "$@" \
-        "$PY" -m fxopt.fuzz.sample run "$DIR/sample.json" $which >"$DIR/$tool.log" 2>&1
+    timeout "$limit" compute-sanitizer --tool "$tool" --error-exitcode 3 "$@" \
+        "$PY" -m fxopt.fuzz.sample run "$DIR/sample.json" --time-budget "$budget" $which >"$DIR/$tool.log" 2>&1
     local rc=$?
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL" "$DIR/$tool.log" | tail -5 >&2
-    [ "$rc" -ne 0 ] && FAILED+=("$tool (rc=$rc)")
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL|^ran " "$DIR/$tool.log" | tail -5 >&2
+    echo "$tool: rc=$rc in $((SECONDS - t0)) s" >&2
+    [ "$rc" -ne 0 ] && FAILED+=("$tool (rc=$rc$([ "$rc" -eq 124 ] && echo ', out of time'))")
 }
 
-run_tool memcheck "" --report-api-errors no
-run_tool racecheck --shared-only --kernel-name kns=fx_ --racecheck-report all
-run_tool synccheck --shared-only --kernel-name kns=fx_
+FX=(--kernel-name kns=fx_)
+if [ "${SANITIZE_ALL_KERNELS:-0}" = "1" ]; then MEM=(); else MEM=("${FX[@]}"); fi
+run_tool memcheck "${SANITIZE_MEMCHECK_TIMEOUT:-250}" "" --report-api-errors no "${MEM[@]}"
+run_tool racecheck "${SANITIZE_RACECHECK_TIMEOUT:-140}" --shared-only "${FX[@]}" --racecheck-report all
+run_tool synccheck "${SANITIZE_SYNCCHECK_TIMEOUT:-110}" --shared-only "${FX[@]}"
 
+echo "total $((SECONDS - START)) s" >&2
 if [ "${#FAILED[@]}" -ne 0 ]; then
     echo "FAILED: ${FAILED[*]}" >&2
     exit 1

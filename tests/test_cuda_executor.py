@@ -45,8 +45,9 @@ def test_epilogue_region_matches_reference(activation, layout, dtype):
 def test_plan_declines_without_epilogue_and_for_odd_layouts():
     r = fxopt.explain(torch.nn.Conv2d(3, 4, 3, bias=False).eval(), torch.randn(1, 3, 8, 8),
                       options={"executor": "cuda"})
-    # no epilogue kernel (nothing to fuse); the direct-conv candidates are the only kernels
-    assert r.kernels and all(k.name.startswith("fx_dconv3x3_c3x4") for k in r.kernels), [k.name for k in r.kernels]
+    # no epilogue kernel (nothing to fuse); the direct-conv and F(2x2, 3x3) candidates are the only kernels
+    assert r.kernels and all(k.name.startswith(("fx_dconv3x3_c3x4", "fx_wino_")) for k in r.kernels), \
+        [k.name for k in r.kernels]
     node = next(n for n in r.after.graph.nodes if n.op == "call_function" and n.target is fxopt.ops.FUSED_CONV)
     assert plan(node) is None  # not the runnable's target: only lowered graphs are planned
 

@@ -1,6 +1,6 @@
 """fxopt fuzz on the CPU: a few deterministic graphs through the cpu and torch executors and the
 cuda executor's CPU-checkable part, shrinking to a reproducer that runs, shards and their merge,
-coverage."""
+shards as processes at once (--jobs), coverage, the sanitizers' sample reaching every family."""
 import json
 import subprocess
 import sys
@@ -216,8 +216,9 @@ def test_family_targets_reach_grouped_and_winograd_programs():
         if p.target == "grouped":  # what the grouped kernel needs: channels_last, 2+ channels a group
             assert p.fmt == "channels_last" and p.options.get("conv_algorithm") in (None, "direct")
             assert any(g > 1 and cin // g >= 2 for cin, _, _, _, _, g in convs), p
-        if p.target == "winograd":  # an inference 3x3 stride-1 conv with a Winograd algorithm forced
-            assert p.mode == "inference" and p.options["conv_algorithm"].startswith("winograd_")
+        if p.target == "winograd":  # an inference 3x3 stride-1 conv: a Winograd algorithm forced, or the
+            # algorithm left to choose (the generated F(2x2, 3x3) candidate then competes)
+            assert p.mode == "inference" and p.options.get("conv_algorithm", "winograd_").startswith("winograd_")
             assert any(k == 3 and s == 1 and d == 1 for _, _, k, s, d, _ in convs), p
         seen[p.target] = seen.get(p.target, 0) + 1
         seen[p.dtype] = seen.get(p.dtype, 0) + 1
@@ -227,3 +228,49 @@ def test_family_targets_reach_grouped_and_winograd_programs():
     assert len(set(TARGETS) & seen.keys()) >= 6, seen
     for k in ("float32", "float16", "bfloat16", "contiguous", "channels_last"):
         assert seen.get(k, 0) >= 60 // 6, seen
+
+
+def test_jobs_run_the_shards_at_once_and_merge(tmp_path, capsys):
+    from fxopt.cli import main
+
+    out = tmp_path / "fz"
+    rc = main(["fuzz", "--device", "cpu", "--jobs", "2", "--examples", "4", "--seed", "3", "--executor", "torch",
+               "--progress", "0", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    merged = json.loads((out / "merged.json").read_text())
+    assert merged["ran"] == 4 and len(merged["shards"]) == 2 and not merged["failures"]
+    for i in range(2):  # each shard: its own directory, its whole output in log.txt, its lines echoed
+        s = json.loads((out / f"shard-{i}-of-2" / "summary.json").read_text())
+        assert s["shard"] == [i, 2] and s["ran"] == 2 and s["seed"] == 3
+        assert "progress" in (out / f"shard-{i}-of-2" / "log.txt").read_text()
+        assert f"[shard {i}/2] progress {i}/2:" in text and f"[shard {i}/2] 2 examples in" in text
+    assert "2 shards, 4 examples, 4 programs passed, 0 failing programs" in text
+    with pytest.raises(SystemExit):
+        main(["fuzz", "--device", "cpu", "--jobs", "2", "--shard", "0/2", "--out", str(out)])
+
+
+def test_jobs_fail_where_a_shard_writes_no_summary(tmp_path):
+    from fxopt.fuzz.parallel import run_jobs, shard_command
+
+    assert shard_command(1, 4, ["--seed", "2"], 3, 30)[-6:] == ["--shard", "1/4", "--threads", "3", "--progress", "30"]
+    lines = []
+    rc = run_jobs(2, tmp_path, ["--device", "cpu", "--examples", "2", "--executor", "no-such-executor"], threads=1,
+                  log=lines.append)
+    assert rc == 1 and any("ended without a summary" in ln for ln in lines), lines
+    assert "invalid choice" in (tmp_path / "shard-0-of-2" / "log.txt").read_text()
+
+
+def test_sanitizer_sample_selects_every_family():
+    """The cuda executor's planning on CPU tensors reaches every kernel family the coverage lists
+    (but those no executor launches), grouped convs and the generated Winograd pipeline included."""
+    from fxopt.fuzz.coverage import FAMILIES, NOT_LAUNCHED
+    from fxopt.fuzz.sample import select
+
+    chosen = select(per_family=1, max_draws=150, seed=0, log=lambda *a: None)
+    reached = {f for e in chosen for f in e["families"]}
+    assert not [f for f in FAMILIES if f not in reached and f not in NOT_LAUNCHED]
+    assert "conv:grouped" in reached and "conv:winograd" in reached and "conv:winograd" not in NOT_LAUNCHED
+    assert any(e["shared"] for e in chosen)
+    sizes = [len(e["families"]) for e in chosen]  # ordered: the first program covers the most families
+    assert sizes[0] == max(sizes)

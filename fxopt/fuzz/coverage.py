@@ -34,8 +34,7 @@ FAMILIES = ("reduction:rows", "reduction:inner", "reduction:outer", "pointwise:r
             "algorithm:direct", "algorithm:winograd_2x2_3x3", "algorithm:winograd_4x4_3x3", "algorithm:fft",
             "algorithm:gemm")
 #: families no executor launches today, with why (a run cannot reach them; they stay listed as never reached)
-NOT_LAUNCHED = {"conv:winograd": "the generated F(2x2, 3x3) transform kernels (kernels/winograd.py) are not an "
-                                 "executor candidate; the winograd_* algorithms run fxopt/winograd.py's torch pipeline"}
+NOT_LAUNCHED: dict = {}
 
 
 def kernel_family(name: str) -> str:

@@ -6,7 +6,9 @@ object with a directory database under ``out``): one round runs until the exampl
 budget are spent or a failure is found and shrunk; the fuzzer then writes its reproducer and starts
 another round with the next seed, so that one bug does not end the run. ``shard i/n`` derives the
 seeds of shard ``i`` (so shards draw different graphs) and writes under ``out/shard-i-of-n``;
-``merge`` adds the shards' coverage and failures up.
+``merge`` adds the shards' coverage and failures up; ``parallel.run_jobs`` runs the shards as
+processes at once (``fxopt fuzz --jobs N``). With ``progress`` seconds, one ``progress`` line
+(examples run, passed, failing programs, seconds) is logged at most that often.
 """
 from __future__ import annotations
 
@@ -19,6 +21,10 @@ from .coverage import Coverage
 
 #: executors each device runs (the cuda executor on the CPU: its CPU-checkable part)
 EXECUTORS = {"cpu": ("cpu", "torch", "cuda"), "cuda": ("cuda",)}
+
+
+#: most seconds spent shrinking a failure found once the budget is spent (at most half the budget)
+SHRINK_SECONDS = 90.0
 
 
 class _BudgetSpent(BaseException):
@@ -51,9 +57,10 @@ def _fuzz_options(program):
 def run_fuzz(device: str = "cpu", examples: int = 100, seed: int = 0, time_budget: float | None = None,
              out="fuzz-out", shard: tuple = (0, 1), executors=None, max_batch: int | None = None,
              max_size: int = 12, max_layers: int = 5, dtypes=("float32", "float16", "bfloat16"),
-             modes=("inference", "training"), log=print) -> dict:
+             modes=("inference", "training"), log=print, progress: float | None = None) -> dict:
     """Fuzz ``examples`` graphs (this shard's share) on ``device``; returns the summary written to
-    ``out/shard-i-of-n/summary.json``."""
+    ``out/shard-i-of-n/summary.json``. A failure found is shrunk for at most ``SHRINK_SECONDS``
+    (and half the budget) past the time budget."""
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
     from hypothesis.database import DirectoryBasedExampleDatabase
@@ -69,14 +76,19 @@ def run_fuzz(device: str = "cpu", examples: int = 100, seed: int = 0, time_budge
     strategy = _strategy(device, executors, max_batch or (64 if device == "cuda" else 8), max_size, max_layers,
                          tuple(dtypes), tuple(modes))
     cov, failures = Coverage(), []
-    state = {"ran": 0, "failed": None}
     start = time.monotonic()
+    state = {"ran": 0, "failed": None, "said": start}
+    extra = 0.0 if time_budget is None else min(SHRINK_SECONDS, 0.5 * time_budget)
 
     def test(program):
-        if time_budget is not None:  # a failure being shrunk gets half the budget again
-            spent = time.monotonic() - start
-            if spent > time_budget * (1.5 if state["failed"] else 1.0):
+        now = time.monotonic()
+        if time_budget is not None:  # a failure being shrunk gets some more time
+            if now - start > time_budget + (extra if state["failed"] else 0.0):
                 raise _BudgetSpent
+        if progress is not None and now - state["said"] >= progress:
+            state["said"] = now
+            log(f"progress {i}/{n}: {state['ran']}/{share} examples, {cov.graphs} passed, {len(failures)} failing "
+                f"programs{', shrinking one' if state['failed'] else ''}, {now - start:.0f} s")
         state["ran"] += 1
         state["graphs"], outcome = [], {}
         shrinking = state["failed"] is not None  # after a round's first failure hypothesis only shrinks it

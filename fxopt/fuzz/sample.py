@@ -1,15 +1,23 @@
 """A small sample of fuzzed graphs covering every kernel family, for the sanitizers
 (``scripts/sanitize.sh``).
 
-    python -m fxopt.fuzz.sample select --out sample.json [--per-family 2] [--max-draws 300]
-    python -m fxopt.fuzz.sample run sample.json [--shared-only] [--device cuda]
+    python -m fxopt.fuzz.sample select --out sample.json [--per-family 1] [--max-draws 300]
+    python -m fxopt.fuzz.sample run sample.json [--shared-only] [--device cuda] [--time-budget S]
 
 ``select`` draws programs (hypothesis, a fixed seed) and plans each with the cuda executor on CPU
 tensors (``fxopt.explain``: the kernels are generated, nothing runs on a GPU) until every kernel
 family of ``coverage.FAMILIES`` has ``--per-family`` programs or the draws are spent; each program
 records whether one of its kernels uses shared memory or warp shuffles (what racecheck and
-synccheck are for). ``run`` runs the selected programs on the GPU through ``check.run_program``
-(CUDA graphs off: the sanitizers instrument launches).
+synccheck are for). The sample is ordered so that its first programs cover the most families;
+the exit status is 3 where a family of ``FAMILIES`` (but those in ``coverage.NOT_LAUNCHED``) has no
+program (the sample is written all the same).
+
+``run`` runs the selected programs on the GPU through ``check.run_program`` (CUDA graphs off: the
+sanitizers instrument launches), each compile measuring afresh (no autotuning cache: every
+candidate kernel runs, under each tool) with one warm-up and two timed runs per candidate (the
+choices do not matter here, the launches do: ``--full-timing`` keeps the usual counts). With
+``--time-budget`` no program starts after that many seconds; the families of the programs left
+out are named and the exit status is 1, as for a failing program.
 """
 from __future__ import annotations
 
@@ -17,7 +25,7 @@ import argparse
 import json
 import sys
 
-from .coverage import FAMILIES, kernel_family
+from .coverage import FAMILIES, NOT_LAUNCHED, kernel_family
 
 
 def _plan(program) -> tuple:
@@ -37,7 +45,7 @@ def _plan(program) -> tuple:
     return fams, shared
 
 
-def select(per_family: int = 2, max_draws: int = 300, seed: int = 0, log=print) -> list:
+def select(per_family: int = 1, max_draws: int = 300, seed: int = 0, log=print) -> list:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as hseed
 
@@ -63,6 +71,7 @@ def select(per_family: int = 2, max_draws: int = 300, seed: int = 0, log=print) 
                 counts[f] += 1
             chosen.append({"program": program.to_json(), "families": sorted(fams), "shared": shared})
     draw()
+    chosen = cover_order(chosen)
     log(f"{len(chosen)} programs from {draws[0]} draws; per family: {counts}")
     missing = [f for f, c in counts.items() if not c]
     if missing:
@@ -70,23 +79,60 @@ def select(per_family: int = 2, max_draws: int = 300, seed: int = 0, log=print) 
     return chosen
 
 
-def run(path: str, shared_only: bool = False, device: str = "cuda", log=print) -> int:
+def cover_order(chosen: list) -> list:
+    """The sample reordered greedily: each next program the one adding the most families not yet
+    covered (ties: the sample's order), so that a run cut short covers the most families."""
+    left, out, seen = list(chosen), [], set()
+    while left:
+        best = max(range(len(left)), key=lambda k: (len(set(left[k]["families"]) - seen), -k))
+        seen |= set(left[best]["families"])
+        out.append(left.pop(best))
+    return out
+
+
+def _quick_timing() -> None:
+    """Measuring with one warm-up and two timed runs per candidate (every candidate still runs its
+    check): under a sanitizer each launch costs 10-100x, and which candidate wins does not matter."""
+    import fxopt.autotune as autotune
+
+    full = autotune.time_ms
+
+    def time_ms(fn, inputs, device_type, warmup=3, iters=10):
+        return full(fn, inputs, device_type, min(warmup, 1), min(iters, 2))
+    autotune.time_ms = time_ms
+
+
+def run(path: str, shared_only: bool = False, device: str = "cuda", log=print, time_budget: float | None = None,
+        full_timing: bool = False) -> int:
+    import time
+
     from .check import run_program
     from .graphs import Program
 
-    failed = 0
-    for i, entry in enumerate(json.loads(open(path).read())):
-        if shared_only and not entry["shared"]:
+    if not full_timing:
+        _quick_timing()
+    start, failed, ran, left = time.monotonic(), 0, 0, []
+    entries = [e for e in json.loads(open(path).read()) if e["shared"] or not shared_only]
+    for i, entry in enumerate(entries):
+        if time_budget is not None and time.monotonic() - start > time_budget:
+            left.append(entry)
             continue
         program = Program.from_json(entry["program"])
         program.options["cudagraphs"] = False
+        program.options["autotune_cache"] = False
+        ran += 1
         try:
             run_program(program, device)
-            log(f"[{i}] ok {entry['families']}")
+            log(f"[{i}] ok {entry['families']} ({time.monotonic() - start:.0f} s)")
         except Exception as e:  # noqa: BLE001 - every program runs; the failures are counted
             failed += 1
             log(f"[{i}] FAIL {type(e).__name__}: {str(e)[:300]}\n{program.source}")
-    return 1 if failed else 0
+    done = {f for e in entries if e not in left for f in e["families"]}
+    not_run = sorted({f for e in left for f in e["families"]} - done)
+    log(f"ran {ran} of {len(entries)} programs in {time.monotonic() - start:.0f} s, {failed} failing"
+        + (f"; out of time before {len(left)} programs (families not run: {', '.join(not_run) or 'none'})"
+           if left else ""))
+    return 1 if failed or left else 0
 
 
 def main(argv=None) -> int:
@@ -95,20 +141,25 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("select")
     s.add_argument("--out", required=True)
-    s.add_argument("--per-family", type=int, default=2)
+    s.add_argument("--per-family", type=int, default=1)
     s.add_argument("--max-draws", type=int, default=300)
     s.add_argument("--seed", type=int, default=0)
     r = sub.add_parser("run")
     r.add_argument("sample")
     r.add_argument("--shared-only", action="store_true")
     r.add_argument("--device", default="cuda")
+    r.add_argument("--time-budget", type=float, default=None, help="start no program after SECONDS")
+    r.add_argument("--full-timing", action="store_true", help="measure candidates with the usual run counts")
     args = p.parse_args(argv)
     if args.cmd == "select":
         chosen = select(args.per_family, args.max_draws, args.seed)
         with open(args.out, "w") as f:
             json.dump(chosen, f, indent=1)
-        return 0 if chosen else 1
-    return run(args.sample, args.shared_only, args.device)
+        reached = {f for e in chosen for f in e["families"]}
+        missing = [f for f in FAMILIES if f not in reached and f not in NOT_LAUNCHED]
+        return 1 if not chosen else (3 if missing else 0)  # 3: a sample without some family
+    return run(args.sample, args.shared_only, args.device, time_budget=args.time_budget,
+               full_timing=args.full_timing)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,7 @@ family: one module here and one line in one of them.
 
 Used by the executor besides: ``region`` with ``pointwise`` / ``reduction`` (the fusion scheduler's
 kernels) and the pool templates of a region that is one pool (``schedule/generated.py``);
-``winograd`` (the F(2x2, 3x3) transform kernels) and ``batchnorm_train`` (cuDNN's training
-BatchNorm + ReLU, run by ``fxopt::batch_norm_relu``).
+``batchnorm_train`` (cuDNN's training BatchNorm + ReLU, run by ``fxopt::batch_norm_relu``).
 """
 from __future__ import annotations
 
@@ -26,6 +25,7 @@ from .direct_conv import plan_conv_maxpool_groups, plan_direct_conv
 from .grouped_conv import plan_grouped_conv
 from .linear import plan_conv_as_linear, plan_linear, plan_linear_chain_groups
 from .pool import plan_global_avgpool, plan_maxpool
+from .winograd import plan_winograd
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,7 @@ FAMILIES = (
     Family("maxpool", each(plan_maxpool)),
     Family("global_avgpool", each(plan_global_avgpool)),
     Family("direct_conv", each(plan_direct_conv)),
+    Family("winograd", each(plan_winograd)),
     Family("linear", each(plan_linear)),
     Family("conv_as_linear", each(plan_conv_as_linear)),
 )

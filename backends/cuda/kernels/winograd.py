@@ -1,17 +1,35 @@
 """The Winograd F(2x2, 3x3) family: a stride-1 3x3 conv as an input transform kernel
 (V = B^T d B per 4x4 tile), a batched matrix product (torch.bmm) and an output transform kernel
 (Y = A^T m A per tile, then bias + residual + activation). The transforms' C is generated from the
-matrices (``winograd_transform_code``); ``winograd_conv2d_reference`` emulates the pipeline in torch."""
+matrices (``winograd_transform_code``); ``winograd_conv2d_reference`` emulates the pipeline in torch.
+
+As a per-node candidate of the cuda executor (``plan_winograd`` -> ``WinogradConv``, offered as
+``generated_winograd2x2``): a filter transform kernel (U = G g G^T, per call, so that a weight
+updated in place or a CUDA graph replay never sees a stale transform), the input transform, the
+product and the output transform with the conv's epilogue fused. Transforms, product and
+accumulation are fp32 for every dtype (the product without TF32 unless torch's matmul allows it), so
+its error is that of ``winograd_2x2_3x3`` in fp32; it is held to ``tolerance(dtype)``, the
+``winograd_2x2_3x3`` bound of the conv's dtype (``fxopt.conv_algorithms``, docs/NUMERICS.md), and
+measured against the reference like every candidate (the measuring's check is within that bound).
+Where it declines, ``decline_reason`` says why in one line.
+"""
 from __future__ import annotations
 
+from string import Template
+from typing import Optional
+
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
 from fxopt.backends.cuda.codegen.c import ctype as _ctype, lit, prelude as _prelude
 from fxopt.backends.cuda.codegen.epilogue import (NO_EPILOGUE, epilogue_code, epilogue_desc, epilogue_key,
                                                   epilogue_params, has_bias, has_residual)
-from fxopt.backends.cuda.codegen.source import KernelSource, DTYPE_SHORT, index_type, checked_layout, unique_name
-from fxopt.backends.cuda.kernels.common import check_layout, compiled_kernel, load
+from fxopt.backends.cuda.codegen.source import (KernelSource, DTYPE_SHORT, index_type, checked_layout, layout_name,
+                                                needs_index64, unique_name)
+from fxopt.backends.cuda.kernels.common import (check_layout, compiled_kernel, dense_strides, load, memory_layout_ok,
+                                                node_val, weight_fits, weight_layout_of)
+from fxopt.backends.cuda.kernels.conv import conv_args
 
 
 WINO_BT = ((1, 0, -1, 0), (0, 1, 1, 0), (0, -1, 1, 0), (0, 1, 0, -1))
@@ -185,15 +203,177 @@ def winograd_conv2d(ks_in: KernelSource, ks_out: KernelSource, x: torch.Tensor, 
     return launch_winograd_output(ks_out, winograd_gemm(U, V, ks_in.meta["layout"]), out, bias, residual)
 
 
-def winograd_conv2d_reference(x: torch.Tensor, w: torch.Tensor, padding: int = 1) -> torch.Tensor:
-    """Torch emulation of the F(2x2,3x3) pipeline (same matrices, tiles, zero padding)."""
+def winograd_conv2d_reference(x: torch.Tensor, w: torch.Tensor, padding: int = 1, bias=None, residual=None,
+                              activation: str = "none", act_params=(), compute_dtype=None) -> torch.Tensor:
+    """Torch emulation of the F(2x2,3x3) pipeline (same matrices, tiles, zero padding), with the
+    output kernel's epilogue act(acc + bias (+ residual)): computed in ``compute_dtype`` (default
+    x's; the candidate's is fp32), rounded to x's dtype once at the end, as the kernels do."""
+    from fxopt.ops import apply_activation
+
+    cd = compute_dtype or x.dtype
+    xc = x.to(cd)
     N, C, H, W = x.shape
     OH, OW, TH, TW = winograd_tiles(H, W, padding)
-    xp = F.pad(x, (padding, padding + 2 * TW - OW, padding, padding + 2 * TH - OH))
+    xp = F.pad(xc, (padding, padding + 2 * TW - OW, padding, padding + 2 * TH - OH))
     tiles = xp.unfold(2, 4, 2).unfold(3, 4, 2)  # N, C, TH, TW, 4, 4
-    BT, AT = _mat(WINO_BT, x), _mat(WINO_AT, x)
+    BT, AT = _mat(WINO_BT, xc), _mat(WINO_AT, xc)
     V = BT @ tiles @ BT.T
-    U = winograd_filter_transform(w).to(x.dtype).reshape(4, 4, *w.shape[:2]).permute(2, 3, 0, 1)
+    U = winograd_filter_transform(w).to(cd).reshape(4, 4, *w.shape[:2]).permute(2, 3, 0, 1)
     M = torch.einsum("nchwij,kcij->nkhwij", V, U)
     Y = AT @ M @ AT.T  # N, K, TH, TW, 2, 2
-    return Y.permute(0, 1, 2, 4, 3, 5).reshape(N, -1, 2 * TH, 2 * TW)[:, :, :OH, :OW]
+    y = Y.permute(0, 1, 2, 4, 3, 5).reshape(N, -1, 2 * TH, 2 * TW)[:, :, :OH, :OW]
+    if bias is not None:
+        y = y + bias.to(cd).reshape(1, -1, 1, 1)
+    if residual is not None:
+        y = y + residual.to(cd)
+    return apply_activation(y, activation, act_params).to(x.dtype)
+
+
+# -- the per-node candidate ------------------------------------------------------------------------
+#: most bytes of fp32 workspace (U, V and M together) a conv may take
+WORKSPACE_BYTES = 1 << 30
+
+_FILTER = Template("""$prelude
+// Winograd F(2x2,3x3) filter transform U = G g G^T of a (K, C, 3, 3) weight ($weight_layout), in fp32
+// U: [16][$u_layout]
+extern "C" __global__ void __launch_bounds__($block)
+$name(const $T* __restrict__ w, float* __restrict__ U, long long K_, long long C_) {
+  fx_pdl_begin();  // before any memory access: see prelude.cuh
+  typedef $idx idx_t;
+  const idx_t K = (idx_t)K_, C = (idx_t)C_;
+  const idx_t total = K * C;
+  const idx_t stride = (idx_t)gridDim.x * blockDim.x;
+  for (idx_t o = (idx_t)blockIdx.x * blockDim.x + threadIdx.x; o < total; o += stride) {
+    const idx_t k = o / C, c = o % C;
+$loads
+$transform
+$stores
+  }
+}
+""")
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) the candidate is held to: ``winograd_2x2_3x3``'s bound of ``dtype``."""
+    from fxopt.conv_algorithms import get_algorithm
+
+    return get_algorithm("winograd_2x2_3x3").tolerance(dtype)
+
+
+def generate_winograd_filter_transform(dtype: torch.dtype = torch.float32, weight_layout: str = "oihw",
+                                       layout: str = "nchw", index64: bool = False,
+                                       block: int = 256) -> KernelSource:
+    """U = G g G^T of every (k, c) filter, in fp32: (16, K, C) for an nchw product (U @ V), (16, C, K)
+    for nhwc (V @ U). ``weight_layout``: "oihw" (contiguous) or "ohwi" (channels_last).
+    Launch args: w, U, K, C; ``grid_block(K * C)``."""
+    lay, ct = checked_layout(layout), _ctype(dtype)
+    if weight_layout not in ("oihw", "ohwi"):
+        raise ValueError(f"winograd filter: weight_layout must be 'oihw' or 'ohwi', not {weight_layout!r}")
+    name = unique_name(f"fx_wino_filter_{DTYPE_SHORT[dtype]}_{lay}", weight_layout, index64, block)
+    at = "(k * C + c) * 9 + {t}" if weight_layout == "oihw" else "(k * 9 + {t}) * C + c"
+    loads = [f"    const float g{i}_{j} = fx_to_f32(w[{at.format(t=i * 3 + j)}]);" for i in range(3) for j in range(3)]
+    code = winograd_transform_code(WINO_G, [[f"g{i}_{j}" for j in range(3)] for i in range(3)], "u")
+    dst = "k * C + c" if lay == "nchw" else "c * K + k"
+    stores = [f"    U[(idx_t){i * 4 + j} * total + {dst}] = u{i}_{j};" for i in range(4) for j in range(4)]
+    src = _FILTER.substitute(prelude=_prelude({dtype}), weight_layout=weight_layout,
+                             u_layout="K][C" if lay == "nchw" else "C][K", block=block, name=name, T=ct,
+                             idx=index_type(index64), loads="\n".join(loads), stores="\n".join(stores),
+                             transform="\n".join(f"    const float {n} = {e};" for n, e in code))
+    params = (("w", f"const {ct}*"), ("U", "float*"), ("K", "long long"), ("C", "long long"))
+    return KernelSource(name, src, params, "winograd_filter", {"layout": lay, "weight_layout": weight_layout},
+                        (block, 1, 1), index64)
+
+
+def winograd_spec(node: fx.Node) -> tuple[Optional[dict], Optional[str]]:
+    """(what ``WinogradConv`` needs of a fused_conv node, None) or (None, why it declines)."""
+    c = conv_args(node)
+    if c is None:
+        return None, "not a static fp32/fp16/bf16 2-D conv run by direct or an algorithm chosen automatically"
+    x, w, out = c["x"], c["w"], c["out"]
+    if c["groups"] != 1:
+        return None, f"groups={c['groups']}: the product is one dense matrix product per tile position"
+    if c["k"] != (3, 3) or c["stride"] != (1, 1) or c["dilation"] != (1, 1):
+        return None, f"F(2x2, 3x3) needs a 3x3 kernel, stride 1, dilation 1 (got {c['k']}, {c['stride']}, " \
+                     f"{c['dilation']})"
+    if c["padding"][0] != c["padding"][1]:
+        return None, f"padding {c['padding']}: the transforms take one padding for both dimensions"
+    # (a tensor with one channel or one pixel is dense in both layouts: the one both share)
+    layout = next((lay for lay in (layout_name(out), layout_name(x))
+                   if lay is not None and memory_layout_ok(x, lay) and memory_layout_ok(out, lay)), None)
+    wl, res = weight_layout_of(w), node_val(node.args[3])
+    if layout is None:
+        return None, "input and output not dense in one layout (nchw or nhwc)"
+    if res is not None and (tuple(res.shape) != tuple(out.shape) or not memory_layout_ok(res, layout)):
+        return None, f"the residual is not dense in the output's layout ({layout})"
+    if wl is None:
+        return None, "the weight is neither contiguous nor channels_last"
+    n, cin, h, wd = (int(d) for d in x.shape)
+    k, pad = int(w.shape[0]), c["padding"][0]
+    _, _, th, tw = winograd_tiles(h, wd, pad)
+    p = n * th * tw
+    floats = 16 * (k * cin + p * cin + p * k)
+    if 4 * floats > WORKSPACE_BYTES:
+        return None, f"its fp32 workspace ({4 * floats >> 20} MiB) exceeds {WORKSPACE_BYTES >> 20} MiB"
+    return {"x_shape": (n, cin, h, wd), "w_shape": tuple(int(d) for d in w.shape), "out_shape": tuple(
+        int(d) for d in out.shape), "padding": pad, "layout": layout, "weight_layout": wl, "dtype": out.dtype,
+        "epilogue": c["epilogue"], "index64": needs_index64(max(floats, x.numel(), out.numel()))}, None
+
+
+def decline_reason(node: fx.Node) -> Optional[str]:
+    """Why ``plan_winograd`` offers nothing for ``node`` (one line), or None where it offers the candidate."""
+    return winograd_spec(node)[1]
+
+
+class WinogradConv:
+    """The F(2x2, 3x3) pipeline as a fused_conv candidate (the node's signature; None where the
+    run-time tensors are not what it was generated for)."""
+
+    label = "winograd2x2"
+    #: the device whose tensors it takes (the kernels' launches run there)
+    device_type = "cuda"
+
+    def __init__(self, node: fx.Node, spec: dict):
+        self.name, self.spec = f"wino_{node.name}", spec
+        lay, dt, i64 = spec["layout"], spec["dtype"], spec["index64"]
+        self.sources = {
+            "filter": generate_winograd_filter_transform(dt, spec["weight_layout"], lay, i64),
+            "in": generate_winograd_input_transform(dt, lay, spec["padding"], torch.float32, i64),
+            "out": generate_winograd_output_transform(dt, lay, spec["epilogue"], torch.float32, i64)}
+        self.kernels: dict = {}
+
+    def __call__(self, x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
+                 algorithm="direct", prepacked=None):
+        s, epi = self.spec, self.spec["epilogue"]
+        if len(self.kernels) != len(self.sources) or x.device.type != self.device_type:
+            return None
+        if tuple(x.shape) != s["x_shape"]:
+            return None
+        if x.dtype != s["dtype"] or weight.dtype != x.dtype or tuple(weight.shape) != s["w_shape"]:
+            return None
+        if not memory_layout_ok(x, s["layout"]) or not weight_fits(weight, s["weight_layout"]):
+            return None
+        if (bias is not None) != has_bias(epi) or (residual is not None) != has_residual(epi):
+            return None
+        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+            return None
+        if residual is not None and (residual.dtype != x.dtype or tuple(residual.shape) != s["out_shape"]
+                                     or not memory_layout_ok(residual, s["layout"])):
+            return None
+        shape = s["out_shape"]
+        out = torch.empty_strided(shape, dense_strides(s["layout"], shape), dtype=x.dtype, device=x.device)
+        if out.numel() == 0:
+            return out
+        k, c = s["w_shape"][:2]
+        ks_f = self.sources["filter"]
+        u = torch.empty((16, k, c) if s["layout"] == "nchw" else (16, c, k), dtype=torch.float32, device=x.device)
+        grid, block = ks_f.grid_block(k * c, extent=u.numel())
+        self.kernels["filter"].launch(grid, block, [weight, u, k, c])
+        v = launch_winograd_input(self.sources["in"], x, dtype=torch.float32, kernel=self.kernels["in"])
+        m = torch.bmm(u, v) if s["layout"] == "nchw" else torch.bmm(v, u)
+        return launch_winograd_output(self.sources["out"], m, out, bias, residual, kernel=self.kernels["out"])
+
+
+def plan_winograd(node: fx.Node) -> list:
+    """The F(2x2, 3x3) candidate of a fused_conv node, [] where it declines (``decline_reason``)."""
+    spec, _ = winograd_spec(node)
+    return [] if spec is None else [WinogradConv(node, spec)]
