@@ -208,7 +208,7 @@ def test_family_targets_reach_grouped_and_winograd_programs():
     seen = {}
 
     @seed(0)
-    @settings(max_examples=60, database=None, deadline=None)
+    @settings(max_examples=150, database=None, deadline=None)
     @given(programs(max_batch=4, max_size=8, max_layers=2))
     def draw(p):
         convs = [tuple(map(int, m.groups())) for m in
