@@ -46,16 +46,25 @@ def qualname_from_source(source_name: str) -> str:
     return ".".join(a or b for a, b in parts)
 
 
-def _graph_output_formats(gm: fx.GraphModule) -> list:
+def _graph_output_formats(gm: fx.GraphModule, key: str = "val") -> list:
+    """The memory format (``fxopt.names.format_of``) of each output's ``meta[key]``."""
     from fxopt.names import format_of
 
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     flat = list(out) if isinstance(out, (list, tuple)) else [out]
     formats = []
     for o in flat:
-        v = o.meta.get("val") if isinstance(o, fx.Node) else None
+        v = o.meta.get(key) if isinstance(o, fx.Node) else None
         formats.append(format_of(v) if isinstance(v, torch.Tensor) else None)
     return formats
+
+
+def _eager_output_formats(aot: list, dynamo: list) -> list:
+    """The output formats eager gives: Dynamo's graph's (``example_value``: before AOTAutograd's
+    decompositions, which may change a format) where its outputs are AOTAutograd's, one for one."""
+    if len(aot) != len(dynamo):
+        return aot
+    return [d if d is not None else a for a, d in zip(aot, dynamo)]
 
 
 def direct_call_blocker(gm: fx.GraphModule, n_inputs: int) -> Optional[str]:
@@ -151,6 +160,7 @@ class FxoptCompiler:
                 self.params[i] = qualname_from_source(source) or node.name
         self.example_inputs = example_inputs
         self.eager = dynamo_gm  # what a compiled inference graph that fails at run time falls back to
+        self.eager_formats = _graph_output_formats(dynamo_gm, "example_value")
         # Parameters Dynamo kept as graph attributes (it does so with Inductor's global freezing
         # flag set): AOTAutograd lifts them in front of the inputs, in this order
         self.lifted = list({**dict(dynamo_gm.named_parameters(remove_duplicate=False)),
@@ -189,6 +199,8 @@ class FxoptCompiler:
             log.info("fxopt: AOTAutograd changed the inputs (%d -> %d); parameters stay runtime inputs",
                      self.n_inputs, len(placeholders))
         ctx.output_formats = _graph_output_formats(gm)
+        if mode == "inference":
+            ctx.output_formats = _eager_output_formats(ctx.output_formats, self.eager_formats)
         return ctx
 
     def compile(self, gm: fx.GraphModule, fake_args: list, kind: str) -> Callable:

@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from fxopt.passes import (dead_code, fold_batchnorm, fold_constants, fuse_conv_epilogue, layout,
+                          output_formats,
                           redundant_clones, select_conv_algorithm, training_batchnorm,
                           training_batchnorm_relu, training_layout)
 from fxopt.passinfra import PassContext
@@ -37,6 +38,9 @@ PIPELINE = [
     # channels_last regions around 2-D convolutions; needs the fused nodes, precedes algorithm choice
     # so that the choice is made for the layout the conv will really see.
     ("layout", layout.run),
+    # outputs in eager's memory format where a decomposition changed it (the layout pass restores
+    # only the values it made NHWC).
+    ("output_formats", output_formats.run),
     # direct / Winograd / FFT / GEMM per convolution, by measurement or cost model.
     ("select_conv_algorithm", select_conv_algorithm.run),
     # Last: everything weight-only the passes above produced is evaluated once.

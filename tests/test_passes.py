@@ -383,3 +383,43 @@ def test_layout_on_the_cpu_follows_the_target_not_the_executor_option():
     assert ask(no) == "layout='auto' keeps NCHW on CPU: no NHWC here"
     assert ask(yes) is None
     assert "bfloat16" in ask(wrong_dtype)
+
+
+def test_output_formats_gives_outputs_eagers_format_where_a_decomposition_changed_it():
+    """An output whose eager format (recorded from Dynamo's graph) is channels_last but whose value
+    in the graph is contiguous (a decomposed upsample on CUDA) gets a conversion; a view's output
+    (no dense format) and an output already right get none; training graphs are left alone."""
+    from fxopt.config import Options
+    from fxopt.passes import output_formats
+    from fxopt.passinfra import PassContext
+
+    class M(nn.Module):
+        def forward(self, x):
+            return x * 2, x + 1, (x - 1)[:, :1]
+
+    x = torch.randn(2, 3, 4, 5)
+    r = fxopt.explain(M(), x, options={"layout": "contiguous"})
+    gm = r.after
+    ctx = PassContext(options=Options(), device_type="cpu")
+    ctx.mode = "inference"
+    ctx.output_formats = [torch.channels_last, torch.contiguous_format, None]
+    assert [i for i, _, _ in output_formats.wrong_formats(gm, ctx)] == [0]
+    res = output_formats.run(gm, ctx)
+    assert res.modified
+    gm.graph.lint()
+    outs = gm(x)
+    want = M()(x)
+    assert outs[0].is_contiguous(memory_format=torch.channels_last) and outs[1].is_contiguous()
+    for g, w in zip(outs, want):
+        torch.testing.assert_close(g, w)
+    assert not output_formats.run(gm, ctx).modified  # idempotent
+    ctx.mode = "training"
+    assert not output_formats.run(r.after, ctx).modified
+
+
+def test_eager_output_formats_come_from_dynamos_graph_where_the_outputs_match():
+    from fxopt.backend import _eager_output_formats
+
+    cl, nchw = torch.channels_last, torch.contiguous_format
+    assert _eager_output_formats([nchw, nchw], [cl, None]) == [cl, nchw]
+    assert _eager_output_formats([nchw], [cl, cl]) == [nchw]  # AOTAutograd added or dropped outputs

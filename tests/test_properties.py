@@ -15,6 +15,7 @@ ALONE = {
     "fold_batchnorm": ["fold_batchnorm"],
     "fuse_conv_epilogue": ["fuse_conv_epilogue"],
     "layout": ["fuse_conv_epilogue", "layout"],
+    "output_formats": ["output_formats"],
     "select_conv_algorithm": ["fuse_conv_epilogue", "select_conv_algorithm"],
     "fold_constants": ["fold_batchnorm", "fold_constants"],
 }
