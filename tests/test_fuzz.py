@@ -274,3 +274,21 @@ def test_sanitizer_sample_selects_every_family():
     assert any(e["shared"] for e in chosen)
     sizes = [len(e["families"]) for e in chosen]  # ordered: the first program covers the most families
     assert sizes[0] == max(sizes)
+
+
+def test_parameters_after_the_step_are_judged_against_float64_like_the_gradients():
+    """Where fxopt's parameters after the SGD step differ from eager's by more than the tolerance,
+    the step float64 takes decides (before - LR * float64 gradient), as for the gradients."""
+    from fxopt.fuzz.check import LR, Mismatch, compare
+
+    before = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
+    grad64 = torch.tensor([0.5, 0.25, -1.0], dtype=torch.float64)
+    exact = before - LR * grad64
+    eager = (exact + torch.tensor([3e-3, 0.0, 0.0], dtype=torch.float64)).float()  # eager's own rounding
+    close = (exact + torch.tensor([4e-3, 0.0, 0.0], dtype=torch.float64)).float()
+    wrong = (exact + torch.tensor([0.05, 0.0, 0.0], dtype=torch.float64)).float()
+    compare("p after the step", close, eager, lambda: exact, 1e-5, 1e-5)
+    with pytest.raises(Mismatch, match="error vs float64"):
+        compare("p after the step", wrong, eager, lambda: exact, 1e-5, 1e-5)
+    with pytest.raises(Mismatch):
+        compare("p after the step", close, eager, None, 1e-5, 1e-5)  # no reference: eager's tolerance decides
