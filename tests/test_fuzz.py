@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, seed, settings
@@ -292,3 +294,23 @@ def test_parameters_after_the_step_are_judged_against_float64_like_the_gradients
         compare("p after the step", wrong, eager, lambda: exact, 1e-5, 1e-5)
     with pytest.raises(Mismatch):
         compare("p after the step", close, eager, None, 1e-5, 1e-5)  # no reference: eager's tolerance decides
+
+
+def test_a_dtype_difference_pytorchs_own_compiled_graph_shares_is_recorded_as_upstream():
+    """fxopt's output dtype unlike eager's, but as torch.compile(backend="aot_eager") gives it: an
+    upstream divergence (recorded, not a failure); a dtype aot_eager does not give is not."""
+    from types import SimpleNamespace
+
+    from fxopt.fuzz.check import _upstream
+
+    model, x = torch.nn.Conv2d(2, 2, 1).eval(), torch.randn(1, 2, 3, 3)
+    program = SimpleNamespace(mode="inference", dtype="float32")
+    with torch.no_grad():
+        same = model(x)  # float32, as aot_eager gives it
+    eager_like = same.double()  # stands for an eager result of another dtype
+    outcome = {}
+    assert _upstream(program, "cpu", copy.deepcopy(model), x, same, eager_like, outcome)
+    assert outcome == {"upstream": "output dtype"}
+    outcome = {}
+    assert not _upstream(program, "cpu", copy.deepcopy(model), x, same.half(), eager_like, outcome)
+    assert not _upstream(program, "cpu", copy.deepcopy(model), x, same, same, outcome) and not outcome

@@ -67,7 +67,7 @@ def graph_keys(program, graphs: list) -> dict:
 
 class Coverage:
     SECTIONS = ("families", "targets", "choices", "ops", "dtypes", "layouts", "modes", "executors", "cudagraphs",
-                "graph_kinds", "eager_error_types")
+                "graph_kinds", "eager_error_types", "upstream")
 
     TOTALS = ("graphs", "eager_errors", "failures", "shrink_runs", "shrink_failed")
 
@@ -75,12 +75,14 @@ class Coverage:
         self.graphs = self.eager_errors = self.failures = self.shrink_runs = self.shrink_failed = 0
         self.counts = {s: Counter() for s in self.SECTIONS}
 
-    def add(self, program, graphs: list, eager_error: str | None = None) -> None:
+    def add(self, program, graphs: list, eager_error: str | None = None, upstream: str | None = None) -> None:
         self.graphs += 1
         self.eager_errors += bool(eager_error)
         keys = graph_keys(program, graphs)
         if eager_error:
             keys["eager_error_types"] = {eager_error}
+        if upstream:  # fxopt as PyTorch's own compiled graph, both unlike eager (check._upstream)
+            keys["upstream"] = {upstream}
         for sec, ks in keys.items():
             self.counts[sec].update(ks)
 

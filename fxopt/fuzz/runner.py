@@ -100,7 +100,7 @@ def run_fuzz(device: str = "cpu", examples: int = 100, seed: int = 0, time_budge
             cov.shrink_failed += shrinking
             raise
         if not shrinking:  # the coverage of the search: shrinking's small programs would swamp it
-            cov.add(program, graphs, eager_error=outcome.get("eager_error"))
+            cov.add(program, graphs, eager_error=outcome.get("eager_error"), upstream=outcome.get("upstream"))
 
     db = DirectoryBasedExampleDatabase(str(out_dir / "hypothesis-db"))
     rnd = 0
