@@ -1,11 +1,10 @@
 """fxopt fuzz on the CPU: a few deterministic graphs through the cpu and torch executors and the
 cuda executor's CPU-checkable part, shrinking to a reproducer that runs, shards and their merge,
 shards as processes at once (--jobs), coverage, the sanitizers' sample reaching every family."""
+import copy
 import json
 import subprocess
 import sys
-
-import copy
 
 import pytest
 import torch
