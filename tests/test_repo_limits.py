@@ -18,8 +18,9 @@ RESULTS_MAX_BYTES = 400_000
 RESULT_PREFIXES = ("benchmarks/",)
 RESULT_SUFFIXES = (".png", ".jpg", ".svg")
 #: bytes (decimal) of all files ``git ls-files`` lists, summed: a ceiling over sources, tests, docs and
-#: results together (sources, tests and docs alone came to about 1.9 MB on 2026-11-27)
-TRACKED_MAX_BYTES = 2_400_000
+#: results together (sources, tests and docs alone came to about 2.1 MB at the end of 2026-11-27, the
+#: results to 0.4 MB: the ceiling leaves room for the next families and their tests, not for dumps)
+TRACKED_MAX_BYTES = 2_600_000
 #: lines of any ``.py`` file under the package directories
 SOURCE_MAX_LINES = 600
 PACKAGE_DIRS = ("fxopt", "passes", "backends")
