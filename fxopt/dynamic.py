@@ -16,8 +16,8 @@ after its recompile limit runs new sizes eagerly. So a symbolic inference graph 
    (``fxopt.package_batch.specialise_at``) and lowers it with the executor (its kernels, measured
    choices and CUDA-graph runner); the result is cached per size. A size where a guard fails gets
    the passes run again at that size (the reason is recorded); it still never runs eagerly.
-   At most ``max_specializations`` sizes stay lowered: the least recently used is dropped (its
-   CUDA graphs released) and lowered again if it comes back.
+   At most ``max_specializations`` sizes stay lowered: the least called one that no padded size
+   runs on is dropped (its CUDA graphs released) and lowered again if it comes back.
 4. Buckets (``fxopt.dynamic_buckets``): batch sizes fall in power-of-two buckets. The choices the
    first lowering in a bucket measured are reused by every later lowering in it (nothing measured
    at a second size of a bucket). Where the graph is batch-independent
@@ -25,7 +25,11 @@ after its recompile limit runs new sizes eagerly. So a symbolic inference graph 
    lowering: it runs on the smallest lowered larger batch (lowering its bucket's top size where
    there is none), padded, its outputs' first rows returned; at its ``specialize_after + 1``-th call
    its own specialization is lowered and takes over (a size evicted before needs that many calls
-   more each time, so sizes beyond the bound do not keep displacing each other).
+   more each time). When ``max_specializations`` sizes are lowered, a padded size is admitted only
+   if it was called more often than the least called lowered size (no other size padded onto it),
+   which it then replaces; else it stays padded. Sizes drawn at random (a serving loop over batch
+   1-64 with the bound at 16) would otherwise keep displacing each other, each lowered again and
+   again (228 evictions in 1,000 calls).
 
 What cannot be rebuilt symbolically (a size that is an expression of symbols, inputs whose strides
 are neither contiguous nor channels_last) takes today's path, specialized by the passes, and the
@@ -196,7 +200,10 @@ class SizeDispatcher:
         self.buckets: dict = {}  # bucket id -> BucketChoices
         self.seen: collections.Counter = collections.Counter()  # key -> calls served padded
         self.evicted: collections.Counter = collections.Counter()
+        self.calls: collections.Counter = collections.Counter()  # key -> calls, for admission when full
+        self._padded: dict = {}  # key -> its _Padded while it is served padded
         info.setdefault("specializations", {})
+        info.setdefault("admissions_declined", 0)
         info.setdefault("evictions", 0)
         info["max_specializations"] = max_specializations
         info["live"] = 0
@@ -205,6 +212,7 @@ class SizeDispatcher:
 
     def __call__(self, *args):
         key = self.shapes.key(args)
+        self.calls[key] += 1
         last_key, fn = self._last
         if key != last_key:
             fn = self._lookup(key, args)
@@ -226,14 +234,19 @@ class SizeDispatcher:
         if low is not None:
             self.cache.move_to_end(key)
             return low.fn
-        if self.padding is not None and self.seen[key] < self.specialize_after * (1 + self.evicted[key]):
+        wants_own = self.seen[key] >= self.specialize_after * (1 + self.evicted[key])
+        if self.padding is not None and wants_own and not self.admits(key):
+            self.info["admissions_declined"] += 1
+            wants_own = False
+        if self.padding is not None and not wants_own:
             donor = self._donor(key)
             if donor is None:  # the bucket's top size is lowered: it serves every size of the bucket
                 donor = self._bucket_id(key)
                 if donor == key:
                     return self._lower(key, args, role="specialized (bucket top)").fn
                 self._lower(donor, self.padding.pad_args(args, donor[self.batch_pos]), role="bucket top")
-            return _Padded(self, key, donor)
+            padded = self._padded[key] = _Padded(self, key, donor)
+            return padded
         return self._lower(key, args, role="specialized").fn
 
     def _donor(self, key: tuple) -> Optional[tuple]:
@@ -242,9 +255,17 @@ class SizeDispatcher:
         same = [k for k in self.cache if k[:p] == key[:p] and k[p + 1:] == key[p + 1:] and k[p] >= b]
         return min(same, key=lambda k: k[p]) if same else None
 
+    def _victim(self) -> tuple:
+        """The lowered size to drop for a new one: the least called that no padded size runs on
+        (ties: the least recently used)."""
+        donors = {p.donor for p in self._padded.values()}
+        others = [k for k in self.cache if k not in donors] or list(self.cache)
+        return min(others, key=lambda k: self.calls[k])  # min keeps the first (least recent) of ties
+
     def _lower(self, key: tuple, args, role: str):
         while len(self.cache) >= self.max:
-            old_key, old = self.cache.popitem(last=False)
+            old_key = self._victim()
+            old = self.cache.pop(old_key)
             release(old)
             if self.padding is not None:
                 self.padding.release(old_key[self.batch_pos])
@@ -275,8 +296,16 @@ class SizeDispatcher:
         self.info["live"] = len(self.cache)
         return low
 
+    def admits(self, key: tuple) -> bool:
+        """Whether a padded size may get its own specialization now: always while there is room;
+        when ``max_specializations`` sizes are lowered, only if it was called more often than the
+        least called of them that no other size is padded onto (that one is dropped for it). Sizes
+        drawn at random would otherwise keep displacing each other, each lowered again and again."""
+        return len(self.cache) < self.max or self.calls[key] > self.calls[self._victim()]
+
     def _specialize(self, key: tuple, args) -> Callable:
         fn = self._lower(key, args, role="specialized").fn
+        self._padded.pop(key, None)
         self._last = (key, fn)
         return fn
 
@@ -305,7 +334,9 @@ class _Padded:
         d = self.d
         d.seen[self.key] += 1
         if d.seen[self.key] > d.specialize_after * (1 + d.evicted[self.key]):
-            return d._specialize(self.key, args)(*args)
+            if d.admits(self.key):
+                return d._specialize(self.key, args)(*args)
+            d.info["admissions_declined"] += 1
         low = d.cache.get(self.donor)
         if low is None:  # the larger size was evicted meanwhile
             d._last = (None, None)

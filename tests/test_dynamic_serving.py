@@ -230,3 +230,23 @@ def test_serving_bench_image_phase_cpu():
                             {"executor": "torch"}, time.perf_counter() + 120, {})
     assert r["image"]["calls"] == 10 and r["eager_calls"] is False
     assert r["latency_vs_static"]["2x24"]["ratio"] > 0
+
+
+def test_a_full_bound_admits_only_sizes_called_more_often_no_thrash():
+    """With the bound reached, sizes drawn at random stay padded unless called more often than the
+    least called lowered size: a random loop over more sizes than the bound lowers each size about
+    once, not again and again; every call gives eager's results."""
+    torch.manual_seed(0)
+    model = BasicBlock(8, 8).eval()
+    backend = Counting(executor="torch", max_specializations=3, specialize_after=1)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    rnd = random.Random(0)
+    sizes = [2, 3] + [rnd.choice([2, 3, 5, 6, 7, 9, 10, 12]) for _ in range(60)]
+    _run(compiled, model, sizes, side=8, channels=8)
+    info = backend.dynamic()
+    lowered = sum(r["lowered"] for r in info["specializations"].values())
+    assert info["live"] <= 3
+    assert info["admissions_declined"] > 0 and info["padded_calls"] > 0
+    # 8 sizes and the bucket tops 4 and 16, each lowered about once (the least-recently-used rule
+    # without admission lowered 23 times, 20 evictions, in this loop)
+    assert lowered <= 14 and info["evictions"] <= 11, (lowered, info["evictions"])
