@@ -9,8 +9,9 @@ How (``schedule``):
 
 1. Classify each node: *library* (convolutions, matrix products, anything without a rule: it
    reads and writes real tensors), *view* (aliases its input; torch computes it for free),
-   *fusible* (pointwise, data movement, window ops: a value computed at any index) or
-   *reduction* (a rule giving a ``RowSpec``).
+   *fusible* (pointwise, data movement, window ops: a value computed at any index),
+   *reduction* (a rule giving a ``RowSpec``) or *const* (the index arithmetic that only gathers
+   lowered as index maps read, ``index_rules.py``: evaluated at planning time, no kernel).
 2. Decide what is stored ("realized"): a fusible value read as a tensor (by a library node, a
    graph output, or through views by those), every reduction result, and a fusible value
    several kernels need where recomputing it in each costs more bytes than storing it once
@@ -51,6 +52,7 @@ import torch.fx as fx
 
 from fxopt.backends.cuda.kernels.common import meta
 from .build import Builder, pointwise_kernel, reduction_kernel
+from .index_rules import TARGETS as INDEX_TARGETS, constant_nodes, decline_reason
 from .loops import arrange
 from .lowering import container_items, is_view, target_name, value_rule, view_root
 from .movement_rules import MULTI_VIEWS
@@ -115,13 +117,28 @@ def _in_place_writes(graph: fx.Graph) -> Optional[str]:
 
 
 class _Classes:
-    """Per-node class: "library", "view", "fusible", "reduction", "container", "input", "output"."""
+    """Per-node class: "library", "view", "fusible", "reduction", "container", "input", "output",
+    "const" (read only by gathers lowered as index maps: no kernel, ``_mark_constants``)."""
 
     def __init__(self, gm: fx.GraphModule, skip: set):
+        self.gm = gm
         self.cls: dict = {}
         self.why: dict = {}
+        self._before_const: dict = {}
         for n in gm.graph.nodes:
             self.cls[n] = self._classify(n, skip)
+        self._mark_constants()
+
+    def _mark_constants(self) -> None:
+        """Class "const" for the constant index nodes that only fusible gathers read (their
+        classes before kept, for when such a gather is demoted)."""
+        for n, c in self._before_const.items():
+            self.cls[n] = c
+        accepted = {n for n, c in self.cls.items() if c == "fusible" and n.target in INDEX_TARGETS}
+        consts = constant_nodes(self.gm.graph, accepted) if accepted else set()
+        self._before_const = {n: self.cls[n] for n in consts}
+        for n in consts:
+            self.cls[n] = "const"
 
     def _classify(self, n: fx.Node, skip: set) -> str:
         if n.op in ("placeholder", "get_attr"):
@@ -139,6 +156,9 @@ class _Classes:
             return "view"  # a list of views: its items are the views
         if reduction_rule(n) is not None:
             return "reduction"
+        if n.target in INDEX_TARGETS and value_rule(n) is None:
+            self.why[n] = decline_reason(n) or f"no rule for {target_name(n)}"
+            return "library"
         if value_rule(n) is not None:
             v = meta(n)
             if v is None:
@@ -153,8 +173,11 @@ class _Classes:
         return "library"
 
     def demote(self, n: fx.Node, why: str) -> None:
+        gather = self.cls.get(n) == "fusible" and n.target in INDEX_TARGETS
         self.cls[n] = "library"
         self.why[n] = why
+        if gather:  # its index tensors are read as tensors now
+            self._mark_constants()
         if n.target is operator.getitem and self.cls.get(n.args[0]) == "container":
             self.cls[n.args[0]] = "library"  # the other items need the op's real outputs
             for u in n.args[0].users:
@@ -254,6 +277,8 @@ def _loads(n: fx.Node, cls: dict, realized: set, memo: dict) -> float:
     weights = _cat_weights(n) if copies.ENABLED else None
     total = 0
     for a in dict.fromkeys(n.all_input_nodes):
+        if cls[a] == "const":
+            continue  # index arithmetic folded into the index map: no load
         if cls[a] in ("fusible", "view", "container") and a not in realized:
             cost = _loads(a, cls, realized, memo)
         else:

@@ -10,7 +10,8 @@ inner functions over indices). There are three kinds, one module each:
 - views and data movement (``movement_rules.py``): view/reshape/permute/transpose/expand/
   slice/select/squeeze/unsqueeze/split/chunk/unbind/channel shuffle/repeat are index maps,
   ``cat`` a choice among its inputs by index range, ``constant_pad_nd`` a range test;
-  window ops (max / average pooling) unroll their window;
+  window ops (max / average pooling) unroll their window; a gather at compile-time constant
+  indices (nearest upsampling, ``index_rules.py``) is an index map too, where its indices are one;
 - reductions (``reduction_rules.py``, ``reduction_rule``): sum / mean / amax / amin / var /
   var_mean / std, softmax and log-softmax, LayerNorm, GroupNorm, batch-statistics BatchNorm
   (instance norm). A rule returns a ``RowSpec``: the (virtual) input index space, which of its
@@ -31,6 +32,7 @@ import torch.fx as fx
 
 from fxopt.ops import conv_epilogue_ref
 
+from .index_rules import TARGETS as INDEX_TARGETS, accepts as index_map_accepts, index_value
 from .movement_rules import MOVEMENT, MOVEMENT_ITEMS, MULTI_VIEWS, VIEWS, split_item
 from .pointwise_rules import CONV_EPILOGUE, POINTWISE, POINTWISE_ITEMS
 from .reduction_rules import adaptive_is_global
@@ -54,6 +56,8 @@ def value_rule(node: fx.Node) -> Optional[Callable]:
         return POINTWISE_ITEMS.get((src.target, node.args[1])) or MOVEMENT_ITEMS.get((src.target, node.args[1]))
     if t is aten._adaptive_avg_pool2d.default and adaptive_is_global(node):
         return None  # a reduction
+    if t in INDEX_TARGETS:  # an index map where its indices are one (else a gather PyTorch runs)
+        return index_value if index_map_accepts(node) else None
     return POINTWISE.get(t) or VIEWS.get(t) or MOVEMENT.get(t)
 
 

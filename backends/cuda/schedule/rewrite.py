@@ -4,7 +4,8 @@ Before it, ``split_conv_epilogues``: a fused convolution whose readers are all g
 becomes the bare convolution and its epilogue (``conv_epilogue_ref``), which the scheduler then
 computes inside those kernels. After it, ``rewrite``: each region becomes one node (its outputs'
 users read that node's items), and ``reference_module``: a region's nodes as PyTorch runs them,
-the reference every generated kernel is checked and measured against.
+the reference every generated kernel is checked and measured against (with the constant index
+arithmetic a kernel folded into an index map recomputed in it).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.fx as fx
 
 from fxopt.backends.cuda.kernels.common import meta
 from .fusion import Region
+from .index_rules import is_constant
 from .lowering import container_items, is_view, value_rule
 from .reduction_rules import reduction_rule
 from .values import Decline
@@ -85,7 +87,9 @@ def reference_module(gm: fx.GraphModule, region: Region) -> fx.GraphModule:
 
     def arg(a):
         if a not in env:
-            raise Decline(f"{a.name} is neither computed by the region nor one of its inputs")
+            if not is_constant(a):
+                raise Decline(f"{a.name} is neither computed by the region nor one of its inputs")
+            env[a] = g.node_copy(a, arg)  # index arithmetic the kernel folded into an index map
         return env[a]
     for n in gm.graph.nodes:
         if n in covered and n not in env:
