@@ -32,7 +32,9 @@ max pool computes the indices and runs far below memory speed (64x16x32x32 NCHW:
 
 :class:`CpuRunner` keeps the CPU never slower than the unoptimized graph: for every new input
 signature it times the optimized graph against the graph as AOTAutograd handed it (wall-clock
-medians of alternating rounds at the process's thread count) and runs the faster one; the
+medians of rounds of bursts of calls, the first call of each burst not counted, more rounds where
+the two fastest are close: :func:`burst_medians`; at the process's thread count) and runs the
+faster one; the
 baseline must win by more than ``margin``; after ``max_timed`` signatures (a varying batch size)
 new ones run what most decisions chose. Decisions are kept in the autotuning cache (keyed by
 both graphs' code, the signature and the CPU fingerprint, which holds the thread count) and
@@ -40,7 +42,10 @@ listed by ``decisions()``.
 """
 from __future__ import annotations
 
+import math
 import operator
+import statistics
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -301,6 +306,38 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
                    baseline_check=baseline is not None, details=details)
 
 
+#: a burst of calls per way and round lasts about this long (at least BURST_MIN calls, at most BURST_MAX)
+BURST_MS, BURST_MIN, BURST_MAX = 5.0, 3, 20
+
+
+def burst_medians(fns: dict, first_ms: dict, rounds: int, close: float, max_rounds: Optional[int] = None) -> tuple:
+    """({key: median ms per call}, rounds run) of the functions ``fns``, timed in rounds in which
+    each runs a burst of consecutive calls (about ``BURST_MS``; ``first_ms``: one call's time, for the
+    burst's size). The first call of a burst is not counted: it pays for the previous way's threads
+    (a oneDNN / OpenMP pool still spinning while ONNX Runtime's or OpenVINO's starts, and the
+    reverse: measured up to 10x one call on a loaded 2-core host), which a steady stream of calls of
+    one way never sees. Where the two fastest are within ``close`` (relative) after ``rounds``
+    rounds, as many rounds again (up to ``max_rounds``, default twice ``rounds``) before the medians
+    are final: a close call on a loaded host gets more samples."""
+    from fxopt.autotune import wall_times
+
+    sizes = {k: 1 + max(BURST_MIN - 1, min(BURST_MAX - 1, math.ceil(BURST_MS / max(first_ms.get(k, 1.0), 1e-3))))
+             for k in fns}
+    times: dict = {k: [] for k in fns}
+    max_rounds = max_rounds or 2 * rounds
+    done, target = 0, rounds
+    while True:
+        for _ in range(target - done):
+            for k, fn in fns.items():
+                times[k] += wall_times(fn, sizes[k])[1:]
+        done = target
+        medians = {k: statistics.median(ts) for k, ts in times.items()}
+        ranked = sorted(medians.values())
+        if len(ranked) < 2 or ranked[1] > ranked[0] * (1.0 + close) or done >= max_rounds:
+            return medians, done
+        target = min(max_rounds, done + rounds)
+
+
 class CpuRunner:
     """Runs the optimized graph, or whichever alternative (the unoptimized graph, the graph in an
     ONNX Runtime session) measures faster for a signature."""
@@ -310,7 +347,7 @@ class CpuRunner:
             "openvino": "openvino_ms"}
 
     def __init__(self, fn: Callable, baseline: Optional[Callable], static_indices: Sequence[int],
-                 decisions_cache: Optional[tuple] = None, margin: float = 0.03, rounds: int = 5,
+                 decisions_cache: Optional[tuple] = None, margin: float = 0.03, rounds: int = 3, close: float = 0.1,
                  max_timed: int = 8, onnxruntime: Optional[Callable] = None, openvino: Optional[Callable] = None,
                  check_dtype: torch.dtype = torch.float32):
         """fn / baseline: the optimized and unoptimized graphs (same arguments); onnxruntime: the
@@ -321,10 +358,11 @@ class CpuRunner:
         faster than the optimized graph by more than ``margin``; openvino: the graph compiled by
         OpenVINO (same arguments), or None. ONNX Runtime and OpenVINO must first give the reference's
         outputs (the baseline graph's, else the optimized graph's) within the tolerance of
-        ``check_dtype`` (the lowest precision the graph computes in), or they are left out."""
+        ``check_dtype`` (the lowest precision the graph computes in), or they are left out.
+        rounds / close: see :func:`burst_medians`."""
         self.fn, self.baseline, self.onnxruntime, self.openvino = fn, baseline, onnxruntime, openvino
         self.check_dtype = check_dtype
-        self.margin, self.rounds, self.max_timed = margin, rounds, max_timed
+        self.margin, self.rounds, self.max_timed, self.close = margin, rounds, max_timed, close
         self.static = set(static_indices)
         self._dynamic: Optional[list] = None  # the indices of the other arguments, from the first call
         self.decisions_cache = decisions_cache
@@ -377,13 +415,11 @@ class CpuRunner:
         return self._chosen[sig](*args)
 
     def _measure(self, args) -> dict:
-        """Every way's wall-clock median (alternating rounds, after two warm-up calls each: folded
+        """Every way's wall-clock median (:func:`burst_medians`, after two warm-up calls each: folded
         constants, packed weights, primitives, ONNX Runtime's session, OpenVINO's compiled model);
         the fastest runs. A way that fails (export, conversion, session creation) or whose outputs
         differ from the reference's beyond the tolerance is left out, with the reason."""
-        from fxopt.autotune import alternating_medians
-
-        fns, failed, reference = {}, {}, None
+        fns, failed, reference, first_ms = {}, {}, None, {}
         ways = self.ways
         order = [n for n in ("baseline graph", "optimized graph") if n in ways] + \
             [n for n in ways if n not in ("baseline graph", "optimized graph")]
@@ -396,19 +432,22 @@ class CpuRunner:
                     wrong = outputs_differ(out, reference, self.check_dtype)
                     if wrong:
                         raise ValueError(f"outputs differ from the reference: {wrong}")
+                t0 = time.perf_counter()
                 way(*args)
+                first_ms[self.KEYS[name]] = (time.perf_counter() - t0) * 1e3
                 fns[self.KEYS[name]] = (lambda w=way: w(*args))
             except Exception as e:  # noqa: BLE001 - only the optimized graph must run
                 if name == "optimized graph":
                     raise
                 failed[name] = f"{type(e).__name__}: {str(e)[:200]}"
-        timings = alternating_medians(fns, self.rounds, 1, "cpu")
+        timings, rounds = burst_medians(fns, first_ms, self.rounds, self.close)
         alternatives = {n: timings[self.KEYS[n]] for n in self.ways
                         if n != "optimized graph" and self.KEYS[n] in timings}
         best = min(alternatives, key=alternatives.get, default=None)
         if best is None or alternatives[best] >= timings["optimized_ms"] * (1.0 - self.margin):
             best = "optimized graph"
-        return {"runs": best, **timings, "threads": torch.get_num_threads(), **({"failed": failed} if failed else {})}
+        return {"runs": best, **timings, "rounds": rounds, "threads": torch.get_num_threads(),
+                **({"failed": failed} if failed else {})}
 
     def decisions(self) -> list[dict]:
         """Per input signature seen: the measured times and which graph runs."""

@@ -25,6 +25,7 @@ CUDA EP, onnxruntime missing, bfloat16 values (one warning each).
 """
 from __future__ import annotations
 
+import threading
 import warnings
 from collections import OrderedDict
 from typing import Optional
@@ -36,6 +37,8 @@ from fxopt.backends import torch_ref
 from fxopt.lowered import Lowered
 
 MAX_SESSIONS = 8
+#: CPU outputs up to this many bytes in all are written into buffers bound once and copied out
+CPU_OUT_BUFFER_BYTES = 1 << 18
 _WARNED: set = set()
 
 
@@ -195,6 +198,7 @@ class _Session:
         proto = graph_to_onnx(g, args, params, dynamic_batch=False)
         out = next(n for n in g.graph.nodes if n.op == "output").args[0]
         self.out_vals = [o.meta["val"] for o in (out if isinstance(out, (list, tuple)) else [out])]
+        self.restride = any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in self.out_vals)
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         self.device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"),
@@ -238,6 +242,7 @@ class _Session:
         self.in_names = [i.name for i in self.sess.get_inputs()]
         self.out_names = [o.name for o in self.sess.get_outputs()]
         self.binding = None
+        self._cpu_binding, self._cpu_lock = None, threading.Lock()
 
     def _bind(self, inputs, outputs):
         b = self.sess.io_binding()
@@ -250,7 +255,13 @@ class _Session:
 
     def run(self, inputs: list) -> list:
         if not self.cuda:
-            feeds = {n: t.detach().contiguous().numpy() for n, t in zip(self.in_names, inputs)}
+            inputs = [t.detach().contiguous() for t in inputs]
+            if self._cpu_lock.acquire(blocking=False):  # another thread inside: the numpy way
+                try:
+                    return self._run_cpu_bound(inputs)
+                finally:
+                    self._cpu_lock.release()
+            feeds = {n: t.numpy() for n, t in zip(self.in_names, inputs)}
             return [torch.from_numpy(o) for o in self.sess.run(self.out_names, feeds)]
         current = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):  # the stream ORT was given
@@ -261,6 +272,35 @@ class _Session:
             current.wait_stream(self.stream)
             for t in outs:
                 t.record_stream(current)
+        return outs
+
+    def _run_cpu_bound(self, inputs: list) -> list:
+        """The CPU EP through one IO binding kept across calls: an input is bound again only when its
+        address, shape or dtype moved; small outputs (``CPU_OUT_BUFFER_BYTES`` in all) are written
+        into buffers bound once and copied out (a copy of a few KB costs less than binding), larger
+        ones straight into new tensors bound per call. No numpy arrays, no ORT-allocated outputs."""
+        b = self._cpu_binding
+        if b is None:
+            b = self._cpu_binding = self.sess.io_binding()
+            self._bound = [None] * len(self.in_names)
+            nbytes = sum(v.numel() * v.element_size() for v in self.out_vals)
+            self._out_bufs = None
+            if nbytes <= CPU_OUT_BUFFER_BYTES:
+                self._out_bufs = [torch.empty(v.shape, dtype=v.dtype) for v in self.out_vals]
+                for name, t in zip(self.out_names, self._out_bufs):
+                    b.bind_output(name, "cpu", 0, _NP[t.dtype], tuple(t.shape), t.data_ptr())
+        for k, (name, t) in enumerate(zip(self.in_names, inputs)):
+            key = (t.data_ptr(), t.shape, t.dtype)
+            if self._bound[k] != key:
+                b.bind_input(name, "cpu", 0, _NP[t.dtype], tuple(t.shape), t.data_ptr())
+                self._bound[k] = key
+        if self._out_bufs is not None:
+            self.sess.run_with_iobinding(b)
+            return [o.clone() for o in self._out_bufs]
+        outs = [torch.empty(v.shape, dtype=v.dtype) for v in self.out_vals]
+        for name, t in zip(self.out_names, outs):
+            b.bind_output(name, "cpu", 0, _NP[t.dtype], tuple(t.shape), t.data_ptr())
+        self.sess.run_with_iobinding(b)
         return outs
 
     def _run_on_stream(self, inputs: list) -> list:
@@ -302,16 +342,13 @@ class OrtRunner:
         out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         self.out_type = type(out) if isinstance(out, (list, tuple)) else None
         self.sessions: OrderedDict = OrderedDict()
-        self._param_key = None
+        self._param_key, self._watch = None, None
         self._torch = None  # the torch executor, for signatures ONNX export refuses
         self.builds = 0  # sessions created (for tests and reports)
 
     def entry(self, args) -> _Session:
-        key = tuple((id(args[i]), args[i]._version, args[i].data_ptr()) if isinstance(args[i], torch.Tensor)
-                    else args[i] for i in self.params)
-        if key != self._param_key:  # a weight changed: every session holds stale initializers
+        if self._params_changed(args):  # a weight changed: every session holds stale initializers
             self.sessions.clear()
-            self._param_key = key
         sig = tuple((tuple(args[i].shape), args[i].dtype, args[i].device) if isinstance(args[i], torch.Tensor)
                     else args[i] for i in self.user)
         entry = self.sessions.get(sig)
@@ -324,6 +361,21 @@ class OrtRunner:
         else:
             self.sessions.move_to_end(sig)
         return entry
+
+    def _params_changed(self, args) -> bool:
+        """Whether a parameter input was replaced or changed in place since the previous call (one
+        ``WeightWatch`` check: a few C-level calls, not Python work per parameter)."""
+        if self._watch is None:
+            from fxopt.weights import WeightWatch
+
+            tensors = all(isinstance(args[i], torch.Tensor) for i in self.params)
+            self._watch = WeightWatch(sorted(self.params)) if tensors else False
+        if self._watch is False:  # a non-tensor parameter input: compare everything
+            key = tuple((id(args[i]), args[i]._version, args[i].data_ptr()) if isinstance(args[i], torch.Tensor)
+                        else args[i] for i in self.params)
+            changed, self._param_key = key != self._param_key, key
+            return changed
+        return self._watch.check(args)[1]
 
     def __call__(self, *args):
         from fxopt.onnx_common import OnnxExportError
@@ -338,5 +390,6 @@ class OrtRunner:
                 self._torch = torch_ref.lower(self.gm)
             return self._torch(*args)
         outs = entry.run([args[i] for i in self.user if isinstance(args[i], torch.Tensor)])
-        outs = [_restride(t, v) for t, v in zip(outs, entry.out_vals)]
+        if entry.restride:
+            outs = [_restride(t, v) for t, v in zip(outs, entry.out_vals)]
         return self.out_type(outs) if self.out_type is not None else outs[0]

@@ -19,6 +19,7 @@ the outputs against the reference before it may choose this way.
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Optional
 
@@ -26,6 +27,8 @@ import torch
 import torch.fx as fx
 
 MAX_MODELS = 8
+#: outputs up to this many bytes in all are written into buffers shared once and copied out
+OUT_BUFFER_BYTES = 1 << 18
 #: torch dtypes OpenVINO tensors can share (bfloat16 by its bits)
 _SHAREABLE = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool, torch.uint8,
               torch.int8)
@@ -114,8 +117,9 @@ class OvRunner:
         self.out_type = type(out) if isinstance(out, (list, tuple)) else None
         self.out_vals = [o.meta.get("val") if isinstance(o, fx.Node) else None
                          for o in (out if isinstance(out, (list, tuple)) else [out])]
+        self.restride = any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in self.out_vals)
         self.models: OrderedDict = OrderedDict()
-        self._param_key = None
+        self._param_key, self._watch = None, None
         self.builds = 0
 
     def _compile(self, args):
@@ -136,17 +140,29 @@ class OvRunner:
         shapes = [tuple(int(d) for d in o.get_shape()) for o in compiled.outputs]
         return compiled.create_infer_request(), shapes
 
-    def request(self, args):
-        key = tuple((id(args[i]), args[i]._version, args[i].data_ptr()) if isinstance(args[i], torch.Tensor)
-                    else args[i] for i in self.params)
-        if key != self._param_key:  # a weight changed: every compiled model holds stale constants
+    def _params_changed(self, args) -> bool:
+        """Whether a parameter input was replaced or changed in place since the previous call (one
+        ``WeightWatch`` check: a few C-level calls, not Python work per parameter)."""
+        if self._watch is None:
+            from fxopt.weights import WeightWatch
+
+            tensors = all(isinstance(args[i], torch.Tensor) for i in self.params)
+            self._watch = WeightWatch(self.params) if tensors else False
+        if self._watch is False:  # a non-tensor parameter input: compare everything
+            key = tuple((id(args[i]), args[i]._version, args[i].data_ptr()) if isinstance(args[i], torch.Tensor)
+                        else args[i] for i in self.params)
+            changed, self._param_key = key != self._param_key, key
+            return changed
+        return self._watch.check(args)[1]
+
+    def request(self, args) -> "_Request":
+        if self._params_changed(args):  # a weight changed: every compiled model holds stale constants
             self.models.clear()
-            self._param_key = key
         sig = tuple((tuple(args[i].shape), args[i].dtype) if isinstance(args[i], torch.Tensor) else args[i]
                     for i in self.user)
         req = self.models.get(sig)
         if req is None:
-            req = self.models[sig] = self._compile(args)
+            req = self.models[sig] = _Request(*self._compile(args), self.out_vals)
             while len(self.models) > self.max_models:
                 self.models.popitem(last=False)
         else:
@@ -154,18 +170,51 @@ class OvRunner:
         return req
 
     def __call__(self, *args):
-        req, shapes = self.request(args)
-        inputs = [args[i].detach().contiguous() for i in self.user if isinstance(args[i], torch.Tensor)]
-        for k, t in enumerate(inputs):
-            req.set_input_tensor(k, shared_tensor(t))
-        outs = []
-        for k, (v, shape) in enumerate(zip(self.out_vals, shapes)):
-            out = torch.empty(shape, dtype=v.dtype)
-            req.set_output_tensor(k, shared_tensor(out))
-            outs.append(out)
-        req.infer()
-        outs = [_restride(t, v) for t, v in zip(outs, self.out_vals)]
+        req = self.request(args)
+        outs = req.run([args[i].detach().contiguous() for i in self.user if isinstance(args[i], torch.Tensor)])
+        if self.restride:
+            outs = [_restride(t, v) for t, v in zip(outs, self.out_vals)]
         return self.out_type(outs) if self.out_type is not None else outs[0]
+
+
+class _Request:
+    """One compiled model's infer request, reused across calls. An input tensor is shared with
+    OpenVINO again only when its address, shape or dtype moved (the ``openvino.Tensor`` keeps the
+    torch tensor alive, so an unchanged address is the same memory). Small outputs
+    (``OUT_BUFFER_BYTES`` in all) are written into torch buffers shared once and copied out (a few
+    KB copy for less than sharing a new tensor), larger ones straight into new tensors shared per
+    call. A lock keeps concurrent callers off the shared request and buffers."""
+
+    def __init__(self, infer_request, shapes, out_vals):
+        self.req, self.shapes = infer_request, shapes
+        self.dtypes = [v.dtype for v in out_vals]
+        self.bound: list = []
+        self.lock = threading.Lock()
+        nbytes = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
+                     for s, d in zip(shapes, self.dtypes))
+        self.out_bufs = None
+        if nbytes <= OUT_BUFFER_BYTES:
+            self.out_bufs = [torch.empty(s, dtype=d) for s, d in zip(shapes, self.dtypes)]
+            for k, t in enumerate(self.out_bufs):
+                self.req.set_output_tensor(k, shared_tensor(t))
+
+    def run(self, inputs: list) -> list:
+        with self.lock:
+            if len(self.bound) != len(inputs):
+                self.bound = [None] * len(inputs)
+            for k, t in enumerate(inputs):
+                key = (t.data_ptr(), t.shape, t.dtype)
+                if self.bound[k] != key:
+                    self.req.set_input_tensor(k, shared_tensor(t))
+                    self.bound[k] = key
+            if self.out_bufs is not None:
+                self.req.infer()
+                return [o.clone() for o in self.out_bufs]
+            outs = [torch.empty(s, dtype=d) for s, d in zip(self.shapes, self.dtypes)]
+            for k, t in enumerate(outs):
+                self.req.set_output_tensor(k, shared_tensor(t))
+            self.req.infer()
+            return outs
 
 
 def _restride(t: torch.Tensor, v) -> torch.Tensor:

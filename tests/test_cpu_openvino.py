@@ -227,3 +227,32 @@ def test_openvino_rebuilds_after_an_in_place_weight_change(slow_torch_graphs):
         m.conv1.weight.mul_(0.5)
         torch.testing.assert_close(compiled(x), m(x), rtol=1e-4, atol=1e-5)
     assert _decision(graphs[0])["runs"] == "openvino"
+
+
+@needs_ov
+@pytest.mark.parametrize("out_buffer_bytes", [ovb.OUT_BUFFER_BYTES, 0])
+def test_openvino_request_is_reused_and_outputs_are_fresh(slow_torch_graphs, monkeypatch, out_buffer_bytes):
+    """One infer request per signature, inputs shared again only where they moved; every call's
+    outputs are its own (small ones copied out of buffers shared once, large ones written into new
+    tensors): an earlier output never changes, an input changed in place is read afresh."""
+    monkeypatch.setattr(ovb, "OUT_BUFFER_BYTES", out_buffer_bytes)
+    torch.manual_seed(0)
+    m, x = SeedCNN().eval(), torch.randn(2, 3, 32, 32)
+    graphs: list = []
+    compiled = fxopt.testing.compile_with_fxopt(m, {"autotune_cache": False, "cpu_onnxruntime": False,
+                                                    "cpu_openvino": True}, graphs)
+    with torch.no_grad():
+        a = compiled(x)
+        kept = a.clone()
+        x2 = torch.randn(2, 3, 32, 32)
+        b = compiled(x2)
+        torch.testing.assert_close(a, kept, rtol=0, atol=0)
+        torch.testing.assert_close(b, m(x2), rtol=1e-4, atol=1e-5)
+        x2.mul_(-2.0)  # same memory, new values
+        torch.testing.assert_close(compiled(x2), m(x2), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b, m(x2 / -2.0), rtol=1e-4, atol=1e-5)
+    assert _decision(graphs[0])["runs"] == "openvino"
+    runner = graphs[0].executor_details["cpu_runner"].openvino
+    assert runner.builds == 1 and len(runner.models) == 1
+    (req,) = runner.models.values()
+    assert (req.out_bufs is None) == (out_buffer_bytes == 0)
