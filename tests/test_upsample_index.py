@@ -138,6 +138,25 @@ def test_an_index_read_from_an_input_is_a_real_gather_and_declines():
     _compiled_matches_eager(m, (x, rows), CONTIGUOUS, torch.float32)
 
 
+class ConstantIndex(nn.Module):
+    """Rows repeated by a literal list index and columns by ``arange // 2``: constant indices."""
+
+    def forward(self, x):
+        y = x[:, :, [0, 0, 1, 1, 2, 2]]
+        return torch.sigmoid(y[:, :, :, torch.arange(2 * x.shape[-1], device=x.device) // 2] * 2.0)
+
+
+def test_constant_list_and_arange_indices_are_index_maps():
+    m, x = _case(ConstantIndex(), (2, 3, 3, 5))
+    gm, sched = _schedule(m, (x,), CONTIGUOUS)
+    assert len(sched.regions) == 1 and not sched.unfused, (_ops(sched), sched.unfused)
+    assert sum(n.target is aten.index.Tensor for n in sched.regions[0].covered) == 2
+    left = [str(n.target) for n in _fused_graph(gm, sched)]
+    assert not any("arange" in t or "index" in t or "lift_fresh" in t for t in left), left
+    check_fusion(CNNCase(m, (x,), torch.float32), CONTIGUOUS)
+    _compiled_matches_eager(m, (x,), CONTIGUOUS, torch.float32)
+
+
 @pytest.mark.parametrize("cl", [False, True])
 def test_bilinear_upsampling_is_left_as_it_was(cl):
     m, x = _case(UpBlock("bilinear"), (2, 4, 5, 7), cl=cl)

@@ -3,9 +3,9 @@
 AOTAutograd decomposes nearest upsampling into index arithmetic (``arange``, ``add``, ``mul``, a
 cast to int64, ``unsqueeze``) and ``aten._unsafe_index``. Where every index tensor of an
 ``_unsafe_index`` / ``index`` depends only on constant-producing ops (``CONSTANT_OPS``: no graph
-input, no attribute), its values are computed once at planning time, on the CPU (the nodes run
-with device cpu), and each is matched over its whole range against an exact integer map of one
-output coordinate ``i`` into an input dim of extent ``n`` (``fit``): at a rational scale ``p/q``
+input, no attribute but a literal of the traced code, ``_tensor_constant``), its values are
+computed once at planning time, on the CPU (the nodes run with device cpu), and each is matched
+over its whole range against an exact integer map of one output coordinate ``i`` into an input dim of extent ``n`` (``fit``): at a rational scale ``p/q``
 (the ratio of the two sizes, or a scalar of the index arithmetic as a fraction of small integers),
 nearest ``floor(i*p/q)`` or nearest-exact ``floor((2i+1)*p/(2q))`` (the identity is nearest at
 scale 1), clamped to ``n - 1`` or not, or a constant. A match makes the gather a view in the IR:
@@ -33,7 +33,8 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from fxopt.backends.cuda.ir import InRange, Ix, Where
 from fxopt.backends.cuda.kernels.common import meta
@@ -99,7 +100,7 @@ def why_not_constant(node: fx.Node, memo: Optional[dict] = None) -> Optional[str
         if n.op == "placeholder":
             memo[n] = f"reads graph input {n.name}"
         elif n.op == "get_attr":
-            memo[n] = f"reads attribute {n.target}"
+            memo[n] = None if _literal(n) is not None else f"reads attribute {n.target}"
         elif n.op != "call_function" or n.target not in CONSTANT_OPS:
             memo[n] = f"computed by {getattr(n.target, '__name__', n.target)}"
         else:
@@ -111,6 +112,18 @@ def why_not_constant(node: fx.Node, memo: Optional[dict] = None) -> Optional[str
         if bad is not None:
             memo[n] = bad
     return memo[node]
+
+
+def _literal(node: fx.Node) -> Optional[torch.Tensor]:
+    """The value of a ``_tensor_constant`` attribute (a literal of the traced code, e.g. a list
+    index, which nothing can change), or None for any other attribute (parameters, buffers)."""
+    gm = node.graph.owning_module
+    if gm is None or not str(node.target).startswith("_tensor_constant") or "." in str(node.target):
+        return None
+    v = getattr(gm, str(node.target), None)
+    if not isinstance(v, torch.Tensor) or isinstance(v, (nn.Parameter, FakeTensor)) or v.is_meta:
+        return None
+    return v
 
 
 def is_constant(node: fx.Node) -> bool:
@@ -142,6 +155,9 @@ def evaluate(node: fx.Node) -> torch.Tensor:
             raise Decline(f"index {node.name} is too large or symbolic to evaluate at planning time")
     env: dict = {}
     for n in nodes:
+        if n.op == "get_attr":
+            env[n] = _literal(n).detach().to("cpu")
+            continue
         args = fx.node.map_arg(n.args, env.__getitem__)
         kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
         if "device" in kwargs:
