@@ -246,16 +246,17 @@ def test_channels_first_candidate_only_for_large_kernel_depthwise_convs_in_chann
 
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_channels_first_candidate_computes_the_conv_and_hands_it_back_channels_last(residual, dtype):
+@pytest.mark.parametrize("groups", [8, 2])  # depthwise (8 of 1 channel), few wide groups (2 of 4)
+def test_channels_first_candidate_computes_the_conv_and_hands_it_back_channels_last(residual, dtype, groups):
     from fxopt.backends.cuda.kernels.conv_library import conv_in_nchw
     from fxopt.ops import fused_conv_ref
 
     cl = torch.channels_last
     x = torch.randn(2, 8, 20, 20).to(dtype).contiguous(memory_format=cl)
-    w = torch.randn(8, 1, 9, 9).to(dtype).contiguous(memory_format=cl)
+    w = torch.randn(8, 8 // groups, 9, 9).to(dtype).contiguous(memory_format=cl)
     b = torch.randn(8).to(dtype)
     res = torch.randn(2, 8, 10, 10).to(dtype).contiguous(memory_format=cl) if residual else None
-    args = (x, w, b, res, [2, 2], [4, 4], [1, 1], 8, "silu", [])
+    args = (x, w, b, res, [2, 2], [4, 4], [1, 1], groups, "silu", [])
     got, want = conv_in_nchw(*args), fused_conv_ref(*args)
     assert got.is_contiguous(memory_format=cl) and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 2e-2,
@@ -270,6 +271,46 @@ def test_large_kernel_depthwise_conv_measures_its_channels_first_candidate(batch
     graphs = []
     c = fxopt.testing.compile_with_fxopt(m, {"autotune_cache": str(tmp_path / "c.json")}, graphs)
     x = torch.randn(batch, 3, 64, 64, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        assert relative_error(c(x), m(x)) <= 1e-2
+    choices = graphs[0].executor_details["node_choices"]
+    assert any("nchw" in e["ms"] for e in choices.values()), choices
+
+
+class _FewGroups(nn.Module):
+    def __init__(self, groups, width):
+        super().__init__()
+        c = groups * width
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.grouped = nn.Conv2d(c, c, 3, padding=1, groups=groups)
+        self.bn = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.grouped(torch.relu(self.stem(x)))))
+
+
+@pytest.mark.parametrize("groups,width,want", [(2, 32, True), (4, 16, True), (8, 16, True), (4, 8, False),
+                                               (16, 16, False), (1, 32, False)])
+def test_channels_first_candidate_for_few_wide_groups_in_channels_last(groups, width, want):
+    """A conv of 2-8 groups of 16+ channels each gets the channels-first candidate (cuDNN's channels_last
+    kernels slice each group out per call); narrower or more groups, and dense convs, do not."""
+    from fxopt.backends.cuda.kernels.conv_library import plan_conv_in_nchw
+    from fxopt.ops import fused_conv_ref
+
+    gm = lowered(_FewGroups(groups, width).eval(), torch.randn(2, 3, 8, 8), {"layout": "channels_last"})
+    convs = [n for n in gm.graph.nodes if n.target is fused_conv_ref]
+    chosen = [n.args[7] for n in convs if plan_conv_in_nchw(n)]
+    assert chosen == ([groups] if want else []), (groups, width, chosen)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_few_wide_groups_conv_measures_its_channels_first_candidate(tmp_path):
+    m = _randomize_bn(_FewGroups(2, 64)).eval().cuda().half()
+    graphs = []
+    c = fxopt.testing.compile_with_fxopt(m, {"autotune_cache": str(tmp_path / "c.json"), "layout": "channels_last"},
+                                         graphs)
+    x = torch.randn(16, 3, 28, 28, device="cuda", dtype=torch.float16)
     with torch.no_grad():
         assert relative_error(c(x), m(x)) <= 1e-2
     choices = graphs[0].executor_details["node_choices"]

@@ -30,10 +30,24 @@ def cudnn_conv_relu(x, weight, bias, residual, stride, padding, dilation, groups
                                                      groups)
 
 
+#: few, wide groups: cuDNN's channels_last kernels for a conv of 2-8 groups slice each group's
+#: channels out on every call (``nhwcSliceCKernel``), its channels-first kernels do not; the
+#: channels-first candidate is measured against them (its conversions included)
+FEW_GROUPS = range(2, 9)
+#: input channels per group from which a group counts as wide
+WIDE_GROUP = 16
+
+
+def few_wide_groups(w: torch.Tensor, groups: int) -> bool:
+    """A 2-D conv of 2-8 groups with at least ``WIDE_GROUP`` input channels each."""
+    return groups in FEW_GROUPS and w.dim() == 4 and int(w.shape[1]) >= WIDE_GROUP
+
+
 def plan_conv_in_nchw(node: fx.Node) -> bool:
     """Whether ``conv_in_nchw`` is a candidate for this node: a conv run by the library (``direct``)
     whose input and output are channels_last and that ``channels_first_candidate`` names (a
-    depthwise conv with a large kernel; the layout pass chose channels_last for the whole graph)."""
+    depthwise conv with a large kernel; the layout pass chose channels_last for the whole graph)
+    or that has few, wide groups (``few_wide_groups``)."""
     if node.op != "call_function" or node.target is not fused_conv_ref:
         return False
     x, w, out = node_val(node.args[0]), node_val(node.args[1]), node.meta.get("val")
@@ -41,7 +55,7 @@ def plan_conv_in_nchw(node: fx.Node) -> bool:
         return False  # only 2-D convolutions in fp32/fp16/bf16
     if node.args[10] != "direct" or not isinstance(node.args[7], int) or layout_name(out) != "nhwc":
         return False  # another algorithm, or a channels-first result: nothing to choose
-    return channels_first_candidate(conv_sig_of(x, w, *node.args[4:8]))
+    return few_wide_groups(w, node.args[7]) or channels_first_candidate(conv_sig_of(x, w, *node.args[4:8]))
 
 
 def conv_in_nchw(x, weight, bias, residual, stride, padding, dilation, groups, activation, act_params,
