@@ -291,3 +291,27 @@ def test_property_nearest_upsampling_matches_eager(h, w, scale, mode, cl, half):
     for s in check_fusion(CNNCase(m, (x,), dtype), layout):
         assert GATHER in _ops(s) and not s.unfused, s.unfused
     _compiled_matches_eager(m, (x,), layout, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode,scale", [("nearest", 2), ("nearest", 1.5), ("nearest-exact", 3), ("nearest", (2, 3))])
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+def test_upsampling_fused_on_the_gpu_gives_eagers_results(mode, scale, fmt):
+    """The generated kernel with the upsampling's index map runs on the GPU: eager's values, shapes
+    and strides, and no gather left on the reference executor."""
+    from fxopt.testing import compile_with_fxopt
+
+    torch.manual_seed(0)
+    m = UpBlock(mode, scale, c=16, both=True).cuda().half().eval().to(memory_format=fmt)
+    x = torch.randn(3, 16, 7, 5, device="cuda", dtype=torch.float16).contiguous(memory_format=fmt)
+    graphs = []
+    c = compile_with_fxopt(m, {"executor": "cuda", "autotune_cache": False}, graphs)
+    with torch.no_grad():
+        got, want = c(x), m(x)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+        assert g.shape == w.shape and g.stride() == w.stride()
+    unfused = graphs[0].lowered.unfused
+    assert not any("_unsafe_index" in k for k in unfused), unfused
+    torch.compiler.reset()
