@@ -308,6 +308,8 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
 
 #: a burst of calls per way and round lasts about this long (at least BURST_MIN calls, at most BURST_MAX)
 BURST_MS, BURST_MIN, BURST_MAX = 5.0, 3, 20
+#: a way this many times slower than the fastest after a round is timed no more
+OUT_OF_RACE = 3.0
 
 
 def burst_medians(fns: dict, first_ms: dict, rounds: int, close: float, max_rounds: Optional[int] = None) -> tuple:
@@ -316,26 +318,31 @@ def burst_medians(fns: dict, first_ms: dict, rounds: int, close: float, max_roun
     burst's size). The first call of a burst is not counted: it pays for the previous way's threads
     (a oneDNN / OpenMP pool still spinning while ONNX Runtime's or OpenVINO's starts, and the
     reverse: measured up to 10x one call on a loaded 2-core host), which a steady stream of calls of
-    one way never sees. Where the two fastest are within ``close`` (relative) after ``rounds``
-    rounds, as many rounds again (up to ``max_rounds``, default twice ``rounds``) before the medians
-    are final: a close call on a loaded host gets more samples."""
+    one way never sees. A way ``OUT_OF_RACE`` times slower than the fastest after a round is timed
+    no more (its median so far stands): it cannot win, and on a loaded host the oneDNN graphs'
+    calls can take 100x their time. Where the two fastest are within ``close`` (relative) after
+    ``rounds`` rounds, as many rounds again (up to ``max_rounds``, default twice ``rounds``): a close
+    call on a loaded host gets more samples."""
     from fxopt.autotune import wall_times
 
     sizes = {k: 1 + max(BURST_MIN - 1, min(BURST_MAX - 1, math.ceil(BURST_MS / max(first_ms.get(k, 1.0), 1e-3))))
              for k in fns}
     times: dict = {k: [] for k in fns}
+    active = set(fns)
     max_rounds = max_rounds or 2 * rounds
     done, target = 0, rounds
-    while True:
-        for _ in range(target - done):
-            for k, fn in fns.items():
+    while done < target:
+        for k, fn in fns.items():
+            if k in active:
                 times[k] += wall_times(fn, sizes[k])[1:]
-        done = target
+        done += 1
         medians = {k: statistics.median(ts) for k, ts in times.items()}
+        best = min(medians.values())
+        active = {k for k in active if medians[k] <= best * OUT_OF_RACE}
         ranked = sorted(medians.values())
-        if len(ranked) < 2 or ranked[1] > ranked[0] * (1.0 + close) or done >= max_rounds:
-            return medians, done
-        target = min(max_rounds, done + rounds)
+        if done == target and len(ranked) > 1 and ranked[1] <= ranked[0] * (1.0 + close):
+            target = min(max_rounds, target + rounds)
+    return medians, done
 
 
 class CpuRunner:

@@ -312,6 +312,10 @@ def test_burst_medians_leave_out_the_call_after_a_switch_and_extend_close_calls(
     even = {"a_ms": way("c", 2, 2), "b_ms": way("d", 2, 2)}
     _, rounds = cpu.burst_medians(even, {"a_ms": 2, "b_ms": 2}, rounds=2, close=0.5)
     assert rounds == 4
+    calls = []
+    far = {"a_ms": way("e", 1, 1), "b_ms": lambda: calls.append(1) or time.sleep(0.02)}
+    medians, _ = cpu.burst_medians(far, {"a_ms": 1, "b_ms": 20}, rounds=3, close=0.1)
+    assert len(calls) == cpu.BURST_MIN and medians["b_ms"] > 10 * medians["a_ms"]  # out of the race after one round
 
 
 @pytest.mark.parametrize("out_buffer_bytes", [None, 0])
