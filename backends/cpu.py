@@ -399,7 +399,9 @@ class CpuRunner:
     def _cache_key(self, sig) -> Optional[str]:
         if self.decisions_cache is None:
             return None
-        return f"cpu_runner|{self.decisions_cache[2]}|{sorted(self.ways)}|{sig}"
+        # "bursts": decisions timed by burst_medians (those of single alternating calls, which a
+        # loaded host could get wrong, are not reused)
+        return f"cpu_runner|bursts|{self.decisions_cache[2]}|{sorted(self.ways)}|{sig}"
 
     def _decide(self, sig, args):
         if len(self.ways) == 1:
