@@ -15,7 +15,9 @@ shapes) with the current parameter values and folded constants as initializers, 
   NHWC kernels ignores the option. ``Lowered.details["onnxruntime_nhwc"]`` records it.
   ORT runs on torch's current stream of session creation (``user_compute_stream``); a call made
   on another stream is ordered with it by stream waits, never by a host synchronization.
-- CPU inputs: the CPU EP (``intra_op_num_threads`` = ``torch.get_num_threads()``).
+- CPU inputs: the CPU EP (``intra_op_num_threads`` = ``torch.get_num_threads()``), through one IO
+  binding per session kept across calls (``_Session._run_cpu_bound``: torch tensors' memory bound
+  as it is, no numpy arrays; a concurrent second caller takes ``InferenceSession.run``).
 - Parameters are initializers, not inputs: when one changes in place (its ``_version`` moves:
   optimizer step, ``load_state_dict``, ``copy_``) or is replaced, every session is rebuilt.
 
