@@ -353,3 +353,19 @@ def test_onnxruntime_io_binding_gives_fresh_outputs_and_reads_inputs_at_the_call
     assert runner.decisions()[0]["runs"] == "onnxruntime", runner.decisions()
     (session,) = runner.onnxruntime.sessions.values()
     assert session._cpu_binding is not None and (session._out_bufs is None) == (out_buffer_bytes == 0)
+
+
+def test_runner_gives_a_tie_to_onnxruntime_with_several_threads():
+    """Within ``margin`` of the torch graphs, ONNX Runtime runs where there are several threads (its
+    pool degrades gracefully when another process takes a core; OpenMP regions wait), the
+    optimized graph with one thread."""
+    threads = torch.get_num_threads()
+    try:
+        for n, expected in ((2, "onnxruntime"), (1, "optimized graph")):
+            torch.set_num_threads(n)
+            runner = cpu.CpuRunner(_slow(4, "same"), None, static_indices=[], margin=0.5, rounds=2,
+                                   onnxruntime=_slow(4, "same"))
+            assert runner(torch.ones(1)) == "same"
+            assert runner.decisions()[0]["runs"] == expected, runner.decisions()
+    finally:
+        torch.set_num_threads(threads)
