@@ -283,11 +283,13 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
     details: dict = {}
     runnable = lower_pools(lower_onednn(torch_ref.lower(gm), details), details)
     baseline = unoptimized_baseline(gm, ctx)
-    ort, why = None, "option cpu_onnxruntime=False"
+    ort, ort1, why = None, None, "option cpu_onnxruntime=False"
     if ctx.options.cpu_onnxruntime:
         from fxopt.backends.onnxrt import cpu_candidate
 
         ort, why = cpu_candidate(gm, ctx)
+        if ort is not None and torch.get_num_threads() > 1:
+            ort1 = cpu_candidate(gm, ctx, threads=1)[0]
     details["onnxruntime_candidate"] = "timed per signature" if ort is not None else f"none ({why})"
     ov, why = None, "option cpu_openvino=False"
     if ctx.options.cpu_openvino:
@@ -300,6 +302,7 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
 
     runner = CpuRunner(runnable, baseline, placeholder_indices(gm, ctx.param_placeholders),
                        decisions_cache=decisions_cache(ctx, runnable, baseline, "cpu"), onnxruntime=ort,
+                       onnxruntime_1t=ort1,
                        openvino=ov, check_dtype=compute_dtype(ctx.unoptimized or gm))
     # the runner's decisions() say, per signature, which graph runs and the times
     return Lowered(fn=runner, executor=EXECUTOR, cudagraphs="off (CPU)", cpu_runner=runner,
@@ -351,12 +354,12 @@ class CpuRunner:
 
     #: the ways a signature can run: decision name -> timing key
     KEYS = {"optimized graph": "optimized_ms", "baseline graph": "baseline_ms", "onnxruntime": "onnxruntime_ms",
-            "openvino": "openvino_ms"}
+            "onnxruntime 1 thread": "onnxruntime_1t_ms", "openvino": "openvino_ms"}
 
     def __init__(self, fn: Callable, baseline: Optional[Callable], static_indices: Sequence[int],
                  decisions_cache: Optional[tuple] = None, margin: float = 0.03, rounds: int = 3, close: float = 0.1,
                  max_timed: int = 8, onnxruntime: Optional[Callable] = None, openvino: Optional[Callable] = None,
-                 check_dtype: torch.dtype = torch.float32):
+                 check_dtype: torch.dtype = torch.float32, onnxruntime_1t: Optional[Callable] = None):
         """fn / baseline: the optimized and unoptimized graphs (same arguments); onnxruntime: the
         optimized graph in ONNX Runtime (same arguments), or None; static_indices: the parameter
         inputs (not part of the signature); decisions_cache: (AutotuneCache, device, code hash) or
@@ -366,8 +369,10 @@ class CpuRunner:
         OpenVINO (same arguments), or None. ONNX Runtime and OpenVINO must first give the reference's
         outputs (the baseline graph's, else the optimized graph's) within the tolerance of
         ``check_dtype`` (the lowest precision the graph computes in), or they are left out.
+        onnxruntime_1t: the ONNX Runtime way with one intra-op thread (no hand-off), or None.
         rounds / close: see :func:`burst_medians`."""
         self.fn, self.baseline, self.onnxruntime, self.openvino = fn, baseline, onnxruntime, openvino
+        self.onnxruntime_1t = onnxruntime_1t
         self.check_dtype = check_dtype
         self.margin, self.rounds, self.max_timed, self.close = margin, rounds, max_timed, close
         self.static = set(static_indices)
@@ -380,7 +385,7 @@ class CpuRunner:
     def ways(self) -> dict:
         """The ways a signature can run, by decision name (the optimized graph first)."""
         ways = {"optimized graph": self.fn, "baseline graph": self.baseline, "onnxruntime": self.onnxruntime,
-                "openvino": self.openvino}
+                "onnxruntime 1 thread": self.onnxruntime_1t, "openvino": self.openvino}
         return {k: v for k, v in ways.items() if v is not None}
 
     def _signature(self, args) -> tuple:
@@ -463,7 +468,8 @@ class CpuRunner:
         runs, ms = "optimized graph", timings["optimized_ms"]
         if timings.get("baseline_ms", math.inf) < ms * (1.0 - self.margin):
             runs, ms = "baseline graph", timings["baseline_ms"]
-        runtimes = {n: timings[self.KEYS[n]] for n in ("onnxruntime", "openvino") if self.KEYS[n] in timings}
+        runtimes = {n: timings[self.KEYS[n]] for n in ("onnxruntime", "onnxruntime 1 thread", "openvino")
+                    if self.KEYS[n] in timings}
         best = min(runtimes, key=runtimes.get, default=None)
         slack = (1.0 + self.margin) if torch.get_num_threads() > 1 else (1.0 - self.margin)
         if best is not None and runtimes[best] < ms * slack:

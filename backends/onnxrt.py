@@ -149,16 +149,18 @@ def _why_not(gm: fx.GraphModule, ctx, strict: bool) -> Optional[str]:
     return f"dtype without an onnxruntime binding here: {odd}" if odd else None
 
 
-def cpu_candidate(gm: fx.GraphModule, ctx):
+def cpu_candidate(gm: fx.GraphModule, ctx, threads: Optional[int] = None):
     """(the optimized CPU inference graph in ONNX Runtime sessions, None) as one more way for the
     cpu executor's runner to time per signature, or (None, why not). Its workers do not spin
     between calls (a spinning pool slows the process's next CPU work, measured up to 2x), export
-    failures raise (the runner then leaves it out)."""
+    failures raise (the runner then leaves it out). ``threads``: its intra-op threads (default
+    torch's thread count; 1: the calling thread alone, no hand-off to a worker, which at a small
+    graph's batch 1 can be the faster)."""
     why = _why_not(gm, ctx, strict=False)
     if why:
         return None, why
     return OrtRunner(gm, ctx.param_placeholders, ctx.param_qualnames, "CPUExecutionProvider", False,
-                     spin=False, fallback=False), None
+                     spin=False, fallback=False, threads=threads), None
 
 
 def _matches(v, a) -> bool:
@@ -191,7 +193,7 @@ def specialize(gm: fx.GraphModule, args: list) -> fx.GraphModule:
 class _Session:
     """One ORT session for one input signature."""
 
-    def __init__(self, gm, args, params, provider, cuda_graph, nhwc=False, spin=True):
+    def __init__(self, gm, args, params, provider, cuda_graph, nhwc=False, spin=True, threads=None):
         import onnxruntime as ort
 
         from fxopt.onnx_graph import graph_to_onnx
@@ -206,7 +208,7 @@ class _Session:
         self.device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"),
                            torch.device("cpu"))
         if provider == "CPUExecutionProvider":
-            opts.intra_op_num_threads = max(1, torch.get_num_threads())
+            opts.intra_op_num_threads = threads or max(1, torch.get_num_threads())
             if not spin:  # idle workers sleep: the process's other CPU work keeps its cores
                 opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
                 opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
@@ -332,11 +334,11 @@ class OrtRunner:
     """The compiled callable: the graph's flat args in (parameters included), the graph's outputs out."""
 
     def __init__(self, gm, param_placeholders, qualnames, provider, cuda_graph, max_sessions=MAX_SESSIONS,
-                 nhwc=False, spin=True, fallback=True):
+                 nhwc=False, spin=True, fallback=True, threads=None):
         """spin: ORT's CPU workers spin between runs (its default); fallback: signatures ONNX
         export refuses run on the torch executor (with a warning) instead of raising."""
         self.gm, self.provider, self.cuda_graph, self.max_sessions = gm, provider, cuda_graph, max_sessions
-        self.nhwc, self.spin, self.fallback = nhwc, spin, fallback
+        self.nhwc, self.spin, self.fallback, self.threads = nhwc, spin, fallback, threads
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.params = {i: qualnames.get(n.name, n.name) for i, n in enumerate(placeholders)
                        if n.name in param_placeholders}
@@ -355,7 +357,8 @@ class OrtRunner:
                     else args[i] for i in self.user)
         entry = self.sessions.get(sig)
         if entry is None:
-            entry = _Session(self.gm, list(args), self.params, self.provider, self.cuda_graph, self.nhwc, self.spin)
+            entry = _Session(self.gm, list(args), self.params, self.provider, self.cuda_graph, self.nhwc, self.spin,
+                             self.threads)
             self.builds += 1
             self.sessions[sig] = entry
             while len(self.sessions) > self.max_sessions:
