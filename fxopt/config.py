@@ -94,6 +94,10 @@ class Options:
     #: other templates keep IEEE arithmetic (their error stays far under a 16-bit result's rounding);
     #: False: IEEE arithmetic everywhere
     fast_math: bool = True
+    #: cuda executor: independent branches of an inference graph on up to this many CUDA streams
+    #: (``backends/cuda/runtime/streams.py``); 0 (default): one stream. For now the plan is only made
+    #: and listed (``executor_details["streams"]``, ``fxopt explain``), not run
+    streams: int = 0
     #: treat parameters and buffers as constants in inference (weights refolded when they change)
     freezing: bool = True
     #: directory for per-pass readable graph dumps (default: $FXOPT_DUMP_DIR)
@@ -168,6 +172,8 @@ class Options:
         if isinstance(self.specialize_after, bool) or not isinstance(self.specialize_after, int) \
                 or self.specialize_after < 1:
             raise ValueError(f"fxopt: specialize_after must be an int >= 1, got {self.specialize_after!r}")
+        if isinstance(self.streams, bool) or not isinstance(self.streams, int) or not 0 <= self.streams <= 8:
+            raise ValueError(f"fxopt: streams must be an int from 0 (off) to 8, got {self.streams!r}")
         if self.dump_dir is None:
             self.dump_dir = os.environ.get("FXOPT_DUMP_DIR") or None
 

@@ -230,6 +230,7 @@ class Report:
                 lines.append(f"graph {i}: ops run as PyTorch runs them")
                 for node, why in unfused.items():
                     lines.append(f"  {node}: {why}")
+            lines += [f"graph {i}: {line}" for line in g.executor_details.get("streams") or []]
             lines += _cuda_graph_lines(i, low.cudagraph_runner)
         if self.kernels_per_call:
             lines.append("kernels launched per call: " + ", ".join(f"{k} {v}" for k, v in self.kernels_per_call.items()))

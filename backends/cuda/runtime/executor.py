@@ -260,6 +260,7 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
         pending.finish()
         info["nvrtc_s"] = round(pending.compile_s, 3)
         info["updated_in_place"] = update_in_place(runnable)
+        _stream_plan(runnable, ctx, info)
         return runnable
     from fxopt.autotune import AutotuneCache, device_fingerprint
 
@@ -297,4 +298,19 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     # last: training BatchNorms write their running statistics where they live (the graph stops
     # being functional here, after everything that reads it as such)
     info["updated_in_place"] = update_in_place(runnable)
+    _stream_plan(runnable, ctx, info)
     return runnable
+
+
+def _stream_plan(runnable: fx.GraphModule, ctx, info: dict) -> None:
+    """Option ``streams``: the plan of an inference graph's branches on that many CUDA streams, listed
+    in the report (``runtime/streams.py``; not run yet)."""
+    if getattr(ctx.options, "streams", 0) and getattr(ctx, "mode", "inference") == "inference":
+        from fxopt.backends.cuda.runtime.streams import plan_streams
+
+        try:
+            info["streams"] = plan_streams(runnable, ctx.options.streams).describe()
+        except Exception as exc:  # noqa: BLE001 - a listing only: the graph runs as lowered
+            if ctx.options.strict:
+                raise
+            info["streams"] = [f"streams: not planned ({type(exc).__name__}: {exc})"]
