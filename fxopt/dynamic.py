@@ -22,14 +22,18 @@ after its recompile limit runs new sizes eagerly. So a symbolic inference graph 
    first lowering in a bucket measured are reused by every later lowering in it (nothing measured
    at a second size of a bucket). Where the graph is batch-independent
    (``fxopt.batch_independence``; option ``dynamic_padding``), a new batch size does not wait for a
-   lowering: it runs on the smallest lowered larger batch (lowering its bucket's top size where
-   there is none), padded, its outputs' first rows returned; at its ``specialize_after + 1``-th call
-   its own specialization is lowered and takes over (a size evicted before needs that many calls
-   more each time). When ``max_specializations`` sizes are lowered, a padded size is admitted only
+   lowering: it runs on the smallest lowered larger batch, padded, its outputs' first rows
+   returned; larger than every lowered batch, it runs in chunks of lowered batches (the largest
+   repeatedly, the rest padded), each chunk's outputs copied into their rows of outputs of the
+   whole batch before the next chunk runs (a CUDA-graph replay reuses its output buffers). Only
+   the first call at an image size (or a graph whose outputs cannot be joined so) lowers a
+   bucket's top size for a new batch. At its ``specialize_after + 1``-th call a size's own
+   specialization is lowered and takes over (a size evicted before needs that many calls more each
+   time). When ``max_specializations`` sizes are lowered, a padded or chunked size is admitted only
    if it was called more often than the least called lowered size (no other size padded onto it),
-   which it then replaces; else it stays padded. Sizes drawn at random (a serving loop over batch
-   1-64 with the bound at 16) would otherwise keep displacing each other, each lowered again and
-   again (228 evictions in 1,000 calls).
+   which it then replaces; else it stays padded or chunked. Sizes drawn at random (a serving loop
+   over batch 1-64 with the bound at 16) would otherwise keep displacing each other, each lowered
+   again and again (228 evictions in 1,000 calls).
 
 What cannot be rebuilt symbolically (a size that is an expression of symbols, inputs whose strides
 are neither contiguous nor channels_last) takes today's path, specialized by the passes, and the
@@ -182,8 +186,8 @@ class SizeDispatcher:
     its measured choices through ``cache`` (an autotuning cache, ``fxopt.dynamic_buckets``).
     ``info``: the live record the report shows (``executor_details["dynamic"]``).
     ``padding``: a ``fxopt.dynamic_buckets.Padding`` where the graph is batch-independent (a new
-    batch size then runs padded on a lowered larger one until it was seen ``specialize_after`` times,
-    then gets its own specialization), else None.
+    batch size then runs padded on a lowered larger one, or in chunks of lowered ones where none is
+    larger, until it was seen ``specialize_after`` times, then gets its own specialization), else None.
     ``user_cache``: the autotuning cache the buckets' choices are recorded into."""
 
     def __init__(self, shapes: PrivateShapes, lower_at: Callable, max_specializations: int, info: dict,
@@ -201,13 +205,15 @@ class SizeDispatcher:
         self.seen: collections.Counter = collections.Counter()  # key -> calls served padded
         self.evicted: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()  # key -> calls, for admission when full
-        self._padded: dict = {}  # key -> its _Padded while it is served padded
+        self._padded: dict = {}  # key -> its _Padded or _Chunked while it is served so
+        self.chunking_declined: Optional[str] = None  # why a larger batch is not run in chunks
         info.setdefault("specializations", {})
         info.setdefault("admissions_declined", 0)
         info.setdefault("evictions", 0)
         info["max_specializations"] = max_specializations
         info["live"] = 0
         info.setdefault("padded_calls", 0)
+        info.setdefault("chunked_calls", 0)
         self._last = (None, None)
 
     def __call__(self, *args):
@@ -240,6 +246,9 @@ class SizeDispatcher:
             wants_own = False
         if self.padding is not None and not wants_own:
             donor = self._donor(key)
+            if donor is None and self.chunking_declined is None and self._chunks(key) is not None:
+                served = self._padded[key] = _Chunked(self, key)  # nothing lowered in this call
+                return served
             if donor is None:  # the bucket's top size is lowered: it serves every size of the bucket
                 donor = self._bucket_id(key)
                 if donor == key:
@@ -255,10 +264,19 @@ class SizeDispatcher:
         same = [k for k in self.cache if k[:p] == key[:p] and k[p + 1:] == key[p + 1:] and k[p] >= b]
         return min(same, key=lambda k: k[p]) if same else None
 
+    def _chunks(self, key: tuple) -> Optional[list]:
+        """``fxopt.dynamic_buckets.chunk_plan`` of this size's batch over the lowered sizes whose
+        other sizes are equal (None: a lowered size holds it, or none to chunk on)."""
+        from fxopt.dynamic_buckets import chunk_plan
+
+        p = self.batch_pos
+        same = [k[p] for k in self.cache if k[:p] == key[:p] and k[p + 1:] == key[p + 1:]]
+        return chunk_plan(key[p], same)
+
     def _victim(self) -> tuple:
         """The lowered size to drop for a new one: the least called that no padded size runs on
         (ties: the least recently used)."""
-        donors = {p.donor for p in self._padded.values()}
+        donors = {k for p in self._padded.values() for k in p.donors}
         others = [k for k in self.cache if k not in donors] or list(self.cache)
         return min(others, key=lambda k: self.calls[k])  # min keeps the first (least recent) of ties
 
@@ -314,21 +332,18 @@ class SizeDispatcher:
         return {self.shapes.describe(k): v for k, v in self.cache.items()}
 
 
-class _Padded:
-    """A batch size served on a lowered larger one (``fxopt.dynamic_buckets.Padding``) until it was
-    seen ``specialize_after`` times: then its own specialization is lowered in that call and takes
-    over. Synchronously, not in a background thread: a CUDA-graph capture forbids work that other
-    threads launch meanwhile, and measuring beside a serving thread would time both."""
+class _Served:
+    """A size served on lowered sizes of other batches (padded or in chunks) until it was seen
+    ``specialize_after`` times: then its own specialization is lowered in that call (if admitted)
+    and takes over. Synchronously, not in a background thread: a CUDA-graph capture forbids work
+    that other threads launch meanwhile, and measuring beside a serving thread would time both."""
 
-    def __init__(self, dispatcher: SizeDispatcher, key: tuple, donor: tuple):
-        self.d, self.key, self.donor = dispatcher, key, donor
-        self.b, self.to = key[dispatcher.batch_pos], donor[dispatcher.batch_pos]
-        rec = dispatcher._record(key)
-        rec.setdefault("padded_calls", 0)
-        rec.setdefault("padded_from", [])
-        if self.to not in rec["padded_from"]:
-            rec["padded_from"].append(self.to)
-        self.rec = rec
+    donors: tuple = ()
+
+    def __init__(self, dispatcher: SizeDispatcher, key: tuple):
+        self.d, self.key = dispatcher, key
+        self.b = key[dispatcher.batch_pos]
+        self.rec = dispatcher._record(key)
 
     def __call__(self, *args):
         d = self.d
@@ -337,17 +352,82 @@ class _Padded:
             if d.admits(self.key):
                 return d._specialize(self.key, args)(*args)
             d.info["admissions_declined"] += 1
+        return self.run(args)
+
+    def again(self, args):
+        """This call dispatched anew (what it ran on was evicted, or another way serves it now)."""
+        d = self.d
+        if d._padded.get(self.key) is self:
+            del d._padded[self.key]
+        d._last = (None, None)
+        d.seen[self.key] -= 1
+        return d(*args)
+
+    def _runs(self, how: str) -> None:
+        if "runs" not in self.rec or self.rec.get("live") is not True:
+            self.rec["runs"] = how
+
+
+class _Padded(_Served):
+    """A batch size run on the smallest lowered larger one (``fxopt.dynamic_buckets.Padding``)."""
+
+    def __init__(self, dispatcher: SizeDispatcher, key: tuple, donor: tuple):
+        super().__init__(dispatcher, key)
+        self.donor, self.donors = donor, (donor,)
+        self.to = donor[dispatcher.batch_pos]
+        rec = self.rec
+        rec.setdefault("padded_calls", 0)
+        rec.setdefault("padded_from", [])
+        if self.to not in rec["padded_from"]:
+            rec["padded_from"].append(self.to)
+
+    def run(self, args):
+        d = self.d
         low = d.cache.get(self.donor)
         if low is None:  # the larger size was evicted meanwhile
-            d._last = (None, None)
-            d.seen[self.key] -= 1
-            return d(*args)
+            return self.again(args)
         d.cache.move_to_end(self.donor)
         self.rec["padded_calls"] += 1
         d.info["padded_calls"] += 1
-        if "runs" not in self.rec or self.rec.get("live") is not True:
-            self.rec["runs"] = f"padded to batch {self.to}"
+        self._runs(f"padded to batch {self.to}")
         return d.padding.slice_outputs(low.fn(*d.padding.pad_args(args, self.to)), self.b)
+
+
+class _Chunked(_Served):
+    """A batch size larger than every lowered one, run in chunks of lowered sizes, the chunks'
+    outputs joined (``fxopt.dynamic_buckets.chunk_plan``, ``ChunkOutputs``): nothing is lowered in
+    its first calls. The plan is made again at each call from the sizes lowered then; where a
+    lowered size holds the batch meanwhile, it runs padded there. Where the first chunk's outputs
+    cannot be joined (their batch not outermost in memory), chunks are declined for the graph and
+    the call dispatched again (its bucket's top size lowered, as without chunks)."""
+
+    def __init__(self, dispatcher: SizeDispatcher, key: tuple):
+        super().__init__(dispatcher, key)
+        self.rec.setdefault("chunked_calls", 0)
+
+    def run(self, args):
+        from fxopt.dynamic_buckets import ChunkOutputs, describe_chunks
+
+        d, p = self.d, self.d.batch_pos
+        runs = d._chunks(self.key)
+        if runs is None:
+            return self.again(args)
+        keys = [self.key[:p] + (to,) + self.key[p + 1:] for _, _, to in runs]
+        self.donors = tuple(set(keys))
+        joined = ChunkOutputs(d.padding.plan.outputs, self.b)
+        for (start, rows, to), k in zip(runs, keys):
+            d.cache.move_to_end(k)
+            outs = d.cache[k].fn(*d.padding.chunk_args(args, start, rows, to))
+            why = joined.add(outs, start, rows, to)  # copied out before the next chunk runs
+            if why is not None:
+                d.chunking_declined = d.info["chunking_declined"] = why
+                self.donors = ()
+                return self.again(args)
+        self.rec["chunked_calls"] += 1
+        self.rec["chunked_as"] = describe_chunks(runs)
+        d.info["chunked_calls"] += 1
+        self._runs(f"chunked into {self.rec['chunked_as']}")
+        return joined.result()
 
 
 def release(lowered) -> None:
@@ -366,7 +446,10 @@ def summary_lines(info: dict) -> list[str]:
     lines = [f"dynamic shapes: symbolic {'; '.join(info.get('symbolic', []))}; passes ran once; "
              f"{info.get('live', 0)} of at most {info.get('max_specializations')} sizes lowered, "
              f"{info.get('evictions', 0)} evicted",
-             "  padding: " + (f"on (batch {info['padding']}), {info.get('padded_calls', 0)} calls padded"
+             "  padding: " + (f"on (batch {info['padding']}), {info.get('padded_calls', 0)} calls padded, "
+                              f"{info.get('chunked_calls', 0)} chunked"
+                              + (f" (chunks declined: {info['chunking_declined']})"
+                                 if info.get("chunking_declined") else "")
                               if info.get("padding") and not info.get("padding_declined")
                               else f"off ({info.get('padding_declined', 'not asked')})")]
     for size, rec in info.get("specializations", {}).items():
@@ -379,5 +462,8 @@ def summary_lines(info: dict) -> list[str]:
                      f"{ch.get('measured', 0)} measured, {ch.get('cached', 0)} cached, {ch.get('reused', 0)} reused")
         if rec.get("padded_calls"):
             line += f"; {rec['padded_calls']} calls padded to batch {', '.join(map(str, rec['padded_from']))}"
+        if rec.get("chunked_calls"):
+            line += f"; {rec['chunked_calls']} calls chunked" + ("" if how.startswith("chunked") else
+                                                                 f" (last into {rec['chunked_as']})")
         lines.append(line + (f"; {rec['note']}" if rec.get("note") else ""))
     return lines

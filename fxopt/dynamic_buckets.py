@@ -9,13 +9,20 @@ Batch sizes fall in power-of-two buckets (``bucket(5) == 8``: 5..8 share a bucke
   order under keys that differ only in their numbers (and hashes of generated sources), so a key's
   *signature* (numbers and hashes blanked) finds the bucket's entry: nothing is measured at a second
   size of a bucket. A key without such an entry goes to the user's cache and is measured there as
-  before. Recording at the bucket's top size (the size padded runs use) keeps the first lowering's
-  keys exact, so the user's cache serves it in a later process.
+  before. The first lowering's keys are recorded exact, so the user's cache serves it in a later
+  process.
 - ``Padding``: a batch-independent graph (``fxopt.batch_independence``) run at a larger lowered
   size: the batch copied into a buffer of that size (rows past it zero, or finite values of an
   earlier call), the lowered graph run, the batched outputs' first rows returned: a view where the
   batch is the outermost dimension of the output in memory (its strides those of a fresh tensor),
   else a copy with the same layout.
+- Chunks (``chunk_plan``, ``Padding.chunk_args``, ``ChunkOutputs``): a batch larger than every
+  lowered size of a batch-independent graph, run as chunks of lowered sizes (the largest lowered
+  size repeatedly, the rest padded onto the smallest lowered size that holds it), each chunk's
+  batched outputs copied into the rows of an output of the whole batch right after its run (a
+  CUDA-graph replay reuses its output buffers). That output has the strides of the first chunk's
+  (its batch outermost, the other strides the same); where the first chunk's output is not laid
+  out so, the chunks are declined and the batch's bucket top is lowered instead.
 """
 from __future__ import annotations
 
@@ -120,8 +127,9 @@ class Padding:
         self.plan = plan
         self.buffers: dict = {}  # (B, argument index) -> (buffer, rows written by the last call)
 
-    def pad_args(self, args, to: int) -> list:
-        """The arguments at batch ``to``: batched tensors copied into a buffer of that batch."""
+    def pad_args(self, args, to: int, copy: bool = False) -> list:
+        """The arguments at batch ``to``: batched tensors copied into a buffer of that batch (also
+        those already of batch ``to`` with ``copy``)."""
         out = list(args)
         for i, how in self.plan.args.items():
             a = args[i]
@@ -129,7 +137,7 @@ class Padding:
                 out[i] = to
                 continue
             b = a.shape[0]
-            if b == to:
+            if b == to and not copy:
                 continue
             key = (to, i)
             buf, rows = self.buffers.get(key, (None, 0))
@@ -145,6 +153,15 @@ class Padding:
             self.buffers[key] = (buf, b)
             out[i] = buf
         return out
+
+    def chunk_args(self, args, start: int, rows: int, to: int) -> list:
+        """The arguments of rows ``start .. start + rows`` at batch ``to >= rows``: a chunk that does
+        not start at row 0 is copied into the buffer of batch ``to`` (what a padded run passes)."""
+        sub = list(args)
+        for i, how in self.plan.args.items():
+            if how != "size":
+                sub[i] = args[i][start:start + rows]
+        return self.pad_args(sub, to, copy=start > 0)
 
     def slice_outputs(self, outs, b: int):
         """The batched outputs' first ``b`` rows, with the strides a fresh tensor of that size has."""
@@ -171,3 +188,82 @@ def _strides_like(a: torch.Tensor, shape) -> tuple:
     if a.dim() == 4 and a.is_contiguous(memory_format=torch.channels_last) and not a.is_contiguous():
         return torch.empty(shape, device="meta").to(memory_format=torch.channels_last).stride()
     return torch.empty(shape, device="meta").stride()
+
+
+def chunk_plan(b: int, sizes) -> Optional[list]:
+    """``[(start, rows, to), ...]``: batch ``b`` as chunks run at the lowered batches ``sizes`` (the
+    largest repeatedly, the rest padded onto the smallest that holds it); None where a lowered size
+    holds ``b`` (a padded run) or the largest is 1 (no layout of a batch to copy the chunks into)."""
+    sizes = sorted(set(int(s) for s in sizes))
+    if not sizes or sizes[-1] >= b or sizes[-1] < 2:
+        return None
+    big, start, runs = sizes[-1], 0, []
+    while b - start >= big:
+        runs.append((start, big, big))
+        start += big
+    if start < b:
+        rest = b - start
+        runs.append((start, rest, min(s for s in sizes if s >= rest)))
+    return runs
+
+
+def describe_chunks(runs: list) -> str:
+    """"3 runs of sizes 16, 16, 8 (padded to 16)" for the report."""
+    parts = [f"{rows}" if rows == to else f"{rows} (padded to {to})" for _, rows, to in runs]
+    return f"{len(runs)} runs of sizes {', '.join(parts)}"
+
+
+def _batch_outermost(t: torch.Tensor) -> bool:
+    """Whether ``t`` is dense with its dimension 0 outermost in memory (rows of equal layout)."""
+    inner = 1
+    for s in t.shape[1:]:
+        inner *= int(s)
+    return t.dim() >= 1 and t.shape[0] >= 2 and inner > 0 and _dense(t) and t.stride(0) == inner
+
+
+class ChunkOutputs:
+    """The outputs of batch ``b`` assembled from chunks (``flags``: per output whether it is batched).
+    ``add`` copies a chunk's batched rows out at once and returns why the chunks cannot be joined
+    (None: they can); ``result`` gives the outputs in the structure the graph returns."""
+
+    def __init__(self, flags: list, b: int):
+        self.flags, self.b = list(flags), b
+        self.outs: Optional[list] = None
+        self.kind = None
+
+    def add(self, outs, start: int, rows: int, to: int) -> Optional[str]:
+        seq = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        if len(seq) != len(self.flags):
+            return f"{len(seq)} outputs where the graph has {len(self.flags)}"
+        if self.outs is None:
+            why = self._allocate(outs, seq, to)
+            if why:
+                return why
+        for o, full, batched in zip(seq, self.outs, self.flags):
+            if not batched:
+                continue
+            if not isinstance(o, torch.Tensor) or o.dim() < 1 or o.shape[0] != to \
+                    or o.shape[1:] != full.shape[1:] or o.dtype != full.dtype or o.device != full.device:
+                return "a chunk's output differs from the first chunk's"
+            full[start:start + rows].copy_(o[:rows])
+        return None
+
+    def _allocate(self, outs, seq: list, to: int) -> Optional[str]:
+        self.kind = type(outs) if isinstance(outs, (list, tuple)) else None
+        res = []
+        for o, batched in zip(seq, self.flags):
+            if not batched:
+                res.append(o)  # batch-free: the same in every chunk
+                continue
+            if not isinstance(o, torch.Tensor) or o.dim() < 1 or o.shape[0] != to:
+                return "a batched output is not a tensor of the chunk's batch"
+            if not _batch_outermost(o):
+                return f"an output's batch is not its outermost dimension in memory (strides {tuple(o.stride())})"
+            res.append(torch.empty_strided((self.b, *o.shape[1:]), o.stride(), dtype=o.dtype, device=o.device))
+        self.outs = res
+        return None
+
+    def result(self):
+        if self.kind is None:
+            return self.outs[0]
+        return self.kind(self.outs) if issubclass(self.kind, tuple) else list(self.outs)
