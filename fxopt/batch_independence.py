@@ -267,4 +267,28 @@ def check(gm: fx.GraphModule, fakes: list) -> tuple[Optional[BatchPlan], str]:
         return None, f"not checked ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
     if not any(plan.outputs):
         return None, "no output carries the batch"
+    shared = _outputs_sharing_memory(gm)
+    if shared:
+        return None, f"outputs {shared} share memory (padded or chunked runs would hand out separate tensors)"
     return plan, ""
+
+
+def _outputs_sharing_memory(gm: fx.GraphModule) -> str:
+    """The names of two graph outputs whose values share storage (one a view of the other, or both
+    of one tensor, by their fake tensors' storages), or "" where none do."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    seen: dict = {}
+    for o in (out if isinstance(out, (list, tuple)) else [out]):
+        v = o.meta.get("val") if isinstance(o, fx.Node) else None
+        if not isinstance(v, torch.Tensor):
+            continue
+        try:
+            ref = StorageWeakRef(v.untyped_storage())
+        except Exception:  # noqa: BLE001 - a value without a storage to compare shares none
+            continue
+        if ref in seen and seen[ref] != o.name:
+            return f"{seen[ref]} and {o.name}"
+        seen.setdefault(ref, o.name)
+    return ""

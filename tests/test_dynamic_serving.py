@@ -92,7 +92,18 @@ def test_batch_independence_accepts_a_per_sample_cnn():
     assert info.get("padding") and "padding_declined" not in info
 
 
+class OutputAndItsView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        return y, y[:, :2]
+
+
 @pytest.mark.parametrize("model,why", [
+    (OutputAndItsView(), "share memory"),
     (MeanOverBatch(), "dimension 0"),
     (FlattenBatch(), "batch"),
     (SmallResNet().train(), "training-mode BatchNorm"),
