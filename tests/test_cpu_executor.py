@@ -370,3 +370,12 @@ def test_runner_gives_a_tie_to_onnxruntime_with_several_threads():
             assert runner.decisions()[0]["runs"] == expected, runner.decisions()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_runner_takes_onnxruntime_with_one_thread_only_where_it_wins_by_the_margin():
+    tie = cpu.CpuRunner(_slow(20, "same"), None, static_indices=[], margin=0.5, rounds=2,
+                        onnxruntime=_slow(4, "same"), onnxruntime_1t=_slow(4, "same"))
+    assert tie(torch.ones(1)) == "same" and tie.decisions()[0]["runs"] == "onnxruntime", tie.decisions()
+    win = cpu.CpuRunner(_slow(20, "same"), None, static_indices=[], margin=0.5, rounds=2,
+                        onnxruntime=_slow(12, "same"), onnxruntime_1t=_slow(2, "same"))
+    assert win(torch.ones(1)) == "same" and win.decisions()[0]["runs"] == "onnxruntime 1 thread", win.decisions()
