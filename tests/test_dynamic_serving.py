@@ -65,7 +65,8 @@ class FlattenBatch(nn.Module):
 
 
 class Spatial(nn.Module):
-    """A per-sample CNN whose outputs keep their spatial dimensions (one a permuted view)."""
+    """A per-sample CNN whose outputs keep their spatial dimensions (one a permuted view of a value
+    no other output shares: outputs sharing memory decline padding)."""
 
     def __init__(self):
         super().__init__()
@@ -73,7 +74,7 @@ class Spatial(nn.Module):
 
     def forward(self, x):
         y = torch.relu(self.conv(x))
-        return y, y.permute(0, 2, 3, 1).sum(-1), y.permute(0, 2, 3, 1)
+        return y, y.permute(0, 2, 3, 1).sum(-1), (y * 2.0).permute(0, 2, 3, 1)
 
 
 def _info(model, sizes, **options):
@@ -269,7 +270,8 @@ def test_a_full_bound_admits_only_sizes_called_more_often_no_thrash():
 
 
 class StridedSpatial(nn.Module):
-    """Per sample, three outputs (two views of one tensor); strided and dilated convolutions only, so
+    """Per sample, three outputs (one a permuted view of a value no other output shares); strided and
+    dilated convolutions only, so
     that PyTorch's CPU convolution backend choice reads no batch size (no ``s0 <= 15`` guard: one
     Dynamo graph for batches 2-64)."""
 
@@ -280,7 +282,7 @@ class StridedSpatial(nn.Module):
 
     def forward(self, x):
         y = torch.relu(self.conv2(torch.relu(self.conv(x))))
-        return y, y.permute(0, 2, 3, 1).sum(-1), y.permute(0, 2, 3, 1)
+        return y, y.permute(0, 2, 3, 1).sum(-1), (y * 2.0).permute(0, 2, 3, 1)
 
 
 def _lowerings(info) -> int:
