@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from fxopt.backends import torch_ref
 from fxopt.lowered import Lowered
+from fxopt.weights import ParamChanges
 
 MAX_SESSIONS = 8
 #: CPU outputs up to this many bytes in all are written into buffers bound once and copied out
@@ -346,7 +347,7 @@ class OrtRunner:
         out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         self.out_type = type(out) if isinstance(out, (list, tuple)) else None
         self.sessions: OrderedDict = OrderedDict()
-        self._param_key, self._watch = None, None
+        self._params_changed = ParamChanges(self.params)  # whether a weight changed since the last call
         self._torch = None  # the torch executor, for signatures ONNX export refuses
         self.builds = 0  # sessions created (for tests and reports)
 
@@ -366,21 +367,6 @@ class OrtRunner:
         else:
             self.sessions.move_to_end(sig)
         return entry
-
-    def _params_changed(self, args) -> bool:
-        """Whether a parameter input was replaced or changed in place since the previous call (one
-        ``WeightWatch`` check: a few C-level calls, not Python work per parameter)."""
-        if self._watch is None:
-            from fxopt.weights import WeightWatch
-
-            tensors = all(isinstance(args[i], torch.Tensor) for i in self.params)
-            self._watch = WeightWatch(sorted(self.params)) if tensors else False
-        if self._watch is False:  # a non-tensor parameter input: compare everything
-            key = tuple((id(args[i]), args[i]._version, args[i].data_ptr()) if isinstance(args[i], torch.Tensor)
-                        else args[i] for i in self.params)
-            changed, self._param_key = key != self._param_key, key
-            return changed
-        return self._watch.check(args)[1]
 
     def __call__(self, *args):
         from fxopt.onnx_common import OnnxExportError

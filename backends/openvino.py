@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from fxopt.weights import ParamChanges
+
 MAX_MODELS = 8
 #: outputs up to this many bytes in all are written into buffers shared once and copied out
 OUT_BUFFER_BYTES = 1 << 18
@@ -119,7 +121,7 @@ class OvRunner:
                          for o in (out if isinstance(out, (list, tuple)) else [out])]
         self.restride = any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in self.out_vals)
         self.models: OrderedDict = OrderedDict()
-        self._param_key, self._watch = None, None
+        self._params_changed = ParamChanges(self.params)  # whether a weight changed since the last call
         self.builds = 0
 
     def _compile(self, args):
@@ -139,21 +141,6 @@ class OvRunner:
         self.builds += 1
         shapes = [tuple(int(d) for d in o.get_shape()) for o in compiled.outputs]
         return compiled.create_infer_request(), shapes
-
-    def _params_changed(self, args) -> bool:
-        """Whether a parameter input was replaced or changed in place since the previous call (one
-        ``WeightWatch`` check: a few C-level calls, not Python work per parameter)."""
-        if self._watch is None:
-            from fxopt.weights import WeightWatch
-
-            tensors = all(isinstance(args[i], torch.Tensor) for i in self.params)
-            self._watch = WeightWatch(self.params) if tensors else False
-        if self._watch is False:  # a non-tensor parameter input: compare everything
-            key = tuple((id(args[i]), args[i]._version, args[i].data_ptr()) if isinstance(args[i], torch.Tensor)
-                        else args[i] for i in self.params)
-            changed, self._param_key = key != self._param_key, key
-            return changed
-        return self._watch.check(args)[1]
 
     def request(self, args) -> "_Request":
         if self._params_changed(args):  # a weight changed: every compiled model holds stale constants

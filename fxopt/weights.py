@@ -67,3 +67,25 @@ class WeightWatch:
         changed = ptrs_changed or versions != self.versions
         self.versions = versions
         return ptrs_changed, changed
+
+
+class ParamChanges:
+    """Whether the parameter inputs at ``indices`` were replaced or changed in place since the previous
+    call: one ``WeightWatch`` check where they are all tensors (a few C-level calls, not Python work
+    per parameter), else their identities, versions and addresses (and non-tensor values) compared."""
+
+    def __init__(self, indices: Sequence[int]):
+        self.indices = sorted(indices)
+        self._watch: object = None
+        self._key: Optional[tuple] = None
+
+    def __call__(self, args) -> bool:
+        if self._watch is None:
+            tensors = all(isinstance(args[i], torch.Tensor) for i in self.indices)
+            self._watch = WeightWatch(self.indices) if tensors else False
+        if self._watch is False:  # a non-tensor parameter input: compare everything
+            key = tuple((id(args[i]), args[i]._version, args[i].data_ptr()) if isinstance(args[i], torch.Tensor)
+                        else args[i] for i in self.indices)
+            changed, self._key = key != self._key, key
+            return changed
+        return self._watch.check(args)[1]

@@ -339,16 +339,7 @@ def test_onnxruntime_io_binding_gives_fresh_outputs_and_reads_inputs_at_the_call
     m, x = SeedCNN().eval(), torch.randn(2, 3, 32, 32)
     graphs: list = []
     compiled = fxopt.testing.compile_with_fxopt(m, {"autotune_cache": False, "cpu_openvino": False}, graphs)
-    with torch.no_grad():
-        a = compiled(x)
-        kept = a.clone()
-        x2 = torch.randn(2, 3, 32, 32)
-        b = compiled(x2)
-        torch.testing.assert_close(a, kept, rtol=0, atol=0)
-        torch.testing.assert_close(b, m(x2), rtol=1e-4, atol=1e-5)
-        x2.mul_(-2.0)  # same memory, new values
-        torch.testing.assert_close(compiled(x2), m(x2), rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(b, m(x2 / -2.0), rtol=1e-4, atol=1e-5)
+    check_fresh_outputs_and_reread_inputs(compiled, m, x)
     runner = graphs[0].executor_details["cpu_runner"]
     runs = runner.decisions()[0]["runs"]
     assert runs in ("onnxruntime", "onnxruntime 1 thread"), runner.decisions()
@@ -379,3 +370,18 @@ def test_runner_takes_onnxruntime_with_one_thread_only_where_it_wins_by_the_marg
     win = cpu.CpuRunner(_slow(20, "same"), None, static_indices=[], margin=0.5, rounds=2,
                         onnxruntime=_slow(12, "same"), onnxruntime_1t=_slow(2, "same"))
     assert win(torch.ones(1)) == "same" and win.decisions()[0]["runs"] == "onnxruntime 1 thread", win.decisions()
+
+
+def check_fresh_outputs_and_reread_inputs(compiled, m, x) -> None:
+    """Every call's outputs are its own (an earlier output never changes) and an input changed in
+    place is read afresh: what a runtime's buffers bound once across calls must keep."""
+    with torch.no_grad():
+        a = compiled(x)
+        kept = a.clone()
+        x2 = torch.randn_like(x)
+        b = compiled(x2)
+        torch.testing.assert_close(a, kept, rtol=0, atol=0)
+        torch.testing.assert_close(b, m(x2), rtol=1e-4, atol=1e-5)
+        x2.mul_(-2.0)  # same memory, new values
+        torch.testing.assert_close(compiled(x2), m(x2), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b, m(x2 / -2.0), rtol=1e-4, atol=1e-5)

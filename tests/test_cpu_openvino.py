@@ -16,6 +16,7 @@ from fxopt.backends import cpu
 from fxopt.backends import openvino as ovb
 from fxopt.testing import SeedCNN
 from fxopt.tolerances import relative_error, tolerance
+from test_cpu_executor import check_fresh_outputs_and_reread_inputs
 
 pytestmark = pytest.mark.skipif(cpu.onednn_available() is not None, reason=str(cpu.onednn_available()))
 needs_ov = pytest.mark.skipif(ovb.why_unavailable() is not None, reason=str(ovb.why_unavailable()))
@@ -241,16 +242,7 @@ def test_openvino_request_is_reused_and_outputs_are_fresh(slow_torch_graphs, mon
     graphs: list = []
     compiled = fxopt.testing.compile_with_fxopt(m, {"autotune_cache": False, "cpu_onnxruntime": False,
                                                     "cpu_openvino": True}, graphs)
-    with torch.no_grad():
-        a = compiled(x)
-        kept = a.clone()
-        x2 = torch.randn(2, 3, 32, 32)
-        b = compiled(x2)
-        torch.testing.assert_close(a, kept, rtol=0, atol=0)
-        torch.testing.assert_close(b, m(x2), rtol=1e-4, atol=1e-5)
-        x2.mul_(-2.0)  # same memory, new values
-        torch.testing.assert_close(compiled(x2), m(x2), rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(b, m(x2 / -2.0), rtol=1e-4, atol=1e-5)
+    check_fresh_outputs_and_reread_inputs(compiled, m, x)
     assert _decision(graphs[0])["runs"] == "openvino"
     runner = graphs[0].executor_details["cpu_runner"].openvino
     assert runner.builds == 1 and len(runner.models) == 1

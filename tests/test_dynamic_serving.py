@@ -9,29 +9,11 @@ import torch
 import torch.nn as nn
 from torch._dynamo.utils import counters
 
-from fxopt.backend import fxopt_backend
 from fxopt.dynamic import summary_lines
 from fxopt.dynamic_buckets import bucket, signature
 from fxopt.testing.models import BasicBlock, SmallResNet
+from test_dynamic import Counting
 
-
-class Counting:
-    def __init__(self, **options):
-        self.options, self.reports = options, []
-        counters.clear()
-
-    @property
-    def compiles(self) -> int:
-        return counters["stats"]["unique_graphs"]
-
-    def __call__(self, gm, inputs):
-        return fxopt_backend(gm, inputs, options=self.options, _sink=self.reports)
-
-    def dynamic(self) -> dict:
-        infos = [r.executor_details.get("dynamic") for r in self.reports]
-        infos = [i for i in infos if i and "fallback" not in i]
-        assert len(infos) == 1, infos
-        return infos[0]
 
 
 def _run(compiled, model, sizes, side=16, channels=3, channels_last=False):
