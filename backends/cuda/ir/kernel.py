@@ -121,48 +121,43 @@ def children(e: Expr) -> tuple:
     return ()
 
 
-def substitute(e: Expr, mapping: dict, memo: Optional[dict] = None) -> Expr:
-    """``e`` with loop variables replaced by index expressions (``mapping``: Var -> Ix)."""
-    memo = {} if memo is None else memo
+def _map_leaves(e: Expr, leaf, memo: dict) -> Expr:
+    """``e`` rebuilt bottom-up, each node ``leaf`` maps (a Load, an InRange) replaced by its result
+    (None: kept, its operands rebuilt); shared subexpressions stay shared (``memo``)."""
     hit = memo.get(e)
     if hit is not None:
         return hit
-    if isinstance(e, Load):
-        out = Load(e.buf, e.offset.substitute(mapping))
-    elif isinstance(e, InRange):
-        out = InRange(e.index.substitute(mapping), e.lo, e.hi)
-    elif isinstance(e, Op):
-        out = Op(e.op, tuple(substitute(a, mapping, memo) for a in e.args), e.params)
-    elif isinstance(e, Where):
-        out = Where(substitute(e.cond, mapping, memo), substitute(e.a, mapping, memo), substitute(e.b, mapping, memo))
-    elif isinstance(e, Cast):
-        out = Cast(substitute(e.arg, mapping, memo), e.dtype)
-    else:
-        out = e
+    out = leaf(e)
+    if out is None:
+        if isinstance(e, Op):
+            out = Op(e.op, tuple(_map_leaves(a, leaf, memo) for a in e.args), e.params)
+        elif isinstance(e, Where):
+            out = Where(_map_leaves(e.cond, leaf, memo), _map_leaves(e.a, leaf, memo), _map_leaves(e.b, leaf, memo))
+        elif isinstance(e, Cast):
+            out = Cast(_map_leaves(e.arg, leaf, memo), e.dtype)
+        else:
+            out = e
     memo[e] = out
     return out
+
+
+def substitute(e: Expr, mapping: dict, memo: Optional[dict] = None) -> Expr:
+    """``e`` with loop variables replaced by index expressions (``mapping``: Var -> Ix)."""
+    def leaf(x):
+        if isinstance(x, Load):
+            return Load(x.buf, x.offset.substitute(mapping))
+        if isinstance(x, InRange):
+            return InRange(x.index.substitute(mapping), x.lo, x.hi)
+        return None
+    return _map_leaves(e, leaf, {} if memo is None else memo)
 
 
 def remap_buffers(e: Expr, mapping: dict, memo: Optional[dict] = None) -> Expr:
     """``e`` with each load's input buffer ``i`` read from buffer ``mapping[i]`` (kernels merged
     into one over the union of their inputs)."""
-    memo = {} if memo is None else memo
-    hit = memo.get(e)
-    if hit is not None:
-        return hit
-    if isinstance(e, Load):
-        out = Load(mapping[e.buf], e.offset)
-    elif isinstance(e, Op):
-        out = Op(e.op, tuple(remap_buffers(a, mapping, memo) for a in e.args), e.params)
-    elif isinstance(e, Where):
-        out = Where(remap_buffers(e.cond, mapping, memo), remap_buffers(e.a, mapping, memo),
-                    remap_buffers(e.b, mapping, memo))
-    elif isinstance(e, Cast):
-        out = Cast(remap_buffers(e.arg, mapping, memo), e.dtype)
-    else:
-        out = e
-    memo[e] = out
-    return out
+    def leaf(x):
+        return Load(mapping[x.buf], x.offset) if isinstance(x, Load) else None
+    return _map_leaves(e, leaf, {} if memo is None else memo)
 
 
 def simplify(e: Expr, memo: Optional[dict] = None) -> Expr:
