@@ -141,15 +141,18 @@ def _map_leaves(e: Expr, leaf, memo: dict) -> Expr:
     return out
 
 
+def _substituted(x, mapping: dict):
+    """A load or range test with its index's loop variables replaced (``mapping``), else None."""
+    if isinstance(x, Load):
+        return Load(x.buf, x.offset.substitute(mapping))
+    if isinstance(x, InRange):
+        return InRange(x.index.substitute(mapping), x.lo, x.hi)
+    return None
+
+
 def substitute(e: Expr, mapping: dict, memo: Optional[dict] = None) -> Expr:
     """``e`` with loop variables replaced by index expressions (``mapping``: Var -> Ix)."""
-    def leaf(x):
-        if isinstance(x, Load):
-            return Load(x.buf, x.offset.substitute(mapping))
-        if isinstance(x, InRange):
-            return InRange(x.index.substitute(mapping), x.lo, x.hi)
-        return None
-    return _map_leaves(e, leaf, {} if memo is None else memo)
+    return _map_leaves(e, lambda x: _substituted(x, mapping), {} if memo is None else memo)
 
 
 def remap_buffers(e: Expr, mapping: dict, memo: Optional[dict] = None) -> Expr:
@@ -169,13 +172,7 @@ def simplify(e: Expr, memo: Optional[dict] = None) -> Expr:
 def specialize(e: Expr, mapping: dict, memo: Optional[dict] = None) -> Expr:
     """``simplify(substitute(e, mapping))``, without substituting the branches that the decided
     range tests drop (a loop box of a concatenation reads one of its inputs)."""
-    def leaf(x):
-        if isinstance(x, Load):
-            return Load(x.buf, x.offset.substitute(mapping))
-        if isinstance(x, InRange):
-            return InRange(x.index.substitute(mapping), x.lo, x.hi)
-        return x
-    return _rebuild(e, leaf, {} if memo is None else memo)
+    return _rebuild(e, lambda x: _substituted(x, mapping) or x, {} if memo is None else memo)
 
 
 def _rebuild(e: Expr, leaf: Callable, memo: dict) -> Expr:
