@@ -135,11 +135,15 @@ def _check_node(n: fx.Node, states: dict, sym: str):
     out = _state(val, sym)
     if B not in flat_in and S not in flat_in:
         return out  # computes nothing of the batch (weights, constants, sizes of other dimensions)
+    if packet in _SIZE_OPS and inputs and inputs[0][1] == B:  # a size (stride...) of a batched value
+        if packet is aten.sym_size and _norm(n.args[1], n.args[0].meta["val"].dim()) == 0:
+            return S  # the batch size itself
+        if out != F:
+            raise _Decline(f"{name} reads a size that depends on the batch (a padded run would read another)")
+        return F  # the size of another dimension: the same at every batch
     if B not in _flat(out) and S not in _flat(out):
         raise _Decline(f"{name} reduces the batch away (dimension 0 mixed)")
     if target in _SCALAR_OPS or packet in _SIZE_OPS:
-        if packet is aten.sym_size and inputs[0][1] == B:
-            return S if _norm(n.args[1], n.args[0].meta["val"].dim()) == 0 else F
         return out if packet not in _SIZE_OPS else F
     if not isinstance(target, torch._ops.OpOverload):
         raise _Decline(f"{name} is not an ATen op known to act per sample")

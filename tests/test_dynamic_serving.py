@@ -46,6 +46,30 @@ class FlattenBatch(nn.Module):
         return self.conv(x).reshape(-1)
 
 
+class FlattenHead(nn.Module):
+    """Per sample: a conv, then flatten(1) (its graph reads the sizes of the other dimensions) and a
+    linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3, padding=1, stride=4), nn.Linear(64, 5)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+class ScaledByNumel(nn.Module):
+    """Every value divided by the tensor's element count, which grows with the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y / y.numel()
+
+
 class Spatial(nn.Module):
     """A per-sample CNN whose outputs keep their spatial dimensions (one a permuted view of a value
     no other output shares: outputs sharing memory decline padding)."""
@@ -85,7 +109,16 @@ class OutputAndItsView(nn.Module):
         return y, y[:, :2]
 
 
+def test_batch_independence_accepts_sizes_of_other_dimensions():
+    """flatten(1) reads the other dimensions' sizes: the same at every batch, so padded runs stay legal."""
+    torch.manual_seed(0)
+    info = _info(FlattenHead().eval(), [2, 3, 5, 3])
+    assert info.get("padding") and "padding_declined" not in info, info.get("padding_declined")
+    assert info["padded_calls"] + info["chunked_calls"] > 0
+
+
 @pytest.mark.parametrize("model,why", [
+    (ScaledByNumel(), "batch size"),
     (OutputAndItsView(), "share memory"),
     (MeanOverBatch(), "dimension 0"),
     (FlattenBatch(), "batch"),
