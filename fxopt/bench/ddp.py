@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", action="store_true",
                    help="rank 0 writes the profiled DDP steps' timeline per backend (trace_BACKEND.json in --out; "
                         "2 profiled steps unless --profile-steps says otherwise)")
+    p.add_argument("--phases", type=int, default=20, metavar="N",
+                   help="after the timed rounds, N more steps of every model with a phase timer "
+                        "(fxopt.bench.phases: host and GPU time of forward, backward and optimizer, the GPU's lag "
+                        "behind the host; DDP's own runtime statistics); 0: none (default 20)")
     p.add_argument("--ddp-options", default=None, metavar="JSON",
                    help='more DistributedDataParallel arguments, e.g. {"gradient_as_bucket_view": true}')
     p.add_argument("--single", action=argparse.BooleanOptionalAction, default=True,
@@ -116,7 +120,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if bad:
         p.error(f"unknown backend(s) {bad}; known: {', '.join(TRAIN_BACKENDS)}")
     a.rounds = a.rounds or (5 if a.device == "cuda" else 1)
-    if a.batch < 2 or min(a.iters, a.rounds) < 1 or min(a.warmup, a.rewarm, a.losses, a.profile_steps,
+    if a.batch < 2 or min(a.iters, a.rounds) < 1 or min(a.warmup, a.rewarm, a.losses, a.profile_steps, a.phases,
                                                           a.rounding_references) < 0:
         p.error("--batch >= 2, --iters and --rounds >= 1, --warmup, --rewarm, --losses, --profile-steps and "
                 "--rounding-references >= 0")
@@ -164,6 +168,50 @@ def _timed_rounds(pairs: List[tuple], a) -> None:
                 _guarded(t, lambda: t.timed(per_round), errors, "timed steps")
                 if errors:
                     print(errors[0], file=sys.stderr)
+
+
+#: DDP's runtime statistics of its last step (``DistributedDataParallel._get_ddp_logging_data``, ns) kept, as ms
+_DDP_STATS = ("forward_compute_time", "backward_compute_time", "backward_comm_time",
+              "backward_compute_comm_overlap_time")
+
+
+def _phases(pairs: List[tuple], a) -> None:
+    """``a.phases`` steps of every model under a phase timer, all processes together; per cell
+    ``phases`` (``fxopt.bench.phases``) and for a DDP model ``ddp_stats``, DDP's own times of the
+    last of those steps (its reducer times every step while the sample rate is 1)."""
+    import torch.distributed as dist
+
+    from fxopt.testing.training import run_steps
+
+    from .phases import time_phases
+    from .trainee import _guarded
+
+    for pair in pairs:
+        for t in pair:
+            if t is None:
+                continue
+            ok = [None] * dist.get_world_size()
+            dist.all_gather_object(ok, t.cell["status"] == "ok")
+            if not all(ok):
+                continue
+            ddp = t.module if hasattr(t.module, "_set_ddp_runtime_logging_sample_rate") else None
+
+            def go(t=t, ddp=ddp):
+                if ddp is not None:
+                    ddp._set_ddp_runtime_logging_sample_rate(1)
+
+                def steps(n):
+                    t.losses += run_steps(t.loop, t.batches, n, start=len(t.losses), seed=t.seed)
+
+                t.cell["phases"] = time_phases(t.loop, steps, a.phases, t.device == "cuda")
+                if ddp is not None:
+                    data = ddp._get_ddp_logging_data()
+                    t.cell["ddp_stats"] = {k + "_ms": data[k] / 1e6 for k in _DDP_STATS if data.get(k)}
+
+            errors: List[str] = []
+            _guarded(t, go, errors, "phases")
+            if errors:
+                print(errors[0], file=sys.stderr)
 
 
 def _cell(t, a, world: int) -> Dict[str, Any]:
@@ -300,6 +348,8 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
             trainees[be] = t
             dist.barrier()
         _timed_rounds([(singles.get(be), trainees[be]) for be in a.backends], a)
+        if a.phases:
+            _phases([(singles.get(be), trainees[be]) for be in a.backends], a)
         single = {be: _cell(t, a, 1) for be, t in singles.items()}
         for t in trainees.values():
             t.cell["replica_diff"] = _replica_diff(t.model)
@@ -340,7 +390,7 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
             "config": {k: getattr(a, k) for k in ("model", "batch", "amp", "backends", "warmup", "iters", "rounds",
                                                    "rewarm", "losses",
                                                    "rounding_references", "bucket_cap_mb", "single", "image_size", "data_batches", "lr",
-                                                   "seed", "fxopt_options", "profile_steps", "ddp_options")},
+                                                   "seed", "fxopt_options", "profile_steps", "phases", "ddp_options")},
             "allreduce_ms": gathered[0]["allreduce_ms"],
             "gradient_mb": sum(p.numel() for p in base.parameters()) * 4 / 2**20,
             "loss_tolerance": tol, "param_tolerance": PARAM_TOLERANCE[a.amp]}
@@ -360,7 +410,8 @@ def _summarize(ranks: List[Dict[str, Any]], a, tol: float) -> Dict[str, Any]:
                "ddp_images_per_s": c0.get("images_per_s"), "first_step_s": c0.get("first_step_s"),
                "single_step_ms": s0.get("median_ms"), "single_images_per_s": s0.get("images_per_s"),
                "replica_diff": max((c.get("replica_diff", float("inf")) for c in cells), default=None),
-               "fxopt": c0.get("fxopt"),
+               "fxopt": c0.get("fxopt"), "phases_single": s0.get("phases"), "phases_ddp": c0.get("phases"),
+               "ddp_stats": c0.get("ddp_stats"),
                **{k: c0[k] for k in ("gpu_kernel_ms", "comm_kernel_ms", "host_ms", "kernels_per_step") if k in c0}}
         if row["ddp_images_per_s"] and row["single_images_per_s"]:
             row["scaling"] = row["ddp_images_per_s"] / row["single_images_per_s"]
@@ -456,6 +507,7 @@ def render_markdown(results: Dict[str, Any]) -> str:
                                                  f"{f(r.get('param_rel_diff_buffers'), '.2e')})"
                                                  if r.get("param_rel_diff_parameters") is not None else ""),
             f(r.get("replica_diff"), ".3g"), graphs]) + " |")
+    lines += _phase_lines(s)
     checks = s["checks"]
     bad = [c for c in checks if not c["ok"]]
     lines += ["", f"scaling = DDP images/s on all {m['world_size']} devices / one device's images/s without DDP. "
@@ -474,6 +526,32 @@ def render_markdown(results: Dict[str, Any]) -> str:
               f"Checks: {len(checks) - len(bad)}/{len(checks)} passed."]
     lines += [f"- FAILED {c['backend']}: {c['reason']}" for c in bad]
     return "\n".join(lines) + "\n"
+
+
+def _phase_lines(s: Dict[str, Any]) -> List[str]:
+    """The phase table (rank 0's medians): per backend, one row for the one-device model and one for
+    the DDP model."""
+    from .phases import PHASES
+
+    rows = []
+    for be, r in s["backends"].items():
+        for which in ("single", "ddp"):
+            ph = r.get(f"phases_{which}")
+            if not ph or not ph.get("steps"):
+                continue
+            cells = [" / ".join("–" if ph.get(p, {}).get(k) is None else f"{ph[p][k]:.2f}"
+                                for k in ("host_ms", "gpu_ms", "lag_ms")) for p in PHASES]
+            stats = r.get("ddp_stats") if which == "ddp" else None
+            rows.append(f"| {be} | {'1 device' if which == 'single' else 'DDP'} | " + " | ".join(cells)
+                        + f" | {ph.get('step_gpu_ms', ph.get('step_host_ms', 0)):.2f} | "
+                        + (", ".join(f"{k[:-3].replace('_', ' ')} {v:.2f}" for k, v in stats.items()) if stats else "–")
+                        + " |")
+    if not rows:
+        return []
+    return ["", "Phases (rank 0, medians; host ms / GPU ms / GPU's lag behind the host at the phase's end, ms: "
+            "near 0 = the GPU waited for the host there); `between` = from the optimizer's end to the next step:",
+            "", "| backend | model | " + " | ".join(PHASES) + " | step ms | DDP's own times of its last step (ms) |",
+            "|" + "---|" * (len(PHASES) + 4)] + rows
 
 
 def write_results(results: Optional[dict], out: str, render) -> int:

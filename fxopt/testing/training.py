@@ -69,6 +69,7 @@ class TrainLoop:
         use_scaler = amp == torch.float16 if scaler is None else scaler
         self.scaler = torch.amp.GradScaler(device) if use_scaler else None
         self.grad_noise = None
+        self.mark = None
         if grad_noise is not None:
             eps, seed = grad_noise
             dev = self.params[0].device if self.params else torch.device(device)
@@ -83,12 +84,21 @@ class TrainLoop:
                     p.grad.mul_(u.mul_(2 * eps).add_(1 - eps).to(p.grad.dtype))
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One training step on the batch ``(x, y)``; returns the loss (detached, float32)."""
+        """One training step on the batch ``(x, y)``; returns the loss (detached, float32).
+        ``self.mark``, where set (a benchmark's phase timer), is called with ``"start"``,
+        ``"forward"``, ``"backward"`` and ``"optimizer"`` as the step reaches each point."""
+        mark = self.mark
+        if mark is not None:
+            mark("start")
         self.optimizer.zero_grad(set_to_none=True)
         amp = torch.autocast(self.device, dtype=self.amp) if self.amp is not None else contextlib.nullcontext()
         with amp:
             loss = F.cross_entropy(self.model(x), y)
+        if mark is not None:
+            mark("forward")
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        if mark is not None:
+            mark("backward")
         if self.grad_noise is not None:
             self._perturb_gradients()
         if self.scaler is not None:
@@ -96,6 +106,8 @@ class TrainLoop:
             self.scaler.update()
         else:
             self.optimizer.step()
+        if mark is not None:
+            mark("optimizer")
         return loss.detach().float()
 
 
