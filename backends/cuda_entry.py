@@ -7,8 +7,10 @@
 - ``lower_graph(gm, ctx, kind)``: the reference graph, with the generated kernels of
   ``backends/cuda/runtime/executor.py`` (``attach_kernels``, which still writes an ``info`` dict:
   it becomes the ``Lowered`` record here) for the cuda executor, and replayed as CUDA graphs per
-  input signature (``backends/cuda/runtime/cudagraphs.py``). The torch executor on CUDA inputs
-  lowers here too, without generated kernels.
+  input signature (``backends/cuda/runtime/cudagraphs.py``), with option ``streams`` the graph's
+  branches on several streams as a measured alternative of each capture
+  (``backends/cuda/runtime/stream_capture.py``). The torch executor on CUDA inputs lowers here too,
+  without generated kernels.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch.fx as fx
 from fxopt.autotune import cudnn_choice
 from fxopt.backends import torch_ref
 from fxopt.backends.cuda.runtime.cudagraphs import CudaGraphRunner, unsafe_reason
+from fxopt.backends.cuda.runtime.stream_capture import not_run, stream_alternative
 from fxopt.backends.lowering import (constants_refresher, decisions_cache, placeholder_indices, read_params,
                                      unoptimized_baseline)
 from fxopt.lowered import Lowered
@@ -102,12 +105,15 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str, kernels: bool = True) -> Low
     # inference by its heuristics unless option cudnn_search (fxopt.autotune.cudnn_choice)
     search = ctx.options.cudnn_search or training
     low.fn = cudnn_choice(runnable, search)
-    if ctx.options.cudagraphs is False:
-        low.cudagraphs = "off (option cudagraphs=False)"
+    off = "option cudagraphs=False" if ctx.options.cudagraphs is False else reason
+    planned = low.details.get("streams") if kernels and not training else None  # option streams' listing
+    if off:
+        low.cudagraphs = f"off ({off})"
+        if ctx.device_type == "cuda":
+            not_run(planned, off)
         return low
-    if reason:
-        low.cudagraphs = f"off ({reason})"
-        return low
+    streams = (stream_alternative(runnable, ctx.options.streams, lambda f: cudnn_choice(f, search), planned)
+               if planned else None)
     baseline = unoptimized_baseline(gm, ctx)
     refresh, folded_from = constants_refresher(runnable)
     written = [n.name for n in gm.graph.nodes if n.op == "placeholder" and written_in_place(n)]
@@ -117,7 +123,8 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str, kernels: bool = True) -> Low
         baseline=None if baseline is None else cudnn_choice(baseline, search),
         baseline_watched=None if baseline is None else read_params(baseline, ctx.param_placeholders),
         decisions_cache=decisions_cache(ctx, runnable, baseline),
-        training=ctx.training_link if training else None, written=placeholder_indices(gm, written))
+        training=ctx.training_link if training else None, written=placeholder_indices(gm, written),
+        streams=streams)
     low.cudagraphs = f"on (up to {ctx.options.cudagraph_max_signatures} signatures)"
     low.baseline_check = baseline is not None
     return low

@@ -84,7 +84,8 @@ class GraphReport:
 
 
 _CUDA_GRAPH_TIMES = (("optimized replay", "graph_ms"), ("without early launch", "graph_no_pdl_ms"),
-                     ("uncaptured", "plain_ms"), ("unoptimized replay", "baseline_graph_ms"))
+                     ("multi-stream replay", "streams_graph_ms"), ("uncaptured", "plain_ms"),
+                     ("unoptimized replay", "baseline_graph_ms"))
 
 
 def _cuda_graph_lines(i: int, runner) -> list:

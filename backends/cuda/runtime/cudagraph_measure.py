@@ -88,7 +88,10 @@ def median_ms(fn, runs: int = 5) -> float:
 
 
 NO_PDL = "optimized graph, no early launch"
-RUNS = ("optimized graph", "optimized plain", "baseline graph", NO_PDL)
+#: the optimized graph captured with its branches on several streams (``stream_capture.py``)
+STREAMS = "optimized graph, multi-stream"
+STREAMS_MS = "streams_graph_ms"
+RUNS = ("optimized graph", "optimized plain", "baseline graph", NO_PDL, STREAMS)
 
 
 def _describe(ways: list, names: dict) -> str:
@@ -99,22 +102,31 @@ def _describe(ways: list, names: dict) -> str:
     return ", ".join(f"{n} {names[w]}" for w, n in counts.items())
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:160] if text else ''}"
+
+
 class Measuring:
     """The measuring half of ``CudaGraphRunner`` (which provides ``fn``, ``baseline``, ``training``,
-    ``watch``, ``_capture``, ``_replay`` and ``writes``)."""
+    ``watch``, ``streams``, ``_capture``, ``_capture_streams``, ``_replay`` and ``writes``)."""
 
     def _measure(self, entry, args) -> tuple:
-        """Time the optimized replay against the plain run, the replay without early launches and
-        the baseline's replay into ``entry.timings``: (the baseline's capture or None, the capture
-        without early launches or None, why the others were not timed or None)."""
+        """Time the optimized replay against the plain run, the replay without early launches, the
+        baseline's replay and the multi-stream replay into ``entry.timings``: (the baseline's capture
+        or None, the capture without early launches or None, the multi-stream capture or None, why
+        the others were not timed or None). A multi-stream capture that fails is left out alone
+        (``timings["streams_failed"]``): the other alternatives are timed all the same."""
         early = self.training is None and entry.instances[0].early_launches
-        need = entry.instances[0].footprint * (1 + (self.baseline is not None) + early)
+        multi_on = getattr(self, "streams", None) is not None
+        need = entry.instances[0].footprint * (1 + (self.baseline is not None) + early + multi_on)
         free = _free_bytes()
         if need > free:
             entry.timings = {}
-            return None, None, (f"the plain run and the other captures would need about {need / 2**20:.0f} MiB, "
-                                f"{free / 2**20:.0f} MiB free")
-        base = plain = None
+            return None, None, None, (f"the plain run and the other captures would need about {need / 2**20:.0f} "
+                                      f"MiB, {free / 2**20:.0f} MiB free")
+        base = plain = multi = None
+        failed = None
         fns = {"graph_ms": lambda: self._replay(entry, args), "plain_ms": lambda: self.fn(*args)}
         try:
             if early:
@@ -123,20 +135,29 @@ class Measuring:
             if self.baseline is not None:
                 base = self._capture_baseline(entry, args)
                 fns["baseline_graph_ms"] = lambda: self._replay(base, args)
+            if multi_on:
+                try:
+                    multi = self._capture_streams(entry, args)
+                    fns[STREAMS_MS] = lambda: self._replay(multi, args)
+                except torch.OutOfMemoryError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a capture on several streams refused: one stream
+                    failed = _first_line(exc)
             with _side_runs(self.writes(args)):
                 entry.timings = _alternating_medians(fns)
+            if failed:
+                entry.timings["streams_failed"] = failed
         except torch.OutOfMemoryError:
-            base = plain = fns = None  # the other captures' and the plain runs' memory go back
+            base = plain = multi = fns = None  # the other captures' and the plain runs' memory go back
             entry.timings = {}
             torch.cuda.empty_cache()
-            return None, None, "out of memory while measuring the plain run and the other captures"
+            return None, None, None, "out of memory while measuring the plain run and the other captures"
         except Exception as exc:  # noqa: BLE001 - e.g. an allocation failing inside a capture, raised as
             # another error: the optimized capture, made and checked before, is kept
-            base = plain = fns = None
+            base = plain = multi = fns = None
             entry.timings = {}
-            text = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
-            return None, None, f"measuring failed ({type(exc).__name__}: {text})"
-        return base, plain, None
+            return None, None, None, f"measuring failed ({_first_line(exc)})"
+        return base, plain, multi, None
 
     def _capture_without_early_launch(self, entry, args):
         reads = frozenset(entry.instances[0].input_ptrs or ())

@@ -59,6 +59,9 @@ Contract (what a caller can rely on):
   over, before any pass: PyTorch's own kernels), that graph is captured too and timed in
   alternation with the optimized one; where it is faster by more than ``margin`` the signature
   replays the baseline instead. ``decisions()`` says which one runs and the times behind it.
+- Independent branches on several streams measured too (inference, option ``streams``): the graph
+  captured with its branches side by side replays instead where it is faster by more than
+  ``margin`` (``stream_capture.py``).
 - Programmatic dependent launch measured too (inference): where the optimized capture launched
   fxopt's kernels early (each starts while its predecessor finishes, its blocks waiting on the SM),
   the graph is captured once more with those launches plain and timed with the others; it replays
@@ -88,8 +91,9 @@ import torch
 import torch.fx as fx
 
 from fxopt.backends.cuda.compiler import programmatic_launches, without_programmatic_launch
-from fxopt.backends.cuda.runtime.cudagraph_measure import (NO_PDL, RUNS, Measuring, _describe,  # noqa: F401
-                                                           _reserved_bytes, _side_runs, capturing)
+from fxopt.backends.cuda.runtime.cudagraph_measure import (NO_PDL, RUNS, STREAMS, STREAMS_MS, Measuring,  # noqa: F401
+                                                           _describe, _reserved_bytes, _side_runs, capturing)
+from fxopt.backends.cuda.runtime.stream_capture import StreamChoice
 from fxopt.passinfra import written_in_place
 from fxopt.weights import _PTRS_EQUAL, WeightWatch
 
@@ -275,19 +279,22 @@ def choose(timings: dict, margin: float) -> str:
     plain_launch = timings.get("graph_no_pdl_ms")
     if plain_launch is not None and plain_launch < best_ms * (1.0 - margin):
         best, best_ms = NO_PDL, plain_launch
+    multi = timings.get(STREAMS_MS)  # the branches on several streams: past the margin too
+    if multi is not None and multi < best_ms * (1.0 - margin):
+        best, best_ms = STREAMS, multi
     base = timings.get("baseline_graph_ms")
     if base is not None and base < best_ms * (1.0 - margin):
         return "baseline graph"
     return best
 
 
-class CudaGraphRunner(Measuring):
+class CudaGraphRunner(StreamChoice, Measuring):
     def __init__(self, fn: Callable, static_indices: Sequence[int], refresh: Optional[Callable] = None,
                  max_graphs: int = 8, warmup: int = 2, watched: Optional[Sequence[int]] = None,
                  baseline: Optional[Callable] = None, baseline_watched: Optional[Sequence[int]] = None,
                  margin: float = 0.03, max_instances: int = 3, versioned: Optional[Sequence[int]] = None,
                  decisions_cache: Optional[tuple] = None, training: Optional[TrainingLink] = None,
-                 written: Sequence[int] = ()):
+                 written: Sequence[int] = (), streams=None):
         """static_indices: parameter/buffer inputs (read in place, never copied); watched: those of
         them the graph reads (default all), checked on every call for replacement; versioned: those
         whose in-place changes ``refresh`` must see (default: all watched ones when there is a
@@ -296,13 +303,15 @@ class CudaGraphRunner(Measuring):
         graph key): a signature decided before (same graphs, same device) is not measured again, and
         a losing baseline is then not even captured. training: a ``TrainingLink`` for AOTAutograd's
         forward and backward graphs (module docstring). written: the inputs (among the static ones)
-        the graph writes in place, restored after the runs that are not the call's own."""
+        the graph writes in place, restored after the runs that are not the call's own. streams: a
+        ``stream_capture.StreamAlternative``, measured per signature (inference)."""
         if not set(written) <= set(static_indices):
             raise ValueError(f"inputs {sorted(set(written) - set(static_indices))} are written in place but not static")
         self.fn, self.training = fn, training
         self.written = sorted(written)
         self.decisions_cache = decisions_cache
         self.baseline, self.margin = baseline, margin
+        self.streams = streams
         self.baseline_watched = (None if baseline_watched is None
                                  else sorted(set(baseline_watched) & set(static_indices)))
         self.static = set(static_indices)
@@ -504,15 +513,16 @@ class CudaGraphRunner(Measuring):
             return None
         sig = [(tuple(a.shape), a.stride(), str(a.dtype)) if isinstance(a, torch.Tensor) else repr(a)
                for a in (args[i] for i in self.dynamic)]
-        return f"cudagraph_runner|{self.decisions_cache[2]}|baseline={self.baseline is not None}|{sig}"
+        return (f"cudagraph_runner|{self.decisions_cache[2]}|baseline={self.baseline is not None}|{sig}"
+                + self._streams_key())
 
     def _decide(self, entry: _Entry, args) -> None:
-        key, base, plain = self._decision_key(args), None, None
+        key, base, plain, multi = self._decision_key(args), None, None, None
         cached = self.decisions_cache[0].get(self.decisions_cache[1], key) if key else None
         if cached is not None and cached.get("runs") in RUNS:
             entry.timings, entry.runs = dict(cached["timings"], cached=True), cached["runs"]
         else:
-            base, plain, why = self._measure(entry, args)
+            base, plain, multi, why = self._measure(entry, args)
             entry.runs = choose(entry.timings, self.margin)
             if why:
                 entry.timings["not_measured"] = why
@@ -527,7 +537,8 @@ class CudaGraphRunner(Measuring):
             base = base or self._capture_baseline(entry, args)  # a cached decision: captured now
             entry.fn, entry.instances = base.fn, base.instances
             self._watch_baseline_params(args)
-        # a losing baseline capture is dropped on return: its memory goes back to the pool
+        self._keep_streams(entry, args, multi)
+        # a losing baseline (or multi-stream) capture is dropped on return: its memory goes back to the pool
 
     def decisions(self) -> list[dict]:
         """Per captured signature: the measured times (optimized replay, optimized uncaptured and,
@@ -538,7 +549,8 @@ class CudaGraphRunner(Measuring):
                      inputs=_describe(["in place"] * len(e.instances[0].input_ptrs or {})
                                       + ["copy"] * len(e.instances[0].static_inputs),
                                       {"in place": "read in place", "copy": "copied"}),
-                     pool="the forward capture's" if e.instances[0].pool_shared else "own")
+                     pool="the forward capture's" if e.instances[0].pool_shared else "own",
+                     **self._stream_decision(e))
                 for e in self.graphs.values()]
 
 

@@ -29,9 +29,13 @@ before t's work on it is done.
 
 ``run_plan(gm, plan, streams, args)`` runs the graph node by node as ``gm(*args)`` would (same
 values), through a stream API (``CudaStreams``: torch.cuda streams and events; the tests pass one that
-records the order of its calls). Not on by default: option ``streams`` (0 = off) only plans and lists
-the plan in the report (``executor_details["streams"]``, shown by ``fxopt explain``); running it
-under the CUDA-graph runner as a measured alternative is the next step.
+records the order of its calls). Every side stream is joined into stream 0 before ``run_plan``
+returns, including one whose last action was a fork (after the folded constants, with no node of
+its own after it): a CUDA-graph capture fails on a stream forked into it and never joined back
+(``cudaErrorStreamCaptureUnjoined``), and the caller may release the inputs once the graph returned.
+Not on by default: option ``streams`` (0 = off) plans, lists the plan in the report
+(``executor_details["streams"]``, shown by ``fxopt explain``) and, under CUDA graphs, captures it as
+a measured alternative of the single-stream graph (``stream_capture.py``).
 """
 from __future__ import annotations
 
@@ -348,11 +352,13 @@ def run_plan(gm: fx.GraphModule, plan: StreamPlan, streams, args):
     streams.begin()
     side = sorted({s for s in plan.assign.values() if s})
     forked = False
+    dangling = set()  # side streams whose last action is a fork: joined by an event of their own
 
     def fork(name):  # every side stream waits for what stream 0 has run so far
         ev = streams.record(0, name)
         for t in side:
             streams.wait(t, ev)
+        dangling.update(side)
 
     for n in gm.graph.nodes:
         if n.op == "placeholder":
@@ -368,6 +374,9 @@ def run_plan(gm: fx.GraphModule, plan: StreamPlan, streams, args):
         if n.op == "output":
             for j in plan.joins:
                 streams.wait(0, events[j])
+            for t in sorted(dangling):
+                streams.wait(0, streams.record(t, f"join {t}"))
+        dangling.discard(s)
         ctx = streams.use(s) if side else contextlib.nullcontext()
         with ctx:
             for w in plan.waits.get(n.name, ()):
