@@ -10,7 +10,7 @@
 reproducer per failure (``repro.py``) and the coverage of kernel families, ops, dtypes and layouts
 (``coverage.py``); ``parallel.py`` runs a run's shards as processes at once (``--jobs``) and merges
 them; ``sample.py`` picks the sanitizers' sample; ``geometry.py`` emulates the register-row
-reductions' thread mapping on the CPU.
+reductions' thread mapping on the CPU, ``simt.py`` runs the column reductions thread by thread.
 """
 from .coverage import FAMILIES, Coverage, kernel_family
 from .graphs import Program, programs

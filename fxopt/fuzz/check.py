@@ -21,7 +21,8 @@ exception or one it was raised from (Dynamo wraps what its fake-tensor run of th
 On the CPU with ``executor="cuda"`` nothing runs on a GPU; the checkable part is checked: every
 kernel generated and compiled with NVRTC (``report.kernels``), every fused region's IR run on the
 CPU against its ATen ops (``fxopt.testing.check_fusion``), and every register-row reduction's
-thread mapping emulated (``fxopt.fuzz.geometry``).
+thread mapping emulated (``fxopt.fuzz.geometry``), every column reduction run thread by thread
+(``fxopt.fuzz.simt``).
 """
 from __future__ import annotations
 
@@ -309,6 +310,7 @@ def check_cuda_on_cpu(program: Program, model, x) -> list:
 
     from .backend_api import reduction_sources
     from .geometry import check_row_geometry, is_row_kernel
+    from .simt import check_column_geometry, is_column_kernel
 
     options = {**program.options, "executor": "cuda"}
     options.pop("cudagraphs", None)
@@ -330,4 +332,6 @@ def check_cuda_on_cpu(program: Program, model, x) -> list:
                     for ks in reduction_sources(region.kernel, bool(options.get("fast_math", False))):
                         if is_row_kernel(ks):
                             check_row_geometry(ks)
+                        elif is_column_kernel(ks):  # small inputs: the graph's float32 math rounds
+                            check_column_geometry(ks, high=4, rtol=1e-4, atol=1e-4)
     return list(report.graphs)

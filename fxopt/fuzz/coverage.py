@@ -21,7 +21,7 @@ from collections import Counter
 #: kernel-name prefix -> family (first match wins)
 _NAME_FAMILIES = [
     (r"^fx_red_.*_rows\d+v", "reduction:rows"), (r"^fx_red_.*_inner\d+", "reduction:inner"),
-    (r"^fx_red_.*_outer\d+", "reduction:outer"), (r"^fx_red_", "reduction:other"),
+    (r"^fx_red_.*_(outer|cols)\d+", "reduction:outer"), (r"^fx_red_", "reduction:other"),
     (r"^fx_pw_conv_epi", "pointwise:conv_epilogue"), (r"^fx_pw_", "pointwise:region"),
     (r"^fx_gap_", "pool:global_avg"), (r"^fx_(max|avg)pool", "pool:window"),
     (r"^fx_gconv", "conv:grouped"), (r"^fx_dwr", "conv:depthwise_rows"), (r"^fx_dwv", "conv:depthwise_vec"),

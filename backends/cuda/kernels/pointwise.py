@@ -30,7 +30,7 @@ from fxopt.backends.cuda.codegen.c import ctype
 from fxopt.backends.cuda.codegen.emit import Emitter, ix_c
 from fxopt.backends.cuda.codegen.ir_kernel import MAX_GRID, decompose_index, kernel_fast_math_prefix, kernel_header, kernel_index64, kernel_params, kernel_name
 from fxopt.backends.cuda.codegen.source import KernelSource
-from fxopt.backends.cuda.kernels.reduction import row_vector_width
+from fxopt.backends.cuda.kernels.reduction import reduction_vector_width
 
 
 POINTWISE_BLOCK = 256
@@ -147,7 +147,7 @@ def vector_width(k) -> int:
     """The widest vector (at most 16 bytes per output element group) the kernel's innermost loop
     allows (of a split kernel: the widest any of its parts allows), or 1."""
     if isinstance(k, ReductionKernel):
-        return row_vector_width(k)
+        return reduction_vector_width(k)
     if isinstance(k, PointwiseKernel) and k.parts:
         return max(vector_width(p) for p in k.parts)
     if not isinstance(k, PointwiseKernel) or not k.vars:

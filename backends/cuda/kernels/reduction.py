@@ -1,5 +1,6 @@
 """The reduction family: CUDA C for a ``ReductionKernel`` of the loop-level IR (``ir/``):
-``generate_reduction_kernel`` (warp- or block-per-row, column reductions) and, below, a row reduction
+``generate_reduction_kernel`` (warp- or block-per-row; column reductions, the ``outer`` strategy, in
+``column_reduction.py``) and, below, a row reduction
 whose rows fit in registers (the ``inner`` strategy of ``ir/`` for rows of at most ``MAX_ELEMS_PER_THREAD`` x 32 elements).
 
 Why: a normalization (LayerNorm: mean, variance, normalize) reads its row once per phase and
@@ -35,16 +36,12 @@ from fxopt.backends.cuda.codegen.c import ctype
 from fxopt.backends.cuda.codegen.emit import REDUCE_COMBINE, REDUCE_INIT, Emitter, ix_c
 from fxopt.backends.cuda.codegen.ir_kernel import MAX_GRID, decompose_index, kernel_fast_math_prefix, kernel_header, kernel_index64, kernel_params, kernel_name
 from fxopt.backends.cuda.codegen.source import KernelSource
+from fxopt.backends.cuda.kernels.column_reduction import (column_plan, column_vector_width, generate_column_reduction,
+                                                          vector_ok)
 
 
 def _reduction_geometry(k: ReductionKernel) -> dict:
     R, rows = k.row_size, k.rows
-    if k.strategy == "outer":
-        tiles = -(-rows // 32)
-        tr = 32 if tiles < 264 and R >= 256 else 8
-        tr = min(tr, 1 << max(0, (R - 1).bit_length()))
-        tr = max(tr, 1)
-        return {"block": 32 * tr, "tr": tr, "grid": max(1, min(tiles, MAX_GRID))}
     if R <= 1024:
         rows_per_block = 8
         return {"block": 32 * rows_per_block, "row_threads": 32, "rows_per_block": rows_per_block,
@@ -53,9 +50,17 @@ def _reduction_geometry(k: ReductionKernel) -> dict:
     return {"block": block, "row_threads": block, "rows_per_block": 1, "grid": max(1, min(rows, MAX_GRID))}
 
 
+def reduction_vector_width(k: ReductionKernel) -> int:
+    """The widest vector the kernel's mapping allows: along the row (``inner``) or the columns (``outer``)."""
+    return column_vector_width(k) if k.strategy == "outer" else row_vector_width(k)
+
+
 def generate_reduction_kernel(k: ReductionKernel, fast_math: bool = False, vec: int = 1) -> KernelSource:
     """``fast_math``: option fast_math (``codegen.c.fast_math_prefix``); ``vec``: the row's vector
     width (rows that fit in registers, ``row_plan`` below; 1: scalar loads)."""
+    cols = column_plan(k, vec) or column_plan(k, 1)
+    if cols is not None:
+        return generate_column_reduction(k, cols, fast_math)
     plan = row_plan(k, vec)
     if plan is not None:
         prefix = kernel_fast_math_prefix(k, fast_math)
@@ -76,49 +81,29 @@ def generate_reduction_kernel(k: ReductionKernel, fast_math: bool = False, vec: 
     ps = kernel_params(k)
     lines = kernel_header(k, name, block, ps, index64, prefix)
     rows, outer = k.rows, list(k.outer)
-    if k.strategy == "outer":
-        tr = geo["tr"]
-        lines += [f"  __shared__ float smem_[{tr}][33];",
-                  "  const int tx_ = threadIdx.x % 32, ty_ = threadIdx.x / 32;",
-                  f"  for (idx_t tile_ = blockIdx.x; tile_ * 32 < {rows}; tile_ += gridDim.x) {{",
-                  "    const idx_t row_ = tile_ * 32 + tx_;",
-                  f"    const bool valid_ = row_ < {rows};"]
-        ind = "    "
-        lines += decompose_index(outer, "row_", ind)
-        for ph in k.phases:
-            lines += _accumulate(k, ph, "if (valid_) ", "ty_", tr, ind)
-            lines += [f"{ind}smem_[ty_][tx_] = acc_{ph.name};", f"{ind}__syncthreads();",
-                      f"{ind}float red_{ph.name} = smem_[0][tx_];",
-                      f"{ind}for (int j_ = 1; j_ < {tr}; ++j_) "
-                      f"red_{ph.name} = {REDUCE_COMBINE[ph.op].format(a=f'red_{ph.name}', b='smem_[j_][tx_]')};",
-                      f"{ind}__syncthreads();"]
-        lines += _row_outputs(k, "if (valid_) ", "ty_", str(tr), ind)
-        lines += _outer_outputs(k, "valid_ && ty_ == 0", ind)
-        lines += ["  }", "}"]
-    else:
-        rt, rpb = geo["row_threads"], geo["rows_per_block"]
+    rt, rpb = geo["row_threads"], geo["rows_per_block"]
+    if rt > 32:
+        lines.append(f"  __shared__ float smem_[{rt // 32}];")
+    lines += [f"  const int lane_ = threadIdx.x % {rt};",
+              f"  for (idx_t row_ = (idx_t)blockIdx.x * {rpb} + threadIdx.x / {rt}; row_ < {rows}; "
+              f"row_ += (idx_t)gridDim.x * {rpb}) {{"]
+    ind = "    "
+    lines += decompose_index(outer, "row_", ind)
+    for ph in k.phases:
+        lines += _accumulate(k, ph, "", "lane_", rt, ind)
+        comb = REDUCE_COMBINE[ph.op].format(a=f"acc_{ph.name}", b=f"__shfl_xor_sync(0xffffffffu, acc_{ph.name}, o_)")
+        lines.append(f"{ind}for (int o_ = 16; o_ > 0; o_ >>= 1) acc_{ph.name} = {comb};")
         if rt > 32:
-            lines.append(f"  __shared__ float smem_[{rt // 32}];")
-        lines += [f"  const int lane_ = threadIdx.x % {rt};",
-                  f"  for (idx_t row_ = (idx_t)blockIdx.x * {rpb} + threadIdx.x / {rt}; row_ < {rows}; "
-                  f"row_ += (idx_t)gridDim.x * {rpb}) {{"]
-        ind = "    "
-        lines += decompose_index(outer, "row_", ind)
-        for ph in k.phases:
-            lines += _accumulate(k, ph, "", "lane_", rt, ind)
-            comb = REDUCE_COMBINE[ph.op].format(a=f"acc_{ph.name}", b=f"__shfl_xor_sync(0xffffffffu, acc_{ph.name}, o_)")
-            lines.append(f"{ind}for (int o_ = 16; o_ > 0; o_ >>= 1) acc_{ph.name} = {comb};")
-            if rt > 32:
-                nw = rt // 32
-                lines += [f"{ind}if (lane_ % 32 == 0) smem_[lane_ / 32] = acc_{ph.name};", f"{ind}__syncthreads();",
-                          f"{ind}acc_{ph.name} = smem_[0];",
-                          f"{ind}for (int j_ = 1; j_ < {nw}; ++j_) "
-                          f"acc_{ph.name} = {REDUCE_COMBINE[ph.op].format(a=f'acc_{ph.name}', b='smem_[j_]')};",
-                          f"{ind}__syncthreads();"]
-            lines.append(f"{ind}const float red_{ph.name} = acc_{ph.name};")
-        lines += _row_outputs(k, "", "lane_", str(rt), ind)
-        lines += _outer_outputs(k, "lane_ == 0", ind)
-        lines += ["  }", "}"]
+            nw = rt // 32
+            lines += [f"{ind}if (lane_ % 32 == 0) smem_[lane_ / 32] = acc_{ph.name};", f"{ind}__syncthreads();",
+                      f"{ind}acc_{ph.name} = smem_[0];",
+                      f"{ind}for (int j_ = 1; j_ < {nw}; ++j_) "
+                      f"acc_{ph.name} = {REDUCE_COMBINE[ph.op].format(a=f'acc_{ph.name}', b='smem_[j_]')};",
+                      f"{ind}__syncthreads();"]
+        lines.append(f"{ind}const float red_{ph.name} = acc_{ph.name};")
+    lines += _row_outputs(k, "", "lane_", str(rt), ind)
+    lines += _outer_outputs(k, "lane_ == 0", ind)
+    lines += ["  }", "}"]
     meta = {"kernel": k, "grid": (geo["grid"], 1, 1), "geometry": geo, "fast_math": bool(prefix)}
     return KernelSource(name, "\n".join(lines) + "\n", tuple(ps), "fused_reduction", meta, (block, 1, 1), index64)
 
@@ -183,15 +168,6 @@ def _row_loads(k: ReductionKernel, phases_only: bool = False) -> list:
     roots = [p.value for p in k.phases] + ([] if phases_only else [s.value for s in k.row_stores])
     hoist = Emitter(k, "", {}).unconditional(roots)
     return sorted((e for e in hoist if isinstance(e, Load) and ir.all_vars(e.offset) & red), key=repr)
-
-
-def vector_ok(ix: Ix, inner: Var, vec: int, itemsize: int) -> bool:
-    """``ix`` walks ``inner`` with stride 1 from a multiple of ``vec`` (a ``vec``-wide access)."""
-    if vec == 1:
-        return True
-    if ix.coef(inner) != 1 or inner in ix.vars_inside_atoms() or vec * itemsize > 16:
-        return False
-    return all(c % vec == 0 for a, c in ix.terms if a != inner) and ix.const % vec == 0
 
 
 def row_vector_width(k: ReductionKernel) -> int:

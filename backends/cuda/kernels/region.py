@@ -5,7 +5,8 @@ allows, and a scalar one for tensors that are not aligned for it; option ``fast_
 exp and division in kernels with 16-bit results; ``__call__`` returns ``None``, so that the
 reference runs, when the tensors it gets are not on the GPU or differ in shape, dtype or strides
 from those the kernel was generated for) and its launch (``launch_fused``: buffers checked against
-the kernel's, vector accesses' alignment)."""
+the kernel's, vector accesses' alignment; the scratch of a column reduction split over blocks,
+``meta["scratch"]``, allocated per launch)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -98,7 +99,13 @@ def launch_fused(ks: KernelSource, inputs, outputs, kernel=None) -> None:
         raise ValueError(f"{ks.name}: a vector-accessed tensor is not aligned")
     if any(b.numel == 0 for b in k.outputs) or ks.meta.get("work", 1) == 0:
         return
-    compiled_kernel(ks, kernel).launch(ks.meta["grid"], ks.block, list(inputs) + list(outputs))
+    args = list(inputs) + list(outputs)
+    if "scratch" in ks.meta:  # a column reduction split over blocks: partials and zeroed tickets
+        partials, tickets = ks.meta["scratch"]
+        device = (list(inputs) + list(outputs))[0].device
+        args += [torch.empty(partials, dtype=torch.float32, device=device),
+                 torch.zeros(tickets, dtype=torch.int32, device=device)]
+    compiled_kernel(ks, kernel).launch(ks.meta["grid"], ks.block, args)
 
 
 def vector_aligned(ks: KernelSource, inputs, outputs) -> bool:
