@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--fxopt-options", default=None, metavar="JSON")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--recompile-limit", type=int, metavar="N",
+                   help="torch._dynamo.config.recompile_limit for this command (default: Dynamo's, 8): a block "
+                        "class whose blocks differ in shape per stage is compiled once per shape, and past the "
+                        "limit Dynamo runs it eagerly")
     p.add_argument("--timeout-min", type=float, default=30.0)
     p.add_argument("--out", default="bench_fsdp_out")
     return p
@@ -215,6 +219,17 @@ def _conv_signature(weight_shape) -> str:
     return "x".join(map(str, weight_shape))
 
 
+def _dynamo_counters() -> Dict[str, Any]:
+    """What Dynamo did in a run: graphs captured, frames compiled, recompile-limit hits, graph breaks."""
+    from torch._dynamo.utils import counters
+
+    out = {k: dict(counters[k]) for k in ("stats", "frames", "recompile_limit") if counters.get(k)}
+    breaks = counters.get("graph_break")
+    if breaks:
+        out["graph_breaks"] = sum(breaks.values())
+    return out
+
+
 def _fxopt_summary(r: Run, base) -> Dict[str, Any]:
     """fxopt's graphs; the convolutions of the model (by weight shape) that none of its forward
     graphs holds: those ran eagerly. Blocks alike share one graph (Dynamo's guards see the same
@@ -256,6 +271,8 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
                             timeout=datetime.timedelta(minutes=a.timeout_min),
                             **({"device_id": torch.device(device)} if a.device == "cuda" else {}))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if a.recompile_limit:
+        torch._dynamo.config.recompile_limit = a.recompile_limit
     cells: Dict[str, Any] = {}
     try:
         base, shape, classes = _build(a.model, a)
@@ -263,7 +280,9 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
         for mode, backend in [("single", "eager")] + [(m, b) for m in a.modes for b in ("eager", "fxopt")]:
             torch._dynamo.reset()
             r = Run(mode, backend, base, a, device)
+            torch._dynamo.utils.counters.clear()
             cell = _train(r, batches, a, device)
+            cell["dynamo"] = _dynamo_counters()
             cell["losses"] = [float(x) for x in r.losses]
             if mode != "single":
                 params, buffers = _state(r.model)
@@ -291,7 +310,7 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
             "command": f"torchrun --nproc-per-node {world} -m fxopt.bench.fsdp " + " ".join(sys.argv[1:]),
             "world_size": world, "device_type": a.device, **_device_info(a.device), "versions": _versions(),
             "config": {k: getattr(a, k) for k in ("model", "batch", "amp", "modes", "warmup", "iters", "image_size",
-                                                   "lr", "seed", "fxopt_options")}}
+                                                   "lr", "seed", "fxopt_options", "recompile_limit")}}
     return {"meta": meta, "ranks": gathered, "summary": summarize(gathered, a)}
 
 
