@@ -29,6 +29,7 @@ from functorch.compile import make_boxed_func
 
 from fxopt.config import Options
 from fxopt.autotune import cudnn_choosing
+from fxopt.eager_formats import eager_output_formats
 from fxopt.compile_cache import CompileCache
 from fxopt.lowered import Lowered
 from fxopt.passinfra import PassContext, written_in_place
@@ -160,7 +161,8 @@ class FxoptCompiler:
                 self.params[i] = qualname_from_source(source) or node.name
         self.example_inputs = example_inputs
         self.eager = dynamo_gm  # what a compiled inference graph that fails at run time falls back to
-        self.eager_formats = _graph_output_formats(dynamo_gm, "example_value")
+        # Dynamo's example_value with eager's strides where its meta functions give others
+        self.eager_formats = eager_output_formats(dynamo_gm)
         # Parameters Dynamo kept as graph attributes (it does so with Inductor's global freezing
         # flag set): AOTAutograd lifts them in front of the inputs, in this order
         self.lifted = list({**dict(dynamo_gm.named_parameters(remove_duplicate=False)),
