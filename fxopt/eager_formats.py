@@ -105,6 +105,9 @@ def eager_values(gm: fx.GraphModule) -> dict:
     ``example_value`` (empty where none do)."""
     changed: dict = {}
     mode = None
+    if any(not all(type(d) is int for d in (*t.shape, *t.stride())) for n in gm.graph.nodes
+           for t in _tensors(n.meta.get("example_value"))):
+        return changed  # symbolic sizes: comparing strides would add guards
     for n in gm.graph.nodes:
         if n.op not in ("call_function", "call_method"):
             continue
