@@ -1,25 +1,9 @@
-"""The memory formats eager gives a Dynamo graph's outputs, where its fake values say otherwise.
-
-Dynamo's ``example_value`` comes from torch's meta functions and Python decompositions, and a few
-of them lay out a result differently from the eager kernel the model really runs:
-
-- upsampling (``F.interpolate``: nearest, nearest-exact, bilinear, bicubic) on CUDA: the meta
-  function and decomposition make the output contiguous for a channels_last input with fewer than
-  4 (nearest) or 16 (linear) channels, a speed heuristic of the CUDA kernel; the eager op's output
-  is allocated in its input's suggested format all the same (the kernel copies into it).
-- a pointwise op whose tensor operands all have the result's shape and are all contiguous: eager's
-  TensorIterator gives a contiguous result even where an operand is also channels_last (a tensor
-  with size-1 dimensions can be both, e.g. ``[1, 1, 1, W]``), where the meta function keeps the
-  operand's strides. Only the strides of such ambiguous values differ, but the next op may decide
-  its format by them (a convolution's output is channels_last when its input's strides are).
-
-``eager_output_formats`` re-propagates the graph's fake values from the first such node on, with
-eager's strides at those nodes, and returns every output's ``fxopt.names.format_of``. A graph
-without such nodes costs one walk; anything the propagation cannot run keeps Dynamo's formats.
-"""
+"""Eager's output formats where Dynamo's fake values (meta functions) differ: CUDA upsampling of a
+channels_last input (the meta's contiguous below 4 / 16 channels; eager keeps the input's format)
+and pointwise ops over all-contiguous operands (eager: contiguous; the meta keeps an ambiguous
+``[1, 1, 1, W]`` channels_last, which sets the next conv's format). Re-propagated from there."""
 from __future__ import annotations
 
-import logging
 import operator
 
 import torch
@@ -29,29 +13,14 @@ from torch.fx.node import map_aggregate
 
 from fxopt.names import format_of
 
-log = logging.getLogger(__name__)
-
 _UPSAMPLE = {F.interpolate, F.upsample, F.upsample_nearest, F.upsample_bilinear}
-_OPERATORS = {operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
-              operator.neg: "neg", operator.abs: "abs", operator.pow: "pow"}
-
-
-def _aten_name(n: fx.Node):
-    """The ATen op name a Dynamo-level call resolves to (None for what is unknown or in place)."""
-    if n.op == "call_method":
-        name = n.target
-    elif n.op == "call_function":
-        name = _OPERATORS.get(n.target) or getattr(n.target, "__name__", None)
-    else:
-        return None
-    if not isinstance(name, str) or name.endswith("_") or n.kwargs.get("inplace") or n.kwargs.get("out") is not None:
-        return None
-    return name
+_OPERATORS = {operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div"}
 
 
 def _is_pointwise(n: fx.Node) -> bool:
-    name = _aten_name(n)
-    if not name:
+    """An out-of-place ATen op tagged pointwise."""
+    name = n.target if n.op == "call_method" else _OPERATORS.get(n.target) or getattr(n.target, "__name__", None)
+    if not isinstance(name, str) or name.endswith("_") or n.kwargs.get("inplace") or "out" in n.kwargs:
         return False
     try:
         packet = getattr(torch.ops.aten, name)
@@ -81,19 +50,13 @@ def _eager_value(n: fx.Node, args: tuple, kwargs: dict, result):
         return result
     if _is_pointwise(n):
         ops = _tensors((args, kwargs))
-        dense = result.clone(memory_format=torch.contiguous_format)  # is_contiguous() ignores size-1 dims
-        if ops and all(t.shape == result.shape and t.is_contiguous() for t in ops) \
-                and result.stride() != dense.stride():
-            return dense
+        if ops and all(t.shape == result.shape and t.is_contiguous() for t in ops):
+            return result.clone(memory_format=torch.contiguous_format)
     return result
 
 
-def _same_meta(a, b) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same_meta(x, y) for x, y in zip(a, b))
-    return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor)
+def _key(v):
+    return [(t.shape, t.stride(), t.dtype) for t in _tensors(v)]
 
 
 def _example(n):
@@ -101,13 +64,11 @@ def _example(n):
 
 
 def eager_values(gm: fx.GraphModule) -> dict:
-    """node -> its value with eager's strides, for the nodes whose strides differ from their
-    ``example_value`` (empty where none do)."""
+    """node -> its value with eager's strides, where they differ from its ``example_value``."""
     changed: dict = {}
     mode = None
-    if any(not all(type(d) is int for d in (*t.shape, *t.stride())) for n in gm.graph.nodes
-           for t in _tensors(n.meta.get("example_value"))):
-        return changed  # symbolic sizes: comparing strides would add guards
+    if any(type(d) is not int for n in gm.graph.nodes for k in _key(n.meta.get("example_value")) for d in k[0]):
+        return changed  # symbolic sizes: comparing would add guards
     for n in gm.graph.nodes:
         if n.op not in ("call_function", "call_method"):
             continue
@@ -128,18 +89,16 @@ def eager_values(gm: fx.GraphModule) -> dict:
             else:
                 result = ex
             result = _eager_value(n, args, kwargs, result)
-        if not _same_meta(result, ex):
+        if _key(result) != _key(ex):
             changed[n] = result
     return changed
 
 
 def eager_output_formats(gm: fx.GraphModule) -> list:
-    """The memory format (``format_of``) of each of ``gm``'s outputs as eager gives it (None for
-    a non-tensor or a view); Dynamo's ``example_value`` corrected by ``eager_values``."""
+    """``format_of`` each output's value as eager gives it (None: no tensor, a view)."""
     try:
         changed = eager_values(gm)
-    except Exception as e:  # noqa: BLE001 - an op the fake propagation cannot rerun: Dynamo's formats
-        log.info("fxopt: eager output formats from Dynamo's values (%s: %s)", type(e).__name__, e)
+    except Exception:  # noqa: BLE001 - an op fake propagation cannot rerun: Dynamo's formats
         changed = {}
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     flat = list(out) if isinstance(out, (list, tuple)) else [out]
