@@ -378,7 +378,7 @@ def test_ddp_gloo_two_processes_matches_eager_ddp(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "fxopt.bench.ddp", "--device", "cpu", "--model", "seedcnn2", "--batch", "8", "--amp", "none",
            "--warmup", "1", "--iters", "4", "--rounds", "2", "--losses", "5", "--bucket-cap-mb", "1",
-           "--backends", "fxopt", "--rounding-references", "1", "--out", str(out)]
+           "--backends", "fxopt", "--rounding-references", "1", "--phases", "2", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     res = json.loads((out / "results.json").read_text())
@@ -395,7 +395,11 @@ def test_ddp_gloo_two_processes_matches_eager_ddp(tmp_path):
         graphs = rank["ddp"]["fxopt"]["fxopt"]
         assert graphs["graphs"].count("forward") >= 2 and graphs["graphs"].count("backward") >= 2, graphs
         assert graphs["fallbacks"] == []
-        assert len(rank["ddp"]["fxopt"]["losses"]) == 1 + 1 + 2 * (2 + 2)  # first, warm-up, 2 x (re-warm + timed)
+        # first, warm-up, 2 x (re-warm + timed), 2 under the phase timer
+        assert len(rank["ddp"]["fxopt"]["losses"]) == 1 + 1 + 2 * (2 + 2) + 2
+    for which in ("phases_single", "phases_ddp"):  # host times only on the CPU
+        assert fx[which]["steps"] == 2 and fx[which]["backward"]["host_ms"] > 0 and "gpu_ms" not in fx[which]["forward"]
+    assert set(fx["ddp_stats"]) >= {"forward_compute_time_ms", "backward_compute_time_ms"}, fx["ddp_stats"]
     # eager DDP with gradients perturbed by one float32 rounding, the same noise on both ranks
     (ref,) = res["summary"]["rounding_references"]
     assert ref["status"] == "ok" and 0 < ref["param_rel_diff"] <= 1e-4
