@@ -323,3 +323,41 @@ def test_every_program_has_an_op():  # fuzz 41f274c6f9: "y = x; x = x" is no gra
         lines = {ln.strip() for ln in p.source.split("def forward", 1)[1].splitlines()[1:]}
         assert lines - {"", "y = x", "x = x", "return x", "return x, y"}, p.source
     draw()
+
+
+def test_rounding_spread_judges_values_that_rounding_the_operands_moves():
+    """fuzz 6df02bf9b4: a weight gradient through abs() of values near zero flips sign when the
+    operands are rounded to 16 bits; eager happened to keep the signs (error 0.0112 against float64),
+    fxopt's equals the rounded problem's (4.04). The rounded problem's distance from float64 (the
+    spread) bounds it; a value off by more than twice that spread still fails."""
+    from fxopt.fuzz.check import Mismatch, compare
+
+    exact = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    eager = torch.tensor([1.0112, 2.0])
+    mine = torch.tensor([5.04, 2.0])
+    rounded = torch.tensor([5.04, 2.0], dtype=torch.float64)  # what the rounded operands give
+    with pytest.raises(Mismatch, match="error vs float64 4.04, eager's 0.0112 "):
+        compare("w.grad", mine, eager, lambda: exact, 1e-3, 1e-2)  # no spread: eager's error decides
+    compare("w.grad", mine, eager, lambda: exact, 1e-3, 1e-2, spread64=lambda: rounded)
+    with pytest.raises(Mismatch, match="rounding's 4.04"):
+        compare("w.grad", torch.tensor([13.0, 2.0]), eager, lambda: exact, 1e-3, 1e-2, spread64=lambda: rounded)
+    calls = []
+    compare("w.grad", eager + 0.001, eager, lambda: exact, 1e-3, 1e-2, spread64=lambda: calls.append(1))
+    assert not calls  # computed only where eager's error does not already cover fxopt's
+
+
+def test_training_reference_has_a_rounded_problem_under_16_bit_autocast():
+    prog = _program(["x = torch.abs(self.m0(x))"], ["self.m0 = nn.Conv2d(2, 2, 1)"], (1, 2, 2, 2), mode="training",
+                    dtype="float16")
+    model, x = fuzz_check.build(prog, "cpu")
+    ref = fuzz_check.Reference64(model, x, prog)
+    rr = ref.rounded
+    assert rr is not None and rr.rounded is None
+    w, wr = model.m0.weight, rr.model.m0.weight
+    assert wr.dtype == w.dtype and torch.equal(wr, w.to(torch.float16).to(w.dtype)) and not torch.equal(wr, w)
+    assert torch.equal(rr.x, x.to(torch.float16).to(x.dtype))
+    loss = lambda outs, ref=False: outs.double().sum()  # noqa: E731
+    g, gr = ref.grad("m0.weight", loss), rr.grad("m0.weight", loss)
+    assert g.dtype == gr.dtype == torch.float64 and g.shape == gr.shape
+    assert fuzz_check.Reference64(model, x, _program(["x = self.m0(x)"], ["self.m0 = nn.Conv2d(2, 2, 1)"],
+                                                     (1, 2, 2, 2), mode="training")).rounded is None  # float32

@@ -7,7 +7,11 @@ of every convolution algorithm the graph chose (``ConvAlgorithm.tolerance``, doc
 Where the values differ by more, they are judged against the model run in float64 (``Reference64``,
 run only then; a reference that cannot run is the fuzzer's failure, never skipped): fxopt passes
 when its error against float64 is at most twice eager's plus the absolute tolerance (eager's own
-result is rounded, in 16 bits most of all). A training step also compares the loss, every gradient
+result is rounded, in 16 bits most of all). A training step under 16-bit autocast also has a float64
+reference of the rounded problem (``Reference64.rounded``: parameters and input rounded to the
+autocast dtype, then float64): how far that lies from the exact reference is how far rounding the
+operands alone moves a value (a gradient through ``abs`` of a value near zero flips sign with it),
+and fxopt passes where its error is at most twice the larger of eager's and that spread. A training step also compares the loss, every gradient
 (10x), the input's gradient and the parameters and buffers after an SGD step.
 
 Where fxopt's outputs differ from eager's in dtype exactly as PyTorch's own compiled graph does
@@ -134,9 +138,12 @@ def _err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float(d.nan_to_num(float("inf")).max()) if d.numel() else 0.0
 
 
-def compare(what: str, got, want, ref64, rtol: float, atol: float, check_strides: bool = True) -> None:
+def compare(what: str, got, want, ref64, rtol: float, atol: float, check_strides: bool = True,
+            spread64=None) -> None:
     """Raise Mismatch unless ``got`` matches ``want`` (see the module's docstring); ``ref64``: the
-    float64 result, or a function computing it (called only where the values differ), or None."""
+    float64 result, or a function computing it (called only where the values differ), or None;
+    ``spread64``: the float64 result of the rounded problem, or a function computing it (called
+    only where fxopt's error exceeds twice eager's), or None."""
     g, w = _flat(got), _flat(want)
     if len(g) != len(w):
         raise Mismatch(f"{what}: {len(g)} outputs, eager {len(w)}")
@@ -155,18 +162,31 @@ def compare(what: str, got, want, ref64, rtol: float, atol: float, check_strides
                 raise Mismatch(f"{name}: {e}") from None
             c = _flat(ref64() if callable(ref64) else ref64)[i]  # the float64 reference, run only now
             err_c, err_e = _err(a, c), _err(b, c)
-            if not err_c <= 2 * err_e + atol:
-                raise Mismatch(f"{name}: error vs float64 {err_c:.3g}, eager's {err_e:.3g} (atol {atol}); "
-                               f"vs eager: {str(e).splitlines()[1:3]}") from None
+            if err_c <= 2 * err_e + atol:
+                continue
+            spread = None
+            if spread64 is not None:  # how far rounding the operands alone moves it
+                r = _flat(spread64() if callable(spread64) else spread64)[i]
+                spread = _err(r, c) if isinstance(r, torch.Tensor) else None
+                if spread is not None and err_c <= 2 * spread + atol:
+                    continue
+            raise Mismatch(f"{name}: error vs float64 {err_c:.3g}, eager's {err_e:.3g}"
+                           + (f", rounding's {spread:.3g}" if spread is not None else "")
+                           + f" (atol {atol}); vs eager: {str(e).splitlines()[1:3]}") from None
 
 
 class Reference64:
     """The model run in float64, lazily: a copy of the model and input taken now (before eager's
     step changes them), run on the first call; for a training step the loss's backward too."""
 
-    def __init__(self, model, x, program: Program):
+    def __init__(self, model, x, program: Program, rounding: torch.dtype | None = None):
         self.model, self.x, self.training = copy.deepcopy(model), x.detach().clone(), program.mode == "training"
         self._out = self._loss = None
+        self.rounded: Reference64 | None = None  # the rounded problem (16-bit autocast training only)
+        dtype = getattr(torch, program.dtype)
+        if rounding is None and self.training and dtype != torch.float32:
+            self.rounded = Reference64(_rounded(model, dtype), x.detach().to(dtype).to(x.dtype), program,
+                                       rounding=dtype)
 
     def out(self):
         if self._out is None:
@@ -187,6 +207,17 @@ class Reference64:
         self.loss(loss_fn)
         p = self.x if name == "input" else dict(self.model.named_parameters())[name]
         return p.grad
+
+
+def _rounded(model, dtype: torch.dtype):
+    """A copy of ``model`` whose floating-point parameters and buffers are rounded to ``dtype`` (and
+    kept in their own dtype): the operands autocast hands the kernels."""
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for t in list(m.parameters()) + list(m.buffers()):
+            if t.is_floating_point():
+                t.copy_(t.to(dtype).to(t.dtype))
+    return m
 
 
 def run_program(program: Program, device: str, graphs: list | None = None, outcome: dict | None = None) -> list:
@@ -264,7 +295,8 @@ def _training_step(program, device, eager, mine, compiled, x, graphs, ref: Refer
     if spare is not None and _upstream(program, device, spare, x, out_c, out_e, outcome):
         return
     rtol, atol = tolerance_for(program, device, graphs)
-    compare("output", out_c, out_e, ref.out, rtol, atol, check_strides=False)
+    rr = ref.rounded
+    compare("output", out_c, out_e, ref.out, rtol, atol, check_strides=False, spread64=rr and rr.out)
     gen = torch.Generator().manual_seed(program.seed + 2)
     ws = [torch.randn(o.shape, generator=gen).to(o.device) for o in _flat(out_e)]
 
@@ -273,7 +305,8 @@ def _training_step(program, device, eager, mine, compiled, x, graphs, ref: Refer
                    for o, w in zip(_flat(outs), ws))
     le, lc = loss(out_e), loss(out_c)
     n = sum(o.numel() for o in _flat(out_e)) ** 0.5
-    compare("loss", lc, le, lambda: ref.loss(loss), rtol, atol * max(1.0, n))
+    compare("loss", lc, le, lambda: ref.loss(loss), rtol, atol * max(1.0, n),
+            spread64=rr and (lambda: rr.loss(loss)))
     le.backward()
     lc.backward()
     params_e, params_c = dict(eager.named_parameters()), dict(mine.named_parameters())
@@ -283,9 +316,9 @@ def _training_step(program, device, eager, mine, compiled, x, graphs, ref: Refer
             raise Mismatch(f"{name}.grad: {q is not None}, eager {p.grad is not None}")
         if p.grad is not None:
             compare(f"{name}.grad", q, p.grad, lambda name=name: ref.grad(name, loss), rtol * 10, atol * 10,
-                    check_strides=False)
+                    check_strides=False, spread64=rr and (lambda name=name: rr.grad(name, loss)))
     compare("input.grad", xc.grad, xe.grad, lambda: ref.grad("input", loss), rtol * 10, atol * 10,
-            check_strides=False)
+            check_strides=False, spread64=rr and (lambda: rr.grad("input", loss)))
     if params_e:
         before = {name: p.detach().double().clone() for name, p in params_e.items()}
         for m in (eager, mine):
@@ -296,7 +329,10 @@ def _training_step(program, device, eager, mine, compiled, x, graphs, ref: Refer
             # momentum moves by lr * grad) where fxopt's and eager's parameters differ by more
             ref_step = (None if p.grad is None else
                         lambda name=name: before[name] - LR * ref.grad(name, loss).to(before[name].device))
-            compare(f"{name} after the step", params_c[name], p, ref_step, rtol * 10, atol * 10, check_strides=False)
+            rr_step = (None if p.grad is None or rr is None else
+                       lambda name=name: before[name] - LR * rr.grad(name, loss).to(before[name].device))
+            compare(f"{name} after the step", params_c[name], p, ref_step, rtol * 10, atol * 10, check_strides=False,
+                    spread64=rr_step)
     bufs_c = dict(mine.named_buffers())
     for name, b in eager.named_buffers():
         compare(f"buffer {name}", bufs_c[name], b, None, rtol, atol, check_strides=False)
