@@ -383,3 +383,24 @@ def test_bench_fsdp_shards_the_blocks_with_their_own_forward():
     assert [type(b).__name__ for b in shard_blocks(ResNetBN())] == ["Stem", "BasicBlock", "BasicBlock", "Head"]
     a = parse_args(["--device", "cpu", "--model", "seedcnn2"])
     assert a.modes == ["ddp", "fsdp"] and a.amp == "none" and a.batch == 64
+
+
+def test_bench_fsdp_counts_the_convolutions_a_step_calls_op_by_op():
+    """What ran eagerly shows as ``aten::conv2d`` calls (an ``nn.Conv2d``, a Dynamo graph run as Python);
+    a graph replay calls none."""
+    from fxopt.bench.fsdp import _conv_calls
+
+    conv = torch.nn.Conv2d(2, 3, 3)
+
+    class Step:
+        def step(self, x, y):
+            conv(x).sum().backward()
+
+    got = _conv_calls(Step(), (torch.randn(1, 2, 5, 5), None), "cpu")
+    assert got == {"aten::conv2d": 1, "aten::convolution": 1}, got
+
+    class Nothing:
+        def step(self, x, y):
+            x.sum()
+
+    assert _conv_calls(Nothing(), (torch.randn(1, 2, 5, 5), None), "cpu") == {"aten::conv2d": 0, "aten::convolution": 0}

@@ -188,6 +188,20 @@ def _train(r: Run, batches, a, device: str) -> Dict[str, Any]:
     return {"first_step_s": first, "step_ms": ms, "images_per_s_per_device": a.batch / (ms / 1e3)}
 
 
+def _conv_calls(r: Run, batch, device: str) -> Dict[str, int]:
+    """One more step under torch.profiler, CPU activity only (no CUPTI): how many times it called
+    ``aten::conv2d`` (what an ``nn.Conv2d`` run eagerly, or a Dynamo graph run as Python, calls;
+    fxopt's lowered graphs call ``aten::convolution`` or replay a CUDA graph) and
+    ``aten::convolution`` (every convolution run op by op, whoever called it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        r.step(*batch)
+        _sync(device)
+    names = [e.name for e in prof.events()]
+    return {"aten::conv2d": names.count("aten::conv2d"), "aten::convolution": names.count("aten::convolution")}
+
+
 def _state(model) -> tuple:
     """Full parameters and floating-point buffers on the CPU in float32 (a DTensor's full value:
     a collective)."""
@@ -283,6 +297,7 @@ def run(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
             torch._dynamo.utils.counters.clear()
             cell = _train(r, batches, a, device)
             cell["dynamo"] = _dynamo_counters()
+            cell["conv_calls_per_step"] = _conv_calls(r, batches[0], device)
             cell["losses"] = [float(x) for x in r.losses]
             if mode != "single":
                 params, buffers = _state(r.model)
@@ -324,7 +339,7 @@ def summarize(ranks: List[Dict[str, Any]], a) -> Dict[str, Any]:
     single = ranks[0]["single/eager"]["images_per_s_per_device"]
     rows, checks = {}, []
     for key, c0 in ranks[0].items():
-        row = {k: c0.get(k) for k in ("first_step_s", "step_ms", "images_per_s_per_device")}
+        row = {k: c0.get(k) for k in ("first_step_s", "step_ms", "images_per_s_per_device", "conv_calls_per_step")}
         row["images_per_s"] = c0["images_per_s_per_device"] * (1 if key.startswith("single") else len(ranks))
         if not key.startswith("single"):
             row["scaling"] = row["images_per_s"] / single
@@ -365,7 +380,8 @@ def render_markdown(results: Dict[str, Any]) -> str:
               f"- mean of {cfg['iters']} steps after {cfg['warmup']} warm-up steps (rank 0); scaling = images/s "
               "on all devices / eager alone on one device", "",
               "| run | first step s | ms/step | img/s per device | img/s all | scaling | losses rel diff | "
-              "params rel diff | buffers rel diff | replicas differ | fxopt graphs (conv kinds compiled) |", "|" + "---|" * 11]
+              "params rel diff | buffers rel diff | replicas differ | fxopt graphs (conv kinds compiled) | "
+              "aten::conv2d / aten::convolution calls a step |", "|" + "---|" * 12]
     for key, r in s["rows"].items():
         fx = r.get("fxopt")
         graphs = (f"{fx['graphs'].count('forward')} fw + {fx['graphs'].count('backward')} bw "
@@ -374,7 +390,7 @@ def render_markdown(results: Dict[str, Any]) -> str:
             key, f(r["first_step_s"]), f(r["step_ms"], ".1f"), f(r["images_per_s_per_device"], ".0f"),
             f(r["images_per_s"], ".0f"), f(r.get("scaling")), f(r.get("losses_max_rel_diff"), ".2e"),
             f(r.get("param_rel_diff"), ".2e"), f(r.get("buffer_rel_diff"), ".2e"), f(r.get("replica_diff"), ".3g"),
-            graphs]) + " |")
+            graphs, " / ".join(str(v) for v in (r.get("conv_calls_per_step") or {}).values()) or "–"]) + " |")
     bad = [c for c in s["checks"] if not c["ok"]]
     lines += ["", f"Tolerances: losses {s['tolerances']['losses']:g}, parameters {s['tolerances']['parameters']:g} "
               "(relative, against eager's same mode).", "",
