@@ -148,26 +148,39 @@ def _timed_rounds(pairs: List[tuple], a) -> None:
     the one-device model or None, the DDP model) runs ``iters / rounds`` timed steps after
     ``a.rewarm`` untimed ones, all processes starting each turn together. A model whose steps
     failed sits out; every process skips it alike (its DDP steps are collectives)."""
-    import torch.distributed as dist
-
-    from .trainee import _guarded
-
     per_round = -(-a.iters // a.rounds)
     for _ in range(a.rounds):
-        for pair in pairs:
-            for t in pair:
-                if t is None:
-                    continue
-                ok = [None] * dist.get_world_size()
-                dist.all_gather_object(ok, t.cell["status"] == "ok")
-                if not all(ok):
-                    continue
-                errors: List[str] = []
+        for t in _runnable(pairs):
+            def go(t=t):
                 if a.rounds > 1:
-                    _guarded(t, lambda: t.steps(a.rewarm), errors, "re-warm")
-                _guarded(t, lambda: t.timed(per_round), errors, "timed steps")
-                if errors:
-                    print(errors[0], file=sys.stderr)
+                    t.steps(a.rewarm)
+                t.timed(per_round)
+            _run_guarded(t, go, "timed steps")
+
+
+def _runnable(pairs: List[tuple]):
+    """The models of ``pairs`` in order whose steps have not failed on any rank (a collective per
+    model: every process skips a failed one alike, its DDP steps being collectives)."""
+    import torch.distributed as dist
+
+    for pair in pairs:
+        for t in pair:
+            if t is None:
+                continue
+            ok = [None] * dist.get_world_size()
+            dist.all_gather_object(ok, t.cell["status"] == "ok")
+            if all(ok):
+                yield t
+
+
+def _run_guarded(t, fn, what: str) -> None:
+    """``fn`` as one phase of ``t`` (a failure marks its cell, printed once)."""
+    from .trainee import _guarded
+
+    errors: List[str] = []
+    _guarded(t, fn, errors, what)
+    if errors:
+        print(errors[0], file=sys.stderr)
 
 
 #: DDP's runtime statistics of its last step (``DistributedDataParallel._get_ddp_logging_data``, ns) kept, as ms
@@ -179,39 +192,26 @@ def _phases(pairs: List[tuple], a) -> None:
     """``a.phases`` steps of every model under a phase timer, all processes together; per cell
     ``phases`` (``fxopt.bench.phases``) and for a DDP model ``ddp_stats``, DDP's own times of the
     last of those steps (its reducer times every step while the sample rate is 1)."""
-    import torch.distributed as dist
-
     from fxopt.testing.training import run_steps
 
     from .phases import time_phases
-    from .trainee import _guarded
 
-    for pair in pairs:
-        for t in pair:
-            if t is None:
-                continue
-            ok = [None] * dist.get_world_size()
-            dist.all_gather_object(ok, t.cell["status"] == "ok")
-            if not all(ok):
-                continue
-            ddp = t.module if hasattr(t.module, "_set_ddp_runtime_logging_sample_rate") else None
+    for t in _runnable(pairs):
+        ddp = t.module if hasattr(t.module, "_set_ddp_runtime_logging_sample_rate") else None
 
-            def go(t=t, ddp=ddp):
-                if ddp is not None:
-                    ddp._set_ddp_runtime_logging_sample_rate(1)
+        def go(t=t, ddp=ddp):
+            if ddp is not None:
+                ddp._set_ddp_runtime_logging_sample_rate(1)
 
-                def steps(n):
-                    t.losses += run_steps(t.loop, t.batches, n, start=len(t.losses), seed=t.seed)
+            def steps(n):
+                t.losses += run_steps(t.loop, t.batches, n, start=len(t.losses), seed=t.seed)
 
-                t.cell["phases"] = time_phases(t.loop, steps, a.phases, t.device == "cuda")
-                if ddp is not None:
-                    data = ddp._get_ddp_logging_data()
-                    t.cell["ddp_stats"] = {k + "_ms": data[k] / 1e6 for k in _DDP_STATS if data.get(k)}
+            t.cell["phases"] = time_phases(t.loop, steps, a.phases, t.device == "cuda")
+            if ddp is not None:
+                data = ddp._get_ddp_logging_data()
+                t.cell["ddp_stats"] = {k + "_ms": data[k] / 1e6 for k in _DDP_STATS if data.get(k)}
 
-            errors: List[str] = []
-            _guarded(t, go, errors, "phases")
-            if errors:
-                print(errors[0], file=sys.stderr)
+        _run_guarded(t, go, "phases")
 
 
 def _cell(t, a, world: int) -> Dict[str, Any]:
