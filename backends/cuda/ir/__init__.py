@@ -36,11 +36,11 @@ from .expr import (BINARY, COMPARE, FALSE, LOGICAL, REDUCE_OPS, TRUE, UNARY, UNA
 from .index import Atom, FloorDiv, Ix, Mod, Var, all_vars, strided, unravel
 from .interp import eval_ix, evaluate
 from .kernel import (Buffer, Kernel, Phase, PointwiseKernel, ReductionKernel, Store, children, index_exprs,
-                     kernel_exprs, remap_buffers, simplify, specialize, substitute, walk)
+                     kernel_exprs, map_leaves, remap_buffers, simplify, specialize, substitute, walk)
 
 __all__ = ["BINARY", "COMPARE", "FALSE", "LOGICAL", "REDUCE_OPS", "TRUE", "UNARY", "UNARY_P", "BoolConst", "Cast",
            "Const", "Expr", "InRange", "Load", "Op", "Red", "Where", "op", "Atom", "FloorDiv", "Ix", "Mod", "Var",
            "all_vars", "strided", "unravel", "eval_ix", "evaluate", "Buffer", "Kernel", "Phase", "PointwiseKernel",
-           "ReductionKernel", "Store", "children", "index_exprs", "kernel_exprs", "remap_buffers", "simplify", "specialize",
-           "substitute", "walk", "ACC", "BIAS", "RES", "ACTIVATIONS", "Arg", "EpilogueParts", "activation_chain",
+           "ReductionKernel", "Store", "children", "index_exprs", "kernel_exprs", "map_leaves", "remap_buffers",
+           "simplify", "specialize", "substitute", "walk", "ACC", "BIAS", "RES", "ACTIVATIONS", "Arg", "EpilogueParts", "activation_chain",
            "epilogue_expr", "epilogue_parts"]

@@ -155,6 +155,12 @@ def substitute(e: Expr, mapping: dict, memo: Optional[dict] = None) -> Expr:
     return _map_leaves(e, lambda x: _substituted(x, mapping), {} if memo is None else memo)
 
 
+def map_leaves(e: Expr, leaf, memo: Optional[dict] = None) -> Expr:
+    """``e`` rebuilt bottom-up with each node ``leaf`` maps replaced by its result (None: kept, its
+    operands rebuilt); shared subexpressions stay shared."""
+    return _map_leaves(e, leaf, {} if memo is None else memo)
+
+
 def remap_buffers(e: Expr, mapping: dict, memo: Optional[dict] = None) -> Expr:
     """``e`` with each load's input buffer ``i`` read from buffer ``mapping[i]`` (kernels merged
     into one over the union of their inputs)."""

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from fxopt.backends.cuda import ir
-from fxopt.backends.cuda.ir import Cast, Ix, Load, Op, Red, ReductionKernel, Var, Where
+from fxopt.backends.cuda.ir import Ix, Load, Red, ReductionKernel, Var
 from fxopt.backends.cuda.codegen.c import ctype
 from fxopt.backends.cuda.codegen.emit import REDUCE_COMBINE, REDUCE_INIT, Emitter, ix_c
 from fxopt.backends.cuda.codegen.ir_kernel import (MAX_GRID, kernel_fast_math_prefix, kernel_header, kernel_index64,
@@ -160,20 +160,7 @@ def column_plan(k: ReductionKernel, vec: int = 1) -> Optional[ColumnPlan]:
 
 def _rename_reds(e, lane: int, memo: dict):
     """``e`` with each ``Red(p)`` replaced by lane ``lane``'s ``Red(p_lane)``."""
-    if e in memo:
-        return memo[e]
-    if isinstance(e, Red):
-        out = Red(f"{e.name}_{lane}")
-    elif isinstance(e, Op):
-        out = Op(e.op, tuple(_rename_reds(a, lane, memo) for a in e.args), e.params)
-    elif isinstance(e, Where):
-        out = Where(*(_rename_reds(a, lane, memo) for a in (e.cond, e.a, e.b)))
-    elif isinstance(e, Cast):
-        out = Cast(_rename_reds(e.arg, lane, memo), e.dtype)
-    else:
-        out = e
-    memo[e] = out
-    return out
+    return ir.map_leaves(e, lambda x: Red(f"{x.name}_{lane}") if isinstance(x, Red) else None, memo)
 
 
 def _lane(exprs: list, c: Var, lane: int) -> list:
