@@ -42,5 +42,6 @@ __all__ = ["BINARY", "COMPARE", "FALSE", "LOGICAL", "REDUCE_OPS", "TRUE", "UNARY
            "Const", "Expr", "InRange", "Load", "Op", "Red", "Where", "op", "Atom", "FloorDiv", "Ix", "Mod", "Var",
            "all_vars", "strided", "unravel", "eval_ix", "evaluate", "Buffer", "Kernel", "Phase", "PointwiseKernel",
            "ReductionKernel", "Store", "children", "index_exprs", "kernel_exprs", "map_leaves", "remap_buffers",
-           "simplify", "specialize", "substitute", "walk", "ACC", "BIAS", "RES", "ACTIVATIONS", "Arg", "EpilogueParts", "activation_chain",
+           "simplify", "specialize", "substitute", "walk", "ACC", "BIAS", "RES", "ACTIVATIONS", "Arg", "EpilogueParts",
+           "activation_chain",
            "epilogue_expr", "epilogue_parts"]
