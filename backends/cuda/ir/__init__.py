@@ -43,5 +43,4 @@ __all__ = ["BINARY", "COMPARE", "FALSE", "LOGICAL", "REDUCE_OPS", "TRUE", "UNARY
            "all_vars", "strided", "unravel", "eval_ix", "evaluate", "Buffer", "Kernel", "Phase", "PointwiseKernel",
            "ReductionKernel", "Store", "children", "index_exprs", "kernel_exprs", "map_leaves", "remap_buffers",
            "simplify", "specialize", "substitute", "walk", "ACC", "BIAS", "RES", "ACTIVATIONS", "Arg", "EpilogueParts",
-           "activation_chain",
-           "epilogue_expr", "epilogue_parts"]
+           "activation_chain", "epilogue_expr", "epilogue_parts"]
