@@ -25,7 +25,8 @@ from fxopt.backends.cuda.runtime.cudagraph_measure import STREAMS, STREAMS_MS
 from fxopt.backends.cuda.runtime.stream_capture import stream_alternative
 from fxopt.backends.cuda.runtime.streams import plan_streams, run_plan
 from test_cudagraphs_cpu import _simulated_runner
-from test_streams import Builder, RecordingStreams, Refolded, check_run, random_dags, real_args
+from test_streams import (Builder, RecordingStreams, Refolded, branches_then_constants, check_run, random_dags,
+                          real_args)
 
 aten = torch.ops.aten
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -241,12 +242,7 @@ def test_a_side_stream_forked_after_its_last_node_is_joined():
     root = torch.nn.Module()
     root.fxopt_constants = Refolded()
     b = Builder()
-    x = b.input("x", 1, 16, 8, 8)
-    w0, w3, w1, w2 = (b.input(f"w{i}", 16, 16, k, k) for i, k in ((0, 3), (3, 1), (1, 3), (2, 1)))
-    main = b.op(aten.relu.default, b.conv(x, w0, padding=1), name="main")
-    early = b.conv(x, w3, name="early")
-    consts = b.g.call_module("fxopt_constants", (w1, w2))
-    consts.meta["val"] = (w1.meta["val"] * 2.0, w2.meta["val"] * 0.5)
+    x, main, early, consts = branches_then_constants(b, 1, 16, 8)
     k2 = b.op(operator.getitem, consts, 1)
     tail = b.op(aten.add.Tensor, main, early, name="tail")
     late = b.op(aten.relu.default, b.conv(x, k2, name="late_conv"), name="late")

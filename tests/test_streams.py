@@ -17,6 +17,18 @@ from fxopt.config import Options
 aten = torch.ops.aten
 
 
+def branches_then_constants(b, n: int, c: int, hw: int) -> tuple:
+    """Input ``x`` [n, c, hw, hw]; ``main`` (3x3 conv + ReLU) and ``early`` (1x1 conv) beside it;
+    then the folded constants (``fxopt_constants`` of two weights, refolded): (x, main, early, consts)."""
+    x = b.input("x", n, c, hw, hw)
+    w0, w3, w1, w2 = (b.input(f"w{i}", c, c, k, k) for i, k in ((0, 3), (3, 1), (1, 3), (2, 1)))
+    main = b.op(aten.relu.default, b.conv(x, w0, padding=1), name="main")
+    early = b.conv(x, w3, name="early")
+    consts = b.g.call_module("fxopt_constants", (w1, w2))
+    consts.meta["val"] = (w1.meta["val"] * 2.0, w2.meta["val"] * 0.5)
+    return x, main, early, consts
+
+
 class Builder:
     """An FX graph of ATen ops whose nodes carry ``meta["val"]`` (meta tensors: shapes only)."""
 
@@ -364,12 +376,7 @@ def test_folded_constants_are_inputs():
     assert api.log.index(("use", 0)) < api.log.index(("record", 0, "start"))  # after the constants
 
     b = Builder()  # the constants after the side streams forked: they fork again after them
-    x = b.input("x", 8, 64, 56, 56)
-    w0, w3, w1, w2 = (b.input(f"w{i}", 64, 64, k, k) for i, k in ((0, 3), (3, 1), (1, 3), (2, 1)))
-    main = b.op(aten.relu.default, b.conv(x, w0, padding=1), name="main")
-    early = b.conv(x, w3, name="early")
-    consts = b.g.call_module("fxopt_constants", (w1, w2))
-    consts.meta["val"] = (w1.meta["val"] * 2.0, w2.meta["val"] * 0.5)
+    x, main, early, consts = branches_then_constants(b, 8, 64, 56)
     late = b.conv(x, b.op(operator.getitem, consts, 1), name="late")
     b.g.output(b.op(aten.cat.default, [main, early, late], 1))
     gm = fx.GraphModule(root, b.g)
