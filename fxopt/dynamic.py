@@ -26,14 +26,16 @@ after its recompile limit runs new sizes eagerly. So a symbolic inference graph 
    returned; larger than every lowered batch, it runs in chunks of lowered batches (the largest
    repeatedly, the rest padded), each chunk's outputs copied into their rows of outputs of the
    whole batch before the next chunk runs (a CUDA-graph replay reuses its output buffers). Only
-   the first call at an image size (or a graph whose outputs cannot be joined so) lowers a
-   bucket's top size for a new batch. At its ``specialize_after + 1``-th call a size's own
-   specialization is lowered and takes over (a size evicted before needs that many calls more each
-   time). When ``max_specializations`` sizes are lowered, a padded or chunked size is admitted only
-   if it was called more often than the least called lowered size (no other size padded onto it),
-   which it then replaces; else it stays padded or chunked. Sizes drawn at random (a serving loop
-   over batch 1-64 with the bound at 16) would otherwise keep displacing each other, each lowered
-   again and again (228 evictions in 1,000 calls).
+   the first call at an image size (or a graph whose outputs cannot be joined so) lowers a size
+   for a new batch: the bucket top of the largest batch called so far, which then serves every
+   batch at that image size. At its ``specialize_after + 1``-th call a size's own specialization
+   is lowered and takes over (a size evicted before needs that many calls more each time). When
+   ``max_specializations`` sizes are lowered, a padded or chunked size is admitted only if it was
+   called ``ADMIT_FACTOR`` times as often as the least called lowered size that serves no other
+   (no size padded onto it, not the largest lowered batch at its image size), which it then
+   replaces; else it stays padded or chunked. Sizes drawn at random (a serving loop over batch
+   1-64 with the bound at 16) would otherwise keep displacing each other, each lowered again and
+   again (228 evictions in 1,000 calls; over three image sizes, 713).
 
 What cannot be rebuilt symbolically (a size that is an expression of symbols, inputs whose strides
 are neither contiguous nor channels_last) takes today's path, specialized by the passes, and the
@@ -47,6 +49,10 @@ from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
+
+
+#: a padded size replaces a lowered one when the bound is full only if called this many times as often
+ADMIT_FACTOR = 1.5
 
 
 class Unsupported(Exception):
@@ -249,14 +255,25 @@ class SizeDispatcher:
             if donor is None and self.chunking_declined is None and self._chunks(key) is not None:
                 served = self._padded[key] = _Chunked(self, key)  # nothing lowered in this call
                 return served
-            if donor is None:  # the bucket's top size is lowered: it serves every size of the bucket
-                donor = self._bucket_id(key)
+            if donor is None:  # nothing lowered at these other sizes: one size is, to serve them all
+                donor = self._top(key)
                 if donor == key:
                     return self._lower(key, args, role="specialized (bucket top)").fn
                 self._lower(donor, self.padding.pad_args(args, donor[self.batch_pos]), role="bucket top")
             padded = self._padded[key] = _Padded(self, key, donor)
             return padded
         return self._lower(key, args, role="specialized").fn
+
+    def _top(self, key: tuple) -> tuple:
+        """The size lowered for a batch with nothing lowered at its other sizes (a new image size):
+        the bucket top of the largest batch called so far at any size, so that every later batch at
+        these other sizes runs padded or in chunks on it, rather than each bucket lowering its own
+        top (three image sizes times seven buckets would be more than the bound holds)."""
+        from fxopt.dynamic_buckets import bucket
+
+        p = self.batch_pos
+        largest = max([k[p] for k in self.calls] + [key[p]])
+        return key[:p] + (bucket(largest),) + key[p + 1:]
 
     def _donor(self, key: tuple) -> Optional[tuple]:
         """The smallest lowered size with a larger batch and every other size equal (None: none)."""
@@ -275,9 +292,20 @@ class SizeDispatcher:
 
     def _victim(self) -> tuple:
         """The lowered size to drop for a new one: the least called that no padded size runs on
-        (ties: the least recently used)."""
+        (ties: the least recently used); where every one has padded sizes on it, the least called
+        that is not the largest lowered batch at its other sizes (its padded sizes run on the next
+        larger one)."""
         donors = {k for p in self._padded.values() for k in p.donors}
-        others = [k for k in self.cache if k not in donors] or list(self.cache)
+        servers = set()  # the largest lowered batch at each other size: every batch there runs on it
+        if self.batch_pos is not None:
+            p, largest = self.batch_pos, {}
+            for k in self.cache:
+                rest = k[:p] + k[p + 1:]
+                if rest not in largest or k[p] > largest[rest][p]:
+                    largest[rest] = k
+            servers = set(largest.values())
+        others = ([k for k in self.cache if k not in donors and k not in servers]
+                  or [k for k in self.cache if k not in servers] or list(self.cache))
         return min(others, key=lambda k: self.calls[k])  # min keeps the first (least recent) of ties
 
     def _lower(self, key: tuple, args, role: str):
@@ -316,10 +344,12 @@ class SizeDispatcher:
 
     def admits(self, key: tuple) -> bool:
         """Whether a padded size may get its own specialization now: always while there is room;
-        when ``max_specializations`` sizes are lowered, only if it was called more often than the
-        least called of them that no other size is padded onto (that one is dropped for it). Sizes
-        drawn at random would otherwise keep displacing each other, each lowered again and again."""
-        return len(self.cache) < self.max or self.calls[key] > self.calls[self._victim()]
+        when ``max_specializations`` sizes are lowered, only if it was called ``ADMIT_FACTOR`` times
+        as often as the least called of them that no other size is padded onto (that one is dropped
+        for it). Sizes drawn at random would otherwise keep displacing each other, each lowered
+        again and again: with a bare "more often", counts that grow alike keep overtaking each other
+        (a loop over 191 sizes with the bound at 16 lowered 732 times in 1,000 calls)."""
+        return len(self.cache) < self.max or self.calls[key] > ADMIT_FACTOR * self.calls[self._victim()]
 
     def _specialize(self, key: tuple, args) -> Callable:
         fn = self._lower(key, args, role="specialized").fn

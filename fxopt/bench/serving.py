@@ -129,14 +129,18 @@ def _phase(compiled, probe, plan_, chw, device, dtype, deadline: float) -> dict:
     fx_calls0 = probe.calls if probe else 0
     times: dict = {}
     first, compile_s, done = [], 0.0, 0
+    first_no_compile, every = [], []  # first calls during which Dynamo compiled no graph; every call
     for b, side in plan_:
         if time.perf_counter() > deadline:
             break
         x = torch.randn(b, chw[0], side, side, device=device, dtype=dtype)
         g0, l0 = counters["stats"]["unique_graphs"], probe.lowerings() if probe else 0
         dt = _timed(compiled, x, device)
+        every.append(dt)
         if (b, side) not in times:
             first.append(dt)
+            if counters["stats"]["unique_graphs"] == g0:
+                first_no_compile.append(dt)
             times[(b, side)] = []
         else:
             times[(b, side)].append(dt)
@@ -155,6 +159,9 @@ def _phase(compiled, probe, plan_, chw, device, dtype, deadline: float) -> dict:
            "total_s": round(sum(first) + sum(sum(v) for v in times.values()), 3),
            "first_call_new_size_s_median": round(statistics.median(first), 4) if first else None,
            "first_call_new_size_s_max": round(max(first), 4) if first else None,
+           "first_call_new_size_s_max_no_dynamo_compile": round(max(first_no_compile), 4) if first_no_compile
+           else None,
+           "call_ms_p99": round(sorted(every)[int(0.99 * (len(every) - 1))] * 1e3, 3) if every else None,
            "steady_ms_median": round(statistics.median(steady.values()) * 1e3, 3) if steady else None,
            "graph_breaks": sum(counters["graph_break"].values()) - breaks0}
     if probe is not None:
@@ -196,6 +203,18 @@ def run_backend(name: str, model, chw, device, dtype, plans: dict, samples: Sequ
     return out
 
 
+def _served_as(probe: FxoptProbe, b: int, side: int) -> str:
+    """How fxopt's dispatchers serve this size now: "own specialization", "padded to batch N", ...
+    ("static graph" where no symbolic graph has a record of it: Dynamo's own specialization)."""
+    how = []
+    for info in probe.dynamic():
+        for desc, rec in info.get("specializations", {}).items():
+            vals = [int(v.split("=")[1]) for v in desc.split(", ")]
+            if vals[0] == b and (len(vals) == 1 or side in vals[1:]):
+                how.append("own specialization" if rec.get("live") is True else str(rec.get("runs", "?")))
+    return "; ".join(how) or "static graph"
+
+
 def _static_family(name: str) -> str:
     """Backends whose static compiles are the same: fxopt and fxopt-dynamic, inductor and inductor-dynamic."""
     return {"fxopt-dynamic": "fxopt", "inductor-dynamic": "inductor-default"}.get(name, name)
@@ -213,6 +232,8 @@ def _versus_static(name, model, compiled, probe, chw, device, dtype, samples, it
         for _ in range(warm):
             _timed(compiled, x, device)
         per_size[f"{b}x{side}"] = {"dynamic_ms": round(_median_ms(compiled, x, device, iters), 4)}
+        if probe is not None:
+            per_size[f"{b}x{side}"]["served_as"] = _served_as(probe, b, side)
     family = _static_family(name)
     torch._dynamo.reset()
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=max(8, len(samples) + 1)):
