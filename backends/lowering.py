@@ -47,9 +47,16 @@ def decisions_cache(ctx, runnable: fx.GraphModule, baseline, device_type: str = 
 
 def unoptimized_baseline(gm: fx.GraphModule, ctx):
     """The graph as it came in, runnable, for a runner to compare against (None where option
-    ``baseline_check`` is off or nothing changed)."""
+    ``baseline_check`` is off or nothing changed). An inference graph's outputs are handed out in
+    the layouts eager gives them, as the optimized graph's are (``output_formats``): whichever of
+    the two a signature replays, the caller sees the same strides."""
     from fxopt.backends import torch_ref
+    from fxopt.eager_formats import restore_output_formats
 
     if ctx.options.baseline_check and ctx.unoptimized is not None and gm is not ctx.unoptimized:
-        return torch_ref.lower(ctx.unoptimized)
+        runnable = torch_ref.lower(ctx.unoptimized)
+        if ctx.mode == "inference" and restore_output_formats(runnable, ctx.output_formats, ctx.output_strides):
+            runnable.graph.lint()
+            runnable.recompile()
+        return runnable
     return None

@@ -29,9 +29,10 @@ from functorch.compile import make_boxed_func
 
 from fxopt.config import Options
 from fxopt.autotune import cudnn_choosing
-from fxopt.eager_formats import eager_output_formats
+from fxopt.eager_formats import eager_output_values, output_strides
 from fxopt.compile_cache import CompileCache
 from fxopt.lowered import Lowered
+from fxopt.names import format_of
 from fxopt.passinfra import PassContext, written_in_place
 from fxopt.pipeline import ALL_PASS_NAMES, FxoptFallbackWarning, PassFailure, copy_graph_module
 from fxopt.report import GraphReport
@@ -162,7 +163,9 @@ class FxoptCompiler:
         self.example_inputs = example_inputs
         self.eager = dynamo_gm  # what a compiled inference graph that fails at run time falls back to
         # Dynamo's example_value with eager's strides where its meta functions give others
-        self.eager_formats = eager_output_formats(dynamo_gm)
+        eager = eager_output_values(dynamo_gm)
+        self.eager_formats = [format_of(v) if v is not None else None for v in eager]
+        self.eager_strides = output_strides(eager)
         # Parameters Dynamo kept as graph attributes (it does so with Inductor's global freezing
         # flag set): AOTAutograd lifts them in front of the inputs, in this order
         self.lifted = list({**dict(dynamo_gm.named_parameters(remove_duplicate=False)),
@@ -203,6 +206,8 @@ class FxoptCompiler:
         ctx.output_formats = _graph_output_formats(gm)
         if mode == "inference":
             ctx.output_formats = _eager_output_formats(ctx.output_formats, self.eager_formats)
+            if len(self.eager_strides) == len(ctx.output_formats):  # AOTAutograd's outputs are Dynamo's
+                ctx.output_strides = list(self.eager_strides)
         return ctx
 
     def compile(self, gm: fx.GraphModule, fake_args: list, kind: str) -> Callable:

@@ -74,6 +74,8 @@ class PassContext:
     example_inputs: Optional[list] = None
     #: memory format of each graph output as eager produces it (layout restores these)
     output_formats: list = field(default_factory=list)
+    #: eager's strides of each graph output (None where unknown): the outputs that are views keep them
+    output_strides: list = field(default_factory=list)
     #: the graph as it came in, before any pass (the executor's never-slower baseline)
     unoptimized: Optional[fx.GraphModule] = None
     #: training graphs on CUDA: how the CUDA-graph runner links forward and backward

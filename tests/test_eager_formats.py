@@ -23,6 +23,28 @@ class Abs(nn.Module):
         return torch.abs(x)
 
 
+class Twice(nn.Module):
+    """``y = x; return x, <aux>``: the fuzzer's second output (a6d9fae0a3, fd5d5f69d6)."""
+
+    def __init__(self, aux: str):
+        super().__init__()
+        self.aux = aux
+
+    def forward(self, x):
+        return x, {"y": x, "t": x.transpose(2, 3), "s": x[:, :1]}[self.aux]
+
+
+class _First(nn.Module):
+    """``(f(x), y)`` of ``(x, y)``: a view output whose base is no output."""
+
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
+    def forward(self, xy):
+        return self.f(xy[0]), xy[1]
+
+
 CASES = {  # model, input shape, eager's format
     "nearest": (lambda: S(up()), (1, 2, 1, 2), CL),  # df12e891cd
     "nearest-bn": (lambda: S(up(), nn.BatchNorm2d(2)), (1, 2, 1, 2), CL),  # 2d1ca3ed3d
@@ -32,7 +54,11 @@ CASES = {  # model, input shape, eager's format
     "maxpool-nearest-bn": (lambda: S(nn.MaxPool2d(2, 1), up(), nn.BatchNorm2d(2)), (1, 2, 4, 4), CL),  # ed0117f339
     "one-channel-conv": (lambda: S(nn.Conv2d(8, 1, 3, padding=1), Abs(), nn.BatchNorm2d(1), nn.Conv2d(1, 2, 3, padding=1),
                              Abs(), nn.BatchNorm2d(2)), (1, 8, 1, 2), NCHW),  # f2bea686c5
+    "maxpool-nearest-twice": (lambda: S(nn.MaxPool2d(2, 1), up(), Twice("y")), (1, 2, 4, 4), CL),  # a6d9fae0a3
+    "bilinear-transposed": (lambda: S(up("bilinear"), Twice("t")), (1, 8, 1, 2), CL),  # fd5d5f69d6
+    "nearest-abs-sliced": (lambda: S(up(), Twice("s"), _First(Abs())), (1, 2, 1, 2), CL),
 }
+
 
 
 def _on_fake_cuda(name, backend):
@@ -54,7 +80,7 @@ def test_eager_formats_correct_dynamos_fake_values(name):
                                                     eager_output_formats(gm))) or gm.forward)
     (dynamo, eager), = seen
     assert dynamo[0] is not CASES[name][2]
-    assert all(f is CASES[name][2] for f in eager), (dynamo, eager)
+    assert all(f is CASES[name][2] for f in eager if f is not None) and eager[0] is not None, (dynamo, eager)
 
 
 @pytest.mark.parametrize("name", ["nearest", "bilinear", "maxpool-abs-nearest"])
@@ -82,3 +108,82 @@ def test_compiled_outputs_have_eagers_strides(name, device):
             for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
                 torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-4)
                 assert all(n == 1 or a == b for n, a, b in zip(w.shape, g.stride(), w.stride())), (g.stride(), w.stride())
+
+
+@pytest.mark.parametrize("name", ["nearest", "maxpool-nearest-twice", "bilinear-transposed", "nearest-abs-sliced"])
+def test_every_graph_the_runner_may_replay_hands_out_eagers_strides(name):
+    """The CUDA-graph runner replays the optimized graph or, where it measures faster, the graph as
+    AOTAutograd handed it over (its baseline, PyTorch's own kernels): both hand out eager's strides
+    (GPU fuzz a6d9fae0a3: the baseline's decomposed upsample was contiguous; fd5d5f69d6: a transposed
+    second output viewed the contiguous value). Both graphs run on the fake CUDA input; eager's
+    strides are Dynamo's graph's on the CPU, where upsampling keeps channels_last as on CUDA."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    make, shape, _ = CASES[name]
+    seen = []
+
+    def backend(gm, ex):
+        fxopt_backend(gm, ex, options={"executor": "cuda", "autotune_cache": False}, _sink=seen)
+        runner = seen[-1].lowered.cudagraph_runner
+        with torch.no_grad(), ex[0].fake_mode:
+            got = {k: [o.stride() for o in g(*ex)] for k, g in (("optimized", runner.fn), ("baseline", runner.baseline))}
+            with unset_fake_temporarily():
+                want = [o.stride() for o in gm(torch.randn(shape).contiguous(memory_format=CL))]
+        seen.append((got, want))
+        return gm.forward
+
+    _on_fake_cuda(name, backend)
+    (report, (got, want)) = seen
+    assert report.fallback is None and "output_formats" in {p.name for p in report.passes if p.changed}
+    assert torch.empty_strided((1,) * 4, want[0]).dim() == 4 and len(want) == len(got["baseline"])
+    for k, strides in got.items():
+        assert strides == want, (k, strides, want)
+    report.after.graph.lint()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+@pytest.mark.parametrize("name", ["nearest", "maxpool-nearest-twice", "bilinear-transposed", "nearest-abs-sliced"])
+def test_the_baseline_replay_hands_out_eagers_strides(name, monkeypatch):
+    """Where the runner measures the unoptimized graph faster it replays that one: forced here."""
+    from fxopt.backends.cuda.runtime import cudagraphs
+
+    monkeypatch.setattr(cudagraphs, "choose", lambda timings, margin: "baseline graph")
+    torch.manual_seed(0)
+    model, x = CASES[name][0]().eval().cuda(), torch.randn(CASES[name][1], device="cuda").to(memory_format=CL)
+    reports: list = []
+    fast = compile_with_fxopt(model, {"executor": "cuda", "autotune_cache": False}, reports)
+    with torch.no_grad():
+        want = model(x)
+        for _ in range(2):
+            got = fast(x)
+            for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+                torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-4)
+                assert all(n == 1 or a == b for n, a, b in zip(w.shape, g.stride(), w.stride())), (g.stride(), w.stride())
+    assert all(d["runs"] == "baseline graph" for d in reports[0].lowered.cudagraph_runner.decisions())
+
+
+def test_restore_output_formats_copies_a_value_once_for_its_views_of_any_rank():
+    """An output eager has channels_last and its views (a select, a transpose) read one copy;
+    an input's view is left alone (its strides are the input's)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxopt.eager_formats import restore_output_formats
+
+    def f(x):
+        y = torch.abs(x)
+        return y, y.select(1, 0), y.transpose(2, 3), x.transpose(2, 3)
+
+    x = torch.randn(1, 3, 4, 5)
+    gm = make_fx(f, tracing_mode="fake")(x)
+    e = torch.empty(1, 3, 4, 5).contiguous(memory_format=CL)
+    strides = [e.stride(), e.select(1, 0).stride(), e.transpose(2, 3).stride(), e.transpose(2, 3).stride()]
+    notes = restore_output_formats(gm, [CL, None, None, None], strides)
+    assert len(notes) == 3 and sum(n.target is torch.ops.aten.clone.default for n in gm.graph.nodes) == 1
+    gm.graph.lint()
+    gm.recompile()
+    got = gm(x)
+    assert [t.stride() for t in got[:3]] == strides[:3] and got[3].stride() == x.transpose(2, 3).stride()
+    for g, w in zip(got, f(x)):
+        torch.testing.assert_close(g, w)
+    assert restore_output_formats(gm, [CL, None, None, None], strides[:3] + [x.transpose(2, 3).stride()]) == []
