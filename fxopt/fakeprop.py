@@ -137,3 +137,40 @@ class CachedFakeTensorProp(FakeTensorProp):
             else:
                 self.cache[n] = (key, result, n.meta.get("val"))
         return result
+
+
+def propagate(gm: fx.GraphModule, inputs) -> None:
+    """Plain FakeTensor propagation of ``gm`` on ``inputs`` (fake tensors, as the graph's codegen
+    takes them: a joint graph's ``(primals, tangents)``), every node's ``meta["val"]`` anew."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(inputs)
+    with mode:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def view_problem(gm: fx.GraphModule) -> Optional[str]:
+    """The first ``view`` whose input, as propagated, ATen's kernel refuses (None: none). FakeTensor's
+    view is laxer than ATen's where a dimension of size 1 sits among those it merges (a ``[1, 2, 1,
+    2]`` channels_last value viewed as ``[1, 4]`` propagates and fails at run time), so a rewrite
+    that propagates may still not run; the view is retried on the meta device, whose view is ATen's."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in _VIEWS or not isinstance(n.args[0], fx.Node):
+            continue
+        src = n.args[0].meta.get("val")
+        if not isinstance(src, torch.Tensor):
+            continue
+        try:
+            meta_key(src)
+            size = meta_key(tuple(n.args[1]))
+        except _Uncacheable:
+            continue  # symbolic: not compared (it would add guards)
+        t = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="meta")
+        try:
+            t.view(size)
+        except RuntimeError as e:
+            return f"{n.name}: {src.shape} {src.stride()} as {list(size)}: {str(e).splitlines()[0][:120]}"
+    return None

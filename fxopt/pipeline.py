@@ -182,18 +182,22 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, dump_prefix: str = ""):
 def run_joint_pipeline(joint: fx.GraphModule, joint_inputs, options, target=None):
     """The ``JOINT_PIPELINE`` passes on AOTAutograd's joint graph. Each pass works on a copy that
     replaces the graph only when FakeTensor propagation through the whole rewritten graph succeeds
-    (a layout that does not propagate, say, is a declined rewrite, with the reason in the record);
+    and every view in it is one ATen's kernel takes on the propagated strides
+    (``fxopt.fakeprop.view_problem``; a layout that does not propagate, say, is a declined rewrite,
+    with the reason in the record); ``ctx.fake_inputs`` holds the joint inputs for a pass's own
+    propagation;
     a pass that raises falls back with one warning naming it (``strict=True`` raises).
     ``target`` (``fxopt.target.Target``): what the passes may assume of the executor, built by the
     backend entry; None assumes nothing beyond fxopt's reference ops (``Target.generic``).
     Returns (the joint graph, records)."""
-    from torch._guards import detect_fake_mode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
     from torch.utils._pytree import tree_leaves
+
+    from fxopt.fakeprop import propagate, view_problem
 
     leaves = [t for t in tree_leaves(joint_inputs) if isinstance(t, torch.Tensor)]
     device = "cuda" if any(t.device.type == "cuda" for t in leaves) else "cpu"
     ctx = PassContext(options=options, mode="training", device_type=device, target=target)
+    ctx.fake_inputs = list(joint_inputs)  # as the joint graph takes them: (primals, tangents)
     records: list[PassRecord] = []
     for name, fn in JOINT_PIPELINE:
         if not options.pass_enabled(name):
@@ -214,15 +218,19 @@ def run_joint_pipeline(joint: fx.GraphModule, joint_inputs, options, target=None
             continue
         changed = bool(result.modified)
         if changed:
-            mode = detect_fake_mode(leaves)
             try:
-                with mode:
-                    FakeTensorProp(result.graph_module, mode).propagate_dont_convert_inputs(*joint_inputs)
-                joint = result.graph_module
+                propagate(result.graph_module, joint_inputs)
+                problem = view_problem(result.graph_module)
             except Exception as e:  # noqa: BLE001 - a rewrite whose values do not propagate is declined
                 changed = False
                 ctx.note(f"declined: the rewritten graph does not propagate ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:160]})")
+            else:
+                if problem is None:
+                    joint = result.graph_module
+                else:  # FakeTensor's view let it through, ATen's kernel would not
+                    changed = False
+                    ctx.note(f"declined: a view of the rewritten graph would fail at run time ({problem})")
         records.append(PassRecord(name=name, status="ran", changed=changed, nodes_before=nodes_before,
                                   nodes_after=count_nodes(joint), ms=(time.perf_counter() - t0) * 1e3,
                                   notes=list(ctx.notes.get(name, []))))

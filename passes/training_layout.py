@@ -16,12 +16,18 @@ Matches: ``_to_copy(t, dtype=float16 | bfloat16)`` of a 4-D tensor on CUDA whose
 2-D convolutions (as their input or weight) and their gradients (``convolution_backward``).
 Produces: the same cast with ``memory_format=torch.channels_last``. A weight's gradient leaves
 through the cast back to float32; that cast is given ``memory_format=torch.contiguous_format``
-where the parameter is contiguous, so ``.grad`` keeps the parameter's layout.
+where the parameter is contiguous, so ``.grad`` keeps the parameter's layout. The graph was traced
+on NCHW values, so the ``.contiguous()`` eager calls in front of kernels that take NCHW only were
+no-ops and left nothing in it: where the new layouts reach such an argument (``NEEDS_NCHW``:
+GroupNorm's input, its gradient's incoming gradient and input; CUDA's kernels refuse or misread
+channels_last there), a contiguous copy of the value is put in front of it (one per value).
 
 Illegal (the graph is left as it was, with the reason): option ``layout="contiguous"``; fewer than
 ``MIN_CONVS`` matching convolutions; not CUDA; a graph in which the new layouts do not propagate
 (FakeTensor propagation fails, e.g. a ``view`` that needs the NCHW strides: ``x.view(n, -1)``
-of a spatial activation). Values equal those of the NCHW graph up to the order of cuDNN's
+of a spatial activation) or a ``view`` ATen's kernel refuses on them where FakeTensor's accepts
+it (a size-1 height or width among the merged dims; ``fxopt.fakeprop.view_problem``, checked by
+the joint pipeline). Values equal those of the NCHW graph up to the order of cuDNN's
 accumulation (the documented float16 tolerance).
 """
 from __future__ import annotations
@@ -89,6 +95,40 @@ def _grad_casts(gm: fx.GraphModule) -> list[fx.Node]:
     return found
 
 
+#: ops whose CUDA kernels take these tensor arguments in NCHW only (``native_group_norm`` checks
+#: ``X.is_contiguous()``; its backward raised "view size is not compatible" on a channels_last
+#: ``dY``): eager's ``group_norm`` and its gradient formula make them contiguous first
+NEEDS_NCHW = {aten.native_group_norm.default: (0,), aten.native_group_norm_backward.default: (0, 1)}
+
+
+def _nchw_copies(gm: fx.GraphModule, ctx: PassContext) -> int:
+    """Contiguous copies in front of the ``NEEDS_NCHW`` arguments the new layouts made other than
+    contiguous (propagated on ``ctx.fake_inputs``); how many arguments now read one."""
+    from fxopt.fakeprop import propagate
+
+    if not any(n.target in NEEDS_NCHW for n in gm.graph.nodes):
+        return 0
+    if ctx.fake_inputs is None:
+        raise ValueError("no fake inputs to propagate the new layouts to GroupNorm's arguments")
+    try:
+        propagate(gm, ctx.fake_inputs)
+    except Exception:  # noqa: BLE001 - the joint pipeline's own propagation declines the rewrite
+        return 0
+    copies: dict = {}
+    for node in list(gm.graph.nodes):
+        for i in NEEDS_NCHW.get(node.target, ()):
+            a = node.args[i]
+            v = val(a)
+            if v is None or v.is_contiguous():
+                continue
+            if a not in copies:
+                with gm.graph.inserting_after(a):
+                    copies[a] = gm.graph.call_function(aten.clone.default, (a,),
+                                                       {"memory_format": torch.contiguous_format})
+            node.update_arg(i, copies[a])
+    return sum(len(c.users) for c in copies.values())
+
+
 def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     casts = [n for n in gm.graph.nodes if _is_conv_cast(n)]
     why = illegal_reason(gm, ctx, casts)
@@ -101,6 +141,11 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for g in grads:
         g.kwargs = {**g.kwargs, "memory_format": torch.contiguous_format}
     gm.recompile()
+    nchw = _nchw_copies(gm, ctx)
+    if nchw:
+        gm.graph.lint()
+        gm.recompile()
     ctx.note(f"{len(casts)} cast(s) to channels_last before convolutions; "
-             f"{len(grads)} weight gradient(s) cast back contiguous")
+             f"{len(grads)} weight gradient(s) cast back contiguous"
+             + (f"; {nchw} GroupNorm argument(s) read a contiguous copy" if nchw else ""))
     return PassResult(gm, True)

@@ -1,0 +1,219 @@
+"""The joint passes' layouts against what the CUDA kernels take at run time (GPU fuzz 9785f6078b,
+349ac6a1e1, 5bf7573163, 4671d707b6: fp16 training on ``[1, 2, 1, 2]`` raised "view size is not
+compatible" and "Expected X.is_contiguous(memory_format)"): checked on fake CUDA tensors, the
+values on the CPU; the reproducers' programs themselves run on the GPU in ``test_fuzz.py``."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fxopt.config import Options
+from fxopt.fakeprop import view_problem
+from fxopt.pipeline import run_joint_pipeline
+
+aten = torch.ops.aten
+F16, CL = torch.float16, torch.channels_last
+
+
+def _record(records, name="training_layout"):
+    return {r.name: r for r in records}[name]
+
+
+def test_view_problem_is_atens_view_where_fake_tensors_are_laxer():
+    """A ``[1, 2, 1, 2]`` channels_last value viewed as ``[1, 4]``: ATen refuses (the channels and
+    the width are not adjacent in memory), FakeTensor's view (torch's reference) let it through."""
+    def f(x):
+        return aten.view(aten.abs(x), [1, 4])
+
+    with FakeTensorMode():
+        cl = make_fx(f)(torch.empty(1, 2, 1, 2, device="cuda").contiguous(memory_format=CL))
+        nchw = make_fx(f)(torch.empty(1, 2, 1, 2, device="cuda"))
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        torch.empty_strided((1, 2, 1, 2), (4, 1, 4, 2)).view(1, 4)
+    assert "view size is not compatible" in view_problem(cl)
+    assert view_problem(nchw) is None
+    cl.graph.lint()
+    x = torch.randn(1, 2, 1, 2)
+    torch.testing.assert_close(nchw(x), x.abs().reshape(1, 4))
+
+
+def _joint(shape, head: str):
+    """A joint-like fp16 graph: autocast's casts into two 1x1 convolutions, then ``head``:
+    ``"view"`` (flatten into a linear head, 9785f6078b) or ``"group_norm"`` (GroupNorm in float32
+    and its gradient, 5bf7573163 / 349ac6a1e1)."""
+    n, c, h, w = shape
+
+    def f(w1, w2, x, g):
+        c1 = aten.convolution(aten._to_copy(x, dtype=F16), aten._to_copy(w1, dtype=F16), None,
+                              [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+        c2 = aten.convolution(aten.abs(c1), aten._to_copy(w2, dtype=F16), None, [1, 1], [0, 0], [1, 1], False,
+                              [0, 0], 1)
+        if head == "view":
+            return (aten.view(aten.abs(c2), [n, c * h * w]),)
+        x32 = aten._to_copy(c2, dtype=torch.float32)
+        y, mean, rstd = aten.native_group_norm(x32, None, None, n, c, h * w, 1, 1e-5)
+        gx = aten.native_group_norm_backward(g, x32, mean, rstd, None, n, c, h * w, 1, [True, False, False])[0]
+        return y, gx
+
+    def make(device, fmt=torch.contiguous_format):
+        g = torch.randn(shape, device=device).contiguous(memory_format=fmt)
+        return [torch.randn(c, c, 1, 1, device=device), torch.randn(c, c, 1, 1, device=device),
+                torch.randn(shape, device=device), g]
+
+    with FakeTensorMode():
+        args = make("cuda")
+        gm = make_fx(f)(*args)
+    return f, gm, args, make
+
+
+@pytest.mark.parametrize("shape,declined", [((1, 2, 1, 2), True), ((2, 4, 1, 1), False), ((2, 4, 3, 3), True)])
+def test_training_layout_declines_a_view_atens_kernel_refuses(shape, declined):
+    """A one-pixel height between the merged channels and width: FakeTensor propagates the view,
+    ATen's kernel would not; the joint pipeline declines the pass as it does where propagation
+    fails (3x3). A 1x1 image is both layouts at once: no view is refused, the pass applies."""
+    f, gm, args, make = _joint(shape, "view")
+    out, records = run_joint_pipeline(gm, args, Options())
+    rec = _record(records)
+    assert rec.changed is not declined, rec.notes
+    casts = [n for n in out.graph.nodes if n.target is aten._to_copy.default]
+    assert all(("memory_format" in n.kwargs) is not declined for n in casts)
+    if shape == (1, 2, 1, 2):
+        assert any("would fail at run time" in n for n in rec.notes), rec.notes
+    out.graph.lint()
+    assert view_problem(out) is None
+    real = make("cpu")
+    torch.testing.assert_close(out(*real)[0], f(*real)[0], rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 1, 2), (2, 4, 3, 3)])
+@pytest.mark.parametrize("g_format", [torch.contiguous_format, CL])
+def test_training_layout_gives_group_norm_and_its_gradient_nchw_copies(shape, g_format):
+    """The casts before the convolutions write channels_last, so GroupNorm's input (cast to float32,
+    keeping the format) is channels_last: it and its gradient's channels_last arguments read one
+    contiguous copy each (CUDA's kernels take NCHW only); the values are the NCHW graph's."""
+    f, gm, args, make = _joint(shape, "group_norm")
+    if g_format is CL:  # the incoming gradient channels_last too (from an NHWC convolution's gradient)
+        mode = args[0].fake_mode
+        with mode:
+            args[3] = args[3].contiguous(memory_format=CL)
+            gm = make_fx(f)(*args)
+    out, records = run_joint_pipeline(gm, args, Options())
+    rec = _record(records)
+    assert rec.changed and any("GroupNorm argument(s) read a contiguous copy" in n for n in rec.notes), rec.notes
+    norms = [n for n in out.graph.nodes if n.target in (aten.native_group_norm.default,
+                                                        aten.native_group_norm_backward.default)]
+    assert len(norms) == 2
+    for n in norms:
+        for i in (0,) if n.target is aten.native_group_norm.default else (0, 1):
+            assert n.args[i].meta["val"].is_contiguous(), (n.name, i, n.args[i].meta["val"].stride())
+    copies = [n for n in out.graph.nodes if n.target is aten.clone.default]
+    assert len(copies) == 1 + (g_format is CL)  # the forward's input once (the gradient reads it too)
+    out.graph.lint()
+    real = make("cpu", g_format)
+    for got, want in zip(out(*real), f(*real)):
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+# --------------------------------------------------------------- the reproducers' own joint graphs
+def _random_stats(bn):
+    with torch.no_grad():
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 1.5)
+
+
+class _Flatten(nn.Module):  # 9785f6078b
+    def __init__(self):
+        super().__init__()
+        self.m0, self.m1, self.m2 = nn.BatchNorm2d(2), nn.Conv2d(2, 2, 1, bias=False), nn.BatchNorm2d(2)
+        self.m3, self.m4 = nn.Conv2d(2, 2, 1, bias=False), nn.BatchNorm2d(2)
+        self.m5, self.m6 = nn.Linear(4, 1), nn.Linear(1, 1)
+
+    def forward(self, x):
+        x = self.m0(x)
+        x = torch.abs(self.m2(self.m1(x)) + x)
+        x = torch.abs(self.m4(self.m3(x)) + x)
+        return self.m6(F.gelu(self.m5(torch.flatten(x, 1))))
+
+
+class _GroupNormSE(nn.Module):  # 5bf7573163
+    def __init__(self):
+        super().__init__()
+        self.m0 = nn.Conv2d(2, 2, 1, groups=2, bias=False)
+        self.m1, self.m2, self.m3 = nn.GroupNorm(1, 2, affine=False), nn.Conv2d(2, 1, 1), nn.Conv2d(1, 2, 1)
+
+    def forward(self, x):
+        x = self.m1(torch.abs(self.m0(x)))
+        return x * torch.sigmoid(self.m3(F.hardswish(self.m2(x.mean((2, 3), keepdim=True))))), x
+
+
+class _GroupNormResidual(nn.Module):  # 349ac6a1e1
+    def __init__(self):
+        super().__init__()
+        self.m0, self.m1, self.m2 = nn.GroupNorm(1, 2, affine=False), nn.Conv2d(2, 2, 1, bias=False), nn.BatchNorm2d(2)
+        self.m3, self.m4 = nn.Conv2d(2, 1, 1), nn.Conv2d(1, 2, 1)
+
+    def forward(self, x):
+        x = self.m0(x)
+        x = F.leaky_relu(self.m2(self.m1(x)) + x, 0.1)
+        return x * torch.sigmoid(self.m4(F.hardswish(self.m3(x.mean((2, 3), keepdim=True)))))
+
+
+def _cuda_joint(model: nn.Module, shape):
+    """The model's joint graph under fp16 autocast, traced by AOTAutograd on the CPU (fake CUDA
+    tensors cannot run autograd's engine without a GPU) and moved to fake CUDA tensors: the graph the
+    joint passes see on the GPU, up to the device's decompositions (none differ for these ops)."""
+    from functorch.compile import default_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    captured = []
+
+    def partition(joint, inputs, **kw):
+        captured.append((copy.deepcopy(joint), inputs))
+        return default_partition(joint, inputs, **kw)
+
+    backend = aot_autograd(fw_compiler=lambda g, a: g, bw_compiler=lambda g, a: g, partition_fn=partition)
+    torch.compiler.reset()
+    with torch.autocast("cpu", dtype=F16):
+        torch.compile(model.train(), backend=backend)(torch.randn(shape).requires_grad_(True))
+    joint, inputs = captured[0]
+    for n in joint.graph.nodes:
+        if n.op == "call_function" and n.kwargs.get("device") is not None:
+            n.kwargs = {**n.kwargs, "device": torch.device("cuda")}
+    joint.recompile()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fake = [[torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda").requires_grad_(t.requires_grad)
+                 if isinstance(t, torch.Tensor) else t for t in group] for group in inputs]
+        FakeTensorProp(joint, mode).propagate_dont_convert_inputs(*fake)
+    return joint, fake
+
+
+@pytest.mark.parametrize("model,declined", [(_Flatten, True), (_GroupNormSE, False), (_GroupNormResidual, False)])
+def test_the_reproducers_joint_graphs_run_as_the_cuda_kernels_take_them(model, declined, monkeypatch):
+    """Each reproducer's joint graph after the joint passes: no view ATen refuses, every GroupNorm
+    argument its CUDA kernel reads NCHW contiguous (the pass declined, or applied with copies)."""
+    from fxopt.backends import target_for
+
+    # fake CUDA BatchNorm's decomposition asks cuDNN for its reserve size: none on this machine
+    monkeypatch.setattr(torch._C, "_get_cudnn_batch_norm_reserve_space_size", lambda *a, **k: 0)
+    torch.manual_seed(0)
+    m = model()
+    for bn in (b for b in m.modules() if isinstance(b, nn.BatchNorm2d)):
+        _random_stats(bn)
+    joint, fake = _cuda_joint(m, (1, 2, 1, 2))
+    opts = Options(executor="cuda")
+    out, records = run_joint_pipeline(joint, fake, opts, target_for(opts, "cuda", "training"))
+    rec = _record(records)
+    assert rec.changed is not declined, rec.notes
+    assert view_problem(out) is None
+    for n in out.graph.nodes:
+        if n.target is aten.native_group_norm.default:
+            assert n.args[0].meta["val"].is_contiguous()
+        if n.target is aten.native_group_norm_backward.default:
+            assert n.args[0].meta["val"].is_contiguous() and n.args[1].meta["val"].is_contiguous()
+    out.graph.lint()
