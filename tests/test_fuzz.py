@@ -361,3 +361,59 @@ def test_training_reference_has_a_rounded_problem_under_16_bit_autocast():
     assert g.dtype == gr.dtype == torch.float64 and g.shape == gr.shape
     assert fuzz_check.Reference64(model, x, _program(["x = self.m0(x)"], ["self.m0 = nn.Conv2d(2, 2, 1)"],
                                                      (1, 2, 2, 2), mode="training")).rounded is None  # float32
+
+
+_BN = "_random_stats(self.m{})"
+GPU_REPRODUCERS = {  # GPU fuzz seeds 41 / 51 (2026-11-27): shape, dtype, fmt, mode, init, forward, returned
+    "9785f6078b": ((1, 2, 1, 2), "float16", "contiguous", "training", [
+        "self.m0 = nn.BatchNorm2d(2)", _BN.format(0), "self.m1 = nn.Conv2d(2, 2, 1, padding=0, bias=False)",
+        "self.m2 = nn.BatchNorm2d(2)", _BN.format(2), "self.m3 = nn.Conv2d(2, 2, 1, padding=0, bias=False)",
+        "self.m4 = nn.BatchNorm2d(2)", _BN.format(4), "self.m5 = nn.Linear(4, 1)", "self.m6 = nn.Linear(1, 1)"],
+        ["x = self.m0(x)", "x = torch.abs(self.m2(self.m1(x)) + x)", "x = torch.abs(self.m4(self.m3(x)) + x)",
+         "x = self.m6(F.gelu(self.m5(torch.flatten(x, 1))))"], "x"),
+    "349ac6a1e1": ((1, 2, 1, 2), "float16", "contiguous", "training", [
+        "self.m0 = nn.GroupNorm(1, 2, affine=False)", "self.m1 = nn.Conv2d(2, 2, 1, padding=0, bias=False)",
+        "self.m2 = nn.BatchNorm2d(2)", _BN.format(2), "self.m3 = nn.Conv2d(2, 1, 1)", "self.m4 = nn.Conv2d(1, 2, 1)"],
+        ["x = self.m0(x)", "x = F.leaky_relu(self.m2(self.m1(x)) + x, 0.1)",
+         "x = x * torch.sigmoid(self.m4(F.hardswish(self.m3(x.mean((2, 3), keepdim=True)))))"], "x"),
+    "5bf7573163": ((1, 2, 1, 2), "float16", "contiguous", "training", [
+        "self.m0 = nn.Conv2d(2, 2, 1, stride=1, padding='same', dilation=1, groups=2, bias=False)",
+        "self.m1 = nn.GroupNorm(1, 2, affine=False)", "self.m2 = nn.Conv2d(2, 1, 1)", "self.m3 = nn.Conv2d(1, 2, 1)"],
+        ["x = torch.abs(self.m0(x))", "x = self.m1(x)", "y = x",
+         "x = x * torch.sigmoid(self.m3(F.hardswish(self.m2(x.mean((2, 3), keepdim=True)))))"], "x, y"),
+    "4671d707b6": ((1, 2, 1, 2), "float16", "contiguous", "training", [
+        "self.m0 = nn.Conv2d(2, 2, 1, stride=1, padding='same', dilation=1, groups=1, bias=False)",
+        "self.m1 = nn.BatchNorm2d(2)", _BN.format(1), "self.m2 = nn.GroupNorm(1, 2, affine=False)",
+        "self.m3 = nn.Conv2d(2, 2, 1, stride=1, padding=0, dilation=1, groups=1, bias=False)"],
+        ["x = x - x.mean((1,), keepdim=True)", "x = torch.abs(self.m0(x))", "x = self.m1(x)", "x = self.m2(x)",
+         "x = torch.abs(self.m3(x))"], "x"),
+    "a6d9fae0a3": ((1, 2, 4, 4), "float32", "channels_last", "inference", [],
+                   ["x = F.max_pool2d(x, 2, 1, 0, ceil_mode=False)", "x = F.interpolate(x, scale_factor=2, mode='nearest')",
+                    "y = x"], "x, y"),
+    "fd5d5f69d6": ((1, 8, 1, 2), "float32", "channels_last", "inference", [],
+                   ["x = F.interpolate(x, scale_factor=2, mode='bilinear', align_corners=False)", "y = x"],
+                   "x, y.transpose(2, 3)"),
+}
+
+
+def gpu_reproducer(tag: str) -> Program:
+    from fxopt.fuzz.graphs import render
+
+    shape, dtype, fmt, mode, init, forward, ret = GPU_REPRODUCERS[tag]
+    return Program(render(init, forward, ret), shape, dtype, fmt, mode, 0,
+                   {"executor": "cuda", "autotune_cache": False}, [tag])
+
+
+@pytest.mark.parametrize("tag", sorted(GPU_REPRODUCERS))
+def test_gpu_reproducers_build_and_run_eagerly(tag):
+    """The GPU test's programs are the reproducers' models (what eager runs of them on the CPU)."""
+    model, x = fuzz_check.build(gpu_reproducer(tag), "cpu")
+    assert x.shape == GPU_REPRODUCERS[tag][0] and model(x) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+@pytest.mark.parametrize("tag", sorted(GPU_REPRODUCERS))
+def test_gpu_reproducers_pass(tag):
+    """The GPU fuzzer's failures, judged as the fuzzer judges them (two calls: a capture, a replay)."""
+    assert fuzz_check.run_program(gpu_reproducer(tag), "cuda")
