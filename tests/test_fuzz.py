@@ -12,6 +12,7 @@ from hypothesis import given, seed, settings
 
 from fxopt.fuzz import Coverage, Program, kernel_family, merge, programs, run_fuzz
 from fxopt.fuzz import check as fuzz_check
+from fxopt.fuzz.graphs import render
 from fxopt.fuzz.repro import write_repro
 
 SMALL = dict(max_batch=2, max_size=5, max_layers=2, log=lambda *a: None)
@@ -361,6 +362,39 @@ def test_training_reference_has_a_rounded_problem_under_16_bit_autocast():
     assert g.dtype == gr.dtype == torch.float64 and g.shape == gr.shape
     assert fuzz_check.Reference64(model, x, _program(["x = self.m0(x)"], ["self.m0 = nn.Conv2d(2, 2, 1)"],
                                                      (1, 2, 2, 2), mode="training")).rounded is None  # float32
+
+
+def test_a_sum_that_cancels_is_judged_against_pytorchs_compiled_graph_too():
+    """CPU fuzz (seed 7): a conv's bias gradient before a training BatchNorm, exactly 0, comes out
+    0.344 from fxopt against eager's 0.046 and the rounded problem's 3e-14 (bfloat16): fxopt's is
+    AOTAutograd's own rounding (torch.compile(backend="aot_eager") gives it), eager's kernels round
+    otherwise. Judged also against that compiled graph's error; a value off by more still fails."""
+    from fxopt.fuzz.check import CompiledPeer, Mismatch, compare
+
+    exact, eager = torch.zeros(3, dtype=torch.float64), torch.tensor([-0.04, 0.044, 0.046])
+    mine = torch.tensor([-0.011, 0.080, 0.344])
+    with pytest.raises(Mismatch, match="error vs float64 0.344, eager's 0.046"):
+        compare("b.grad", mine, eager, lambda: exact, 0.5, 0.1, spread64=lambda: exact + 3e-14)
+    compare("b.grad", mine, eager, lambda: exact, 0.5, 0.1, spread64=lambda: exact, peer=lambda: mine.clone())
+    with pytest.raises(Mismatch, match="PyTorch's compiled graph's 0.05"):
+        compare("b.grad", mine, eager, lambda: exact, 0.5, 0.1, peer=lambda: eager + 0.004)
+    prog = Program(render(["self.m0 = nn.Conv2d(16, 3, 3, stride=1, padding=1, dilation=1, groups=1, bias=True)",
+                           "self.m1 = nn.BatchNorm2d(3)", _BN.format(1), "self.m2 = nn.BatchNorm2d(3)", _BN.format(2)],
+                          ["x = F.gelu(self.m1(self.m0(x)), approximate='tanh')",
+                           "x = x.to(torch.float16).to(x.dtype) * 2.0", "x = self.m2(x)",
+                           "x = x.to(torch.float16).to(x.dtype) * 2.0"], "x"),
+                   (8, 16, 1, 3), "bfloat16", "channels_last", "training", 2,
+                   {"autotune_cache": False, "conv_algorithm": "winograd_2x2_3x3", "executor": "torch"}, ["74dd6704d3"])
+    assert fuzz_check.run_program(prog, "cpu")
+    model, x = fuzz_check.build(prog, "cpu")
+    peer, mine_ = CompiledPeer(model, x, prog, "cpu"), copy.deepcopy(model)
+    loss = lambda out: (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum()  # noqa: E731
+    from fxopt.testing import compile_with_fxopt
+
+    compiled = compile_with_fxopt(mine_, prog.options)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss(compiled(x.detach().clone().requires_grad_(True))).backward()
+    torch.testing.assert_close(mine_.m0.bias.grad, peer.grad("m0.bias", loss), rtol=0, atol=1e-3)
 
 
 _BN = "_random_stats(self.m{})"
