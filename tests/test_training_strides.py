@@ -7,7 +7,6 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -119,49 +118,6 @@ def test_training_layout_gives_group_norm_and_its_gradient_nchw_copies(shape, g_
 
 
 # --------------------------------------------------------------- the reproducers' own joint graphs
-def _random_stats(bn):
-    with torch.no_grad():
-        bn.running_mean.uniform_(-0.5, 0.5)
-        bn.running_var.uniform_(0.5, 1.5)
-
-
-class _Flatten(nn.Module):  # 9785f6078b
-    def __init__(self):
-        super().__init__()
-        self.m0, self.m1, self.m2 = nn.BatchNorm2d(2), nn.Conv2d(2, 2, 1, bias=False), nn.BatchNorm2d(2)
-        self.m3, self.m4 = nn.Conv2d(2, 2, 1, bias=False), nn.BatchNorm2d(2)
-        self.m5, self.m6 = nn.Linear(4, 1), nn.Linear(1, 1)
-
-    def forward(self, x):
-        x = self.m0(x)
-        x = torch.abs(self.m2(self.m1(x)) + x)
-        x = torch.abs(self.m4(self.m3(x)) + x)
-        return self.m6(F.gelu(self.m5(torch.flatten(x, 1))))
-
-
-class _GroupNormSE(nn.Module):  # 5bf7573163
-    def __init__(self):
-        super().__init__()
-        self.m0 = nn.Conv2d(2, 2, 1, groups=2, bias=False)
-        self.m1, self.m2, self.m3 = nn.GroupNorm(1, 2, affine=False), nn.Conv2d(2, 1, 1), nn.Conv2d(1, 2, 1)
-
-    def forward(self, x):
-        x = self.m1(torch.abs(self.m0(x)))
-        return x * torch.sigmoid(self.m3(F.hardswish(self.m2(x.mean((2, 3), keepdim=True))))), x
-
-
-class _GroupNormResidual(nn.Module):  # 349ac6a1e1
-    def __init__(self):
-        super().__init__()
-        self.m0, self.m1, self.m2 = nn.GroupNorm(1, 2, affine=False), nn.Conv2d(2, 2, 1, bias=False), nn.BatchNorm2d(2)
-        self.m3, self.m4 = nn.Conv2d(2, 1, 1), nn.Conv2d(1, 2, 1)
-
-    def forward(self, x):
-        x = self.m0(x)
-        x = F.leaky_relu(self.m2(self.m1(x)) + x, 0.1)
-        return x * torch.sigmoid(self.m4(F.hardswish(self.m3(x.mean((2, 3), keepdim=True)))))
-
-
 def _cuda_joint(model: nn.Module, shape):
     """The model's joint graph under fp16 autocast, traced by AOTAutograd on the CPU (fake CUDA
     tensors cannot run autograd's engine without a GPU) and moved to fake CUDA tensors: the graph the
@@ -193,19 +149,19 @@ def _cuda_joint(model: nn.Module, shape):
     return joint, fake
 
 
-@pytest.mark.parametrize("model,declined", [(_Flatten, True), (_GroupNormSE, False), (_GroupNormResidual, False)])
-def test_the_reproducers_joint_graphs_run_as_the_cuda_kernels_take_them(model, declined, monkeypatch):
+@pytest.mark.parametrize("tag,declined", [("9785f6078b", True), ("5bf7573163", False), ("349ac6a1e1", False)])
+def test_the_reproducers_joint_graphs_run_as_the_cuda_kernels_take_them(tag, declined, monkeypatch):
     """Each reproducer's joint graph after the joint passes: no view ATen refuses, every GroupNorm
     argument its CUDA kernel reads NCHW contiguous (the pass declined, or applied with copies)."""
+    from test_fuzz import gpu_reproducer
+
     from fxopt.backends import target_for
+    from fxopt.fuzz.check import build
 
     # fake CUDA BatchNorm's decomposition asks cuDNN for its reserve size: none on this machine
     monkeypatch.setattr(torch._C, "_get_cudnn_batch_norm_reserve_space_size", lambda *a, **k: 0)
-    torch.manual_seed(0)
-    m = model()
-    for bn in (b for b in m.modules() if isinstance(b, nn.BatchNorm2d)):
-        _random_stats(bn)
-    joint, fake = _cuda_joint(m, (1, 2, 1, 2))
+    model, x = build(gpu_reproducer(tag), "cpu")
+    joint, fake = _cuda_joint(model, tuple(x.shape))
     opts = Options(executor="cuda")
     out, records = run_joint_pipeline(joint, fake, opts, target_for(opts, "cuda", "training"))
     rec = _record(records)
