@@ -15,6 +15,7 @@ from fxopt.backends.cuda.compiler import nvrtc_available
 from fxopt.backends.cuda.schedule import copies
 from fxopt.backends.cuda.schedule.fusion import schedule
 from fxopt.backends.cuda.schedule.rewrite import split_conv_epilogues
+from fxopt.ops import fused_conv_ref
 from fxopt.testing import check_fusion, compile_with_fxopt
 from fxopt.testing.fusion import capture
 from fxopt.testing.strategies import CNNCase
@@ -115,6 +116,22 @@ class SplitConvCat(nn.Module):
         return self.post(torch.cat([F.relu(cv(p)) for cv, p in zip(self.convs, ps)], 1))
 
 
+class SKBlock(nn.Module):
+    """Selective kernel: two conv paths stacked on a new dimension, their sum pooled into an attention
+    over the paths (a softmax over the stack's dimension), the paths' weighted sum."""
+
+    def __init__(self, c=16, r=4):
+        super().__init__()
+        self.p0 = nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.p1 = nn.Sequential(nn.Conv2d(c, c, 3, padding=2, dilation=2, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.fc1, self.fc2 = nn.Conv2d(c, r, 1), nn.Conv2d(r, 2 * c, 1)
+
+    def forward(self, x):
+        s = torch.stack([self.p0(x), self.p1(x)], 1)
+        a = self.fc2(torch.relu(self.fc1(s.sum(1).mean((2, 3), keepdim=True))))
+        return (s * torch.softmax(a.view(x.shape[0], 2, -1, 1, 1), 1)).sum(1)
+
+
 def _randomize(m):
     for mod in m.modules():
         if isinstance(mod, nn.BatchNorm2d):
@@ -171,6 +188,7 @@ BLOCKS = {
     "dpn": (lambda: DPN(), (2, 8, 6, 6)),
     "two_conv_cat": (lambda: TwoConvCat(), (2, 16, 6, 6)),
     "split_conv_cat": (lambda: SplitConvCat(), (2, 16, 6, 6)),
+    "selective_kernel": (lambda: SKBlock(), (2, 16, 6, 6)),
 }
 
 
@@ -260,6 +278,23 @@ def test_pieces_from_different_inputs_are_not_merged():
     m, x = _case(TwoSources(), (2, 8, 5, 5))
     _, sched = _schedule(m, x)
     assert not any(r.name.startswith("fx_pw_pieces_") for r in sched.regions), [r.name for r in sched.regions]
+
+
+def test_a_stack_is_read_in_place_by_its_readers():
+    """A stack is a choice among its inputs by the new dimension's index: the two reductions over it
+    read the convolutions' outputs (their epilogues inlined), no kernel stores the stacked tensor
+    and PyTorch's stack does not run (it did: one cat kernel and two layout copies per block)."""
+    m, x = _case(SKBlock(), (2, 16, 6, 6), torch.float16)
+    gm, sched = _schedule(m, x)
+    assert "stack" not in sched.unfused
+    stack = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.stack.default)
+    assert not any(stack in r.outputs for r in sched.regions)
+    convs = [n for n in gm.graph.nodes if n.target is fused_conv_ref and n.args[1].op != "placeholder"
+             and int(n.meta["val"].shape[2]) == 6]  # the two paths' convolutions (not the attention's)
+    assert len(convs) == 2
+    readers = [r.name for r in sched.regions if set(convs) <= set(r.inputs)]
+    assert sorted(readers) == ["fx_red_sum_1", "fx_red_sum_2"], readers
+    assert copies.copy_summary(sched.regions)["copy_kernels"] == 0
 
 
 def test_merged_kernel_runs_in_the_interpreter_and_compiles():

@@ -12,9 +12,10 @@ chains (every activation fxopt fuses and more, arithmetic, clamp, where); reduct
 amin, sum, var over every axis incl. the batch) broadcast back; BatchNorm, InstanceNorm, GroupNorm,
 LayerNorm over channels and over (C, H, W); max / avg / adaptive pools; softmax / log_softmax;
 squeeze-excite; views (transpose, channel shuffle, permute round trip, strided slice); chunk / split
-+ cat; constant / reflect / replicate pad; nearest / bilinear upsample; residual blocks; dtype round
-trips; flatten + linear heads. A model may return a second output (an intermediate, sometimes a
-view of it) so that aliasing and strides of several outputs are compared.
++ cat, stack + softmax over it + weighted sum; constant / reflect / replicate pad; nearest /
+bilinear upsample; residual blocks; dtype round trips; flatten + linear heads. A model may return a
+second output (an intermediate, sometimes a view of it) so that aliasing and strides of several
+outputs are compared.
 """
 from __future__ import annotations
 
@@ -264,7 +265,7 @@ def _view(b: _Builder) -> None:
 
 
 def _split_cat(b: _Builder) -> None:
-    kind = b.draw(st.sampled_from(["chunk", "split_w", "self"]))
+    kind = b.draw(st.sampled_from(["chunk", "split_w", "self", "stack"]))
     y, a = b.act("a")
     if kind == "chunk":
         if b.c % 2:
@@ -274,6 +275,9 @@ def _split_cat(b: _Builder) -> None:
         if b.w < 2:
             return
         b.fwd += [f"a, c = torch.split(x, [1, {b.w - 1}], dim=3)", f"x = torch.cat([c, {y}], 3)"]
+    elif kind == "stack":  # selective kernel: paths stacked, a softmax over them, their weighted sum
+        b.fwd += ["a = x", f"s = torch.stack([x, {y}], 1)",
+                  "x = (s * torch.softmax(s.mean((3, 4), keepdim=True), 1)).sum(1)"]
     else:
         b.fwd += ["a = x", f"x = torch.cat([x, {y}], 1)"]
         b.c *= 2

@@ -40,8 +40,9 @@ ENABLED = True
 
 #: ops that only move data: a region made of these is a copy
 COPY_OPS = frozenset({
-    "aten.clone.default", "aten.cat.default", "aten.split.Tensor", "aten.split_with_sizes.default",
-    "aten.unbind.int", "aten.slice.Tensor", "aten.select.int", "aten.narrow.default", "aten.view.default",
+    "aten.clone.default", "aten.cat.default", "aten.stack.default", "aten.split.Tensor",
+    "aten.split_with_sizes.default", "aten.unbind.int", "aten.slice.Tensor", "aten.select.int",
+    "aten.narrow.default", "aten.view.default",
     "aten._unsafe_view.default", "aten.reshape.default", "aten.permute.default", "aten.transpose.int",
     "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default",
     "aten.expand.default", "aten.alias.default", "aten.detach.default", "aten.flatten.using_ints",

@@ -2,8 +2,9 @@
 
 ``VIEWS`` (view / reshape / permute / transpose / expand / slice / select / squeeze / unsqueeze /
 channel shuffle), the items of ``MULTI_VIEWS`` (split / chunk / unbind: a slice or select of their
-input), and ``MOVEMENT``: ``cat`` a choice among its inputs by index range, ``constant_pad_nd`` a
-range test, ``repeat`` a modulo, and the window ops (max / average pooling) unrolling their window.
+input), and ``MOVEMENT``: ``cat`` a choice among its inputs by index range (``stack`` by index),
+``constant_pad_nd`` a range test, ``repeat`` a modulo, and the window ops (max / average pooling)
+unrolling their window.
 """
 from __future__ import annotations
 
@@ -171,6 +172,25 @@ def _cat(node: fx.Node, value_of: Callable) -> Value:
     return Value(shape, out.dtype, load)
 
 
+def _stack(node: fx.Node, value_of: Callable) -> Value:
+    """``stack``: a choice among its inputs by the new dimension's index (a concatenation of the inputs
+    each unsqueezed there), so its readers read the inputs where they are, in whatever strides."""
+    out = meta(node)
+    shape = static_shape(out)
+    dim = norm_dim(int(node.args[1]) if len(node.args) > 1 else int(node.kwargs.get("dim", 0)), len(shape))
+    pieces = [value_of(t) for t in node.args[0]]
+    if not pieces or any(list(v.shape) != list(shape[:dim]) + list(shape[dim + 1:]) for v in pieces):
+        raise Decline("stack of inputs of other shapes")
+
+    def load(idx):
+        rest = [idx[d] for d in range(len(shape)) if d != dim]
+        e = pieces[-1].load(rest)
+        for i in range(len(pieces) - 2, -1, -1):
+            e = Where(InRange(Ix.of(idx[dim]), i, i + 1), pieces[i].load(rest), e)
+        return e
+    return Value(shape, out.dtype, load)
+
+
 def _pad(node: fx.Node, value_of: Callable) -> Value:
     out = meta(node)
     shape = static_shape(out)
@@ -303,8 +323,8 @@ def _adaptive_avgpool(node: fx.Node, value_of: Callable) -> Value:
 
 
 MOVEMENT: dict = {
-    aten.cat.default: _cat, aten.constant_pad_nd.default: _pad, aten.repeat.default: _repeat,
-    aten.avg_pool2d.default: _avgpool, aten._adaptive_avg_pool2d.default: _adaptive_avgpool,
+    aten.cat.default: _cat, aten.stack.default: _stack, aten.constant_pad_nd.default: _pad,
+    aten.repeat.default: _repeat, aten.avg_pool2d.default: _avgpool, aten._adaptive_avg_pool2d.default: _adaptive_avgpool,
 }
 #: (multi-output target, item) -> rule taking the getitem node
 MOVEMENT_ITEMS: dict = {
