@@ -22,12 +22,13 @@ no-ops and left nothing in it: where the new layouts reach such an argument (``N
 GroupNorm's input, its gradient's incoming gradient and input; CUDA's kernels refuse or misread
 channels_last there), a contiguous copy of the value is put in front of it (one per value).
 
+Every ``view`` of the graph becomes a ``reshape`` (``_views_to_reshapes`` says why): a flatten of a
+channels_last activation (``x.view(n, -1)`` into a linear head) then copies where it must.
+
 Illegal (the graph is left as it was, with the reason): option ``layout="contiguous"``; fewer than
 ``MIN_CONVS`` matching convolutions; not CUDA; a graph in which the new layouts do not propagate
-(FakeTensor propagation fails, e.g. a ``view`` that needs the NCHW strides: ``x.view(n, -1)``
-of a spatial activation) or a ``view`` ATen's kernel refuses on them where FakeTensor's accepts
-it (a size-1 height or width among the merged dims; ``fxopt.fakeprop.view_problem``, checked by
-the joint pipeline). Values equal those of the NCHW graph up to the order of cuDNN's
+(FakeTensor propagation fails) or in which a ``view`` ATen's kernel refuses remains
+(``fxopt.fakeprop.view_problem``, checked by the joint pipeline). Values equal those of the NCHW graph up to the order of cuDNN's
 accumulation (the documented float16 tolerance).
 """
 from __future__ import annotations
@@ -129,6 +130,26 @@ def _nchw_copies(gm: fx.GraphModule, ctx: PassContext) -> int:
     return sum(len(c.users) for c in copies.values())
 
 
+#: views whose input the new layouts may reach: each becomes a reshape (a view where the strides allow it)
+_VIEWS = (aten.view.default, aten._unsafe_view.default)
+
+
+def _views_to_reshapes(gm: fx.GraphModule) -> int:
+    """Every ``view`` becomes a ``reshape`` (as Inductor's ``view_to_reshape``): the graph was traced
+    on NCHW values, where a flatten is a view; on channels_last values it may need a copy, and
+    whether it does can depend on strides of size-1 dimensions, which the kernels that run
+    (cuDNN's BatchNorm among them) may set otherwise than FakeTensor propagation predicts (a
+    ``[1, 2, 1, 2]`` activation flattened into a linear head raised at run time on the GPU). A
+    reshape is the view where the strides allow it and one copy where they do not; the values are
+    the view's (the graph is functional: no op writes through a view)."""
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _VIEWS:
+            node.target = aten.reshape.default
+            n += 1
+    return n
+
+
 def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     casts = [n for n in gm.graph.nodes if _is_conv_cast(n)]
     why = illegal_reason(gm, ctx, casts)
@@ -140,6 +161,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     grads = _grad_casts(gm)
     for g in grads:
         g.kwargs = {**g.kwargs, "memory_format": torch.contiguous_format}
+    reshapes = _views_to_reshapes(gm)
     gm.recompile()
     nchw = _nchw_copies(gm, ctx)
     if nchw:
@@ -147,5 +169,6 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         gm.recompile()
     ctx.note(f"{len(casts)} cast(s) to channels_last before convolutions; "
              f"{len(grads)} weight gradient(s) cast back contiguous"
-             + (f"; {nchw} GroupNorm argument(s) read a contiguous copy" if nchw else ""))
+             + (f"; {nchw} GroupNorm argument(s) read a contiguous copy" if nchw else "")
+             + (f"; {reshapes} view(s) made reshapes" if reshapes else ""))
     return PassResult(gm, True)
