@@ -297,6 +297,23 @@ def test_a_stack_is_read_in_place_by_its_readers():
     assert copies.copy_summary(sched.regions)["copy_kernels"] == 0
 
 
+def test_a_stack_is_fused_in_inference_graphs_only():
+    """The cuda executor reads a stack in place in inference graphs; in a training graph the stack
+    runs as PyTorch's (``movement_rules.INFERENCE_ONLY``)."""
+    import fxopt
+
+    torch.manual_seed(0)
+    m, x = SKBlock(), torch.randn(2, 16, 6, 6)
+
+    def fused_stacks(report):
+        return [name for g in report.graphs for name, r in g.executor_details.get("regions", {}).items()
+                if any(n.startswith("stack") for n in r["nodes"])]
+    assert fused_stacks(fxopt.explain(m.eval(), x, options={"executor": "cuda"})) == ["fx_red_sum_1", "fx_red_sum_2"]
+    training = fxopt.explain(m.train(), x.requires_grad_(), options={"executor": "cuda"}, training=True)
+    assert any(n.target is torch.ops.aten.stack.default for g in training.graphs for n in g.after.graph.nodes)
+    assert fused_stacks(training) == []
+
+
 def test_merged_kernel_runs_in_the_interpreter_and_compiles():
     m, x = _case(SplitConvCat(pieces=(3, 5, 8)), (2, 16, 5, 5), torch.float16)
     scheds = check_fusion(CNNCase(m, (x,), torch.float16), CL, compile_kernels=nvrtc_available())

@@ -55,6 +55,7 @@ from fxopt.backends.cuda.kernels import FAMILIES, GROUPS
 from fxopt.backends.cuda.kernels.region import GeneratedRegion
 from fxopt.backends.cuda.schedule.copies import copy_summary
 from fxopt.backends.cuda.schedule.fusion import schedule
+from fxopt.backends.cuda.schedule.movement_rules import INFERENCE_ONLY
 from fxopt.backends.cuda.schedule.rewrite import rewrite, split_conv_epilogues
 from fxopt.backends.cuda.schedule.generated import RegionReference, template_candidates
 
@@ -234,6 +235,8 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     keep the fastest implementation of each (measured, cached)."""
     by_family = {f.name: f.plan(runnable.graph) for f in GROUPS if f.before_fusion}
     skip = {n for gs in by_family.values() for g in gs for n in g.keep_out}
+    if ctx.mode != "inference":
+        skip |= {n for n in runnable.graph.nodes if n.op == "call_function" and n.target in INFERENCE_ONLY}
     regions = (fuse_regions(runnable, info, skip, ctx.options.strict, ctx.options.fast_math)
                if ctx.options.fusion else [])
     planned = plan_nodes(runnable.graph, ctx.options)
