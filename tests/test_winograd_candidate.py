@@ -204,18 +204,24 @@ static fx_dim3 blockIdx = {0, 0, 0}, threadIdx = {0, 0, 0}, blockDim = {1, 1, 1}
 
 
 class _HostKernel:
-    """A generated fp32 kernel compiled for the CPU: one thread whose grid-stride loop covers the grid."""
+    """A generated fp32 kernel compiled for the CPU: one thread whose grid-stride loop covers the grid.
+    ``built``: the loaded kernels by (name, source): a source the candidates generate again (the
+    same kernel for several shapes and layouts) is compiled once."""
 
-    def __init__(self, ks, tmp):
+    def __init__(self, ks, tmp, built: dict):
         import ctypes
         import subprocess
 
-        src = tmp / f"{ks.name}.cpp"
+        self.ctypes = ctypes
+        self.fn = built.get((ks.name, ks.source))
+        if self.fn is not None:
+            return
+        src = tmp / f"{ks.name}_{len(built)}.cpp"
         src.write_text(_HOST + ks.source)
         r = subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(src.with_suffix(".so")), str(src)],
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-3000:]
-        self.fn, self.ctypes = getattr(ctypes.CDLL(str(src.with_suffix(".so"))), ks.name), ctypes
+        self.fn = built[(ks.name, ks.source)] = getattr(ctypes.CDLL(str(src.with_suffix(".so"))), ks.name)
 
     def launch(self, grid, block, args):
         c = self.ctypes
@@ -232,6 +238,7 @@ def test_candidate_pipeline_runs_its_generated_fp32_code_on_the_cpu(tmp_path):
     with the generated fp32 kernels compiled for the host, against F.conv2d: the kernels' indexing
     in both layouts and weight layouts."""
     shapes = [(2, 3, 5, 4, 4, 1), (1, 1, 1, 2, 3, 1), (3, 7, 3, 3, 2, 0), (1, 5, 2, 3, 6, 2)]
+    built: dict = {}
     for (n, c, h, w, k, pad), fmt, wfmt, epi in itertools.product(
             shapes, (torch.contiguous_format, torch.channels_last), (torch.contiguous_format, torch.channels_last),
             EPILOGUES[2:4]):
@@ -245,7 +252,7 @@ def test_candidate_pipeline_runs_its_generated_fp32_code_on_the_cpu(tmp_path):
             continue
         (planned,) = winograd.plan_winograd(node) or pytest.fail(winograd.decline_reason(node))
         cand = _HostWinograd(node, planned.spec)
-        cand.kernels = {key: _HostKernel(ks, tmp_path) for key, ks in cand.sources.items()}
+        cand.kernels = {key: _HostKernel(ks, tmp_path, built) for key, ks in cand.sources.items()}
         got = cand(x, wt, bias, res, [1, 1], [pad, pad], [1, 1], 1, epi[2], list(epi[3]))
         assert got is not None and all(d == 1 or a == b for d, a, b in
                                        zip(got.shape, got.stride(), node.meta["val"].stride()))
