@@ -383,9 +383,25 @@ def run_compiler(tmp_path, options=None, name="y.pt"):
     return torch.load(tmp_path / name), json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_compile_cache_hit_in_a_second_process(tmp_path):
-    first, info1 = run_compiler(tmp_path, name="a.pt")
+@pytest.fixture(scope="module")
+def first_compile(tmp_path_factory):
+    """The first process's compile into an empty cache (what both cache tests start from): its output,
+    its report and the cache it left; each test runs its later processes on a copy of that cache."""
+    tmp = tmp_path_factory.mktemp("first-compile")
+    y, info = run_compiler(tmp, name="a.pt")
+    return y, info, tmp / "shared-cache"
+
+
+def _copy_cache(first_compile, tmp_path) -> None:
+    import shutil
+
+    shutil.copytree(first_compile[2], tmp_path / "shared-cache")
+
+
+def test_compile_cache_hit_in_a_second_process(tmp_path, first_compile):
+    first, info1, _ = first_compile
     assert info1["cache"].startswith("miss (stored")
+    _copy_cache(first_compile, tmp_path)
     second, info2 = run_compiler(tmp_path, name="b.pt")
     assert info2["cache"].startswith("hit") and info2["measurements"] == 0
     assert info2["changed"] == info1["changed"]
@@ -396,8 +412,8 @@ def test_compile_cache_hit_in_a_second_process(tmp_path):
     assert off["cache"] == "off"
 
 
-def test_compile_cache_ignores_a_corrupt_entry(tmp_path):
-    run_compiler(tmp_path, name="a.pt")
+def test_compile_cache_ignores_a_corrupt_entry(tmp_path, first_compile):
+    _copy_cache(first_compile, tmp_path)
     entries = list((tmp_path / "shared-cache" / "graphs").rglob("*.json"))
     assert len(entries) == 1
     blob = bytearray(entries[0].read_bytes())
