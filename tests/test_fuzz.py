@@ -421,6 +421,11 @@ GPU_REPRODUCERS = {  # GPU fuzz seeds 41 / 51 (2026-11-27): shape, dtype, fmt, m
         "self.m3 = nn.Conv2d(2, 2, 1, stride=1, padding=0, dilation=1, groups=1, bias=False)"],
         ["x = x - x.mean((1,), keepdim=True)", "x = torch.abs(self.m0(x))", "x = self.m1(x)", "x = self.m2(x)",
          "x = torch.abs(self.m3(x))"], "x"),
+    "649729573e": ((1, 1, 1, 2), "float16", "contiguous", "inference", [  # GPU fuzz seed 61: test_fp16_rounding.py
+        "self.m0 = nn.Conv2d(1, 1, 3, stride=1, padding=1, dilation=1, groups=1, bias=True)",
+        "self.m1 = nn.InstanceNorm2d(1, affine=False)"],
+        ["x = x.to(torch.bfloat16).to(x.dtype) * 2.0", "x = torch.abs(x)", "x = torch.abs(self.m0(x))",
+         "x = x - x.mean((1,), keepdim=True)", "x = self.m1(x)"], "x"),
     "a6d9fae0a3": ((1, 2, 4, 4), "float32", "channels_last", "inference", [],
                    ["x = F.max_pool2d(x, 2, 1, 0, ceil_mode=False)", "x = F.interpolate(x, scale_factor=2, mode='nearest')",
                     "y = x"], "x, y"),

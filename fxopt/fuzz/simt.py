@@ -5,7 +5,8 @@ names ``fx_red_*_cols*``) statement by statement over numpy arrays with one lane
 grid (``ks.meta["grid"]`` x ``ks.block``), branches and loops under per-thread masks, on inputs of
 small distinct integers, and compares what it stores with the kernel's IR run by ``ir.evaluate``.
 Values are float64 (the sums of such inputs are exact in both), so an element of a row missed or
-combined twice changes a result by at least one unit. It asserts besides:
+combined twice changes a result by at least one unit. The IR's 16-bit roundings
+(``fx_to_f32(fx_from<T>(v))``) round here as well. It asserts besides:
 
 - every output element is stored exactly once, every load and store in bounds, every vector
   access at a multiple of its width;
@@ -32,7 +33,8 @@ __all__ = ["check_column_geometry", "is_column_kernel", "emulate"]
 _TOKEN = re.compile(r"\s*(0x[0-9a-fA-F]+u?|\d+\.\d*(?:e[-+]?\d+)?f?|\d+(?:e[-+]?\d+)?[fu]?|\w+|&&|\|\||[<>=!]=|[-+*/%<>!?:()\[\],.&])")
 _PREC = {"||": 1, "&&": 2, "==": 3, "!=": 3, "<": 4, "<=": 4, ">": 4, ">=": 4, "+": 5, "-": 5, "*": 6, "/": 6, "%": 6}
 _BIN = {"/": "_div({}, {})", "%": "_mod({}, {})", "&&": "({} & {})", "||": "({} | {})"}
-_FUNCS = {"fx_to_f32": "_f", "fx_from": "_f", "fx_max_nan": "_max", "fx_min_nan": "_min", "__int_as_float": "_i2f",
+_FUNCS = {"fx_to_f32": "_f", "fx_from": "_f", "_round_fx_half": "_round_fx_half", "_round_fx_bf16": "_round_fx_bf16",
+          "fx_max_nan": "_max", "fx_min_nan": "_min", "__int_as_float": "_i2f",
           "__ldcg": "_ldcg", "fx_div": "_div", "fx_clamp": "np.clip", "expf": "np.exp", "fx_exp": "np.exp",
           "logf": "np.log", "sqrtf": "np.sqrt", "fabsf": "np.abs", "tanhf": "np.tanh", "log1pf": "np.log1p",
           "expm1f": "np.expm1", "powf": "np.power", "rintf": "np.rint", "floorf": "np.floor", "ceilf": "np.ceil",
@@ -42,6 +44,9 @@ _FUNCS = {"fx_to_f32": "_f", "fx_from": "_f", "fx_max_nan": "_max", "fx_min_nan"
 def _expr(text: str, pointers: set) -> str:
     """A C expression of the generated code as Python over the emulator's helpers."""
     text = re.sub(r"\((?:idx_t|int|long long|unsigned int)\)", "", text)
+    # a rounding inside the math (the IR's Cast: fx_to_f32(fx_from<T>(v))) rounds as the IR does;
+    # a store's fx_from<T> does not (the IR's reference outputs are float64)
+    text = re.sub(r"fx_to_f32\(fx_from<(fx_half|fx_bf16)>\(", lambda m: f"fx_to_f32(_round_{m.group(1)}(", text)
     text = re.sub(r"fx_from<\w+>\(", "fx_from(", text)
     toks = _TOKEN.findall(text)
     if "".join(toks) != re.sub(r"\s+", "", text):
@@ -210,6 +215,7 @@ class _Machine:
         self.mask = np.ones(n, bool)
         h = {"_rd": self.read, "_P": _Ptr, "_ldcg": lambda p: self.read(p.name, p.off), "_sel": self.select,
              "_div": lambda a, b: (a // b) if _ints(a, b) else np.divide(a, b), "_f": lambda x: x,
+             "_round_fx_half": lambda x: _rounded(x, torch.float16), "_round_fx_bf16": lambda x: _rounded(x, torch.bfloat16),
              "_mod": lambda a, b: a % b, "_max": lambda a, b: np.where((a > b) | (a != a), a, b),
              "_min": lambda a, b: np.where((a < b) | (a != a), a, b),
              "_i2f": lambda i: float(np.array(i, np.uint32).view(np.float32)), "_rsqrt": lambda a: 1 / np.sqrt(a),
@@ -373,6 +379,11 @@ class _Machine:
             self.assign(name, v)
         else:
             self.write(name, self.ev(idx), v)
+
+
+def _rounded(x, dtype: torch.dtype):
+    """``x`` (float64, any shape) rounded to ``dtype`` as a Cast of the IR rounds it."""
+    return torch.from_numpy(np.asarray(x, np.float64)).to(torch.float32).to(dtype).to(torch.float64).numpy()
 
 
 def _ints(a, b) -> bool:

@@ -124,9 +124,12 @@ def check_regions(gm: fx.GraphModule, inputs: list, rtol: float, atol: float, co
                 torch.testing.assert_close(o, r, rtol=rtol, atol=atol, equal_nan=True,
                                            msg=lambda m, n=region.name: f"region {n} ({region.ops}): {m}")
             except AssertionError:
-                # a 16-bit region computes in float32 and rounds once where its ops round after
-                # each; where they lose more than the tolerance (an ill-conditioned LayerNorm over
-                # two values), the kernel must match the same ops run in float32
+                # a 16-bit region computes in float32 within each op (rounding each op's value, as
+                # eager does) where eager's kernels may do an op's inner steps otherwise; where they
+                # lose more than the tolerance (an ill-conditioned LayerNorm over two values), the
+                # kernel must match the same ops run in float32. That reference is fed the region's
+                # 16-bit inputs, so it cannot see a rounding the kernel leaves out between a stored
+                # value and its recomputation (tests/test_fp16_rounding.py checks that bitwise)
                 wide = _float32_reference(module, ins) if wide is None else wide
                 if o.dtype == torch.float32 or wide is None:
                     raise

@@ -21,8 +21,9 @@ be non-negative, so C's truncating ``/`` and ``%`` equal floor division and modu
 
 Value expressions (``Load``, ``Const``, ``Op``, ``Where``, ``InRange``, ``Cast``, ``Red``) are
 immutable and hashable: equal subtrees are one node, which the code generator emits once.
-All arithmetic is float32 (loads widen, stores round once); ``Cast`` rounds through a dtype
-where the graph converts explicitly.
+All arithmetic is float32 (loads widen, stores round); ``Cast`` rounds through a dtype where
+the graph converts explicitly and where a node's value is 16-bit (the scheduler rounds each such
+value it computes inline, as eager rounds each op's result).
 
 ``evaluate`` runs a kernel with torch on any device, index for index as the generated code
 does (the same loads at the same offsets): the CPU-testable semantics of every kernel.

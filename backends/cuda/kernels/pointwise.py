@@ -9,7 +9,8 @@ scheduled region (reductions: ``reduction.py``; the region's candidate and launc
   except under a ``Where`` branch: a load there may be out of bounds for the rows the condition
   excludes (padding, the other inputs of a concatenation), so a branch is evaluated inline and
   only when taken;
-- math is float32: loads widen, stores round once (``fx_from<T>``);
+- math is float32: loads widen, stores round (``fx_from<T>``), and the IR rounds each 16-bit
+  value a node defines (a ``Cast``, ``schedule/build.py``), as eager rounds each op's result;
 - pointwise kernels: a grid-stride loop over the work items; with ``vec > 1`` each item is ``vec``
   consecutive elements of the innermost loop, and every unconditional access that walks that
   loop with stride 1 (from a ``vec``-aligned start) is one 16-byte (at most) vector load or store;

@@ -5,6 +5,12 @@ inputs everywhere else; the realized node (or a reduction's outputs) is stored.
 ``pointwise_kernel``: a ``PointwiseKernel`` over the stored value's shape; ``reduction_kernel``:
 a ``ReductionKernel`` from the node's ``RowSpec`` (row outputs stored at every index of the row,
 per-row outputs once per row). Outputs must be dense tensors of float32/float16/bfloat16.
+
+Arithmetic is float32, and every float16/bfloat16 value a node defines is rounded to its dtype
+where it is computed inline (``rounded``), as eager rounds each op's result: a value and a stored
+reduction of it then agree as in eager (``x - x.mean(1)`` over one channel is 0, where the value
+unrounded minus its rounded mean was its rounding error, which an InstanceNorm after it scaled
+to +-1: GPU fuzz 649729573e).
 """
 from __future__ import annotations
 
@@ -13,7 +19,10 @@ from typing import Optional
 import torch.fx as fx
 
 from fxopt.backends.cuda import ir
-from fxopt.backends.cuda.ir import Buffer, Ix, Load, Phase, PointwiseKernel, ReductionKernel, Store, Var
+import torch
+
+from fxopt.backends.cuda.ir import (Buffer, Cast, Const, Ix, Load, Op, Phase, PointwiseKernel, ReductionKernel, Store,
+                                    Var, Where)
 from fxopt.backends.cuda.kernels.common import meta
 from .lowering import target_name, value_rule, view_root
 from .reduction_rules import reduction_rule
@@ -61,13 +70,15 @@ class Builder:
             self.failing = self.failing or n
             raise
         self.covered.append(n)
+        narrow = v.dtype if v.dtype in _NARROW else None
 
         def load(idx, inner=v.load, node=n):
             try:
-                return inner(idx)
+                e = inner(idx)
             except Exception:
                 self.failing = self.failing or node  # the innermost node whose rule declined
                 raise
+            return e if narrow is None else rounded(e, narrow, self.buffers)
         v = self._memo[n] = Value(v.shape, v.dtype, load)
         return v
 
@@ -86,6 +97,36 @@ class Builder:
             self.inputs.append(n)
             self.buffers.append(Buffer(n.name, shape, strides, t.dtype))
         return Value(shape, t.dtype, lambda idx, s=slot: Load(s, ir.strided(idx, shape, strides)))
+
+
+_NARROW = (torch.float16, torch.bfloat16)
+#: ops whose result is one of their arguments (or 0): representable wherever the arguments are
+_SELECTING = ("neg", "abs", "relu", "maximum", "minimum", "fmax_nan")
+
+
+def rounded(e, dtype: torch.dtype, buffers: list):
+    """``e`` rounded to ``dtype`` (``Cast``), unless every value it can take is one already: a load
+    of a ``dtype`` input, a rounding to ``dtype``, a constant (rounded here), a selection between
+    or the sign, magnitude, max or min of such values."""
+    if e.kind != "float":
+        return e
+    if isinstance(e, Const):
+        return Const(float(torch.tensor(e.value, dtype=torch.float32).to(dtype).float()))
+    return e if _representable(e, dtype, buffers) else Cast(e, dtype)
+
+
+def _representable(e, dtype: torch.dtype, buffers: list) -> bool:
+    if isinstance(e, Cast):
+        return e.dtype == dtype
+    if isinstance(e, Load):
+        return buffers[e.buf].dtype == dtype
+    if isinstance(e, Const):
+        return float(torch.tensor(e.value, dtype=torch.float32).to(dtype).float()) == e.value
+    if isinstance(e, Where):
+        return _representable(e.a, dtype, buffers) and _representable(e.b, dtype, buffers)
+    if isinstance(e, Op) and e.op in _SELECTING and not e.params:
+        return all(_representable(a, dtype, buffers) for a in e.args)
+    return False
 
 
 def _out_buffer(n: fx.Node) -> Buffer:

@@ -1,0 +1,151 @@
+"""A fused kernel rounds every 16-bit value it computes inline to its dtype, as eager rounds each
+op's result (CPU only; ``backends/cuda/schedule/build.py``).
+
+GPU fuzz 649729573e (seed 61, float16 inference on ``[1, 1, 1, 2]``): ``x = abs(conv(x));
+x = x - x.mean((1,), keepdim=True); InstanceNorm(x)``. Over one channel the mean is the value
+itself, so eager subtracts two equal float16 numbers and normalizes zeros: 0. fxopt stored the
+mean rounded to float16 (its node's dtype) but recomputed ``abs(conv + bias)`` inline in float32,
+unrounded, in the InstanceNorm's kernel: the difference was the value's rounding error, which the
+normalization scaled up (0.00965 from eager on the H200, +-0.15 here with chosen values).
+``check_fusion`` did not see it: its float32 fallback reference is fed the region's float16
+inputs, the rounded mean among them, and so reproduced the kernel's error.
+"""
+import copy
+
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxopt.backends import torch_ref
+from fxopt.backends.cuda import ir
+from fxopt.backends.cuda.schedule.fusion import schedule
+from fxopt.backends.cuda.schedule.rewrite import split_conv_epilogues
+from fxopt.testing.fusion import _values, capture
+
+
+def _regions(model, inputs):
+    """[(region, IR outputs, eager's values of its outputs)] of every fused region of the graph fxopt
+    compiles for ``model(*inputs)``, each IR kernel run on eager's values of its inputs."""
+    out = []
+    for report, example in capture(copy.deepcopy(model), inputs, {"executor": "torch"}):
+        gm = torch_ref.lower(report.after)
+        split_conv_epilogues(gm)
+        vals = _values(gm, example)
+        for region in schedule(gm, strict=True).regions:
+            k = region.kernel
+            got = [torch.empty_strided(b.shape, b.strides, dtype=b.dtype) for b in k.outputs]
+            ir.evaluate(k, [vals[n] for n in region.inputs], got)
+            out.append((region, got, [vals[n] for n in region.outputs]))
+    return out
+
+
+class _MeanThenNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.InstanceNorm2d(1)
+
+    def forward(self, x, y):
+        x = torch.abs(x + y)
+        x = x - x.mean((1,), keepdim=True)
+        return self.norm(x)
+
+
+def test_a_value_and_its_stored_mean_round_alike():
+    """649729573e's pattern on chosen values: ``x + y`` is not a float16 number (1 + 2^-11 rounds to
+    1), so the value unrounded minus its rounded mean was 2^-11 and the InstanceNorm made it
+    +-0.15; rounded as eager rounds it, the difference is 0 and so is the output."""
+    x = torch.tensor([1.0, 3.0]).view(1, 1, 1, 2).half()
+    y = torch.tensor([2.0**-11, 3 * 2.0**-11]).view(1, 1, 1, 2).half()
+    wide = x.float() + y.float()
+    assert not torch.equal(wide.half().float(), wide)  # the values make the rounding matter
+    model = _MeanThenNorm().half().eval()
+    with torch.no_grad():
+        assert torch.equal(model(x, y), torch.zeros_like(x))
+    regions = _regions(model, (x, y))
+    norm = [r for r in regions if any("batch_norm" in op for op in r[0].ops)]
+    assert norm and any("aten.abs.default" in op for op in norm[0][0].ops)  # abs(x + y) recomputed there
+    for region, got, want in regions:
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), (region.name, g, w)
+
+
+def test_the_rounding_is_a_cast_only_where_a_value_can_leave_its_dtype():
+    """A 16-bit sum is rounded (``Cast``); a load of a 16-bit input, its negation, magnitude, max,
+    a selection between such values and a constant that is a float16 number are not wrapped."""
+    from fxopt.backends.cuda.schedule.build import rounded
+
+    bufs = [ir.Buffer("a", (4,), (1,), torch.float16), ir.Buffer("b", (4,), (1,), torch.float32)]
+    a, b = ir.Load(0, ir.Ix()), ir.Load(1, ir.Ix())
+    h = torch.float16
+    assert rounded(ir.op("add", a, a), h, bufs) == ir.Cast(ir.op("add", a, a), h)
+    assert rounded(b, h, bufs) == ir.Cast(b, h)
+    for e in (a, ir.op("abs", a), ir.op("neg", a), ir.op("maximum", a, ir.op("relu", a)),
+              ir.Where(ir.op("gt", a, 0.0), a, ir.Const(0.5)), ir.Cast(b, h)):
+        assert rounded(e, h, bufs) is e
+    assert rounded(ir.Const(0.1), h, bufs) == ir.Const(float(torch.tensor(0.1).half()))
+    assert rounded(ir.op("add", a, a), torch.bfloat16, bufs) == ir.Cast(ir.op("add", a, a), torch.bfloat16)
+
+
+_OPS = {
+    "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+    "scale": lambda a, b: a * 0.3, "abs": lambda a, b: torch.abs(a), "relu": lambda a, b: torch.relu(a),
+    "max": lambda a, b: torch.maximum(a, b), "neg": lambda a, b: -a,
+}
+
+
+class _Chain(nn.Module):
+    def __init__(self, ops):
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, x, y):
+        for name in self.ops:
+            x = _OPS[name](x, y)
+        return x - x.mean((1,), keepdim=True), x.sum((2, 3))
+
+
+@settings(max_examples=25, deadline=None, database=None)
+@given(ops=st.lists(st.sampled_from(sorted(_OPS)), min_size=1, max_size=5),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_fused_16_bit_chains_equal_eagers_ops_bitwise(ops, dtype, seed):
+    """A chain of exactly rounded 16-bit ops (each float32 result rounded once, as eager's kernels
+    compute them) fused into pointwise and reduction kernels gives eager's bits; a reduction's sum
+    may differ in its float32 order only (within the dtype's rounding)."""
+    g = torch.Generator().manual_seed(seed)
+    x, y = (torch.randn(2, 1, 3, 4, generator=g).to(dtype) for _ in range(2))
+    model = _Chain(ops).eval()
+    for region, got, want in _regions(model, (x, y)):
+        for gt, w in zip(got, want):
+            if "aten.sum.dim_IntList" in region.ops:
+                torch.testing.assert_close(gt, w, rtol=2e-2, atol=2e-2)
+            else:
+                assert torch.equal(gt, w), (ops, region.name, region.ops, gt, w)
+
+
+class _ScaledMeans(nn.Module):
+    def forward(self, x):
+        y = x * 0.3 + 0.1
+        return y.mean((0, 2, 3), keepdim=True), y.sum((2, 3))
+
+
+def test_the_column_emulator_rounds_where_the_ir_rounds():
+    """``fxopt.fuzz.simt`` runs a column reduction's C thread by thread against its IR: the IR's
+    16-bit roundings (``fx_to_f32(fx_from<T>(v))``) round in the emulator too (a store's does not:
+    the IR's reference outputs are float64), or every such kernel would differ by a rounding."""
+    from fxopt.fuzz.backend_api import reduction_sources
+    from fxopt.fuzz.simt import check_column_geometry, is_column_kernel
+    from fxopt.testing import check_fusion
+    from fxopt.testing.strategies import CNNCase
+
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.randn(8, 16, 5, 7).to(dtype).contiguous(memory_format=torch.channels_last)
+        checked = 0
+        for sched in check_fusion(CNNCase(_ScaledMeans().eval(), (x,), dtype, False, []), {}):
+            for region in sched.regions:
+                for ks in reduction_sources(region.kernel, False) if hasattr(region.kernel, "reduced") else []:
+                    if is_column_kernel(ks):
+                        assert "fx_to_f32(fx_from<" in ks.source
+                        check_column_geometry(ks, high=4, rtol=1e-4, atol=1e-4)
+                        checked += 1
+        assert checked >= 2
