@@ -19,7 +19,10 @@ from fxopt.backends.cuda.kernels.pointwise import vector_width
 from fxopt.backends.cuda.kernels.region import generate_kernel
 from fxopt.backends.cuda.schedule.loops import arrange
 from fxopt.fuzz.geometry import check_row_geometry, is_row_kernel
+from fxopt.fuzz.backend_api import reduction_sources
 from fxopt.fuzz.simt import check_column_geometry, is_column_kernel
+from fxopt.testing import check_fusion
+from fxopt.testing.strategies import CNNCase
 
 needs_nvrtc = pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (cuda-core) not importable")
 REDUCED = (1, 2, 3, 7, 64, 1000)
@@ -231,3 +234,39 @@ def test_split_attention_sums_fuse_their_prologues_and_transpose_their_stores():
         assert "conv_epilogue_ref" in k.ops and len(k.inputs) >= 2
         for ks in reduction_sources(k):
             assert check_column_geometry(ks, high=8)["geometry"]["tw"] > 0
+
+
+class _ShiftedInstanceNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.InstanceNorm2d(8)
+
+    def forward(self, x):
+        return self.norm(x * 16.0 + 7.0)
+
+
+def test_a_row_of_equal_values_is_emulated_in_the_irs_precision():
+    """CPU fuzz seed 3 (dc1ddf32b9): a column InstanceNorm, a row of equal values (variance 0). The
+    kernel's mean, ``sum * 0.33333334f``, is the value in float32, so its output is 0 (ATen's
+    Welford gives 0 too); the emulator, in float64, found the mean 3e-8 off and scaled that by
+    ``rsqrt(eps) = 316``: 6.7e-4 here, 2e-4 in the fuzz program, against a tolerance of about
+    1.5e-4. The emulator and the IR now both run in float64 (``ir.evaluate(compute=...)``); the IR
+    in float32 still gives exactly 0 there."""
+    x = torch.randn(1, 8, 1, 3).contiguous(memory_format=torch.channels_last)
+    case = CNNCase(_ShiftedInstanceNorm().eval(), (x,), torch.float32, False, [])
+    kernels = [ks for sched in check_fusion(case, {}) for region in sched.regions
+               if hasattr(region.kernel, "reduced") for ks in reduction_sources(region.kernel, False)
+               if is_column_kernel(ks)]
+    assert kernels
+    for ks in kernels:
+        for seed in range(6):  # seeds 0, 2 and 5 draw a row of equal values
+            check_column_geometry(ks, seed=seed, high=4, rtol=1e-4, atol=1e-4)
+    k = kernels[0].meta["kernel"]
+    flat = torch.full((k.inputs[0].span(),), 3.0)
+    inp = flat.as_strided(k.inputs[0].shape, k.inputs[0].strides)
+    outs = {dt: torch.empty_strided(k.outputs[0].shape, k.outputs[0].strides, dtype=dt)
+            for dt in (torch.float32, torch.float64)}
+    ir.evaluate(k, [inp], [outs[torch.float32]])
+    ir.evaluate(k, [inp], [outs[torch.float64]], compute=torch.float64)
+    assert torch.equal(outs[torch.float32], torch.zeros_like(outs[torch.float32]))
+    assert outs[torch.float64].abs().max() > 1e-4  # float64 math on the float32 constant 1/3
