@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from fxopt.passes import (dead_code, fold_batchnorm, fold_constants, fuse_conv_epilogue, layout,
-                          output_formats,
+                          merge_parallel_convs, output_formats,
                           redundant_clones, select_conv_algorithm, training_batchnorm,
                           training_batchnorm_relu, training_layout)
 from fxopt.passinfra import PassContext
@@ -33,6 +33,9 @@ PIPELINE = [
     ("dead_code", dead_code.run),
     # Inference BatchNorm -> conv/linear weights; must run before epilogue fusion sees the chain.
     ("fold_batchnorm", fold_batchnorm.run),
+    # parallel convolutions of one input that are summed (re-parameterizable branches) -> one
+    # convolution; needs their BatchNorms folded, precedes epilogue fusion (the sum's activation).
+    ("merge_parallel_convs", merge_parallel_convs.run),
     # conv/linear + bias + residual + activation -> one fused node; every conv becomes fused_conv.
     ("fuse_conv_epilogue", fuse_conv_epilogue.run),
     # channels_last regions around 2-D convolutions; needs the fused nodes, precedes algorithm choice

@@ -90,6 +90,26 @@ class Step(nn.Module):
         return self.body(x)
 
 
+class Branches(nn.Module):
+    """Parallel convolutions of one input, summed, with an identity term maybe (``x`` or a
+    BatchNorm of ``x``), then an activation: the re-parameterizable blocks of RepVGG / MobileOne /
+    ACNet."""
+
+    def __init__(self, convs: list, identity: Optional[nn.Module], with_x: bool, act: nn.Module):
+        super().__init__()
+        self.convs, self.identity, self.with_x, self.act = nn.ModuleList(convs), identity, with_x, act
+
+    def forward(self, x):
+        y = self.convs[0](x)
+        for conv in self.convs[1:]:
+            y = y + conv(x)
+        if self.identity is not None:
+            y = y + self.identity(x)
+        elif self.with_x:
+            y = y + x
+        return self.act(y)
+
+
 class RandomCNN(nn.Module):
     def __init__(self, steps: list[nn.Module]):
         super().__init__()
@@ -132,7 +152,7 @@ def conv_params(draw, cin: int, size: int, ndim: int):
 
 
 #: the layers a generated model is drawn from (repeats weigh the draw)
-LAYER_KINDS = ("conv", "conv", "conv", "residual", "concat", "pool")
+LAYER_KINDS = ("conv", "conv", "conv", "residual", "concat", "pool", "branches")
 #: training cases also draw ResNet basic blocks
 TRAINING_LAYER_KINDS = LAYER_KINDS + ("basic_block",)
 
@@ -199,6 +219,27 @@ def cnn_cases(draw, dtypes=(torch.float32,), ndims=(2,), max_layers: int = 5, tr
                 text = f"conv1 s{stride}-bn"
             steps.append(Step("basic_block", body, nn.ModuleList([shortcut, ACTIVATIONS[act]()])))
             desc.append(f"basic_block(conv3 s{stride}-bn-{act}-conv3-bn + {text})-{act}")
+            c, size = cout, (size - 1) // stride + 1
+        elif kind == "branches" and ndim == 2 and size >= 3:
+            k = draw(st.sampled_from([3, 5] if size >= 5 else [3]))
+            stride = draw(st.sampled_from([1, 1, 2]))
+            dil = draw(st.sampled_from([1, 2])) if 2 * (k - 1) + 1 <= size else 1
+            cout = draw(st.sampled_from([c, c, 4]))
+            groups = draw(st.sampled_from([g for g in _divisors(c) if cout % g == 0 and g <= 4]))
+            shapes = draw(st.lists(st.sampled_from([(k, k), (1, 1), (1, k), (k, 1), (k, k)]), min_size=1, max_size=3))
+            convs, texts = [], []
+            for kh, kw in shapes:
+                conv = conv_cls(c, cout, (kh, kw), stride, (dil * (kh - 1) // 2, dil * (kw - 1) // 2), dil, groups,
+                                bias=draw(st.booleans()))
+                bn = draw(st.booleans())
+                convs.append(nn.Sequential(conv, _rand_bn(bn_cls(cout), gen)) if bn else conv)
+                texts.append(f"conv{kh}x{kw}{'-bn' if bn else ''}")
+            ident = draw(st.sampled_from(["none", "x", "bn"])) if stride == 1 and cout == c else "none"
+            act = draw(st.sampled_from(sorted(ACTIVATIONS)))
+            identity = _rand_bn(bn_cls(c), gen) if ident == "bn" else None
+            steps.append(Step("plain", Branches(convs, identity, ident == "x", ACTIVATIONS[act]())))
+            desc.append(f"branches(s{stride} d{dil} g{groups}: {' + '.join(texts)}"
+                        f"{'' if ident == 'none' else ' + ' + ident})-{act}")
             c, size = cout, (size - 1) // stride + 1
         elif kind == "concat" and size >= 3:
             a, ca, sa, ta = conv_block(c, size)
