@@ -47,6 +47,8 @@ COPY_OPS = frozenset({
     "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default",
     "aten.expand.default", "aten.alias.default", "aten.detach.default", "aten.flatten.using_ints",
     "aten.channel_shuffle.default", "aten.native_channel_shuffle.default", "aten.constant_pad_nd.default",
+    "aten.reflection_pad1d.default", "aten.reflection_pad2d.default", "aten.reflection_pad3d.default",
+    "aten.replication_pad1d.default", "aten.replication_pad2d.default", "aten.replication_pad3d.default",
 })
 
 

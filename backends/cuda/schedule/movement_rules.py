@@ -3,7 +3,8 @@
 ``VIEWS`` (view / reshape / permute / transpose / expand / slice / select / squeeze / unsqueeze /
 channel shuffle), the items of ``MULTI_VIEWS`` (split / chunk / unbind: a slice or select of their
 input), and ``MOVEMENT``: ``cat`` a choice among its inputs by index range (``stack`` by index),
-``constant_pad_nd`` a range test, ``repeat`` a modulo, and the window ops (max / average pooling)
+``constant_pad_nd`` a range test, reflection and replication padding a choice by range among
+mirrored / clamped index maps, ``repeat`` a modulo, and the window ops (max / average pooling)
 unrolling their window.
 """
 from __future__ import annotations
@@ -213,6 +214,41 @@ def _pad(node: fx.Node, value_of: Callable) -> Value:
     return Value(shape, out.dtype, load)
 
 
+def _edge_pad(kind: str) -> Callable:
+    """``reflection_pad{1,2,3}d`` (``kind`` "reflect") and ``replication_pad{1,2,3}d`` ("edge"): per
+    padded dimension a choice by index range among three index maps of the input (below the input:
+    ``l - i`` mirrored / 0; inside: ``i - l``; above: ``2 (n - 1) + l - i`` / ``n - 1``), so the
+    padded value is read where its consumer reads it, with no padded copy."""
+    def rule(node: fx.Node, value_of: Callable) -> Value:
+        out = meta(node)
+        shape = static_shape(out)
+        base = value_of(node.args[0])
+        pad = [int(p) for p in node.args[1]]
+        lo = {len(shape) - 1 - k: pad[2 * k] for k in range(len(pad) // 2)}
+        hi = {len(shape) - 1 - k: pad[2 * k + 1] for k in range(len(pad) // 2)}
+        for d in lo:
+            n = base.shape[d]
+            if lo[d] < 0 or hi[d] < 0 or n < 1 or (kind == "reflect" and max(lo[d], hi[d]) >= n):
+                raise Decline(f"{kind} padding {lo[d]}, {hi[d]} of a dimension of {n}")
+        dims = sorted(lo)
+
+        def load(idx):
+            def piece(rest: list, chosen: dict):
+                if not rest:
+                    return base.load([chosen.get(d, Ix.of(idx[d])) for d in range(len(shape))])
+                d, i, n, l = rest[0], Ix.of(idx[rest[0]]), base.shape[rest[0]], lo[rest[0]]
+                below, above = (i * -1 + l, i * -1 + (2 * (n - 1) + l)) if kind == "reflect" else (Ix(), Ix.of(n - 1))
+                e = piece(rest[1:], {**chosen, d: i - l})
+                if hi[d]:
+                    e = Where(InRange(i, l + n, shape[d]), piece(rest[1:], {**chosen, d: above}), e)
+                if l:
+                    e = Where(InRange(i, 0, l), piece(rest[1:], {**chosen, d: below}), e)
+                return e
+            return piece(dims, {})
+        return Value(shape, out.dtype, load)
+    return rule
+
+
 def _repeat(node: fx.Node, value_of: Callable) -> Value:
     out = meta(node)
     shape = static_shape(out)
@@ -325,6 +361,10 @@ def _adaptive_avgpool(node: fx.Node, value_of: Callable) -> Value:
 MOVEMENT: dict = {
     aten.cat.default: _cat, aten.stack.default: _stack, aten.constant_pad_nd.default: _pad,
     aten.repeat.default: _repeat, aten.avg_pool2d.default: _avgpool, aten._adaptive_avg_pool2d.default: _adaptive_avgpool,
+    **{op: _edge_pad("reflect") for op in (aten.reflection_pad1d.default, aten.reflection_pad2d.default,
+                                           aten.reflection_pad3d.default)},
+    **{op: _edge_pad("edge") for op in (aten.replication_pad1d.default, aten.replication_pad2d.default,
+                                        aten.replication_pad3d.default)},
 }
 #: rules the executor applies in inference graphs only (a training graph runs these ops as PyTorch
 #: does): ``stack``'s, checked on the GPU in inference; the GPU fuzzer found two training programs
