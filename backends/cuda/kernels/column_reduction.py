@@ -53,6 +53,12 @@ MIN_ITERS = 8           # reduced elements per thread at least, once the reduced
 MAX_SPLITS = 256        # blocks along the reduced index at most
 FILL_BLOCKS = 264       # blocks below which a block takes fewer columns (two per SM of an H100)
 TILE_C = 32             # transposed stores: columns per tile (x TILE_W = BLOCK * vec / TILE_C positions)
+MAX_FILL = 1 << 18      # column threads at most that a compute-heavy plan aims for (``element_work``)
+#: float operations of tens of instructions each (transcendentals, IEEE division): a reduced value
+#: made of them (a SiLU epilogue inlined into a squeeze-excite mean) keeps a thread's ALU busy
+#: longer than its loads, so few threads a SM leave that latency exposed
+HEAVY_OPS = frozenset({"exp", "log", "div", "pow", "sqrt", "rsqrt", "reciprocal", "erf", "sin", "cos", "tanh",
+                       "sigmoid", "silu", "gelu", "mish", "softplus", "softplus_beta", "elu", "log1p", "expm1"})
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,16 @@ def transpose_var(k: ReductionKernel) -> Optional[Var]:
     return found.pop() if len(found) == 1 else None
 
 
-def column_plan(k: ReductionKernel, vec: int = 1) -> Optional[ColumnPlan]:
+def element_work(k: ReductionKernel) -> int:
+    """1 + the heavy operations (``HEAVY_OPS``) each reduced element costs: the distinct ones among
+    the phases' values that depend on the reduced variables."""
+    memo: dict = {}
+    heavy = {e for p in k.phases for e in ir.walk(p.value)
+             if isinstance(e, ir.Op) and e.op in HEAVY_OPS and _varies(e, set(k.reduced), memo)}
+    return 1 + len(heavy)
+
+
+def column_plan(k: ReductionKernel, vec: int = 1, work: int = 1) -> Optional[ColumnPlan]:
     """The mapping of a column reduction (see the module's docstring), or None where ``k`` is not one.
 
     The cost model, from sizes alone: a thread streams its ``vec`` columns through the reduced
@@ -130,7 +145,10 @@ def column_plan(k: ReductionKernel, vec: int = 1) -> Optional[ColumnPlan]:
     parallelism. Within a block first (``by``, keeping a warp's worth of columns where there are
     that many), then over blocks (``splits``); a grid of fewer than ``FILL_BLOCKS`` blocks gives
     each block fewer columns (down to 8 threads' worth, 64 threads a block) so that it spreads
-    over the SMs. So the split-attention sums (rows = N*C*H*W in the
+    over the SMs. ``work`` > 1 (``element_work``: heavy math per element) aims for ``work`` times
+    the threads (at most ``MAX_FILL``) and ``MIN_ITERS / work`` elements a thread: more warps a SM
+    to hide the arithmetic's latency, at the cost of more combining (a measured alternative, see
+    ``kernels/region.py``). So the split-attention sums (rows = N*C*H*W in the
     millions, R = 2) take ``by = splits = 1``: every thread two 16-byte loads and one store, no
     barrier; a global mean of a channels_last [N, C, 7, 7] (rows N*C, R = 49) splits R over a few
     threads of a block; a per-channel sum over N*H*W (rows = C, R large) over blocks as well.
@@ -139,7 +157,8 @@ def column_plan(k: ReductionKernel, vec: int = 1) -> Optional[ColumnPlan]:
     if k.strategy != "outer" or not k.outer or k.rows == 0 or k.outer[-1].size % vec:
         return None
     R, groups = k.row_size, k.rows // vec
-    f = min(_p2ceil(-(-FILL_THREADS // groups)), _p2floor(max(1, R // MIN_ITERS)))
+    fill, min_iters = min(MAX_FILL, FILL_THREADS * work), max(1, MIN_ITERS // work)
+    f = min(_p2ceil(-(-fill // groups)), _p2floor(max(1, R // min_iters)))
     by = min(f, BLOCK // min(32, _p2ceil(groups)))
     bx = min(BLOCK // by, _p2ceil(groups))
     splits = 1
@@ -368,11 +387,14 @@ class _Gen:
                            f"{ind}  }}", f"{ind}}}", f"{ind}__syncthreads();"]
 
 
-def generate_column_reduction(k: ReductionKernel, plan: ColumnPlan, fast_math: bool = False) -> KernelSource:
-    """The kernel of ``k`` mapped by ``plan`` (``column_plan``)."""
+def generate_column_reduction(k: ReductionKernel, plan: ColumnPlan, fast_math: bool = False,
+                              work: int = 1) -> KernelSource:
+    """The kernel of ``k`` mapped by ``plan`` (``column_plan``; ``work``: what it was planned for,
+    part of the kernel's name, since plans of one block size may differ in its shape)."""
     prefix = kernel_fast_math_prefix(k, fast_math)
     index64 = kernel_index64(k)
-    variant = f"cols{plan.block}v{plan.vec}" + (f"s{plan.splits}" if plan.splits > 1 else "") + "t" * bool(plan.tw)
+    variant = (f"cols{plan.block}v{plan.vec}" + (f"s{plan.splits}" if plan.splits > 1 else "") + "t" * bool(plan.tw)
+               + (f"w{work}" if work > 1 else ""))
     name = kernel_name(k, variant + "f" * bool(prefix))
     ps = kernel_params(k)
     if plan.splits > 1:

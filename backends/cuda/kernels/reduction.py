@@ -55,12 +55,14 @@ def reduction_vector_width(k: ReductionKernel) -> int:
     return column_vector_width(k) if k.strategy == "outer" else row_vector_width(k)
 
 
-def generate_reduction_kernel(k: ReductionKernel, fast_math: bool = False, vec: int = 1) -> KernelSource:
+def generate_reduction_kernel(k: ReductionKernel, fast_math: bool = False, vec: int = 1,
+                              work: int = 1) -> KernelSource:
     """``fast_math``: option fast_math (``codegen.c.fast_math_prefix``); ``vec``: the row's vector
-    width (rows that fit in registers, ``row_plan`` below; 1: scalar loads)."""
-    cols = column_plan(k, vec) or column_plan(k, 1)
+    width (rows that fit in registers, ``row_plan`` below; 1: scalar loads); ``work``: a column
+    reduction's plan for that much math per element (``column_reduction.column_plan``)."""
+    cols = column_plan(k, vec, work) or column_plan(k, 1, work)
     if cols is not None:
-        return generate_column_reduction(k, cols, fast_math)
+        return generate_column_reduction(k, cols, fast_math, work)
     plan = row_plan(k, vec)
     if plan is not None:
         prefix = kernel_fast_math_prefix(k, fast_math)

@@ -1,7 +1,9 @@
 """The fusion scheduler's region kernels: ``generate_kernel`` (a pointwise or reduction kernel of the
 IR, ``pointwise.py`` / ``reduction.py``), ``vector_width`` (the widest vector its innermost loop
 allows), the region's candidate ``GeneratedRegion`` (a vectorized variant where the innermost loop
-allows, and a scalar one for tensors that are not aligned for it; option ``fast_math``: approximate
+allows, and a scalar one for tensors that are not aligned for it; for a column reduction of heavy
+math, ``parallel_variant``, the same kernel planned for more threads, measured against it; option
+``fast_math``: approximate
 exp and division in kernels with 16-bit results; ``__call__`` returns ``None``, so that the
 reference runs, when the tensors it gets are not on the GPU or differ in shape, dtype or strides
 from those the kernel was generated for) and its launch (``launch_fused``: buffers checked against
@@ -15,6 +17,7 @@ import torch
 
 from fxopt.backends.cuda.ir import PointwiseKernel, ReductionKernel
 from fxopt.backends.cuda.codegen.source import KernelSource
+from fxopt.backends.cuda.kernels.column_reduction import element_work
 from fxopt.backends.cuda.kernels.common import compiled_kernel, meta
 from fxopt.backends.cuda.kernels.pointwise import generate_pointwise_kernel, vector_width
 from fxopt.backends.cuda.kernels.reduction import generate_reduction_kernel
@@ -23,24 +26,25 @@ if TYPE_CHECKING:
     from fxopt.backends.cuda.schedule.fusion import Region
 
 
-def generate_kernel(k, vec: int = 1, fast_math: bool = False) -> KernelSource:
+def generate_kernel(k, vec: int = 1, fast_math: bool = False, work: int = 1) -> KernelSource:
     """The source of an IR kernel (``vec``: vector width of the innermost (pointwise) or reduced loop;
-    ``fast_math``: option fast_math, see ``codegen.c.fast_math_prefix``)."""
+    ``fast_math``: option fast_math, see ``codegen.c.fast_math_prefix``; ``work``: a column
+    reduction planned for that much math per element)."""
     if isinstance(k, PointwiseKernel):
         return generate_pointwise_kernel(k, vec, fast_math=fast_math)
     if isinstance(k, ReductionKernel):
-        return generate_reduction_kernel(k, fast_math, vec)
+        return generate_reduction_kernel(k, fast_math, vec, work)
     raise TypeError(f"not an IR kernel: {type(k).__name__}")
 
 
 class GeneratedRegion:
-    def __init__(self, region: Region, fast_math: bool = False):
+    def __init__(self, region: Region, fast_math: bool = False, work: int = 1):
         self.region, self.name, self.label = region, region.name, "fused"
         k = region.kernel
         vec = vector_width(k)
-        self.sources = {vec: generate_kernel(k, vec, fast_math)}
+        self.sources = {vec: generate_kernel(k, vec, fast_math, work)}
         if vec > 1 and not _aligned_by_metadata(self.sources[vec], region):
-            self.sources[1] = generate_kernel(k, 1, fast_math)  # for the tensors that will not be aligned
+            self.sources[1] = generate_kernel(k, 1, fast_math, work)  # for the tensors that will not be aligned
         self.kernels: dict = {}
 
     @property
@@ -62,6 +66,24 @@ class GeneratedRegion:
                 launch_fused(ks, inputs, outs, kernel=self.kernels[variant])
                 return tuple(outs)
         return None
+
+
+def parallel_variant(region: Region, generated: GeneratedRegion, fast_math: bool = False) -> dict:
+    """``{"generated_parallel": (candidate, call)}``: a column reduction whose reduced values are
+    heavy math (``column_reduction.element_work``, a SiLU epilogue inlined into a squeeze-excite
+    mean) planned for more threads, measured against the default plan (which is planned for the
+    loads alone); ``{}`` where the kernel is not such a reduction or the plans are the same."""
+    k = region.kernel
+    if not isinstance(k, ReductionKernel) or k.strategy != "outer":
+        return {}
+    work = element_work(k)
+    if work < 2:
+        return {}
+    alt = GeneratedRegion(region, fast_math, work)
+    if all(alt.sources.get(v) is not None and alt.sources[v].name == ks.name for v, ks in generated.sources.items()):
+        return {}
+    alt.label = "parallel"
+    return {"generated_parallel": (alt, alt)}
 
 
 def _aligned_by_metadata(ks, region: Region) -> bool:

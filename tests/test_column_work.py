@@ -1,0 +1,89 @@
+"""Column reductions of heavy math (``column_reduction.element_work``, ``region.parallel_variant``):
+a squeeze-excite mean with its SiLU epilogue inlined gets a second candidate planned for more
+threads, measured against the default plan on the GPU. On the CPU: the work count, the plans, every
+thread of the alternative kernel run by ``fxopt.fuzz.simt`` against the IR, and the candidate offered
+(and compiled with NVRTC) only where it differs."""
+import dataclasses
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxopt
+from fxopt.backends.cuda import ir
+from fxopt.backends.cuda.compiler import nvrtc_available
+from fxopt.backends.cuda.kernels import column_reduction as cr
+from fxopt.backends.cuda.kernels.region import generate_kernel
+from fxopt.backends.cuda.kernels.pointwise import vector_width
+from fxopt.fuzz.simt import check_column_geometry
+
+from test_column_reduction import column_kernel
+
+
+HEAVY = re.compile(r"_cols\d+v\d+(s\d+)?t?w\d+_")  # a kernel planned for heavy math (``w<work>``)
+
+
+def silu_mean(shape, dtype=torch.float32):
+    """The spatial mean of silu(x) of a channels_last tensor of ``shape``."""
+    k = column_kernel(shape, (0, 2, 3, 1), (2, 3), dtype, op="mean")
+    x = k.phases[0].value
+    silu = ir.op("div", x, ir.op("add", ir.Const(1.0), ir.op("exp", ir.op("neg", x))))
+    return dataclasses.replace(k, phases=[dataclasses.replace(k.phases[0], value=silu)])
+
+
+def test_element_work_counts_the_heavy_math_per_element():
+    assert cr.element_work(column_kernel((2, 8, 3, 3), (0, 2, 3, 1), (2, 3), op="mean")) == 1
+    assert cr.element_work(silu_mean((2, 8, 3, 3))) == 3  # exp and the division
+
+
+@pytest.mark.parametrize("shape", [(8, 1536, 10, 10), (8, 960, 19, 19), (1, 672, 14, 14), (32, 1280, 7, 7)])
+def test_heavy_plans_use_more_threads_fewer_elements_each(shape):
+    k = silu_mean(shape)
+    vec = cr.column_vector_width(k)
+    base, heavy = cr.column_plan(k, vec), cr.column_plan(k, vec, cr.element_work(k))
+    threads = lambda p: p.block * -(-p.tiles // 1) * p.splits  # noqa: E731
+    assert threads(heavy) >= threads(base)
+    assert -(-k.row_size // (heavy.by * heavy.splits)) <= -(-k.row_size // (base.by * base.splits))
+    assert cr.column_plan(k, vec, 1) == base  # work 1: the default plan, unchanged
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 24, 5, 7), (3, 40, 10, 10), (1, 64, 3, 3), (2, 8, 1, 2)])
+def test_every_thread_of_the_heavy_plan(shape, dtype):
+    k = silu_mean(shape, dtype)
+    ks = generate_kernel(k, vector_width(k), work=cr.element_work(k))
+    assert "w3" in ks.name
+    check_column_geometry(ks, high=8, rtol=1e-5, atol=1e-5)
+
+
+class SqueezeExcite(nn.Module):
+    def __init__(self, c=32):
+        super().__init__()
+        self.conv, self.fc1, self.fc2 = nn.Conv2d(c, c, 3, padding=1, groups=c), nn.Conv2d(c, 8, 1), nn.Conv2d(8, c, 1)
+
+    def forward(self, x):
+        y = torch.nn.functional.silu(self.conv(x))
+        return y * torch.sigmoid(self.fc2(torch.relu(self.fc1(y.mean((2, 3), keepdim=True)))))
+
+
+def _kernels(model, x):
+    r = fxopt.explain(model.eval(), x, options={"executor": "cuda", "layout": "channels_last"})
+    return [k for g in r.graphs for k in g.kernels]
+
+
+def test_the_squeeze_mean_gets_the_parallel_candidate_plain_means_do_not():
+    torch.manual_seed(0)
+    names = [k.name for k in _kernels(SqueezeExcite(), torch.randn(8, 32, 20, 20))]
+    means = [n for n in names if n.startswith("fx_red_mean")]
+    assert any(HEAVY.search(n) for n in means) and any(not HEAVY.search(n) for n in means), means
+    pool = nn.Sequential(nn.Conv2d(32, 32, 3, padding=1), nn.AdaptiveAvgPool2d(1))
+    plain = [k.name for k in _kernels(pool, torch.randn(8, 32, 20, 20)) if k.name.startswith("fx_red_mean")]
+    assert plain and not any(HEAVY.search(n) for n in plain), plain
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (cuda-core) not importable")
+def test_the_parallel_candidate_compiles():
+    torch.manual_seed(0)
+    ks = [k for k in _kernels(SqueezeExcite(), torch.randn(8, 32, 20, 20)) if HEAVY.search(k.name)]
+    assert ks and all(k.compiled for k in ks), [(k.name, k.compiled) for k in ks]
