@@ -59,6 +59,7 @@ def shared_tensor(t: torch.Tensor):
     """An ``openvino.Tensor`` on ``t``'s memory (contiguous ``t``; bfloat16 by its bits)."""
     import openvino as ov
 
+    t = t.detach()  # numpy() refuses a tensor that requires grad; the same memory
     if t.dtype == torch.bfloat16:
         return ov.Tensor(t.view(torch.int16).numpy(), list(t.shape), ov.Type.bf16)
     return ov.Tensor(t.numpy(), shared_memory=True)
@@ -123,6 +124,7 @@ class OvRunner:
         self.models: OrderedDict = OrderedDict()
         self._params_changed = ParamChanges(self.params)  # whether a weight changed since the last call
         self.builds = 0
+        self._last: Optional[tuple] = None  # (signature, request) of the previous call
 
     def _compile(self, args):
         import openvino as ov
@@ -145,8 +147,11 @@ class OvRunner:
     def request(self, args) -> "_Request":
         if self._params_changed(args):  # a weight changed: every compiled model holds stale constants
             self.models.clear()
-        sig = tuple((tuple(args[i].shape), args[i].dtype) if isinstance(args[i], torch.Tensor) else args[i]
-                    for i in self.user)
+            self._last = None
+        sig = tuple((a.shape, a.dtype) if isinstance(a, torch.Tensor) else a for a in map(args.__getitem__, self.user))
+        last = self._last
+        if last is not None and last[0] == sig:  # the common case: the previous call's signature
+            return last[1]
         req = self.models.get(sig)
         if req is None:
             req = self.models[sig] = _Request(*self._compile(args), self.out_vals)
@@ -154,11 +159,14 @@ class OvRunner:
                 self.models.popitem(last=False)
         else:
             self.models.move_to_end(sig)
+        self._last = (sig, req)  # one attribute: concurrent callers never see a pair of two calls
         return req
 
     def __call__(self, *args):
         req = self.request(args)
-        outs = req.run([args[i].detach().contiguous() for i in self.user if isinstance(args[i], torch.Tensor)])
+        # no per-call detach (an aten call): shared_tensor detaches where it binds a new input
+        outs = req.run([t if t.is_contiguous() else t.contiguous() for t in map(args.__getitem__, self.user)
+                        if isinstance(t, torch.Tensor)])
         if self.restride:
             outs = [_restride(t, v) for t, v in zip(outs, self.out_vals)]
         return self.out_type(outs) if self.out_type is not None else outs[0]

@@ -248,3 +248,26 @@ def test_openvino_request_is_reused_and_outputs_are_fresh(slow_torch_graphs, mon
     assert runner.builds == 1 and len(runner.models) == 1
     (req,) = runner.models.values()
     assert (req.out_bufs is None) == (out_buffer_bytes == 0)
+
+
+@needs_ov
+def test_openvino_inputs_taking_turns_strided_or_requiring_grad(slow_torch_graphs):
+    """The previous call's request is reused without a look-up: inputs taking turns (new memory, one
+    that requires grad, a non-contiguous one; Dynamo gives the last two graphs of their own, the
+    strided one with symbolic sizes, where OpenVINO may decline) each read as eager reads them; the
+    contiguous inputs' graphs run OpenVINO, each on one compiled model."""
+    torch.manual_seed(0)
+    m = SeedCNN().eval()
+    xa, xb = torch.randn(2, 3, 32, 32), torch.randn(2, 3, 32, 32)
+    xs = torch.randn(3, 32, 2, 32).permute(2, 0, 1, 3)  # (2, 3, 32, 32), not contiguous
+    xg = torch.randn(2, 3, 32, 32).requires_grad_()
+    graphs: list = []
+    compiled = fxopt.testing.compile_with_fxopt(m, {"autotune_cache": False, "cpu_onnxruntime": False,
+                                                    "cpu_openvino": True}, graphs)
+    with torch.no_grad():
+        for x in (xa, xb, xg, xa, xs, xg, xb):
+            torch.testing.assert_close(compiled(x), m(x), rtol=1e-4, atol=1e-5)
+    for g in graphs[:2]:  # contiguous inputs; the second requires grad
+        runner = g.executor_details["cpu_runner"]
+        assert [d["runs"] for d in runner.decisions()] == ["openvino"], runner.decisions()
+        assert runner.openvino.builds == 1 and len(runner.openvino.models) == 1
