@@ -179,7 +179,7 @@ def cmd_fuzz(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     summary = run_fuzz(args.device, args.examples, args.seed, args.time_budget, args.out or "fuzz-out", (i, n),
-                       executors=args.executor or None, progress=args.progress)
+                       executors=args.executor or None, progress=args.progress, restart=args.restart)
     return 1 if summary["failures"] else 0
 
 
@@ -207,6 +207,9 @@ def add_fuzz(sub) -> None:
     p.add_argument("--executor", action="append", choices=["cpu", "torch", "cuda"],
                    help="executors to draw (default: cuda on a GPU; cpu, torch and cuda's CPU checks on the CPU)")
     p.add_argument("--merge", nargs="+", metavar="DIR", help="add up the shards' summaries under DIR... instead")
+    p.add_argument("--restart", type=non_negative_int, default=0,
+                   help="K > 0: this shard again after a failure left its process unusable (other seeds; "
+                        "output under restart-K; --jobs does this itself)")
     p.set_defaults(run=cmd_fuzz)
 
 

@@ -31,6 +31,27 @@ class _BudgetSpent(BaseException):
     """Raised inside the test once the time budget is spent: not a failure, hypothesis lets it through."""
 
 
+class _Poisoned(BaseException):
+    """Raised inside the test after a failure that left the process unusable (``process_ok``)."""
+
+
+def process_ok(device: str) -> bool:
+    """Whether this process still runs CUDA work correctly: no stream left capturing, the default
+    generator draws (not held by a capture that never ended), a kernel runs and synchronizes."""
+    if device != "cuda":
+        return True
+    import torch
+
+    try:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        total = (torch.rand(256, device="cuda") * 2).sum().item()
+        torch.cuda.synchronize()
+        return 0.0 <= total <= 512.0
+    except Exception:  # noqa: BLE001 - any error here means the context is gone
+        return False
+
+
 def _strategy(device: str, executors, max_batch: int, max_size: int, max_layers: int, dtypes, modes):
     from hypothesis import strategies as st
 
@@ -57,10 +78,11 @@ def _fuzz_options(program):
 def run_fuzz(device: str = "cpu", examples: int = 100, seed: int = 0, time_budget: float | None = None,
              out="fuzz-out", shard: tuple = (0, 1), executors=None, max_batch: int | None = None,
              max_size: int = 12, max_layers: int = 5, dtypes=("float32", "float16", "bfloat16"),
-             modes=("inference", "training"), log=print, progress: float | None = None) -> dict:
+             modes=("inference", "training"), log=print, progress: float | None = None, restart: int = 0) -> dict:
     """Fuzz ``examples`` graphs (this shard's share) on ``device``; returns the summary written to
-    ``out/shard-i-of-n/summary.json``. A failure found is shrunk for at most ``SHRINK_SECONDS``
-    (and half the budget) past the time budget."""
+    ``out/shard-i-of-n/summary.json`` (``restart`` K > 0: ``.../restart-K/summary.json``, other
+    seeds). A failure found is shrunk for at most ``SHRINK_SECONDS`` (and half the budget) past the
+    time budget; one that leaves the process unusable ends the shard (``summary["poisoned"]``)."""
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
     from hypothesis.database import DirectoryBasedExampleDatabase
@@ -70,6 +92,7 @@ def run_fuzz(device: str = "cpu", examples: int = 100, seed: int = 0, time_budge
 
     i, n = shard
     out_dir = Path(out) / f"shard-{i}-of-{n}"
+    out_dir = out_dir / f"restart-{restart}" if restart else out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     share = examples // n + (1 if i < examples % n else 0)
     executors = tuple(executors or EXECUTORS[device])
@@ -77,7 +100,7 @@ def run_fuzz(device: str = "cpu", examples: int = 100, seed: int = 0, time_budge
                          tuple(dtypes), tuple(modes))
     cov, failures = Coverage(), []
     start = time.monotonic()
-    state = {"ran": 0, "failed": None, "said": start}
+    state = {"ran": 0, "failed": None, "said": start, "poisoned": None}
     extra = 0.0 if time_budget is None else min(SHRINK_SECONDS, 0.5 * time_budget)
 
     def test(program):
@@ -98,6 +121,9 @@ def run_fuzz(device: str = "cpu", examples: int = 100, seed: int = 0, time_budge
         except Exception as e:
             state["failed"] = (program, f"{type(e).__name__}: {e}", traceback.format_exc())
             cov.shrink_failed += shrinking
+            if not process_ok(device):
+                state["poisoned"] = state["failed"]
+                raise _Poisoned from e
             raise
         if not shrinking:  # the coverage of the search: shrinking's small programs would swamp it
             cov.add(program, graphs, eager_error=outcome.get("eager_error"), upstream=outcome.get("upstream"))
@@ -108,17 +134,20 @@ def run_fuzz(device: str = "cpu", examples: int = 100, seed: int = 0, time_budge
         cfg = settings(max_examples=share - state["ran"], database=db, deadline=None, derandomize=False,
                        suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink],
                        report_multiple_bugs=False, print_blob=True)
-        fn = hseed(seed * 7919 + i * 104729 + rnd)(settings(cfg)(given(strategy)(test)))
+        fn = hseed(seed * 7919 + i * 104729 + rnd + 1_000_003 * restart)(settings(cfg)(given(strategy)(test)))
         state["failed"] = None
         try:
             fn()
             break
-        except (_BudgetSpent, Exception) as e:  # noqa: BLE001 - the shrunk failure: its reproducer, then the next round
+        except (_BudgetSpent, _Poisoned, Exception) as e:  # noqa: BLE001 - the shrunk failure: its reproducer, then the next round
             if isinstance(e, _BudgetSpent) and state["failed"] is None:
                 break
-            # (out of time while shrinking: the smallest failing program so far)
-            program, message, tb = state["failed"] or (None, f"{type(e).__name__}: {e}", traceback.format_exc())
-            entry = {"error": message[:2000], "traceback": tb[-4000:]}
+            # (out of time while shrinking: the smallest failing program so far; a poisoning one as drawn)
+            program, message, tb = (state["poisoned"] or state["failed"]
+                                    or (None, f"{type(e).__name__}: {e}", traceback.format_exc()))
+            if state["poisoned"] is not None:
+                message = f"{message} [left the process unable to run CUDA work: not shrunk, shard ended]"
+            entry = {"error": message[:2000], "traceback": tb[-4000:], "poisoned": state["poisoned"] is not None}
             if program is not None:
                 tol = tolerance_for(program, device, state.get("graphs", []))
                 path = write_repro(program, message, out_dir, device, tol)
@@ -126,12 +155,15 @@ def run_fuzz(device: str = "cpu", examples: int = 100, seed: int = 0, time_budge
                 log(f"FAIL ({message.splitlines()[0][:200]}): reproducer {path}")
             failures.append(entry)
             rnd += 1
+            if state["poisoned"] is not None:
+                break
         if time_budget is not None and time.monotonic() - start > time_budget:
             break
     cov.failures = len(failures)
     summary = {"device": device, "shard": [i, n], "seed": seed, "examples": share, "ran": state["ran"],
                "seconds": round(time.monotonic() - start, 1), "coverage": cov.to_json(), "failures": failures,
-               "failing_programs": len(failures), "searched": cov.graphs, "shrink_runs": cov.shrink_runs}
+               "failing_programs": len(failures), "searched": cov.graphs, "shrink_runs": cov.shrink_runs,
+               "poisoned": state["poisoned"] is not None, "restart": restart}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     cov.write(out_dir / "coverage.json")
     log(cov.table())
