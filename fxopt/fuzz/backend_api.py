@@ -16,6 +16,8 @@ _WHERE = {
     "split_conv_epilogues": ("fxopt.backends.cuda.schedule.rewrite", "fxopt.backends.cuda.schedule.fusion"),
     "ReductionKernel": ("fxopt.backends.cuda.ir", "fxopt.backends.cuda.ir.kernel", "fxopt.backends.cuda.schedule.ir"),
     "lower": ("fxopt.backends.torch_ref",),
+    "generate_tiled": ("fxopt.backends.cuda.kernels.transpose",),
+    "element_work": ("fxopt.backends.cuda.kernels.column_reduction",),
 }
 
 
@@ -51,6 +53,16 @@ def reduction_kernels(model, inputs, options=None) -> list:
 
 
 def reduction_sources(k, fast_math: bool = False) -> list:
-    """The KernelSources a region kernel ``k`` is generated as: its widest vector width and scalar."""
+    """The KernelSources a region kernel ``k`` is generated as: its widest vector width and scalar,
+    and a column reduction of heavy math planned for that (``element_work``) as well."""
     generate_kernel, vector_width = get("generate_kernel"), get("vector_width")
-    return [generate_kernel(k, vec, fast_math) for vec in sorted({vector_width(k), 1}, reverse=True)]
+    out = [generate_kernel(k, vec, fast_math) for vec in sorted({vector_width(k), 1}, reverse=True)]
+    work = get("element_work")(k) if getattr(k, "strategy", None) == "outer" else 1
+    if work > 1:
+        out += [generate_kernel(k, vec, fast_math, work) for vec in sorted({vector_width(k), 1}, reverse=True)]
+    return out
+
+
+def tiled_source(k, fast_math: bool = False):
+    """The shared-memory-tile candidate of a transposing pointwise kernel ``k``, or None."""
+    return get("generate_tiled")(k, fast_math)

@@ -391,7 +391,7 @@ def check_cuda_on_cpu(program: Program, model, x) -> list:
     from fxopt.testing import CNNCase
     from fxopt.testing.fusion import check_fusion
 
-    from .backend_api import reduction_sources
+    from .backend_api import reduction_sources, tiled_source
     from .geometry import check_row_geometry, is_row_kernel
     from .simt import check_column_geometry, is_column_kernel
 
@@ -417,4 +417,8 @@ def check_cuda_on_cpu(program: Program, model, x) -> list:
                             check_row_geometry(ks)
                         elif is_column_kernel(ks):  # small inputs: the graph's float32 math rounds
                             check_column_geometry(ks, high=4, rtol=1e-4, atol=1e-4)
+                else:
+                    ks = tiled_source(region.kernel, bool(options.get("fast_math", False)))
+                    if ks is not None:  # a transpose's shared-memory tiles, every thread
+                        check_column_geometry(ks, high=4, rtol=1e-4, atol=1e-4)
     return list(report.graphs)

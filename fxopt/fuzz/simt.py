@@ -1,4 +1,5 @@
-"""The generated column reductions run on the CPU, every thread of their launch grid at once.
+"""The generated column reductions (and the tiled transposes of ``kernels/transpose.py``, which use
+the same forms) run on the CPU, every thread of their launch grid at once.
 
 ``check_column_geometry(ks)`` executes the CUDA C of a column reduction (``kernels/column_reduction.py``,
 names ``fx_red_*_cols*``) statement by statement over numpy arrays with one lane per thread of the

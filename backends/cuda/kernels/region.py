@@ -2,7 +2,8 @@
 IR, ``pointwise.py`` / ``reduction.py``), ``vector_width`` (the widest vector its innermost loop
 allows), the region's candidate ``GeneratedRegion`` (a vectorized variant where the innermost loop
 allows, and a scalar one for tensors that are not aligned for it; for a column reduction of heavy
-math, ``parallel_variant``, the same kernel planned for more threads, measured against it; option
+math, ``parallel_variant``, the same kernel planned for more threads, and for a transposing
+pointwise kernel, ``tiled_variant``, shared-memory tiles, each measured against it; option
 ``fast_math``: approximate
 exp and division in kernels with 16-bit results; ``__call__`` returns ``None``, so that the
 reference runs, when the tensors it gets are not on the GPU or differ in shape, dtype or strides
@@ -11,7 +12,7 @@ the kernel's, vector accesses' alignment; the scratch of a column reduction spli
 ``meta["scratch"]``, allocated per launch)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -21,6 +22,7 @@ from fxopt.backends.cuda.kernels.column_reduction import element_work
 from fxopt.backends.cuda.kernels.common import compiled_kernel, meta
 from fxopt.backends.cuda.kernels.pointwise import generate_pointwise_kernel, vector_width
 from fxopt.backends.cuda.kernels.reduction import generate_reduction_kernel
+from fxopt.backends.cuda.kernels.transpose import generate_tiled
 
 if TYPE_CHECKING:
     from fxopt.backends.cuda.schedule.fusion import Region
@@ -38,14 +40,17 @@ def generate_kernel(k, vec: int = 1, fast_math: bool = False, work: int = 1) -> 
 
 
 class GeneratedRegion:
-    def __init__(self, region: Region, fast_math: bool = False, work: int = 1):
+    def __init__(self, region: Region, fast_math: bool = False, work: int = 1, sources: Optional[dict] = None):
         self.region, self.name, self.label = region, region.name, "fused"
+        self.kernels: dict = {}
+        if sources is not None:  # another mapping of the region's kernel (``tiled_variant``)
+            self.sources = dict(sources)
+            return
         k = region.kernel
         vec = vector_width(k)
         self.sources = {vec: generate_kernel(k, vec, fast_math, work)}
         if vec > 1 and not _aligned_by_metadata(self.sources[vec], region):
             self.sources[1] = generate_kernel(k, 1, fast_math, work)  # for the tensors that will not be aligned
-        self.kernels: dict = {}
 
     @property
     def ops(self) -> list:
@@ -84,6 +89,18 @@ def parallel_variant(region: Region, generated: GeneratedRegion, fast_math: bool
         return {}
     alt.label = "parallel"
     return {"generated_parallel": (alt, alt)}
+
+
+def tiled_variant(region: Region, fast_math: bool = False) -> dict:
+    """``{"generated_tiled": (candidate, call)}``: a pointwise kernel that transposes (its stores walk
+    one loop, its largest input another) through shared memory tiles (``kernels/transpose.py``),
+    measured against the default mapping; ``{}`` where the kernel is not such a transpose."""
+    ks = generate_tiled(region.kernel, fast_math)
+    if ks is None:
+        return {}
+    alt = GeneratedRegion(region, fast_math, sources={1: ks})
+    alt.label = "tiled"
+    return {"generated_tiled": (alt, alt)}
 
 
 def _aligned_by_metadata(ks, region: Region) -> bool:

@@ -52,7 +52,7 @@ from fxopt.backends.cuda.runtime.measure import Tuning, cache_key, region_key, w
 from fxopt.backends.cuda.runtime.running_stats import update_in_place
 from fxopt.backends.cuda.runtime.groups import fuse_group
 from fxopt.backends.cuda.kernels import FAMILIES, GROUPS
-from fxopt.backends.cuda.kernels.region import GeneratedRegion, parallel_variant
+from fxopt.backends.cuda.kernels.region import GeneratedRegion, parallel_variant, tiled_variant
 from fxopt.backends.cuda.schedule.copies import copy_summary
 from fxopt.backends.cuda.schedule.fusion import schedule
 from fxopt.backends.cuda.schedule.movement_rules import INFERENCE_ONLY
@@ -220,7 +220,7 @@ def fuse_regions(runnable: fx.GraphModule, info: dict, skip: set, strict: bool =
     for r in sched.regions:
         refs.append(RegionReference(runnable, r))
         gens.append(GeneratedRegion(r, fast_math))
-        tmpls.append(template_candidates(r) | parallel_variant(r, gens[-1], fast_math))
+        tmpls.append(template_candidates(r) | parallel_variant(r, gens[-1], fast_math) | tiled_variant(r, fast_math))
         names.append(region_nodes(r))
     nodes = rewrite(runnable, sched.regions, refs)
     for node, ref, gen, tm, covered in zip(nodes, refs, gens, tmpls, names):
