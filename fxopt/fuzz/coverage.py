@@ -20,6 +20,7 @@ from collections import Counter
 
 #: kernel-name prefix -> family (first match wins)
 _NAME_FAMILIES = [
+    (r"^fx_red_.*_cols\d+v\d+(s\d+)?t?w\d+_", "reduction:outer_heavy"), (r"^fx_pw_.*_tile\d+", "pointwise:tiled"),
     (r"^fx_red_.*_rows\d+v", "reduction:rows"), (r"^fx_red_.*_inner\d+", "reduction:inner"),
     (r"^fx_red_.*_(outer|cols)\d+", "reduction:outer"), (r"^fx_red_", "reduction:other"),
     (r"^fx_pw_conv_epi", "pointwise:conv_epilogue"), (r"^fx_pw_", "pointwise:region"),
@@ -29,7 +30,8 @@ _NAME_FAMILIES = [
     (r"^fx_linear_chain", "linear:chain"), (r"^fx_linear_", "linear:rows"), (r"^fx_wino_", "conv:winograd"),
 ]
 #: the families a long GPU run must reach (CPU runs reach the kernels' generation only)
-FAMILIES = ("reduction:rows", "reduction:inner", "reduction:outer", "pointwise:region", "pool:global_avg",
+FAMILIES = ("reduction:rows", "reduction:inner", "reduction:outer", "reduction:outer_heavy", "pointwise:region",
+            "pointwise:tiled", "pool:global_avg",
             "pool:window", "conv:grouped", "conv:depthwise", "conv:direct", "linear:rows", "conv:winograd",
             "algorithm:direct", "algorithm:winograd_2x2_3x3", "algorithm:winograd_4x4_3x3", "algorithm:fft",
             "algorithm:gemm")
