@@ -219,6 +219,18 @@ def _restride(t: torch.Tensor, v) -> torch.Tensor:
     return t
 
 
+def _symbolic(gm: fx.GraphModule) -> bool:
+    """Whether an input of ``gm`` is a symbolic size or a tensor of symbolic sizes or strides."""
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        v = n.meta.get("val")
+        if isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not all(
+                isinstance(d, int) for d in (*v.shape, *v.stride()))):
+            return True
+    return False
+
+
 def cpu_candidate(gm: fx.GraphModule, ctx):
     """(an :class:`OvRunner` of the graph as AOTAutograd handed it, None) for the cpu executor's
     runner to time per signature, or (None, why not): openvino missing, a dtype it has no
@@ -229,6 +241,8 @@ def cpu_candidate(gm: fx.GraphModule, ctx):
     from fxopt.backends.lowering import placeholder_indices
 
     src = ctx.unoptimized if ctx.unoptimized is not None else gm
+    if _symbolic(src):  # the export would specialize nothing: it fails after export and conversion
+        return None, "symbolic sizes (OpenVINO candidate: static graphs)"
     precision, why = precision_for(src)
     if why:
         return None, why

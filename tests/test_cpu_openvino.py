@@ -254,8 +254,8 @@ def test_openvino_request_is_reused_and_outputs_are_fresh(slow_torch_graphs, mon
 def test_openvino_inputs_taking_turns_strided_or_requiring_grad(slow_torch_graphs):
     """The previous call's request is reused without a look-up: inputs taking turns (new memory, one
     that requires grad, a non-contiguous one; Dynamo gives the last two graphs of their own, the
-    strided one with symbolic sizes, where OpenVINO may decline) each read as eager reads them; the
-    contiguous inputs' graphs run OpenVINO, each on one compiled model."""
+    strided one with symbolic sizes, which the OpenVINO candidate declines up front) each read as
+    eager reads them; the contiguous inputs' graphs run OpenVINO, each on one compiled model."""
     torch.manual_seed(0)
     m = SeedCNN().eval()
     xa, xb = torch.randn(2, 3, 32, 32), torch.randn(2, 3, 32, 32)
@@ -271,3 +271,6 @@ def test_openvino_inputs_taking_turns_strided_or_requiring_grad(slow_torch_graph
         runner = g.executor_details["cpu_runner"]
         assert [d["runs"] for d in runner.decisions()] == ["openvino"], runner.decisions()
         assert runner.openvino.builds == 1 and len(runner.openvino.models) == 1
+    for g in graphs[2:]:  # symbolic sizes: declined up front (no export that fails at the first call)
+        assert g.executor_details["openvino_candidate"].startswith("none (symbolic sizes"), g.executor_details
+        assert "failed" not in g.executor_details["cpu_runner"].decisions()[0]
