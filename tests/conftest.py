@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -26,6 +27,24 @@ def _isolated_caches(tmp_path, monkeypatch):
     leaked = torch.is_grad_enabled() != grad
     torch.set_grad_enabled(grad)
     assert not leaked, "the test left autograd's grad mode changed"
+
+
+_FROZEN_BEFORE = [None]  # the test file whose first test the last gc.freeze() preceded
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before each test file's first test (the previous file's fixtures torn down, the new file's not
+    yet made): collect, then move every object that survived out of the cyclic collector's sight
+    (``gc.freeze``). The session keeps much alive (imported modules, the collected tests, torch's and
+    Dynamo's process-wide caches): over 2 million objects late in the run, which every full
+    collection walked again, about a tenth of the suite's time. Objects made later are collected as
+    before; a frozen object that becomes unreachable is still freed by reference counting, only one
+    in a reference cycle stays."""
+    if item.path != _FROZEN_BEFORE[0]:
+        _FROZEN_BEFORE[0] = item.path
+        gc.collect()
+        gc.freeze()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -20,8 +20,10 @@ RESULT_SUFFIXES = (".png", ".jpg", ".svg")
 #: bytes (decimal) of all files ``git ls-files`` lists, summed: a ceiling over sources, tests, docs and
 #: results together (sources, tests and docs alone came to about 2.1 MB at the end of 2026-11-27, the
 #: results to 0.4 MB: the ceiling leaves room for the next families and their tests, not for dumps).
-#: Raised from 2.6 MB once, the same day, for the fuzzer's regression tests; the aim stays lower
-TRACKED_MAX_BYTES = 2_750_000
+#: Raised from 2.6 MB once, the same day, for the fuzzer's regression tests, and to 2.9 MB for the
+#: parallel-convolution merge, edge padding, tiled transposes, heavy-math column plans and their
+#: tests (2.78 MB then); the aim stays lower
+TRACKED_MAX_BYTES = 2_900_000
 #: lines of any ``.py`` file under the package directories
 SOURCE_MAX_LINES = 600
 PACKAGE_DIRS = ("fxopt", "passes", "backends")
