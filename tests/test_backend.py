@@ -216,8 +216,10 @@ def test_dump_dir_writes_readable_graphs(tmp_path):
     fxopt.explain(SeedCNN().eval(), torch.randn(1, 3, 32, 32), options={"dump_dir": str(dump)})
     names = sorted(os.listdir(dump))
     assert names[0] == "inference_000_input.py"
-    assert "inference_003_fuse_conv_epilogue.py" in names
-    assert "fused_conv" in (dump / "inference_003_fuse_conv_epilogue.py").read_text()
+    # one file per pass in pipeline order, numbered after the input
+    i = 1 + fxopt.PASS_NAMES.index("fuse_conv_epilogue")
+    assert f"inference_{i:03d}_fuse_conv_epilogue.py" in names
+    assert "fused_conv" in (dump / f"inference_{i:03d}_fuse_conv_epilogue.py").read_text()
 
 
 def test_unknown_ops_pass_through():
