@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -482,3 +483,22 @@ def test_the_executor_reports_a_typed_record_and_executor_details_is_its_view():
     g.executor_details["note"] = "x"  # writing a key that is no field lands in details
     assert low.details["note"] == "x" and dict(g.executor_details)["note"] == "x"
     assert fxopt.report.Report(graphs).to_dict()["graphs"][0]["executor_details"]["note"] == "x"
+
+
+def test_lowered_views_run_as_reshapes_on_strides_other_than_traced():
+    """A view traced on contiguous strides meets a channels_last value at run time (GPU fuzz seeds 41,
+    51, 63): the runnable graph runs it as a reshape, the same view where the strides allow one."""
+    from fxopt.backends import torch_ref
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output((g.call_function(torch.ops.aten.view.default, (x, [2, 48])),))
+    runnable = torch_ref.lower(fx.GraphModule(torch.nn.Module(), g))
+    cl = torch.randn(2, 3, 4, 4).contiguous(memory_format=torch.channels_last)
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        cl.view(2, 48)
+    (got,) = runnable(cl)
+    torch.testing.assert_close(got, cl.reshape(2, 48), rtol=0, atol=0)
+    plain = torch.randn(2, 3, 4, 4)
+    (same,) = runnable(plain)
+    assert same.data_ptr() == plain.data_ptr()  # where the strides allow it: the view itself
