@@ -638,3 +638,28 @@ def test_training_replays_stay_correct_when_gradients_and_saved_values_are_held(
             torch.testing.assert_close(p.grad, q.grad, msg=name)
     bw = next(r for r in reports if r.kind == "backward")
     assert bw.executor_details["cudagraph_runner"].decisions()[0]["captures"] >= 2
+
+
+def test_a_signature_whose_capture_fails_runs_uncaptured(monkeypatch):
+    """A capture that fails (GPU fuzz seeds 51, 62, 63: "operation failed due to a previous error
+    during capture") leaves that signature running as the plain call, with one warning; another
+    signature is still captured, and the failed one is not tried again."""
+    runner, w, x, _ = _matmul_runner()
+    record = type(runner)._record
+    fail = {"shapes": {(2, 3)}}
+
+    def record_or_fail(self, fn, call_args, pool=None):
+        if tuple(call_args[1].shape) in fail["shapes"]:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+        return record(self, fn, call_args, pool)
+    monkeypatch.setattr(type(runner), "_record", record_or_fail)
+    with pytest.warns(UserWarning, match="capturing a CUDA graph failed"):
+        out = runner(w, x)
+    torch.testing.assert_close(out[0], x @ w.T)
+    assert len(runner.refused) == 1 and "previous error during capture" in next(iter(runner.refused.values()))
+    again = runner(w, x)  # not captured again: the plain call
+    torch.testing.assert_close(again[0], x @ w.T)
+    assert runner.uncaptured_calls == 2 and runner.captures == 0 and not runner.graphs
+    y = torch.randn(4, 3)
+    torch.testing.assert_close(runner(w, y)[0], y @ w.T)  # another signature: captured
+    assert runner.captures == 1 and len(runner.graphs) == 1

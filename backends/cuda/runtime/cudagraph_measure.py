@@ -94,6 +94,22 @@ STREAMS_MS = "streams_graph_ms"
 RUNS = ("optimized graph", "optimized plain", "baseline graph", NO_PDL, STREAMS)
 
 
+def refuse(runner, key, error: Exception, args):
+    """A signature whose capture failed (an operation a capture does not permit, a library that
+    fails inside one: GPU fuzz seeds 51, 62, 63) runs uncaptured from then on, as the graph's own
+    plain call: the warm-up runs before the capture left the inputs and the CUDA generator as they
+    were (``_side_runs``) and the failed capture handed the generator back (``capturing``), so the
+    call is the one the caller made. One warning per runner; the reason is in ``runner.refused``.
+    An error of the plain call itself is the caller's."""
+    why = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+    if not runner.refused:
+        warnings.warn(f"fxopt: capturing a CUDA graph failed ({why}); this input signature runs uncaptured",
+                      stacklevel=3)
+    runner.refused[key] = why
+    runner.uncaptured_calls += 1
+    return runner.fn(*args)
+
+
 def _describe(ways: list, names: dict) -> str:
     """"lent" where all are lent, else e.g. "12 lent, 2 copied"."""
     counts = {w: ways.count(w) for w in names if w in ways}

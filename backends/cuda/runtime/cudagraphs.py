@@ -92,7 +92,7 @@ import torch.fx as fx
 
 from fxopt.backends.cuda.compiler import programmatic_launches, without_programmatic_launch
 from fxopt.backends.cuda.runtime.cudagraph_measure import (NO_PDL, RUNS, STREAMS, STREAMS_MS, Measuring,  # noqa: F401
-                                                           _describe, _reserved_bytes, _side_runs, capturing)
+                                                           _describe, _reserved_bytes, _side_runs, capturing, refuse)
 from fxopt.backends.cuda.runtime.stream_capture import StreamChoice
 from fxopt.passinfra import written_in_place
 from fxopt.weights import _PTRS_EQUAL, WeightWatch
@@ -326,6 +326,7 @@ class CudaGraphRunner(StreamChoice, Measuring):
         self.warmup = warmup
         self.graphs: dict = {}
         self.uncaptured_calls = 0
+        self.refused: dict = {}  # signature -> why its capture failed (it runs uncaptured: ``refuse``)
         self.dynamic: Optional[list[int]] = None
         self._ptr_epochs: dict = {}  # parameter data pointers -> an id used in graph keys
         self._epoch = 0
@@ -452,12 +453,15 @@ class CudaGraphRunner(StreamChoice, Measuring):
         if key != last_key:
             entry = self.graphs.get(key)
             if entry is None:
-                if len(self.graphs) >= self.max_graphs:
+                if len(self.graphs) >= self.max_graphs or key in self.refused:
                     self.uncaptured_calls += 1
                     return self.fn(*args)
                 t0 = time.perf_counter()
-                entry = self.graphs[key] = _Entry(self.fn, self._capture(args, self.fn, share=True,
-                                                                         in_place=self._first_capture_reads(args)))
+                try:
+                    inst = self._capture(args, self.fn, share=True, in_place=self._first_capture_reads(args))
+                except Exception as e:  # noqa: BLE001 - a capture that fails: the signature runs uncaptured
+                    return refuse(self, key, e, args)
+                entry = self.graphs[key] = _Entry(self.fn, inst)
                 self._decide(entry, args)
                 entry.timings["capture_and_decide_s"] = round(time.perf_counter() - t0, 3)
             self._last = (key, entry)
