@@ -226,3 +226,22 @@ def test_report_and_chart(tmp_path):
     assert os.path.getsize(path) > 1000
     empty = ZR.write_chart({"meta": {}, "zoo": []}, str(tmp_path / "empty.png"))
     assert os.path.getsize(empty) > 0
+
+
+def test_a_cell_whose_eager_result_is_not_finite_is_not_checkable():
+    """Random weights can overflow eager's own float16 result; the bound (4x eager's error) is then
+    inf and 'inf <= inf' checks nothing: the cell says its accuracy is not checkable."""
+    from fxopt.bench.zoo import ZooEntry, cell_record
+
+    entry = ZooEntry("tiny", "test", "tiny", (3, 8, 8), ("fp16-b1",))
+    res = _fake_results(entry.key, 1, "float16", 2.0, 1.0)
+    ok = cell_record(entry, "fp16-b1", res)
+    assert ok["accuracy_ok"] is True and ok["speedup"] == pytest.approx(2.0)
+    res["checks"][0].update(tol=float("inf"), max_rel_err=float("inf"))
+    rec = cell_record(entry, "fp16-b1", res)
+    assert rec["accuracy_ok"] is None and rec["accuracy_reason"].startswith("not checkable")
+    assert ZR._accuracy(rec) == "not checkable"
+    s = ZR.summarize([rec, ok])
+    assert s["accuracy_unchecked"] == 1 and s["counted"] == 2  # still timed, its accuracy unknown
+    md = ZR.render_zoo_markdown({"meta": {"config": {}}, "zoo": [rec, ok]})
+    assert "1 whose accuracy is not checkable" in md

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import math
 import os
 import re
 import shlex
@@ -234,6 +235,13 @@ def _harness_argv(a: argparse.Namespace, key: str, cell: str, backends: List[str
     return argv
 
 
+def _finite(v) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
 def cell_record(entry: ZooEntry, cell: str, results: Dict[str, Any], fx: str = "fxopt") -> Dict[str, Any]:
     """One zoo cell from the harness's results of its row: status ok (a speed-up), skipped (the
     model was not built) or failed (fxopt or every peer did not run), best peer, accuracy."""
@@ -257,6 +265,9 @@ def cell_record(entry: ZooEntry, cell: str, results: Dict[str, Any], fx: str = "
         rec.update(accuracy_ok=chk["ok"], max_rel_err=chk.get("max_rel_err"), tol=chk.get("tol"))
         if not chk["ok"]:
             rec["accuracy_reason"] = chk.get("reason")
+        elif not _finite(chk.get("tol")):  # the bound is 4x eager's own error, and eager's is not finite
+            rec.update(accuracy_ok=None, accuracy_reason="not checkable: eager's own result in this dtype is not "
+                                                         "finite (random weights overflow), so the bound is inf")
     if fxc.get("fallback"):
         rec["fxopt_fallback"] = fxc["fallback"]
     if fxc.get("status") != "ok":

@@ -44,6 +44,7 @@ def summarize(records: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         "skipped": sum(r.get("status") == "skipped" for r in records),
         "failed": sum(r.get("status") == "failed" for r in records),
         "accuracy_failed": sum(r.get("accuracy_ok") is False for r in records),
+        "accuracy_unchecked": sum(str(r.get("accuracy_reason", "")).startswith("not checkable") for r in records),
         "geomean": geomean(sp), "min": low[0]["speedup"] if low else None,
         "min_cell": f"{low[0]['model']} {low[0]['cell']}" if low else None,
         "below_1": sum(x < BELOW for x in sp), "max": max(sp) if sp else None,
@@ -59,7 +60,7 @@ def _x(v: Optional[float]) -> str:
 
 def _accuracy(r: Dict[str, Any]) -> str:
     if r.get("accuracy_ok") is None:
-        return "–"
+        return "not checkable" if str(r.get("accuracy_reason", "")).startswith("not checkable") else "–"
     err = f"{_fmt(r.get('max_rel_err'), '.1e')} ≤ {_fmt(r.get('tol'), '.0e')}" if r["accuracy_ok"] else \
         _short(r.get("accuracy_reason"), 40)
     return ("ok " if r["accuracy_ok"] else "✗ ") + err
@@ -73,7 +74,9 @@ def render_zoo_markdown(doc: Dict[str, Any]) -> str:
     lines += [f"- peers: {p}" for p in peers] + [""]
     lines += ["## Summary", "",
               f"- cells: {s['cells']} ({s['ok']} measured, {s['skipped']} skipped, {s['failed']} failed; "
-              f"{s['accuracy_failed']} failing the accuracy check, left out of the statistics)"
+              f"{s['accuracy_failed']} failing the accuracy check, left out of the statistics"
+              + (f"; {s['accuracy_unchecked']} whose accuracy is not checkable" if s.get("accuracy_unchecked") else "")
+              + ")"
               + (f"; {len(doc['left'])} not measured yet" if doc.get("left") else ""),
               f"- geometric mean of fxopt's speed-up over the best peer: **{_x(s['geomean'])}** over "
               f"{s['counted']} cells",
