@@ -87,3 +87,21 @@ def test_the_parallel_candidate_compiles():
     torch.manual_seed(0)
     ks = [k for k in _kernels(SqueezeExcite(), torch.randn(8, 32, 20, 20)) if HEAVY.search(k.name)]
     assert ks and all(k.compiled for k in ks), [(k.name, k.compiled) for k in ks]
+
+
+def test_emulated_inputs_with_gaps_between_elements():
+    """An input read in place as a piece of a wider tensor (strides leave gaps): the emulator lays its
+    elements out where the strides put them (CPU fuzz seed 9, 9f7dbe6073: a split piece under a
+    LayerNorm over channels raised in the emulator's setup, not in the kernel)."""
+    from fxopt.backends.cuda.ir import Buffer, Ix, Load, Phase, ReductionKernel, Store, Var
+    from fxopt.backends.cuda.schedule.loops import arrange
+
+    x0, x1, x2 = Var("i0", 2), Var("i1", 4), Var("i2", 3)
+    src = Buffer("x", (2, 4, 3), (24, 6, 1), torch.float32)  # width 3 of a width-6 tensor
+    out = Buffer("out", (2, 3), (3, 1), torch.float32)
+    load = Load(0, Ix.of(x0) * 24 + Ix.of(x1) * 6 + Ix.of(x2))
+    k = ReductionKernel("fx_red_sum_1", [x0, x2], [x1], [src], [out], [Phase("acc", "sum", load)], [],
+                        [Store(0, Ix.of(x0) * 3 + Ix.of(x2), ir.Red("acc"))])
+    arrange(k)
+    assert src.span() > 24  # gaps
+    check_column_geometry(generate_kernel(k, vector_width(k)))

@@ -11,7 +11,8 @@ grouped; 3x3 stride 1 dense often, for Winograd) with optional BatchNorm and act
 chains (every activation fxopt fuses and more, arithmetic, clamp, where); reductions (mean, amax,
 amin, sum, var over every axis incl. the batch) broadcast back; BatchNorm, InstanceNorm, GroupNorm,
 LayerNorm over channels and over (C, H, W); max / avg / adaptive pools; softmax / log_softmax;
-squeeze-excite; views (transpose, channel shuffle, permute round trip, strided slice); chunk / split
+squeeze-excite; parallel convolutions of one input summed (re-parameterizable branches); views
+(transpose, channel shuffle, permute round trip, strided slice); chunk / split
 + cat, stack + softmax over it + weighted sum; constant / reflect / replicate pad; nearest /
 bilinear upsample; residual blocks; dtype round trips; flatten + linear heads. A model may return a
 second output (an intermediate, sometimes a view of it) so that aliasing and strides of several
@@ -39,7 +40,7 @@ ARITH = {
 }
 #: layer kinds, repeats weigh the draw
 KINDS = ("conv", "conv", "conv3", "pointwise", "reduce", "norm", "norm", "pool", "softmax", "se", "view",
-         "split_cat", "pad", "upsample", "residual", "cast")
+         "split_cat", "pad", "upsample", "residual", "cast", "branches")
 DTYPES = ("float32", "float16", "bfloat16")
 ALGORITHMS = (None, "direct", "winograd_2x2_3x3", "winograd_4x4_3x3", "fft", "gemm")
 
@@ -323,6 +324,34 @@ def _se(b: _Builder) -> None:
     b.ops.add("se")
 
 
+def _branches(b: _Builder) -> None:
+    """Parallel convolutions of ``x`` (kxk, 1x1, 1xk, kx1, each maybe with BatchNorm), an identity term
+    maybe (``x`` or a BatchNorm of ``x``), summed, then an activation: RepVGG / MobileOne / ACNet
+    blocks, which ``merge_parallel_convs`` makes one convolution in inference."""
+    draw, c = b.draw, b.c
+    k = draw(st.sampled_from([3, 5])) if min(b.h, b.w) >= 5 else 3
+    s, d = draw(st.sampled_from([1, 1, 2])), draw(st.sampled_from([1, 1, 2]))
+    g = draw(st.sampled_from([q for q in (1, 1, 2, 3, c) if c % q == 0]))
+    shapes = draw(st.lists(st.sampled_from([(k, k), (1, 1), (1, k), (k, 1), (k, k)]), min_size=1, max_size=3))
+    terms = []
+    for kh, kw in shapes:
+        bias = not draw(st.booleans())
+        m = b.mod(f"nn.Conv2d({c}, {c}, ({kh}, {kw}), {s}, ({d * (kh - 1) // 2}, {d * (kw - 1) // 2}), {d}, {g}, "
+                  f"bias={bias})")
+        terms.append(f"{b.bn(c)}({m}(x))" if b.bn_ok(b.h * b.w) and draw(st.booleans()) else f"{m}(x)")
+    ident = draw(st.sampled_from(["none", "x", "bn"])) if s == 1 else "none"
+    if ident == "bn" and b.bn_ok(b.h * b.w):
+        terms.append(f"{b.bn(c)}(x)")
+    elif ident == "x":
+        terms.append("x")
+    y, a = b.act(" + ".join(terms))
+    b.fwd.append(f"x = {y}")
+    b.h, b.w = (b.h - 1) // s + 1, (b.w - 1) // s + 1
+    b.desc.append(f"branches(s{s} d{d} g{g}: {' + '.join(f'{kh}x{kw}' for kh, kw in shapes)}"
+                  f"{'' if ident == 'none' else ' + ' + ident})-{a}")
+    b.ops.add("branches")
+
+
 def _residual(b: _Builder) -> None:
     if not b.bn_ok(b.h * b.w):
         return
@@ -430,7 +459,7 @@ def programs(draw, dtypes=DTYPES, modes=("inference", "training"), max_layers: i
         else:
             {"pointwise": _pointwise, "reduce": _reduce, "norm": _norm, "pool": _pool, "softmax": _softmax,
              "se": _se, "view": _view, "split_cat": _split_cat, "pad": _pad, "upsample": _upsample,
-             "residual": _residual}[kind](b)
+             "residual": _residual, "branches": _branches}[kind](b)
         if aux is None and i == 0 and draw(st.integers(0, 5)) == 0:
             aux = draw(st.sampled_from(["y", "y.transpose(2, 3)", "y[:, :1]"]))
             b.fwd.append("y = x")

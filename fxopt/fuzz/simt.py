@@ -203,8 +203,7 @@ class _Machine:
         self.env: dict = {"threadIdx_x": t % block, "blockIdx_x": b % gx, "blockIdx_y": b // gx, "gridDim_x": gx,
                           "gridDim_y": gy, "np": np}
         self.tid, self.blk = t, b
-        self.mem = {f"in{i}": x.double().as_strided((max(1, buf.span()),), (1,)).numpy().copy()
-                    for i, (x, buf) in enumerate(zip(inputs, k.inputs))}
+        self.mem = {f"in{i}": _flat_memory(x, buf) for i, (x, buf) in enumerate(zip(inputs, k.inputs))}
         self.out = {f"out{j}": np.full(max(1, b_.span()), np.nan) for j, b_ in enumerate(k.outputs)}
         self.count = {name: np.zeros(len(v), np.int64) for name, v in self.out.items()}
         parts, tickets = ks.meta.get("scratch", (1, 1))
@@ -383,6 +382,15 @@ class _Machine:
             self.assign(name, v)
         else:
             self.write(name, self.ev(idx), v)
+
+
+def _flat_memory(x: torch.Tensor, buf) -> np.ndarray:
+    """The memory an input buffer spans, as float64: its elements where its strides put them, NaN
+    in the gaps between them (a split's piece read in place leaves gaps; a read of one is a bug
+    the NaN carries into the results)."""
+    mem = torch.full((max(1, buf.span()),), float("nan"), dtype=torch.float64)
+    mem.as_strided(tuple(buf.shape), tuple(buf.strides)).copy_(x.detach())
+    return mem.numpy()
 
 
 def _rounded(x, dtype: torch.dtype):
