@@ -40,7 +40,10 @@ ARITH = {
 }
 #: layer kinds, repeats weigh the draw
 KINDS = ("conv", "conv", "conv3", "pointwise", "reduce", "norm", "norm", "pool", "softmax", "se", "view",
-         "split_cat", "pad", "upsample", "residual", "cast", "branches")
+         "split_cat", "pad", "upsample", "residual", "cast")
+#: the fuzz run's kinds: also parallel convolutions summed (a graph rewrite's case, no kernel family of
+#: its own: the sanitizers' sample, which looks for families, draws ``KINDS``)
+FUZZ_KINDS = KINDS + ("branches",)
 DTYPES = ("float32", "float16", "bfloat16")
 ALGORITHMS = (None, "direct", "winograd_2x2_3x3", "winograd_4x4_3x3", "fft", "gemm")
 

@@ -55,13 +55,14 @@ def process_ok(device: str) -> bool:
 def _strategy(device: str, executors, max_batch: int, max_size: int, max_layers: int, dtypes, modes):
     from hypothesis import strategies as st
 
-    from .graphs import ALGORITHMS, programs
+    from .graphs import ALGORITHMS, FUZZ_KINDS, programs
 
     def one(executor):
         cudagraphs = (None, False, True) if device == "cuda" else (None,)
         ex_modes = tuple(m for m in modes if not (executor == "cpu" and m == "training"))
         return programs(dtypes=dtypes, modes=ex_modes or ("inference",), max_layers=max_layers, max_batch=max_batch,
-                        max_size=max_size, algorithms=ALGORITHMS, cudagraphs=cudagraphs, executor=executor)
+                        max_size=max_size, algorithms=ALGORITHMS, cudagraphs=cudagraphs, executor=executor,
+                        kinds=FUZZ_KINDS)
     return st.one_of([one(e) for e in executors]).map(_fuzz_options)
 
 
