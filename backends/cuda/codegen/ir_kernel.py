@@ -19,6 +19,18 @@ from fxopt.backends.cuda.codegen.source import needs_index64
 MAX_GRID = 65535
 
 
+def split_index(lin: str, vars_: list, ind: str) -> list:
+    """``const idx_t v = (lin / d) % n;`` for each of ``vars_`` (the last fastest, the first without
+    the modulo): one statement per variable, the forms the CPU emulator of kernels with barriers
+    (``fxopt.fuzz.simt``) reads."""
+    out, div = [], 1
+    for v in reversed(vars_):
+        q = lin if div == 1 else f"({lin} / {div})"
+        out.append(f"{ind}const idx_t {v.name} = {q};" if v is vars_[0] else f"{ind}const idx_t {v.name} = {q} % {v.size};")
+        div *= v.size
+    return out[::-1]
+
+
 def decompose_index(var_list: list, linear: str, indent: str) -> list:
     """Statements setting each loop variable from a linear index (innermost varies fastest)."""
     lines = []

@@ -44,7 +44,7 @@ from fxopt.backends.cuda.ir import Ix, Load, Red, ReductionKernel, Var
 from fxopt.backends.cuda.codegen.c import ctype
 from fxopt.backends.cuda.codegen.emit import REDUCE_COMBINE, REDUCE_INIT, Emitter, ix_c
 from fxopt.backends.cuda.codegen.ir_kernel import (MAX_GRID, kernel_fast_math_prefix, kernel_header, kernel_index64,
-                                                   kernel_name, kernel_params)
+                                                   kernel_name, kernel_params, split_index)
 from fxopt.backends.cuda.codegen.source import KernelSource
 
 BLOCK = 256
@@ -200,16 +200,6 @@ def _varies(e, red: set, memo: dict) -> bool:
     return memo[e]
 
 
-def _split(lin: str, vars_: list, ind: str) -> list:
-    """``const idx_t v = ...;`` for each of ``vars_`` (innermost fastest) from ``lin``."""
-    out, div = [], 1
-    for v in reversed(vars_):
-        q = lin if div == 1 else f"({lin} / {div})"
-        out.append(f"{ind}const idx_t {v.name} = {q};" if v is vars_[0] else f"{ind}const idx_t {v.name} = {q} % {v.size};")
-        div *= v.size
-    return out[::-1]
-
-
 class _Gen:
     def __init__(self, k: ReductionKernel, plan: ColumnPlan):
         self.k, self.p, self.c = k, plan, k.outer[-1]
@@ -253,7 +243,7 @@ class _Gen:
         start = f"{lo} + ty_" if p.by > 1 else lo
         self.lines += [f"{ind}#pragma unroll 4", f"{ind}for (idx_t r_ = {start}; r_ < {hi}; r_ += {p.by}) {{"]
         scope, alias = dict(self.em.names), dict(self.em.alias)
-        self.lines += _split("r_", list(k.reduced), ind + "  ")
+        self.lines += split_index("r_", list(k.reduced), ind + "  ")
         self._vector_loads(vals, ind + "  ")
         names = self._emit(vals, ind + "  ")
         self.lines += [f"{ind}  {a} = {REDUCE_COMBINE[ph.op].format(a=a, b=v)};" for a, v in zip(accs, names)]
@@ -313,7 +303,7 @@ class _Gen:
             w = transpose_var(k)
             rest = [v for v in k.outer if v not in (c, w)]
             ct, wt = Var("ct_", -(-c.size // (p.bx * p.vec))), Var("wt_", -(-w.size // p.tw))
-            self.lines += _split("tile_", rest + [wt, ct], ind)
+            self.lines += split_index("tile_", rest + [wt, ct], ind)
             self.lines += [f"{ind}const idx_t cu_ = ct_ * {p.bx * p.vec} + tx_ * {p.vec};",
                            f"{ind}const idx_t wu_ = wt_ * {p.tw} + ty_;",
                            f"{ind}const idx_t {c.name} = cu_ < {c.size} ? cu_ : (idx_t){c.size - p.vec};",
@@ -321,7 +311,7 @@ class _Gen:
         else:
             self.lines += [f"{ind}const idx_t gu_ = tile_ * {p.bx} + tx_;", f"{ind}const bool ok_ = gu_ < {groups};",
                            f"{ind}const idx_t q_ = (gu_ < {groups} ? gu_ : (idx_t){groups - 1}) * {p.vec};"]
-            self.lines += _split("q_", list(k.outer), ind)
+            self.lines += split_index("q_", list(k.outer), ind)
         lo, hi = "0", str(R)
         if p.splits > 1:
             lo, hi = "lo_", "hi_"
@@ -337,7 +327,7 @@ class _Gen:
             if k.row_stores:
                 self.lines += [f"{ind}if (ok_) {{", f"{ind}  for (idx_t r_ = ty_; r_ < {R}; r_ += {p.by}) {{"]
                 scope, alias = dict(self.em.names), dict(self.em.alias)
-                self.lines += _split("r_", list(k.reduced), ind + "    ")
+                self.lines += split_index("r_", list(k.reduced), ind + "    ")
                 self._stores(k.row_stores, ind + "    ")
                 self.em.names, self.em.alias = scope, alias
                 self.lines += [f"{ind}  }}", f"{ind}}}"]

@@ -34,7 +34,7 @@ from fxopt.backends.cuda import ir
 from fxopt.backends.cuda.ir import Ix, Load, ReductionKernel, Var
 from fxopt.backends.cuda.codegen.c import ctype
 from fxopt.backends.cuda.codegen.emit import REDUCE_COMBINE, REDUCE_INIT, Emitter, ix_c
-from fxopt.backends.cuda.codegen.ir_kernel import MAX_GRID, decompose_index, kernel_fast_math_prefix, kernel_header, kernel_index64, kernel_params, kernel_name
+from fxopt.backends.cuda.codegen.ir_kernel import MAX_GRID, decompose_index, kernel_fast_math_prefix, kernel_header, kernel_index64, kernel_params, kernel_name, split_index
 from fxopt.backends.cuda.codegen.source import KernelSource
 from fxopt.backends.cuda.kernels.column_reduction import (column_plan, column_vector_width, generate_column_reduction,
                                                           vector_ok)
@@ -206,16 +206,6 @@ def row_plan(k: ReductionKernel, vec: int) -> Optional[RowPlan]:
     return RowPlan(vec, tpr, rpb, chunks, iters)
 
 
-def _split(lin: str, vars_: list) -> list:
-    """``const idx_t v = ...;`` for each variable of ``vars_`` (innermost fastest) from ``lin``."""
-    out, div = [], 1
-    for v in reversed(vars_):
-        q = lin if div == 1 else f"({lin} / {div})"
-        out.append(f"const idx_t {v.name} = {q} % {v.size};" if v is not vars_[0] else f"const idx_t {v.name} = {q};")
-        div *= v.size
-    return list(reversed(out))
-
-
 def generate_row_reduction(k: ReductionKernel, plan: RowPlan, name: str, header: list) -> tuple:
     """(lines of the kernel after ``header``, aligned accesses) for ``k`` mapped by ``plan``."""
     vec, tpr, rpb, chunks, iters = plan.vec, plan.tpr, plan.rpb, plan.chunks, plan.iters
@@ -227,7 +217,7 @@ def generate_row_reduction(k: ReductionKernel, plan: RowPlan, name: str, header:
               f"    const bool rowok_ = rowu_ < {rows};",
               f"    const idx_t row_ = rowok_ ? rowu_ : (idx_t){rows - 1};"]
     ind = "    "
-    lines += [ind + s for s in _split("row_", list(k.outer))]
+    lines += split_index("row_", list(k.outer), ind)
 
     # the chunks of each iteration: loop variables renamed per iteration (straight-line code)
     subs, oks = [], []
@@ -243,7 +233,7 @@ def generate_row_reduction(k: ReductionKernel, plan: RowPlan, name: str, header:
             oks.append(f"ok{it}_")
         renamed = [Var(f"{v.name}_{it}", v.size) for v in k.reduced[:-1]]
         chunk = Var(f"{inner.name}_c{it}", inner.size // vec)
-        lines += [ind + s for s in _split(lin, renamed + [chunk])]
+        lines += split_index(lin, renamed + [chunk], ind)
         first = Var(f"{inner.name}_{it}", inner.size)
         lines.append(f"{ind}const idx_t {first.name} = {chunk.name} * {vec};")
         base = dict(zip(k.reduced[:-1], (Ix.of(v) for v in renamed)))

@@ -23,7 +23,7 @@ from fxopt.backends.cuda.ir import Load, PointwiseKernel, Var
 from fxopt.backends.cuda.codegen.c import ctype
 from fxopt.backends.cuda.codegen.emit import Emitter, ix_c
 from fxopt.backends.cuda.codegen.ir_kernel import (MAX_GRID, kernel_fast_math_prefix, kernel_header, kernel_index64,
-                                                   kernel_name, kernel_params)
+                                                   kernel_name, kernel_params, split_index)
 from fxopt.backends.cuda.codegen.source import KernelSource
 
 TILE = 32           # tile edge: a warp's worth of consecutive elements on each side
@@ -56,16 +56,6 @@ def tiled_plan(k) -> Optional[tuple]:
     return None if best is None else (best[1], best[2], b)
 
 
-def _split(lin: str, vars_: list, ind: str) -> list:
-    """``const idx_t v = (lin / d) % n;`` for ``vars_`` (the last fastest)."""
-    out, div = [], 1
-    for v in reversed(vars_):
-        q = lin if div == 1 else f"({lin} / {div})"
-        out.append(f"{ind}const idx_t {v.name} = {q};" if v is vars_[0] else f"{ind}const idx_t {v.name} = {q} % {v.size};")
-        div *= v.size
-    return out[::-1]
-
-
 def generate_tiled(k: PointwiseKernel, fast_math: bool = False) -> Optional[KernelSource]:
     """The tiled kernel of ``k`` (``tiled_plan``), or None where ``k`` is not such a transpose."""
     plan = tiled_plan(k)
@@ -86,7 +76,7 @@ def generate_tiled(k: PointwiseKernel, fast_math: bool = False) -> Optional[Kern
     lines += [f"  const int tx_ = threadIdx.x % {TILE};", f"  const int ty_ = threadIdx.x / {TILE};",
               f"  __shared__ float tile_[{TILE * (TILE + 1)}];",
               f"  for (idx_t t_ = blockIdx.x; t_ < {tiles}; t_ += gridDim.x) {{"]
-    lines += _split("t_", others + [at, bt], "    ")
+    lines += split_index("t_", others + [at, bt], "    ")
     inside = f"{a.name} < {a.size} && {b.name} < {b.size}"
     # phase 1: consecutive threads on a, the input read coalesced into the tile
     lines += [f"    for (idx_t j_ = 0; j_ < {per}; j_ += 1) {{",
