@@ -99,7 +99,7 @@ def _variance(node: fx.Node, value_of: Callable) -> RowSpec:
     r = math.prod(x.shape[d] for d in dims)
     if r == 0:
         raise Decline("empty reduction")
-    mean = op("mul", Red("sum"), Const(1.0 / r))
+    mean = _row_mean(r)
     phases = [("sum", "sum", lambda idx: x.load(idx)),
               ("m2", "sum", lambda idx: _sq(op("sub", x.load(idx), mean)))]
     var = op("div", Red("m2"), Const(max(r - corr, 0.0)))
@@ -112,6 +112,14 @@ def _variance(node: fx.Node, value_of: Callable) -> RowSpec:
     else:
         spec.outputs.append(OutputSpec(None, "outer", lambda idx: var, index))
     return spec
+
+
+def _row_mean(r: int) -> Expr:
+    """The mean of a statistics row: its sum divided by ``r`` (IEEE division, not a product with
+    ``1 / r``), so that a constant row's mean is that constant, as eager's Welford statistics give:
+    ``-10.5 * float32(1 / 7)`` is ``-1.5000001``, and its deviation 1.2e-7, scaled by
+    ``rsqrt(eps = 1e-5)``, was a normalized value of 3.8e-5 where eager's is 0."""
+    return op("div", Red("sum"), Const(float(r)))
 
 
 def _sq(e: Expr) -> Expr:
@@ -151,7 +159,7 @@ def _layer_norm(node: fx.Node, value_of: Callable) -> RowSpec:
         raise Decline("empty layer norm")
     wv = value_of(w) if w is not None else None
     bv = value_of(b) if b is not None else None
-    mean = op("mul", Red("sum"), Const(1.0 / r))
+    mean = _row_mean(r)
     rstd = op("rsqrt", op("add", op("mul", Red("m2"), Const(1.0 / r)), Const(eps)))
     phases = [("sum", "sum", lambda idx: x.load(idx)),
               ("m2", "sum", lambda idx: _sq(op("sub", x.load(idx), mean)))]
@@ -189,7 +197,7 @@ def _group_norm(node: fx.Node, value_of: Callable) -> RowSpec:
         n, g, c, s = idx
         return [n, Ix.of(g) * cg + c] + [Ix.of(s).floordiv(st).mod(m) if m != 1 else Ix() for m, st in zip(spatial, sp_st)]
     r = cg * HW
-    mean = op("mul", Red("sum"), Const(1.0 / r))
+    mean = _row_mean(r)
     rstd = op("rsqrt", op("add", op("mul", Red("m2"), Const(1.0 / r)), Const(eps)))
     phases = [("sum", "sum", lambda idx: x.load(x_index(idx))),
               ("m2", "sum", lambda idx: _sq(op("sub", x.load(x_index(idx)), mean)))]
@@ -231,7 +239,7 @@ def _batch_stats_norm(node: fx.Node, value_of: Callable) -> RowSpec:
 
     def x_index(idx):
         return [idx[1], idx[0]] + list(idx[2:])
-    mean = op("mul", Red("sum"), Const(1.0 / r))
+    mean = _row_mean(r)
     rstd = op("rsqrt", op("add", op("mul", Red("m2"), Const(1.0 / r)), Const(eps)))
     phases = [("sum", "sum", lambda idx: x.load(x_index(idx))),
               ("m2", "sum", lambda idx: _sq(op("sub", x.load(x_index(idx)), mean)))]

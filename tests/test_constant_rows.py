@@ -1,0 +1,64 @@
+"""Normalizations over a row of equal values give exactly 0, as eager's CUDA (Welford) statistics do.
+
+A row's mean was its sum times ``float32(1 / r)``: for seven values of -1.5 that is -1.5000001, and
+its deviation of 1.2e-7, scaled by ``rsqrt(eps)``, came out as 3.8e-5 where eager gives 0 (a float32
+training graph of the GPU fuzzer: conv, abs, a row padded with -1.5, LayerNorm over 7 channels,
+within atol 1e-5 of nothing). The kernels' IR runs here by ``ir.evaluate``, in float32 as the
+generated C computes. The rows here sum exactly in float32 (a padded row of -1.5 or 0, the
+fuzzer's pad values); a row of 0.1s sums with rounding, and its deviations are that rounding, as on
+the CPU in eager.
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+from fxopt.backends import torch_ref
+from fxopt.backends.cuda import ir
+from fxopt.backends.cuda.schedule.fusion import schedule
+from fxopt.backends.cuda.schedule.rewrite import split_conv_epilogues
+from fxopt.testing.fusion import _values, capture
+
+
+class Norm(nn.Module):
+    def __init__(self, c: int, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.ln = nn.LayerNorm(c, elementwise_affine=False)
+        self.gn = nn.GroupNorm(1, c, affine=False)
+        self.inorm = nn.InstanceNorm2d(c)
+
+    def forward(self, x):
+        x = x * 1.0  # a graph op before the statistics, fused with them
+        if self.kind == "layer":
+            return self.ln(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        if self.kind == "group":
+            return self.gn(x)
+        if self.kind == "instance":
+            return self.inorm(x)
+        return x.var(dim=1, keepdim=True, correction=0)
+
+
+def _kernel_outputs(model, x):
+    """Every generated kernel's outputs as ``ir.evaluate`` computes them, by region ops."""
+    found = []
+    for report, example in capture(model, (x,), {"executor": "cuda"}):
+        gm = torch_ref.lower(report.after)
+        split_conv_epilogues(gm)
+        vals = _values(gm, example)
+        for region in schedule(gm, strict=True).regions:
+            k = region.kernel
+            outs = [torch.empty_strided(b.shape, b.strides, dtype=b.dtype) for b in k.outputs]
+            ir.evaluate(k, [vals[n] for n in region.inputs], outs)
+            found.append((region.ops, outs))
+    return found
+
+
+@pytest.mark.parametrize("kind", ["layer", "group", "instance", "var"])
+@pytest.mark.parametrize("c,value", [(7, -1.5), (3, 0.25), (11, 3.0)])
+def test_a_constant_row_normalizes_to_exactly_zero(kind, c, value):
+    x = torch.full((2, c, 3, 2), value)
+    found = _kernel_outputs(Norm(c, kind).eval(), x)
+    assert found, "no generated kernel"
+    for ops, outs in found:
+        main = outs[0]  # the normalized values (var: the variance itself)
+        assert main.abs().max().item() == 0.0, (ops, main.abs().max().item())
