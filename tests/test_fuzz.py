@@ -296,6 +296,42 @@ def test_parameters_after_the_step_are_judged_against_float64_like_the_gradients
         compare("p after the step", close, eager, None, 1e-5, 1e-5)  # no reference: eager's tolerance decides
 
 
+def test_buffers_after_a_training_step_are_judged_against_float64_like_the_outputs():
+    """A training BatchNorm's running mean, where it differs from eager's by more than the tolerance,
+    is judged against the float64 model's after its forward (GPU fuzz 6e11ef613c: a mean that cancels,
+    of a float32 convolution that eager ran in TF32)."""
+    prog = _program(["x = self.m1(self.m0(x))"], ["self.m0 = nn.Conv2d(2, 3, 1)", "self.m1 = nn.BatchNorm2d(3)"],
+                    (4, 2, 3, 3), mode="training")
+    assert fuzz_check.run_program(prog, "cpu")
+    model, x = fuzz_check.build(prog, "cpu")
+    ref = fuzz_check.Reference64(model, x, prog)
+    mean64 = ref.buffer("m1.running_mean")
+    assert mean64.dtype == torch.float64
+    with torch.no_grad():
+        conv = torch.nn.functional.conv2d(x.double(), model.m0.weight.double(), model.m0.bias.double())
+    exact = 0.1 * conv.mean((0, 2, 3))  # momentum 0.1 from zeros
+    torch.testing.assert_close(mean64, exact)
+    eager = (exact + 2e-4).float()  # eager's own error
+    close = (exact - 3e-4).float()
+    fuzz_check.compare("buffer m1.running_mean", close, eager, lambda: mean64, 1e-5, 1e-5, check_strides=False)
+    with pytest.raises(fuzz_check.Mismatch, match="error vs float64"):
+        fuzz_check.compare("buffer m1.running_mean", (exact + 5e-2).float(), eager, lambda: mean64, 1e-5, 1e-5)
+
+
+def test_a_float32_program_through_a_16_bit_cast_is_judged_at_that_dtypes_tolerance():
+    """A value rounded to bfloat16 on the way carries bfloat16's error: one float32 ulp before the
+    cast moves it to the other bfloat16 neighbour (GPU fuzz 83a54d233f, 1 of 4096 elements)."""
+    from fxopt.tolerances import tolerance
+
+    plain = _program(["x = x * 2.0"], [], (1, 2, 2, 2))
+    through = _program(["x = x.to(torch.bfloat16).to(x.dtype) * 2.0"], [], (1, 2, 2, 2))
+    through.layers = ["batchnorm", "cast(bfloat16)", "batchnorm"]
+    assert fuzz_check.tolerance_for(plain, "cuda", []) == (1e-3, tolerance(torch.float32)[1])
+    assert fuzz_check.tolerance_for(through, "cuda", []) == tolerance(torch.bfloat16)
+    through.layers = ["cast(float32)"]  # a float16 program's round trip through float32 rounds nothing
+    assert fuzz_check.tolerance_for(through, "cpu", []) == tolerance(torch.float32)
+
+
 def test_a_dtype_difference_pytorchs_own_compiled_graph_shares_is_recorded_as_upstream():
     """fxopt's output dtype unlike eager's, but as torch.compile(backend="aot_eager") gives it: an
     upstream divergence (recorded, not a failure); a dtype aot_eager does not give is not."""
@@ -352,16 +388,52 @@ def test_training_reference_has_a_rounded_problem_under_16_bit_autocast():
                     dtype="float16")
     model, x = fuzz_check.build(prog, "cpu")
     ref = fuzz_check.Reference64(model, x, prog)
-    rr = ref.rounded
-    assert rr is not None and rr.rounded is None
+    spread = ref.rounded
+    assert spread is not None and len(spread.refs) == 1 + fuzz_check.PERTURBED_SAMPLES
+    rr = spread.refs[0]  # the operands rounded, nothing else
+    assert rr.rounded is None and rr.perturb == 0.0
     w, wr = model.m0.weight, rr.model.m0.weight
     assert wr.dtype == w.dtype and torch.equal(wr, w.to(torch.float16).to(w.dtype)) and not torch.equal(wr, w)
     assert torch.equal(rr.x, x.to(torch.float16).to(x.dtype))
     loss = lambda outs, ref=False: outs.double().sum()  # noqa: E731
-    g, gr = ref.grad("m0.weight", loss), rr.grad("m0.weight", loss)
-    assert g.dtype == gr.dtype == torch.float64 and g.shape == gr.shape
-    assert fuzz_check.Reference64(model, x, _program(["x = self.m0(x)"], ["self.m0 = nn.Conv2d(2, 2, 1)"],
-                                                     (1, 2, 2, 2), mode="training")).rounded is None  # float32
+    g, gr = ref.grad("m0.weight", loss), spread.grad("m0.weight", loss)
+    assert isinstance(gr, fuzz_check.Samples) and len(gr) == len(spread.refs)
+    assert all(t.dtype == torch.float64 and t.shape == g.shape for t in gr)
+    f32 = _program(["x = self.m0(x)"], ["self.m0 = nn.Conv2d(2, 2, 1)"], (1, 2, 2, 2), mode="training")
+    assert fuzz_check.Reference64(model, x, f32).rounded is None  # float32 on the CPU: nothing rounds
+
+
+def test_rounding_every_op_moves_a_gradient_through_abs_near_its_kink():
+    """The perturbed float64 runs (every op's result times 1 + d, |d| <= the unit roundoff) flip
+    the branch of ``abs`` at a value within rounding of 0, as any implementation's rounding may:
+    the gradient's spread then covers a flip, where the exact reference alone does not."""
+    x = torch.tensor([[1e-4, 0.5, -0.7, 2.0]], dtype=torch.float64, requires_grad=True)
+    grads = []
+    for seed in range(8):
+        x.grad = None
+        with fuzz_check.RoundEveryOp(2.0 ** -8, seed):
+            y = torch.abs(x * 3.0 - 3e-4)  # 0 exactly, up to rounding
+        y.sum().backward()
+        grads.append(x.grad.clone())
+        far = torch.tensor([3.0, -3.0, 3.0], dtype=torch.float64)  # far from the kink: scaled by rounding only
+        torch.testing.assert_close(x.grad[0, 1:], far, rtol=4 * 2.0 ** -8, atol=0)
+    assert {float(torch.sign(g[0, 0])) for g in grads} == {1.0, -1.0}  # both branches among the samples
+    z = torch.ones(3, dtype=torch.float64)
+    with fuzz_check.RoundEveryOp(2.0 ** -8, 0):
+        w = z.add_(1.0)  # in place: untouched
+    assert w is z and torch.equal(z, torch.full((3,), 2.0, dtype=torch.float64))
+
+
+def test_compare_takes_the_largest_spread_of_the_samples():
+    from fxopt.fuzz.check import Mismatch, Samples, compare
+
+    exact = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    eager = torch.tensor([1.01, 2.0])
+    mine = torch.tensor([4.0, 2.0])
+    samples = Samples([exact.clone(), torch.tensor([3.5, 2.0], dtype=torch.float64)])
+    compare("w.grad", mine, eager, lambda: exact, 1e-3, 1e-2, spread64=lambda: samples)  # 3.0 <= 2 * 2.5
+    with pytest.raises(Mismatch, match="rounding's 2.5"):
+        compare("w.grad", torch.tensor([9.0, 2.0]), eager, lambda: exact, 1e-3, 1e-2, spread64=lambda: samples)
 
 
 def test_a_sum_that_cancels_is_judged_against_pytorchs_compiled_graph_too():
