@@ -9,7 +9,10 @@ values they meet at run time may have others (the layout pass's channels_last
 values; a size-1 dimension's stride that a library kernel sets otherwise than
 FakeTensor propagation predicts), where a view raises and a reshape copies once
 (GPU fuzz seeds 41, 51, 63: "view size is not compatible with input tensor's
-size and stride"). Where the strides allow it a reshape is the same view.
+size and stride"). Where the strides allow it a reshape is the same view. For the same reason
+GroupNorm's gradient gets its ``dY`` and ``X`` contiguous at run time (``group_norm_backward_nchw``,
+a no-op where they are): its CUDA kernel views them as NCHW, and a ``[1, 2, 1, 2]`` gradient whose
+metadata said contiguous came channels_last from the kernel before it (GPU fuzz c0a961fbcc).
 """
 from __future__ import annotations
 
@@ -21,7 +24,16 @@ from fxopt.ops import FUSED_CONV, FUSED_LINEAR, fused_conv_ref, fused_linear_ref
 
 EXECUTOR = "torch"
 
-DIRECT_IMPLS = {FUSED_CONV: fused_conv_ref, FUSED_LINEAR: fused_linear_ref}
+
+
+def group_norm_backward_nchw(grad, x, *args):
+    """``native_group_norm_backward`` on ``grad`` and ``x`` made contiguous (as eager's gradient
+    formula hands them); ``contiguous()`` returns a contiguous tensor itself."""
+    return torch.ops.aten.native_group_norm_backward.default(grad.contiguous(), x.contiguous(), *args)
+
+
+DIRECT_IMPLS = {FUSED_CONV: fused_conv_ref, FUSED_LINEAR: fused_linear_ref,
+                torch.ops.aten.native_group_norm_backward.default: group_norm_backward_nchw}
 #: views the runnable graph runs as reshapes (see the module's docstring)
 VIEWS_AS_RESHAPE = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 

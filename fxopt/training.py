@@ -36,6 +36,41 @@ def partition_function(name: str) -> Callable:
     raise ValueError(f"fxopt: partitioner must be one of {PARTITIONERS}, got {name!r}")
 
 
+def default_partition_fn() -> Callable:
+    from functorch.compile import default_partition
+
+    return default_partition
+
+
+#: comparisons whose operands must be bitwise the forward's values
+_COMPARISONS = (torch.ops.aten.eq.Tensor, torch.ops.aten.ne.Tensor)
+
+
+def save_compared_values(joint: fx.GraphModule) -> int:
+    """Mark the forward values a floating-point ``eq`` / ``ne`` of the joint graph compares as
+    saved for the backward (``CheckpointPolicy.MUST_SAVE``), never recomputed there: amax's
+    gradient compares the input with the maximum, and a recomputation by other kernels than the
+    forward's (a generated GELU in one graph, PyTorch's in the other) may round otherwise and match
+    no maximum (a NaN gradient: GPU fuzz a93a79118e). Returns how many values it marked."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    backward: set = set()
+    for n in joint.graph.nodes:  # what depends on the tangents is the backward's
+        if (n.op == "placeholder" and "tangents" in n.name) or any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+    marked = 0
+    for n in joint.graph.nodes:
+        if n.op != "call_function" or n.target not in _COMPARISONS:
+            continue
+        for a in n.args[:2]:
+            v = a.meta.get("val") if isinstance(a, fx.Node) else None
+            if (isinstance(v, torch.Tensor) and v.is_floating_point() and a not in backward
+                    and a.op == "call_function" and "recompute" not in a.meta):
+                a.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                marked += 1
+    return marked
+
+
 class Partitioner:
     """The partition function handed to AOTAutograd; remembers that it ran (``used``), so that the
     reports say which partition produced the graphs rather than which one was asked for."""
@@ -53,6 +88,8 @@ class Partitioner:
 
             joint_module, self.joint_passes = run_joint_pipeline(joint_module, joint_inputs, self.options,
                                                                  self.target)
+        if self.fn is not default_partition_fn():
+            save_compared_values(joint_module)
         result = self.fn(joint_module, joint_inputs, **kwargs)
         self.used = self.name
         self.num_fwd_outputs = kwargs.get("num_fwd_outputs")

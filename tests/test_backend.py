@@ -502,3 +502,30 @@ def test_lowered_views_run_as_reshapes_on_strides_other_than_traced():
     plain = torch.randn(2, 3, 4, 4)
     (same,) = runnable(plain)
     assert same.data_ptr() == plain.data_ptr()  # where the strides allow it: the view itself
+
+
+def test_group_norm_gradient_runs_on_a_channels_last_gradient():
+    """The lowered graph hands GroupNorm's gradient its ``dY`` and ``X`` contiguous: ATen's CUDA
+    kernel views them as NCHW (GPU fuzz c0a961fbcc, fp16 training, [1, 2, 1, 2]: "view size is not
+    compatible"); the values are those of the op on the tensors as they were."""
+    import torch.fx as fx
+
+    from fxopt.backends.torch_ref import group_norm_backward_nchw, lower
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    dy, x, mean, rstd, w = (g.placeholder(n) for n in ("dy", "x", "mean", "rstd", "w"))
+    out = g.call_function(aten.native_group_norm_backward.default, (dy, x, mean, rstd, w, 2, 4, 6, 2,
+                                                                     [True, True, True]))
+    g.output(out)
+    runnable = lower(fx.GraphModule(torch.nn.Module(), g))
+    assert [n.target for n in runnable.graph.nodes if n.op == "call_function"] == [group_norm_backward_nchw]
+    xs = torch.randn(2, 4, 2, 3)
+    dys = torch.randn(2, 4, 2, 3).contiguous(memory_format=torch.channels_last)
+    _, mean_, rstd_ = aten.native_group_norm.default(xs, None, None, 2, 4, 6, 2, 1e-5)
+    weight = torch.rand(4)
+    got = runnable(dys, xs, mean_, rstd_, weight)
+    want = aten.native_group_norm_backward.default(dys.contiguous(), xs, mean_, rstd_, weight, 2, 4, 6, 2,
+                                                   [True, True, True])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

@@ -62,3 +62,4 @@ def test_a_constant_row_normalizes_to_exactly_zero(kind, c, value):
     for ops, outs in found:
         main = outs[0]  # the normalized values (var: the variance itself)
         assert main.abs().max().item() == 0.0, (ops, main.abs().max().item())
+

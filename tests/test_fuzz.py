@@ -332,6 +332,31 @@ def test_a_float32_program_through_a_16_bit_cast_is_judged_at_that_dtypes_tolera
     assert fuzz_check.tolerance_for(through, "cpu", []) == tolerance(torch.float32)
 
 
+def test_output_strides_as_the_traced_graph_records_them_are_an_upstream_divergence():
+    """fxopt's output with the strides of the traced graph's metadata where eager's kernels gave
+    others (a size-1 dimension's stride FakeTensor keeps: GPU fuzz 92ad9b98c3) is upstream; strides
+    unlike both are fxopt's own."""
+    import types
+
+    import torch.fx as fx
+
+    from fxopt.fuzz.check import _strides_as_traced
+
+    def graph(strides):
+        g = fx.Graph()
+        x = g.placeholder("x")
+        y = g.call_function(torch.ops.aten.abs.default, (x,))
+        y.meta["val"] = torch.empty_strided((1, 8, 1, 2), strides)
+        g.output((y,))
+        return [types.SimpleNamespace(kind="inference", before=fx.GraphModule(torch.nn.Module(), g))]
+    eager = torch.empty_strided((1, 8, 1, 2), (16, 2, 2, 1))
+    mine = torch.empty_strided((1, 8, 1, 2), (16, 1, 16, 8))
+    assert _strides_as_traced(graph((16, 1, 16, 8)), (mine,), (eager,))
+    assert not _strides_as_traced(graph((16, 2, 2, 1)), (mine,), (eager,))  # metadata as eager: fxopt's
+    assert not _strides_as_traced(graph((16, 1, 16, 8)), (eager,), (eager,))  # nothing differs
+    assert not _strides_as_traced(graph((16, 1, 16, 8)) * 2, (mine,), (eager,))  # several graphs: not judged
+
+
 def test_a_dtype_difference_pytorchs_own_compiled_graph_shares_is_recorded_as_upstream():
     """fxopt's output dtype unlike eager's, but as torch.compile(backend="aot_eager") gives it: an
     upstream divergence (recorded, not a failure); a dtype aot_eager does not give is not."""

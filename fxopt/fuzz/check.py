@@ -380,7 +380,11 @@ def run_program(program: Program, device: str, graphs: list | None = None, outco
             for k, out_c in enumerate(outs):
                 if _upstream(program, device, spare, x, out_c, out_e, outcome):
                     break
-                compare(f"call {k} output", out_c, out_e, ref.out, rtol, atol, peer=peer.out)
+                traced = _strides_as_traced(graphs, out_c, out_e)
+                if traced and outcome is not None:
+                    outcome["upstream"] = "output strides"
+                compare(f"call {k} output", out_c, out_e, ref.out, rtol, atol, peer=peer.out,
+                        check_strides=not traced)
                 pat_c, pat_e = _alias_pattern(_flat(out_c), x), _alias_pattern(_flat(out_e), x)
                 if pat_c != pat_e:
                     raise Mismatch(f"call {k}: outputs alias {pat_c}, eager's {pat_e}")
@@ -396,6 +400,39 @@ def run_program(program: Program, device: str, graphs: list | None = None, outco
         if g.fallback is not None:
             raise Mismatch(f"fxopt fell back: {g.fallback}")
     return graphs
+
+
+def _strides_as_traced(graphs: list, out_c, out_e) -> bool:
+    """Whether fxopt's outputs have other strides than eager's (in a dimension larger than 1) exactly
+    where the graph PyTorch traced records them so (its outputs' FakeTensors; one inference graph).
+    PyTorch's fake propagation and its kernels disagree over the strides of a dimension of size 1
+    (FakeTensor's ``view`` keeps one that ATen's recomputes; its elementwise ops lay out their result
+    from those), and PyTorch's own memory-format guesses read them: a ``[1, 8, 1, 2]`` value that
+    is channels_last by the metadata comes out NCHW from eager's convolution (GPU fuzz 92ad9b98c3,
+    50494e0a2f, eaa5b52212). fxopt keeps the traced graph's metadata, as every backend is handed
+    it: recorded as an upstream divergence (``outcome["upstream"]``), the values still compared."""
+    if len(graphs) != 1 or graphs[0].kind != "inference":
+        return False
+    out = next((n for n in graphs[0].before.graph.nodes if n.op == "output"), None)
+    if out is None:
+        return False
+    traced = [a.meta.get("val") if hasattr(a, "meta") else None for a in _flat(out.args[0])]
+    got, want = _flat(out_c), _flat(out_e)
+    if len(traced) != len(got) or len(got) != len(want):
+        return False
+
+    def same(shape, s, t):
+        return all(n == 1 or a == b for n, a, b in zip(shape, s, t))
+    differs = False
+    for v, a, b in zip(traced, got, want):
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            continue
+        if same(b.shape, a.stride(), b.stride()):
+            continue
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(a.shape) or not same(a.shape, a.stride(), v.stride()):
+            return False  # unlike eager's and unlike the metadata's: fxopt's own
+        differs = True
+    return differs
 
 
 def _upstream(program, device, spare, x, out_c, out_e, outcome) -> bool:

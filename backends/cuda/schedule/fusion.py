@@ -196,6 +196,27 @@ def _tensor_readers(node: fx.Node, cls: dict) -> bool:
     return False
 
 
+#: reductions whose result is one of the values they reduce
+SELECTING = (torch.ops.aten.amax.default, torch.ops.aten.amin.default)
+
+
+def _selected_from(gm: fx.GraphModule, cls: dict) -> set:
+    """The values a max / min reduction selects from that something else reads too: stored once,
+    and read by the reduction and the others alike. Computed inline in two kernels, they may round
+    differently (a generated kernel's ``tanhf`` against PyTorch's, whichever each region's
+    measurement keeps), and a comparison ``x == x.amax(1)`` (amax's gradient: the count of the
+    maxima; a mask) finds no maximum: the gradient came out NaN (GPU fuzz a93a79118e, float32
+    training, GELU then amax over channels)."""
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in SELECTING or not isinstance(n.args[0], fx.Node):
+            continue
+        root = view_root(n.args[0])
+        if cls.get(root) == "fusible" and not is_view(root) and (len(root.users) > 1 or len(n.args[0].users) > 1):
+            out.add(root)
+    return out
+
+
 class _Plan:
     """The realized set and kernel membership, recomputed until every rule accepts its node."""
 
@@ -210,6 +231,7 @@ class _Plan:
                 out.add(n)
             elif c == "reduction":
                 out.add(n)
+        out |= _selected_from(self.gm, cls)
         # fusible values that several kernels need: stored once where recomputing costs more. Of a
         # chain that the same kernels share, only the value nearest them is stored (the values
         # before it then feed only its kernel): a node is decided again once nothing stored in

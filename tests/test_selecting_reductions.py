@@ -1,0 +1,91 @@
+"""A max / min reduction and the values it selects from stay bitwise one computation.
+
+amax's gradient compares the input with the maximum (``x == x.amax(1)``) and divides by the count
+of maxima. Where the input was computed inline by two kernels (the reduction's and another's), or
+recomputed in the backward, by implementations that round otherwise (a generated ``tanhf``,
+PyTorch's GELU: each region keeps what its measurement chose), no element equalled the maximum
+and the gradient came out NaN (GPU fuzz a93a79118e, float32 training: GELU, then amax over the
+channels). Now the input of such a reduction is stored once where something else reads it too
+(``fusion._selected_from``), and the joint graph saves the compared values for the backward
+(``fxopt.training.save_compared_values``).
+"""
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxopt
+from fxopt.backends import torch_ref
+from fxopt.backends.cuda.schedule.fusion import schedule
+from fxopt.backends.cuda.schedule.rewrite import split_conv_epilogues
+from fxopt.testing.fusion import capture
+
+
+class GeluMax(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+
+    def forward(self, x):
+        y = F.gelu(self.conv(x), approximate="tanh")
+        return y - y.amax(1, keepdim=True)
+
+
+def _regions(model, x):
+    out = []
+    for report, _ in capture(model, (x,), {"executor": "cuda"}):
+        gm = torch_ref.lower(report.after)
+        split_conv_epilogues(gm)
+        out += schedule(gm, strict=True).regions
+    return out
+
+
+def test_the_values_an_amax_selects_from_are_stored_once_and_read_by_it():
+    class Plain(nn.Module):
+        def forward(self, x):
+            y = F.gelu(x * 2.0, approximate="tanh")
+            return y - y.amax(1, keepdim=True)
+    regions = _regions(Plain().eval(), torch.randn(2, 3, 4, 4))
+    amax = [r for r in regions if "aten.amax.default" in r.ops]
+    assert len(amax) == 1 and "aten.gelu.default" not in amax[0].ops  # it reads the stored GELU
+    assert sum("aten.gelu.default" in r.ops for r in regions) == 1  # computed by one kernel only
+
+
+def test_an_amax_over_an_input_read_by_nothing_else_keeps_its_prologue_inline():
+    class Only(nn.Module):
+        def forward(self, x):
+            return F.gelu(x * 2.0).amax(1)
+    regions = _regions(Only().eval(), torch.randn(2, 3, 4, 4))
+    assert len(regions) == 1 and {"aten.gelu.default", "aten.amax.default"} <= set(regions[0].ops)
+
+
+def test_the_backward_reads_the_forwards_compared_values_instead_of_recomputing_them():
+    report = fxopt.explain(GeluMax(), torch.randn(2, 3, 4, 4, requires_grad=True), training=True,
+                           options={"executor": "cuda"})
+    backward = [g for g in report.graphs if g.kind == "backward"]
+    assert backward and report.graphs[0].training["partitioner"] == "min_cut"
+    recomputed = [n for g in backward for n in g.after.graph.nodes
+                  if n.op == "call_function" and n.target is torch.ops.aten.gelu.default]
+    assert not recomputed
+
+
+def test_save_compared_values_marks_forward_operands_only():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from fxopt.training import save_compared_values
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    p, t = g.placeholder("primals_1"), g.placeholder("tangents_1")
+    y = g.call_function(aten.gelu.default, (p,))
+    m = g.call_function(aten.amax.default, (y, [1], True))
+    mask = g.call_function(aten.eq.Tensor, (y, m))
+    gt = g.call_function(aten.mul.Tensor, (t, 2.0))
+    other = g.call_function(aten.eq.Tensor, (gt, m))  # an operand of the backward's own
+    g.output((m, mask, other))
+    for n, v in ((p, torch.randn(2, 3)), (t, torch.randn(2, 1)), (y, torch.randn(2, 3)), (m, torch.randn(2, 1)),
+                 (gt, torch.randn(2, 1))):
+        n.meta["val"] = v
+    assert save_compared_values(fx.GraphModule(nn.Module(), g)) == 2  # y and m
+    assert y.meta["recompute"] == CheckpointPolicy.MUST_SAVE and m.meta["recompute"] == CheckpointPolicy.MUST_SAVE
+    assert "recompute" not in gt.meta and "recompute" not in p.meta
