@@ -213,8 +213,20 @@ def restore_output_formats(gm: fx.GraphModule, formats: list, strides: list = ()
             continue
         fmt = next((f for f in (torch.channels_last, torch.contiguous_format)
                     if not b.is_contiguous(memory_format=f) and _replays_to(chain, b, f, target)), None)
-        if fmt is not None:
-            chain[-1].replace_input_with(base, copy_of(base, fmt))
-            notes.append(f"output {i} ({o.name}) a view of {base.name} in {name[fmt]} as eager gives it")
+        if fmt is None:
+            continue
+        # the viewed value returned too (``return x, x.transpose(2, 3)``): eager's outputs alias, so
+        # both read the one copy, where that copy gives the value eager's strides too; else the view
+        # keeps reading the value (aliasing before strides: GPU fuzz f1b43b3664)
+        also = [j for j, f in enumerate(flat) if f is base]
+        laid = torch.empty(tuple(b.shape), device="meta").contiguous(memory_format=fmt).stride()
+        if any(j >= len(strides) or strides[j] is None or not same_strides(b.shape, laid, strides[j]) for j in also):
+            continue
+        c = copy_of(base, fmt)
+        for j in also:
+            flat[j] = c
+        chain[-1].replace_input_with(base, c)
+        notes.append(f"output {i} ({o.name}) a view of {base.name} in {name[fmt]} as eager gives it"
+                     + (f", and output{'s' * (len(also) > 1)} {', '.join(map(str, also))} that value" if also else ""))
     out_node.args = (type(outs)(flat) if isinstance(outs, (list, tuple)) else flat[0],)
     return notes

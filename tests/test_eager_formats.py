@@ -187,3 +187,32 @@ def test_restore_output_formats_copies_a_value_once_for_its_views_of_any_rank():
     for g, w in zip(got, f(x)):
         torch.testing.assert_close(g, w)
     assert restore_output_formats(gm, [CL, None, None, None], strides[:3] + [x.transpose(2, 3).stride()]) == []
+
+
+def test_a_view_output_of_a_returned_value_keeps_aliasing_it():
+    """``return y, y.transpose(2, 3)``: eager's two outputs share memory. Where only the view's
+    strides differ from eager's (the value's format is eager's by its metadata: a [1, 16, 1, 2]
+    value, channels_last and NCHW at once), the view is not moved onto a copy the value does not
+    share (GPU fuzz f1b43b3664: outputs alias [], eager's [(0, 1)]); where one copy gives both
+    eager's strides, both read it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxopt.eager_formats import restore_output_formats
+
+    def f(x):
+        y = torch.abs(x)
+        return y, y.transpose(2, 3)
+
+    x = torch.randn(1, 16, 1, 2).contiguous(memory_format=CL)
+    gm = make_fx(f, tracing_mode="fake")(x)
+    e = torch.empty(1, 16, 1, 2)  # eager's: NCHW, the view a transpose of it
+    assert restore_output_formats(gm, [None, None], [(32, 1, 32, 16), e.transpose(2, 3).stride()]) == []
+    assert not any(n.target is torch.ops.aten.clone.default for n in gm.graph.nodes)  # aliasing kept
+    notes = restore_output_formats(gm, [None, None], [e.stride(), e.transpose(2, 3).stride()])
+    assert len(notes) == 1 and "output 0" in notes[0]
+    assert sum(n.target is torch.ops.aten.clone.default for n in gm.graph.nodes) == 1
+    gm.graph.lint()
+    gm.recompile()
+    y, t = gm(x)
+    assert t.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+    assert y.stride() == e.stride() and t.stride() == e.transpose(2, 3).stride()
