@@ -79,6 +79,26 @@ def test_reproducer_runs_without_the_fuzzer(tmp_path):
     assert r.returncode == 0 and "eager == fxopt" in r.stdout, r.stderr[-2000:]
 
 
+def test_training_reproducer_judges_gradients_against_float64(tmp_path):
+    """A training reproducer's gradients that differ from eager's by more than the tolerance are
+    judged against the float64 gradients, as its outputs are (a cancelling bias gradient before a
+    BatchNorm stays rounding noise: a93a79118e failed its reproducer on that alone)."""
+    src = "\n".join(["import torch", "import torch.nn as nn", "", "class Model(nn.Module):",
+                     "    def __init__(self):", "        super().__init__()", "        self.m0 = nn.Conv2d(2, 3, 1)",
+                     "        self.m1 = nn.BatchNorm2d(3)", "",
+                     "    def forward(self, x):", "        return torch.abs(self.m1(self.m0(x)))", ""])
+    prog = Program(src, (4, 2, 3, 3), "float32", "contiguous", "training", 3, {"executor": "torch"}, ["conv"])
+    path = write_repro(prog, "example", tmp_path, "cpu", (0.0, 0.0))
+    text = path.read_text()
+    assert "rtol, atol = tolerance(dtype)" in text
+    path.write_text(text.replace("rtol, atol = tolerance(dtype)", "rtol, atol = 0.0, 1e-30"))  # every grad decided by float64
+    r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0 and "eager == fxopt" in r.stdout, r.stderr[-2000:]
+    path.write_text(path.read_text().replace("for name, g, w in pairs", "for name, g, w in [(n, g * 1.5, w) for n, g, w in pairs]"))
+    r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode != 0 and "error vs float64" in r.stderr, r.stderr[-2000:]
+
+
 def test_shards_draw_different_graphs_and_merge(tmp_path, monkeypatch):
     seen = {}
 

@@ -3,8 +3,10 @@
 The file holds the model's source, the input's shape / dtype / memory format / seed, the mode and
 the fxopt options; ``python repro_XXXX.py`` builds the model and input exactly as the fuzzer did,
 runs eager and ``torch.compile(model, backend="fxopt", options=...)`` and asserts they agree
-(inference: values within the dtype's tolerance, or fxopt's error against the float64 model at
-most twice eager's; shapes, dtypes and strides; training: the loss and every gradient).
+(values within the dtype's tolerance, or fxopt's error against the float64 model at most twice
+eager's; inference: shapes, dtypes and strides; training: the outputs and every gradient). The
+fuzzer judges further (the spread of rounded float64 runs, PyTorch's own compiled graph:
+``check.py``), so a reproducer of a difference only those explain still fails here.
 """
 from __future__ import annotations
 
@@ -74,9 +76,18 @@ def main():
         ws = [torch.randn(o.shape, generator=gen).to(o.device) for o in flat(want)]
         sum((o.float() * w).sum() for o, w in zip(flat(want), ws)).backward()
         sum((o.float() * w).sum() for o, w in zip(flat(got), ws)).backward()
-        for (name, p), q in zip(model.named_parameters(), mine.parameters()):
-            torch.testing.assert_close(q.grad, p.grad, rtol=rtol * 10, atol=atol * 10, msg=lambda m: f"{{name}}.grad: {{m}}")
-        torch.testing.assert_close(xc.grad, xe.grad, rtol=rtol * 10, atol=atol * 10)
+        exact = copy.deepcopy(model).double()  # the float64 gradients, where fxopt's and eager's differ
+        xr = x.detach().double().requires_grad_(True)
+        sum((o * w.double()).sum() for o, w in zip(flat(exact(xr)), ws)).backward()
+        grads64 = {{**{{n: p.grad for n, p in exact.named_parameters()}}, "input": xr.grad}}
+        pairs = [(n, q.grad, p.grad) for (n, p), q in zip(model.named_parameters(), mine.parameters())]
+        for name, g, w in pairs + [("input", xc.grad, xe.grad)]:
+            try:
+                torch.testing.assert_close(g, w, rtol=rtol * 10, atol=atol * 10)
+            except AssertionError:
+                err_g = (g.double() - grads64[name]).abs().max().item()
+                err_w = (w.double() - grads64[name]).abs().max().item()
+                assert err_g <= 2 * err_w + atol * 10, f"{{name}}.grad: fxopt's error vs float64 {{err_g}}, eager's {{err_w}}"
     print("eager == fxopt")
 
 
