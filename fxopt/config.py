@@ -58,6 +58,11 @@ class Options:
     #: graphs at float32 precision, bfloat16 ones at bfloat16). Off by default: exporting, converting
     #: and compiling it adds 1-3.5 s to a small CNN's first call per signature
     cpu_openvino: bool = False
+    #: cuda executor on CPU inputs (no GPU): every fused region runs its kernel's IR (``ir.evaluate``:
+    #: the generated code's loads, stores, roundings and float32 math) instead of its ATen reference,
+    #: so a whole graph, a training step's backward included, checks the kernels' semantics on the
+    #: CPU (slow: for tests and the fuzzer's CPU check). No effect where the kernels run on a GPU
+    emulate_kernels: bool = False
     #: inference graphs that need nothing of AOTAutograd's runtime wrapper (no aliasing, mutation,
     #: subclasses, autocast...) are called by Dynamo directly, saving the wrapper's per-call cost
     direct_call: bool = True

@@ -89,3 +89,43 @@ def test_save_compared_values_marks_forward_operands_only():
     assert save_compared_values(fx.GraphModule(nn.Module(), g)) == 2  # y and m
     assert y.meta["recompute"] == CheckpointPolicy.MUST_SAVE and m.meta["recompute"] == CheckpointPolicy.MUST_SAVE
     assert "recompute" not in gt.meta and "recompute" not in p.meta
+
+
+def test_option_emulate_kernels_runs_a_training_step_through_the_kernels_ir(monkeypatch):
+    """On the CPU, option ``emulate_kernels`` puts each fused region's kernel IR (``ir.evaluate``) in
+    its reference's place, the backward's regions included; a region whose inputs are not laid out
+    as planned runs its reference, as the generated kernel declines them."""
+    import copy
+
+    from fxopt.backends.cuda.schedule import generated
+
+    ran, declined = [], []
+    real_call = generated.EmulatedRegion.__call__
+
+    def call(self, *inputs):
+        ran.append(self.__name__)
+        return real_call(self, *inputs)
+    monkeypatch.setattr(generated.EmulatedRegion, "__call__", call)
+    model = GeluMax()
+    x = torch.randn(2, 3, 4, 4)
+    xe, xc = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    mine = copy.deepcopy(model)
+    compiled = torch.compile(mine, backend="fxopt", options={"executor": "cuda", "emulate_kernels": True})
+    torch.compiler.reset()
+    out = compiled(xc)
+    out.square().sum().backward()
+    want = model(xe)
+    want.square().sum().backward()
+    assert any("amax" in n for n in ran) and len(ran) >= 4  # forward and backward regions
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(xc.grad, xe.grad)
+    torch.testing.assert_close(mine.conv.weight.grad, model.conv.weight.grad)
+
+    region = next(r for r in _regions(GeluMax().eval(), torch.randn(2, 3, 4, 4)) if "aten.amax.default" in r.ops)
+    emu = generated.EmulatedRegion(region, lambda *a: declined.append(1) or ("reference",))
+    b = region.kernel.inputs[0]
+    fits = torch.randn(b.shape).as_strided(b.shape, b.strides) if len(set(b.strides)) == len(b.strides) else None
+    other = torch.randn(tuple(reversed(b.shape))).permute(*reversed(range(len(b.shape))))  # other strides
+    assert emu(other) == ("reference",) and declined == [1]
+    if fits is not None:
+        assert isinstance(emu(fits)[0], torch.Tensor) and declined == [1]

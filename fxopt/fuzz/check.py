@@ -31,7 +31,9 @@ exception or one it was raised from (Dynamo wraps what its fake-tensor run of th
 
 On the CPU with ``executor="cuda"`` nothing runs on a GPU; the checkable part is checked: every
 kernel generated and compiled with NVRTC (``report.kernels``), every fused region's IR run on the
-CPU against its ATen ops (``fxopt.testing.check_fusion``), and every register-row reduction's
+CPU against its ATen ops (``fxopt.testing.check_fusion``; a training step: the whole step run with
+the regions' IR in their references' place, option ``emulate_kernels``, and judged as on a GPU),
+and every register-row reduction's
 thread mapping emulated (``fxopt.fuzz.geometry``), every column reduction run thread by thread
 (``fxopt.fuzz.simt``).
 """
@@ -365,7 +367,7 @@ def run_program(program: Program, device: str, graphs: list | None = None, outco
     from fxopt.testing import compile_with_fxopt
 
     model, x = build(program, device)
-    if device == "cpu" and program.options.get("executor") == "cuda":
+    if device == "cpu" and program.options.get("executor") == "cuda" and not program.options.get("emulate_kernels"):
         return check_cuda_on_cpu(program, model, x)
     eager, mine, spare = model, copy.deepcopy(model), copy.deepcopy(model)
     ref, peer = Reference64(model, x, program), CompiledPeer(model, x, program, device)
@@ -525,6 +527,19 @@ def _training_step(program, device, eager, mine, compiled, x, graphs, ref: Refer
                 peer=peer and floating and (lambda name=name: peer.buffer(name)))
 
 
+def _eager_raises(program: Program, model, x) -> bool:
+    """Whether eager raises on ``program``'s input (a copy of the model; a training step's forward)."""
+    training, dtype = program.mode == "training", getattr(torch, program.dtype)
+    amp = (torch.autocast(x.device.type, dtype=dtype) if training and dtype != torch.float32
+           else contextlib.nullcontext())
+    try:
+        with amp, (contextlib.nullcontext() if training else torch.no_grad()):
+            copy.deepcopy(model)(x.detach().clone().requires_grad_(training))
+    except Exception:  # noqa: BLE001 - eager's error is the expected behaviour
+        return True
+    return False
+
+
 def check_cuda_on_cpu(program: Program, model, x) -> list:
     """The cuda executor's CPU-checkable part for ``program`` (see the module's docstring)."""
     import fxopt
@@ -538,6 +553,9 @@ def check_cuda_on_cpu(program: Program, model, x) -> list:
     options = {**program.options, "executor": "cuda"}
     options.pop("cudagraphs", None)
     training = program.mode == "training"
+    emulated = Program.from_json({**program.to_json(), "options": {**options, "emulate_kernels": True}})
+    if _eager_raises(program, model, x):  # bad input: judged by the whole run (fxopt must raise the same)
+        return run_program(emulated, "cpu")
     xg = x.detach().requires_grad_(training)  # a training graph of parameter-free layers still has a backward
     report = fxopt.explain(model, xg, options=options, training=training)
     for g in report.graphs:
@@ -546,6 +564,8 @@ def check_cuda_on_cpu(program: Program, model, x) -> list:
     bad = [(k.name, getattr(k, "error", None)) for k in report.kernels if not k.compiled]
     if bad:
         raise Mismatch(f"kernels that did not compile: {bad[:3]}")
+    if training:  # the step run with every region's kernel IR in its reference's place, judged as on a GPU
+        run_program(emulated, "cpu")
     if not training:
         case = CNNCase(copy.deepcopy(model), (x,), getattr(torch, program.dtype), False, program.layers)
         check_options = {k: v for k, v in options.items() if k not in ("executor", "fast_math")}

@@ -57,7 +57,7 @@ from fxopt.backends.cuda.schedule.copies import copy_summary
 from fxopt.backends.cuda.schedule.fusion import schedule
 from fxopt.backends.cuda.schedule.movement_rules import INFERENCE_ONLY
 from fxopt.backends.cuda.schedule.rewrite import rewrite, split_conv_epilogues
-from fxopt.backends.cuda.schedule.generated import RegionReference, template_candidates
+from fxopt.backends.cuda.schedule.generated import EmulatedRegion, RegionReference, template_candidates
 
 
 @dataclass
@@ -260,6 +260,10 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     info["node_choices"] = decisions
     on_gpu = torch.cuda.is_available() and ctx.device_type == "cuda"
     if not on_gpu:
+        if getattr(ctx.options, "emulate_kernels", False) and regions:
+            for p in regions:  # the kernels' IR in the references' place (option emulate_kernels)
+                p.node.target = EmulatedRegion(p.generated.region, p.reference)
+            runnable.recompile()
         pending.finish()
         info["nvrtc_s"] = round(pending.compile_s, 3)
         info["updated_in_place"] = update_in_place(runnable)

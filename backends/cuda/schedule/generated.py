@@ -5,6 +5,8 @@
   called with the region's inputs, returning the tuple of its outputs. It is what the region
   computes by definition: every other candidate is checked against it when measured, and runs
   in its place wherever it declines.
+- ``EmulatedRegion``: the region's kernel IR run by ``ir.evaluate`` (the generated code's semantics
+  on any device): what runs in the reference's place on the CPU under option ``emulate_kernels``.
 - ``template_candidates``: the older per-node templates (max pool, global average pool,
   ``kernels/pool.py``) for a region that is exactly that node, as more candidates of the same region.
 """
@@ -26,6 +28,31 @@ class RegionReference:
 
     def __call__(self, *inputs):
         return tuple(self.module(*inputs))
+
+
+class EmulatedRegion:
+    """The region's kernel IR, evaluated with torch on its inputs' device; returns its outputs. As the
+    generated kernel does, it declines inputs that are not laid out as the kernel was planned for
+    (``buffer_fits``): ``reference`` runs then."""
+
+    def __init__(self, region: Region, reference):
+        self.kernel, self.reference = region.kernel, reference
+        self.__name__ = f"emu_{region.name}"
+
+    def __call__(self, *inputs):
+        import torch
+
+        from fxopt.backends.cuda import ir
+        from fxopt.backends.cuda.kernels.region import buffer_fits
+
+        if len(inputs) != len(self.kernel.inputs) or not all(
+                isinstance(t, torch.Tensor) and buffer_fits(t, b.shape, b.strides, b.dtype)
+                for t, b in zip(inputs, self.kernel.inputs)):
+            return self.reference(*inputs)
+        device = inputs[0].device if inputs else torch.device("cpu")
+        outs = [torch.empty_strided(b.shape, b.strides, dtype=b.dtype, device=device) for b in self.kernel.outputs]
+        ir.evaluate(self.kernel, list(inputs), outs)
+        return tuple(outs)
 
 
 def _as_tuple(fn, *const_args, pick=None):
