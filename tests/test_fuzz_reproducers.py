@@ -1,0 +1,103 @@
+"""The GPU fuzzer's failures kept as regression tests: each program as the fuzzer drew it (with its
+seed and options), built and run eagerly and through the cuda executor's CPU-checkable part in CI,
+and judged as the fuzzer judges it on a GPU (``-m gpu``)."""
+import pytest
+import torch
+
+from fxopt.fuzz import Program
+from fxopt.fuzz import check as fuzz_check
+
+
+_BN = "_random_stats(self.m{})"
+GPU_REPRODUCERS = {  # GPU fuzz seeds 41 / 51 (2026-11-27): shape, dtype, fmt, mode, init, forward, returned
+    "9785f6078b": ((1, 2, 1, 2), "float16", "contiguous", "training", [
+        "self.m0 = nn.BatchNorm2d(2)", _BN.format(0), "self.m1 = nn.Conv2d(2, 2, 1, padding=0, bias=False)",
+        "self.m2 = nn.BatchNorm2d(2)", _BN.format(2), "self.m3 = nn.Conv2d(2, 2, 1, padding=0, bias=False)",
+        "self.m4 = nn.BatchNorm2d(2)", _BN.format(4), "self.m5 = nn.Linear(4, 1)", "self.m6 = nn.Linear(1, 1)"],
+        ["x = self.m0(x)", "x = torch.abs(self.m2(self.m1(x)) + x)", "x = torch.abs(self.m4(self.m3(x)) + x)",
+         "x = self.m6(F.gelu(self.m5(torch.flatten(x, 1))))"], "x"),
+    "349ac6a1e1": ((1, 2, 1, 2), "float16", "contiguous", "training", [
+        "self.m0 = nn.GroupNorm(1, 2, affine=False)", "self.m1 = nn.Conv2d(2, 2, 1, padding=0, bias=False)",
+        "self.m2 = nn.BatchNorm2d(2)", _BN.format(2), "self.m3 = nn.Conv2d(2, 1, 1)", "self.m4 = nn.Conv2d(1, 2, 1)"],
+        ["x = self.m0(x)", "x = F.leaky_relu(self.m2(self.m1(x)) + x, 0.1)",
+         "x = x * torch.sigmoid(self.m4(F.hardswish(self.m3(x.mean((2, 3), keepdim=True)))))"], "x"),
+    "5bf7573163": ((1, 2, 1, 2), "float16", "contiguous", "training", [
+        "self.m0 = nn.Conv2d(2, 2, 1, stride=1, padding='same', dilation=1, groups=2, bias=False)",
+        "self.m1 = nn.GroupNorm(1, 2, affine=False)", "self.m2 = nn.Conv2d(2, 1, 1)", "self.m3 = nn.Conv2d(1, 2, 1)"],
+        ["x = torch.abs(self.m0(x))", "x = self.m1(x)", "y = x",
+         "x = x * torch.sigmoid(self.m3(F.hardswish(self.m2(x.mean((2, 3), keepdim=True)))))"], "x, y"),
+    "4671d707b6": ((1, 2, 1, 2), "float16", "contiguous", "training", [
+        "self.m0 = nn.Conv2d(2, 2, 1, stride=1, padding='same', dilation=1, groups=1, bias=False)",
+        "self.m1 = nn.BatchNorm2d(2)", _BN.format(1), "self.m2 = nn.GroupNorm(1, 2, affine=False)",
+        "self.m3 = nn.Conv2d(2, 2, 1, stride=1, padding=0, dilation=1, groups=1, bias=False)"],
+        ["x = x - x.mean((1,), keepdim=True)", "x = torch.abs(self.m0(x))", "x = self.m1(x)", "x = self.m2(x)",
+         "x = torch.abs(self.m3(x))"], "x"),
+    "649729573e": ((1, 1, 1, 2), "float16", "contiguous", "inference", [  # GPU fuzz seed 61: test_fp16_rounding.py
+        "self.m0 = nn.Conv2d(1, 1, 3, stride=1, padding=1, dilation=1, groups=1, bias=True)",
+        "self.m1 = nn.InstanceNorm2d(1, affine=False)"],
+        ["x = x.to(torch.bfloat16).to(x.dtype) * 2.0", "x = torch.abs(x)", "x = torch.abs(self.m0(x))",
+         "x = x - x.mean((1,), keepdim=True)", "x = self.m1(x)"], "x"),
+    "a6d9fae0a3": ((1, 2, 4, 4), "float32", "channels_last", "inference", [],
+                   ["x = F.max_pool2d(x, 2, 1, 0, ceil_mode=False)", "x = F.interpolate(x, scale_factor=2, mode='nearest')",
+                    "y = x"], "x, y"),
+    "fd5d5f69d6": ((1, 8, 1, 2), "float32", "channels_last", "inference", [],
+                   ["x = F.interpolate(x, scale_factor=2, mode='bilinear', align_corners=False)", "y = x"],
+                   "x, y.transpose(2, 3)"),
+    # GPU fuzz 2026-11-28 (seeds 63-67): each with its seed and options
+    "a93a79118e": ((5, 7, 9, 5), "float32", "channels_last", "training", [  # amax's maxima: test_selecting_reductions
+        "self.m0 = nn.Conv2d(14, 14, 1, stride=1, padding='same', dilation=1, groups=14, bias=True)",
+        "self.m1 = nn.BatchNorm2d(14)", _BN.format(1)],
+        ["a = x", "x = torch.cat([x, F.gelu(a, approximate='tanh')], 1)",
+         "x = F.gelu(self.m1(self.m0(x)), approximate='tanh')", "x = x - x.amax((1,), keepdim=True)",
+         "x = x - x.sum((2,), keepdim=True)"], "x", 219, {}),
+    "c0a961fbcc": ((1, 2, 1, 2), "float16", "contiguous", "training", [  # GroupNorm's gradient: test_backend
+        "self.m0 = nn.GroupNorm(1, 2, affine=False)", "self.m1 = nn.Conv2d(2, 2, 1, padding=0, bias=False)",
+        "self.m2 = nn.BatchNorm2d(2)", _BN.format(2),
+        "self.m3 = nn.Conv2d(2, 2, 1, stride=1, padding=0, dilation=1, groups=1, bias=False)"],
+        ["x = self.m0(x)", "x = F.elu(x)", "x = torch.abs(self.m2(self.m1(x)) + x)", "x = F.elu(self.m3(x))"],
+        "x", 12366, {"conv_algorithm": "fft", "cudagraphs": False}),
+    "f1b43b3664": ((1, 12, 1, 2), "float32", "channels_last", "inference", [  # aliasing: test_eager_formats
+        "self.m0 = nn.Conv2d(12, 16, 3, stride=1, padding=1, dilation=1, groups=4, bias=False)",
+        "self.m1 = nn.Conv2d(16, 16, 1, stride=1, padding=0, dilation=1, groups=1, bias=False)"],
+        ["x = torch.abs(self.m0(x))", "x = torch.abs(self.m1(x))", "y = x"], "x, y.transpose(2, 3)", 0,
+        {"conv_algorithm": "winograd_2x2_3x3"}),
+    "081a07d4c1": ((1, 7, 1, 2), "float32", "contiguous", "training", [  # a constant row: test_constant_rows
+        "self.m0 = nn.Conv2d(7, 7, 3, stride=1, padding=1, dilation=1, groups=1, bias=False)",
+        "self.m1 = nn.Conv2d(7, 7, 3, stride=1, padding=1, dilation=1, groups=1, bias=False)",
+        "self.m2 = nn.LayerNorm(7, elementwise_affine=False)"],
+        ["x = torch.abs(self.m0(x))", "y = x", "x = torch.abs(self.m1(x))",
+         "x = F.pad(x, (0, 0, 0, 1), mode='constant', value=-1.5)",
+         "x = self.m2(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)"], "x, y", 0, {}),
+}
+
+
+def gpu_reproducer(tag: str) -> Program:
+    from fxopt.fuzz.graphs import render
+
+    shape, dtype, fmt, mode, init, forward, ret, *rest = GPU_REPRODUCERS[tag]
+    seed, options = rest if rest else (0, {})
+    return Program(render(init, forward, ret), shape, dtype, fmt, mode, seed,
+                   {**options, "executor": "cuda", "autotune_cache": False}, [tag])
+
+
+@pytest.mark.parametrize("tag", sorted(GPU_REPRODUCERS))
+def test_gpu_reproducers_build_and_run_eagerly(tag):
+    """The GPU test's programs are the reproducers' models (what eager runs of them on the CPU)."""
+    model, x = fuzz_check.build(gpu_reproducer(tag), "cpu")
+    assert x.shape == GPU_REPRODUCERS[tag][0] and model(x) is not None
+
+
+@pytest.mark.parametrize("tag", sorted(GPU_REPRODUCERS))
+def test_gpu_reproducers_checkable_part_passes_on_the_cpu(tag):
+    """Their CPU-checkable part: every kernel generated and compiled with NVRTC, every fused region's IR
+    against its ATen ops, the reductions' thread mappings emulated (``check.check_cuda_on_cpu``)."""
+    graphs = fuzz_check.run_program(gpu_reproducer(tag), "cpu")
+    assert graphs and all(g.fallback is None for g in graphs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+@pytest.mark.parametrize("tag", sorted(GPU_REPRODUCERS))
+def test_gpu_reproducers_pass(tag):
+    """The GPU fuzzer's failures, judged as the fuzzer judges them (two calls: a capture, a replay)."""
+    assert fuzz_check.run_program(gpu_reproducer(tag), "cuda")
