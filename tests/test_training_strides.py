@@ -155,7 +155,7 @@ def _cuda_joint(model: nn.Module, shape):
 def test_the_reproducers_joint_graphs_run_as_the_cuda_kernels_take_them(tag, monkeypatch):
     """Each reproducer's joint graph after the joint passes: no view left (reshapes), every GroupNorm
     argument its CUDA kernel reads NCHW contiguous (copies)."""
-    from test_fuzz import gpu_reproducer
+    from test_fuzz_reproducers import gpu_reproducer
 
     from fxopt.backends import target_for
     from fxopt.fuzz.check import build
