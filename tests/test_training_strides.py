@@ -1,7 +1,7 @@
 """The joint passes' layouts against what the CUDA kernels take at run time (GPU fuzz 9785f6078b,
 349ac6a1e1, 5bf7573163, 4671d707b6: fp16 training on ``[1, 2, 1, 2]`` raised "view size is not
 compatible" and "Expected X.is_contiguous(memory_format)"): checked on fake CUDA tensors, the
-values on the CPU; the reproducers' programs themselves run on the GPU in ``test_fuzz.py``."""
+values on the CPU; the reproducers' programs themselves run on the GPU in ``test_fuzz_reproducers.py``."""
 import copy
 
 import pytest
