@@ -12,11 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fxopt.backends import torch_ref
-from fxopt.backends.cuda import ir
-from fxopt.backends.cuda.schedule.fusion import schedule
-from fxopt.backends.cuda.schedule.rewrite import split_conv_epilogues
-from fxopt.testing.fusion import _values, capture
+from fxopt.testing.fusion import evaluate_regions
 
 
 class Norm(nn.Module):
@@ -40,17 +36,7 @@ class Norm(nn.Module):
 
 def _kernel_outputs(model, x):
     """Every generated kernel's outputs as ``ir.evaluate`` computes them, by region ops."""
-    found = []
-    for report, example in capture(model, (x,), {"executor": "cuda"}):
-        gm = torch_ref.lower(report.after)
-        split_conv_epilogues(gm)
-        vals = _values(gm, example)
-        for region in schedule(gm, strict=True).regions:
-            k = region.kernel
-            outs = [torch.empty_strided(b.shape, b.strides, dtype=b.dtype) for b in k.outputs]
-            ir.evaluate(k, [vals[n] for n in region.inputs], outs)
-            found.append((region.ops, outs))
-    return found
+    return [(region.ops, got) for region, got, _ in evaluate_regions(model, (x,), {"executor": "cuda"})]
 
 
 @pytest.mark.parametrize("kind", ["layer", "group", "instance", "var"])

@@ -10,34 +10,18 @@ normalization scaled up (0.00965 from eager on the H200, +-0.15 here with chosen
 ``check_fusion`` did not see it: its float32 fallback reference is fed the region's float16
 inputs, the rounded mean among them, and so reproduced the kernel's error.
 """
-import copy
 
 import torch
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxopt.backends import torch_ref
 from fxopt.backends.cuda import ir
-from fxopt.backends.cuda.schedule.fusion import schedule
-from fxopt.backends.cuda.schedule.rewrite import split_conv_epilogues
-from fxopt.testing.fusion import _values, capture
+from fxopt.testing.fusion import evaluate_regions
 
 
 def _regions(model, inputs):
-    """[(region, IR outputs, eager's values of its outputs)] of every fused region of the graph fxopt
-    compiles for ``model(*inputs)``, each IR kernel run on eager's values of its inputs."""
-    out = []
-    for report, example in capture(copy.deepcopy(model), inputs, {"executor": "torch"}):
-        gm = torch_ref.lower(report.after)
-        split_conv_epilogues(gm)
-        vals = _values(gm, example)
-        for region in schedule(gm, strict=True).regions:
-            k = region.kernel
-            got = [torch.empty_strided(b.shape, b.strides, dtype=b.dtype) for b in k.outputs]
-            ir.evaluate(k, [vals[n] for n in region.inputs], got)
-            out.append((region, got, [vals[n] for n in region.outputs]))
-    return out
+    return evaluate_regions(model, inputs)
 
 
 class _MeanThenNorm(nn.Module):

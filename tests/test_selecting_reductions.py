@@ -15,10 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxopt
-from fxopt.backends import torch_ref
-from fxopt.backends.cuda.schedule.fusion import schedule
-from fxopt.backends.cuda.schedule.rewrite import split_conv_epilogues
-from fxopt.testing.fusion import capture
+from fxopt.testing.fusion import evaluate_regions
 
 
 class GeluMax(nn.Module):
@@ -32,12 +29,7 @@ class GeluMax(nn.Module):
 
 
 def _regions(model, x):
-    out = []
-    for report, _ in capture(model, (x,), {"executor": "cuda"}):
-        gm = torch_ref.lower(report.after)
-        split_conv_epilogues(gm)
-        out += schedule(gm, strict=True).regions
-    return out
+    return [region for region, _, _ in evaluate_regions(model, (x,), {"executor": "cuda"})]
 
 
 def test_the_values_an_amax_selects_from_are_stored_once_and_read_by_it():

@@ -99,6 +99,28 @@ def check_fusion(case, options=None, compile_kernels: bool = False) -> list:
     return schedules
 
 
+def evaluate_regions(model, inputs, options=None) -> list:
+    """[(region, IR outputs, eager's values of its outputs)] of every fused region of every graph fxopt
+    compiles for ``model(*inputs)`` (``options``: default the torch executor), each region's IR kernel
+    run by ``ir.evaluate`` on eager's values of its inputs."""
+    from fxopt.backends import torch_ref
+    from fxopt.backends.cuda import ir
+    from fxopt.backends.cuda.schedule.fusion import schedule
+    from fxopt.backends.cuda.schedule.rewrite import split_conv_epilogues
+
+    out = []
+    for report, example in capture(copy.deepcopy(model), inputs, options or {"executor": "torch"}):
+        gm = torch_ref.lower(report.after)
+        split_conv_epilogues(gm)
+        vals = _values(gm, example)
+        for region in schedule(gm, strict=True).regions:
+            k = region.kernel
+            got = [torch.empty_strided(b.shape, b.strides, dtype=b.dtype) for b in k.outputs]
+            ir.evaluate(k, [vals[n] for n in region.inputs], got)
+            out.append((region, got, [vals[n] for n in region.outputs]))
+    return out
+
+
 def check_regions(gm: fx.GraphModule, inputs: list, rtol: float, atol: float, compile_kernels: bool = False,
                   vals: dict | None = None):
     """Schedule ``gm`` (nodes carrying FakeTensor metadata) and check every region's IR kernel,
