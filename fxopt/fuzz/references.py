@@ -33,7 +33,7 @@ class RoundEveryOp(torch.overrides.TorchFunctionMode):
     gradient, against the exact one, is how far rounding anywhere in the forward moves a gradient:
     through ``abs`` / ``relu`` / ``hardsigmoid`` of values within rounding of their kink, a gradient
     element flips between branches in every implementation, eager's and fxopt's at other elements
-    (GPU fuzz, 16-bit training: a weight gradient 3-30x eager's error away from float64, with the
+    (GPU fuzz, 16-bit training: weight gradients 2-150x eager's error away from float64, with the
     regions' kernels within 4 ulps of their references). In-place results and the inputs
     returned as they are stay untouched."""
 
