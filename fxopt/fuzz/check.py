@@ -41,10 +41,12 @@ thread mapping emulated (``fxopt.fuzz.geometry``), every column reduction run th
 from __future__ import annotations
 
 import contextlib
-import re
 import copy
+import re
 
 import torch
+
+from fxopt.eager_formats import same_strides
 
 from .graphs import Program
 from .references import CompiledPeer, Reference64, Samples
@@ -173,7 +175,7 @@ def compare(what: str, got, want, ref64, rtol: float, atol: float, check_strides
         name = f"{what}[{i}]"
         if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
             raise Mismatch(f"{name}: {getattr(a, 'shape', a)} {getattr(a, 'dtype', '')}, eager {b.shape} {b.dtype}")
-        if check_strides and not all(n == 1 or s == t for n, s, t in zip(b.shape, a.stride(), b.stride())):
+        if check_strides and not same_strides(b.shape, a.stride(), b.stride()):
             raise Mismatch(f"{name}: strides {a.stride()}, eager {b.stride()}")
         try:
             torch.testing.assert_close(a, b, rtol=rtol, atol=atol, equal_nan=True)
@@ -254,7 +256,7 @@ def _strides_as_traced(graphs: list, out_c, out_e) -> bool:
     (FakeTensor's ``view`` keeps one that ATen's recomputes; its elementwise ops lay out their result
     from those), and PyTorch's own memory-format guesses read them: a ``[1, 8, 1, 2]`` value that
     is channels_last by the metadata comes out NCHW from eager's convolution (GPU fuzz 92ad9b98c3,
-    50494e0a2f, eaa5b52212). fxopt keeps the traced graph's metadata, as every backend is handed
+    50494e0a2f). fxopt keeps the traced graph's metadata, as every backend is handed
     it: recorded as an upstream divergence (``outcome["upstream"]``), the values still compared."""
     if len(graphs) != 1 or graphs[0].kind != "inference":
         return False
@@ -265,16 +267,14 @@ def _strides_as_traced(graphs: list, out_c, out_e) -> bool:
     got, want = _flat(out_c), _flat(out_e)
     if len(traced) != len(got) or len(got) != len(want):
         return False
-
-    def same(shape, s, t):
-        return all(n == 1 or a == b for n, a, b in zip(shape, s, t))
     differs = False
     for v, a, b in zip(traced, got, want):
         if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
             continue
-        if same(b.shape, a.stride(), b.stride()):
+        if same_strides(b.shape, a.stride(), b.stride()):
             continue
-        if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(a.shape) or not same(a.shape, a.stride(), v.stride()):
+        if (not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(a.shape)
+                or not same_strides(a.shape, a.stride(), v.stride())):
             return False  # unlike eager's and unlike the metadata's: fxopt's own
         differs = True
     return differs
