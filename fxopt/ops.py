@@ -36,6 +36,7 @@ change what they compute. This module imports nothing from ``fxopt.backends``.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -80,7 +81,27 @@ def conv_by_algorithm(x, weight, bias, stride, padding, dilation, groups, algori
 
     algo = get_algorithm(algorithm)
     sig = conv_sig_of(x, weight, stride, padding, dilation, groups)
-    return algo.run(x, weight, prepacked, bias, sig)
+    y = algo.run(x, weight, prepacked, bias, sig)
+    # the memory format the fake implementation promises: the direct convolution's (a Winograd or
+    # FFT result comes out contiguous where PyTorch's convolution gives channels_last, e.g. for a
+    # channels_last weight; GPU fuzz eaa5b52212: an output of other strides than the graph's)
+    want = _direct_strides(tuple(x.shape), tuple(x.stride()), tuple(weight.shape), tuple(weight.stride()),
+                           x.dtype, x.device.type, tuple(stride), tuple(padding), tuple(dilation), int(groups))
+    if not all(n == 1 or a == b for n, a, b in zip(y.shape, y.stride(), want)):
+        y = torch.empty_strided(y.shape, want, dtype=y.dtype, device=y.device).copy_(y)
+    return y
+
+
+@functools.lru_cache(maxsize=4096)
+def _direct_strides(x_shape, x_strides, w_shape, w_strides, dtype, device_type, stride, padding, dilation, groups):
+    """The strides of PyTorch's convolution of such operands (its output's memory format), from a
+    run on fake tensors of the device's type; once per signature."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+    with unset_fake_temporarily(), FakeTensorMode():
+        x = torch.empty_strided(x_shape, x_strides, dtype=dtype, device=device_type)
+        w = torch.empty_strided(w_shape, w_strides, dtype=dtype, device=device_type)
+        return tuple(direct_conv(x, w, None, list(stride), list(padding), list(dilation), groups).stride())
 
 
 def conv_sig_of(x: Tensor, weight: Tensor, stride, padding, dilation, groups, batch_symbolic=False):

@@ -1,4 +1,6 @@
 """fxopt/eager_formats.py on the GPU fuzzer's failing programs (Dynamo on fake CUDA tensors)."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -216,3 +218,57 @@ def test_a_view_output_of_a_returned_value_keeps_aliasing_it():
     y, t = gm(x)
     assert t.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
     assert y.stride() == e.stride() and t.stride() == e.transpose(2, 3).stride()
+
+
+class _WinogradResidual(nn.Module):
+    """GPU fuzz eaa5b52212: a 1x1 convolution, abs, then a 3x3 convolution + BatchNorm + residual + GELU
+    on [1, 16, 1, 2] channels_last, option conv_algorithm="winograd_2x2_3x3"."""
+
+    def __init__(self):
+        super().__init__()
+        self.m0, self.m1 = nn.Conv2d(16, 16, 1, bias=False), nn.Conv2d(16, 16, 3, padding=1, bias=False)
+        self.m2 = nn.BatchNorm2d(16)
+
+    def forward(self, x):
+        x = torch.abs(torch.abs(self.m0(x)))
+        return nn.functional.gelu(self.m2(self.m1(x)) + x)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_algorithms_convolution_has_the_direct_convolutions_strides(device):
+    """The layout pass may hand a Winograd convolution a contiguous input and a channels_last weight;
+    PyTorch's convolution then gives channels_last (the format the fake implementation promises) where
+    the algorithm's result is contiguous: fused_conv's result takes the direct convolution's strides."""
+    from fxopt.ops import conv_by_algorithm, direct_conv
+
+    with FakeTensorMode(allow_non_fake_inputs=True) if device == "cuda" else contextlib.nullcontext():
+        x = torch.randn(1, 16, 1, 2, device=device)
+        w = torch.randn(16, 16, 3, 3, device=device).contiguous(memory_format=CL)
+        want = direct_conv(x, w, None, [1, 1], [1, 1], [1, 1], 1)
+        assert want.is_contiguous(memory_format=CL) and not want.is_contiguous()
+        if device == "cpu":
+            got = conv_by_algorithm(x, w, None, [1, 1], [1, 1], [1, 1], 1, "winograd_2x2_3x3", None)
+            assert got.stride() == want.stride()
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=3e-3)
+    if device == "cuda":  # the whole graph on fake CUDA tensors: what the runner replays has the graph's strides
+        seen = []
+
+        def backend(gm, ex):
+            fxopt_backend(gm, ex, options={"executor": "cuda", "autotune_cache": False,
+                                           "conv_algorithm": "winograd_2x2_3x3"}, _sink=seen)
+            runner = seen[-1].lowered.cudagraph_runner
+            with torch.no_grad(), ex[0].fake_mode:
+                seen.append([[o.stride() for o in g(*ex)] for g in (runner.fn, runner.baseline)])
+            return gm.forward
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            with torch.device("cuda"):
+                model = _WinogradResidual().eval()
+            xc = torch.empty((1, 16, 1, 2), device="cuda").contiguous(memory_format=CL)
+            torch.compiler.reset()
+            with torch.no_grad():
+                torch.compile(model, backend=backend)(xc)
+        torch.compiler.reset()
+        report, strides = seen
+        assert report.fallback is None
+        assert strides == [[(32, 1, 32, 16)]] * 2, strides  # eager's: channels_last

@@ -443,7 +443,7 @@ def test_training_reference_has_a_rounded_problem_under_16_bit_autocast():
     assert torch.equal(rr.x, x.to(torch.float16).to(x.dtype))
     loss = lambda outs, ref=False: outs.double().sum()  # noqa: E731
     g, gr = ref.grad("m0.weight", loss), spread.grad("m0.weight", loss)
-    assert isinstance(gr, fuzz_refs.Samples) and len(gr) == len(spread.refs)
+    assert isinstance(gr, fuzz_refs.Samples) and len(gr) == len(spread.refs) + 1  # and the branch-flip run
     assert all(t.dtype == torch.float64 and t.shape == g.shape for t in gr)
     f32 = _program(["x = self.m0(x)"], ["self.m0 = nn.Conv2d(2, 2, 1)"], (1, 2, 2, 2), mode="training")
     assert fuzz_refs.Reference64(model, x, f32).rounded is None  # float32 on the CPU: nothing rounds
@@ -468,6 +468,64 @@ def test_rounding_every_op_moves_a_gradient_through_abs_near_its_kink():
     with fuzz_refs.RoundEveryOp(2.0 ** -8, 0):
         w = z.add_(1.0)  # in place: untouched
     assert w is z and torch.equal(z, torch.full((3,), 2.0, dtype=torch.float64))
+
+
+def test_rounding_the_operands_of_a_sum_moves_a_cancelling_result_by_the_terms_scale():
+    """A difference of nearly equal terms rounds at the terms' scale (each operand within the unit
+    roundoff), not at its result's: the perturbed runs move it so."""
+    a = torch.full((4096,), 1.0, dtype=torch.float64)
+    b = a - 1e-6
+    with fuzz_refs.RoundEveryOp(2.0 ** -11, 0):
+        d = torch.sub(a, b)
+    moved = (d - 1e-6).abs().max().item()
+    assert 2.0 ** -13 < moved <= 2 * 2.0 ** -11 + 1e-9  # at the terms' scale: ~ u * 1, not u * 1e-6
+
+
+def test_the_branch_flip_run_flips_every_element_the_perturbed_runs_bring_near_a_kink():
+    """GPU fuzz 736f3d759a (fp16 training): one element of 504 lay within rounding of abs's kink; fxopt's
+    weight gradient took the other branch there (2.96 from float64, eager 0.054), one perturbed run in
+    12 did. The flip run finds it whatever the draws: every element within FLIP_BAND times the runs'
+    largest movement of a kink takes the other branch; the others keep theirs."""
+    prog = _program(["x = torch.abs(self.m0(x))"], ["self.m0 = nn.Conv2d(2, 2, 1, bias=False)"], (1, 2, 1, 2),
+                    mode="training", dtype="float16")
+    model, x = fuzz_check.build(prog, "cpu")
+    with torch.no_grad():  # output [0, 0, 0, 0] = 0.7 - (0.7 - 1e-5): within rounding of 0; the others far from it
+        model.m0.weight.copy_(torch.tensor([[1.0, -1.0], [1.0, 1.0]]).view(2, 2, 1, 1))
+        x.copy_(torch.tensor([[0.7, 0.5], [0.7 - 1e-5, 2.0]]).view(1, 2, 1, 2))
+    ref = fuzz_refs.Reference64(model, x, prog)
+    loss = lambda outs, ref=False: outs.double().sum()  # noqa: E731
+    exact = ref.grad("input", loss)
+    flip = ref.rounded.flipped()
+    assert flip is not None and flip.flip is not None and len(flip.flip) == len(ref.kinks) == 1
+    arg = ref.kinks[0]
+    near = arg.abs() <= flip.flip[0]
+    assert near.view(-1).tolist() == [True, False, False, False], arg  # the cancelling element only
+    g = flip.grad("input", loss)
+    torch.testing.assert_close(exact[0, :, 0, 0], torch.tensor([2.0, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(g[0, :, 0, 0], torch.tensor([0.0, 2.0], dtype=torch.float64))  # the other branch
+    torch.testing.assert_close(g[0, :, 0, 1], exact[0, :, 0, 1])  # far from the kink: unchanged
+    # a program without a piecewise op has no flip run
+    prog2 = _program(["x = torch.tanh(self.m0(x))"], ["self.m0 = nn.Conv2d(4, 4, 1)"], (1, 4, 3, 3), mode="training",
+                     dtype="float16")
+    model2, x2 = fuzz_check.build(prog2, "cpu")
+    ref2 = fuzz_refs.Reference64(model2, x2, prog2)
+    ref2.out()
+    assert ref2.rounded.flipped() is None
+
+
+def test_a_16_bit_inference_program_has_a_rounding_spread():
+    """GPU fuzz 95116b2fe4 (fp16 inference): a LayerNorm over 2 channels amplifies the rounding before it
+    (fxopt 0.035 from float64, eager 0.009); the perturbed runs show how far rounding moves it. float32 on
+    the CPU rounds nothing: no spread."""
+    prog = _program(["x = torch.abs(self.m0(x))"], ["self.m0 = nn.Conv2d(2, 2, 1)"], (1, 2, 2, 2), dtype="float16")
+    model, x = fuzz_check.build(prog, "cpu")
+    ref = fuzz_refs.Reference64(model, x, prog)
+    assert ref.rounded is not None and len(ref.rounded.refs) == fuzz_refs.PERTURBED_SAMPLES
+    assert all(r.perturb == 2.0 ** -11 for r in ref.rounded.refs)
+    outs = ref.rounded.out()
+    assert isinstance(outs, fuzz_refs.Samples) and all(o.dtype == torch.float64 for o in outs)
+    f32 = _program(["x = self.m0(x)"], ["self.m0 = nn.Conv2d(2, 2, 1)"], (1, 2, 2, 2))
+    assert fuzz_refs.Reference64(model.float(), x.float(), f32).rounded is None
 
 
 def test_compare_takes_the_largest_spread_of_the_samples():

@@ -68,6 +68,25 @@ GPU_REPRODUCERS = {  # GPU fuzz seeds 41 / 51 (2026-11-27): shape, dtype, fmt, m
         ["x = torch.abs(self.m0(x))", "y = x", "x = torch.abs(self.m1(x))",
          "x = F.pad(x, (0, 0, 0, 1), mode='constant', value=-1.5)",
          "x = self.m2(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)"], "x, y", 0, {}),
+    "eaa5b52212": ((1, 16, 1, 2), "float32", "channels_last", "inference", [  # Winograd's strides: test_eager_formats
+        "self.m0 = nn.Conv2d(16, 16, 1, stride=1, padding=0, dilation=1, groups=1, bias=False)",
+        "self.m1 = nn.Conv2d(16, 16, 3, padding=1, bias=False)", "self.m2 = nn.BatchNorm2d(16)", _BN.format(2)],
+        ["x = torch.abs(self.m0(x))", "x = torch.abs(x)", "x = F.gelu(self.m2(self.m1(x)) + x)"], "x", 0,
+        {"conv_algorithm": "winograd_2x2_3x3"}),
+    # GPU fuzz 2026-11-28 (seeds 68, 69): judged since against the perturbed runs and the branch-flip run
+    "95116b2fe4": ((2, 8, 2, 3), "float16", "contiguous", "inference", [  # LayerNorm over 2 channels
+        "self.m0 = nn.Conv2d(8, 2, 3, stride=1, padding=1, dilation=1, groups=1, bias=True)",
+        "self.m1 = nn.BatchNorm2d(2)", _BN.format(1), "self.m2 = nn.LayerNorm(2, elementwise_affine=False)",
+        "self.m3 = nn.BatchNorm2d(2)", _BN.format(3)],
+        ["x = torch.abs(self.m1(self.m0(x)))", "x = F.pad(x, (0, 0, 0, 0), mode='reflect')",
+         "x = self.m2(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)", "x = self.m3(x)"], "x", 0,
+        {"conv_algorithm": "winograd_2x2_3x3"}),
+    "736f3d759a": ((3, 12, 7, 4), "float16", "channels_last", "training", [  # a gradient through abs's kink
+        "self.m0 = nn.Conv2d(12, 6, 3, stride=1, padding=1, dilation=1, groups=6, bias=True)",
+        "self.m1 = nn.BatchNorm2d(6)", _BN.format(1), "self.m2 = nn.Conv2d(6, 6, (3, 1), 1, (1, 0), 1, 1, bias=False)",
+        "self.m3 = nn.BatchNorm2d(6)", _BN.format(3)],
+        ["x = F.gelu(self.m1(self.m0(x)))", "x = torch.abs(self.m2(x) + x)",
+         "x = F.pad(x, (0, 0, 0, 0), mode='constant', value=0.0)", "x = self.m3(x)"], "x", 9283, {}),
 }
 
 

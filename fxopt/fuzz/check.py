@@ -7,13 +7,13 @@ of every convolution algorithm the graph chose (``ConvAlgorithm.tolerance``, doc
 Where the values differ by more, they are judged against the model run in float64 (``Reference64``,
 run only then; a reference that cannot run is the fuzzer's failure, never skipped): fxopt passes
 when its error against float64 is at most twice eager's plus the absolute tolerance (eager's own
-result is rounded, in 16 bits most of all). A training step also has a rounding spread
-(``references.Spread``: under 16-bit autocast the rounded problem, parameters and input rounded to
-the autocast dtype; float64 runs with every op's result perturbed by the unit roundoff): how far
-those lie from the exact reference is how far rounding moves a value (a gradient through ``abs``
-of a value near zero flips sign with it), and fxopt passes where its error is at most twice the
-larger of eager's and that spread (the samples' largest). Last,
-PyTorch's own compiled graph of the model (``CompiledPeer``: ``backend="aot_eager"``, the graph
+result is rounded, in 16 bits most of all). A program that rounds (16 bits; float32 on CUDA) also
+has a rounding spread (``references.Spread``: under 16-bit autocast the rounded problem, parameters
+and input rounded to the autocast dtype; float64 runs with every op's operands and result perturbed
+by the unit roundoff; a run with every element near a kink of ``abs`` / ``relu`` / ... flipped to the
+other branch): how far those lie from the exact reference is how far rounding moves a value (a
+gradient through ``abs`` of a value near zero flips sign with it), and fxopt passes where its error
+is at most twice the larger of eager's and that spread (the samples' largest). Last, PyTorch's own compiled graph of the model (``CompiledPeer``: ``backend="aot_eager"``, the graph
 AOTAutograd hands every backend, on PyTorch's kernels) is a further sample of how the computation
 rounds: fxopt passes where its error is at most twice that one's. A value whose exact result is 0
 (a convolution's bias gradient before a training BatchNorm: a sum that cancels) is rounding noise
@@ -230,8 +230,9 @@ def run_program(program: Program, device: str, graphs: list | None = None, outco
                 traced = _strides_as_traced(graphs, out_c, out_e)
                 if traced and outcome is not None:
                     outcome["upstream"] = "output strides"
+                rr = ref.rounded
                 compare(f"call {k} output", out_c, out_e, ref.out, rtol, atol, peer=peer.out,
-                        check_strides=not traced)
+                        check_strides=not traced, spread64=rr and rr.out)
                 pat_c, pat_e = _alias_pattern(_flat(out_c), x), _alias_pattern(_flat(out_e), x)
                 if pat_c != pat_e:
                     raise Mismatch(f"call {k}: outputs alias {pat_c}, eager's {pat_e}")

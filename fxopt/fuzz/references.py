@@ -13,13 +13,23 @@ import torch
 from .graphs import Program
 
 
-#: runs of the float64 model with every op's result perturbed, per training program
-PERTURBED_SAMPLES = 2
+#: runs of the float64 model with every op's operands and result perturbed, per program
+PERTURBED_SAMPLES = 4
+
+#: the branch-flip run flips an element whose distance from a kink is at most this many times the
+#: largest distance any perturbed run moved it
+FLIP_BAND = 2.0
+
+#: ops whose result adds up terms (its rounding error scales with the terms, not with the result)
+_SUMMING = frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose2d", "linear", "matmul", "mm", "bmm", "addmm",
+                      "add", "sub", "__add__", "__sub__", "__radd__", "__rsub__", "batch_norm", "layer_norm", "group_norm", "instance_norm", "sum", "mean", "var", "std",
+                      "avg_pool2d", "adaptive_avg_pool2d", "interpolate", "softmax", "log_softmax"})
 
 
 def unit_roundoff(dtype: torch.dtype, device_type: str) -> float:
-    """The relative rounding of one op's result in a training step's forward: the autocast dtype's
-    unit roundoff; float32 on CUDA: TF32's (cuDNN's convolutions use it by default); else 0."""
+    """The relative rounding of one op in a program's forward: the dtype's (a 16-bit inference model,
+    or a training step's autocast dtype) unit roundoff; float32 on CUDA: TF32's (cuDNN's convolutions
+    use it by default); else 0."""
     if dtype == torch.float16:
         return 2.0 ** -11
     if dtype == torch.bfloat16:
@@ -27,28 +37,71 @@ def unit_roundoff(dtype: torch.dtype, device_type: str) -> float:
     return 2.0 ** -11 if device_type == "cuda" else 0.0
 
 
-class RoundEveryOp(torch.overrides.TorchFunctionMode):
-    """Every floating-point result of a torch function times ``1 + d``, ``d`` uniform in ``[-u, u]``
-    (seeded): the standard model of rounding each op's result, applied to the float64 forward. Its
-    gradient, against the exact one, is how far rounding anywhere in the forward moves a gradient:
-    through ``abs`` / ``relu`` / ``hardsigmoid`` of values within rounding of their kink, a gradient
-    element flips between branches in every implementation, eager's and fxopt's at other elements
-    (GPU fuzz, 16-bit training: weight gradients 2-150x eager's error away from float64, with the
-    regions' kernels within 4 ulps of their references). In-place results and the inputs
-    returned as they are stay untouched."""
+def _kinks(func, args, kwargs) -> list | None:
+    """Where ``func``'s derivative jumps (its branches meet), for the piecewise ops a CNN uses; None
+    for every other op. Ties of a max pool or an ``amax`` are branches too, not modelled here."""
+    name = getattr(func, "__name__", "")
+    if name in ("abs", "relu", "leaky_relu", "prelu"):
+        return [0.0]
+    if name == "relu6":
+        return [0.0, 6.0]
+    if name in ("hardsigmoid", "hardswish"):
+        return [-3.0, 3.0]
+    if name in ("hardtanh", "clamp", "clip"):
+        lo = args[1] if len(args) > 1 else kwargs.get("min_val", kwargs.get("min", -1.0 if name == "hardtanh" else None))
+        hi = args[2] if len(args) > 2 else kwargs.get("max_val", kwargs.get("max", 1.0 if name == "hardtanh" else None))
+        return [float(v) for v in (lo, hi) if isinstance(v, (int, float))]
+    return None
 
-    def __init__(self, u: float, seed: int):
+
+class RoundEveryOp(torch.overrides.TorchFunctionMode):
+    """The standard model of rounding, applied to a float64 run (seeded): every op computed exactly
+    on operands each within the unit roundoff ``u`` of the values it is handed (the ops that add up
+    terms: convolutions, products, sums, norms; their rounding error scales with the terms, which
+    may cancel) and its floating-point result times ``1 + d``, ``d`` uniform in ``[-u, u]``. Its
+    values and gradients, against the exact ones, are how far rounding anywhere in the forward moves
+    them: through ``abs`` / ``relu`` / ``hardsigmoid`` of values within rounding of their kink, a
+    gradient element flips between branches in every implementation, eager's and fxopt's at other
+    elements (GPU fuzz, 16-bit training: weight gradients 2-150x eager's error away from float64,
+    with the regions' kernels within 4 ulps of their references). In-place results and the inputs
+    returned as they are stay untouched.
+
+    ``kinks``: a list that gets the argument of every piecewise op (``_kinks``), in call order;
+    ``flip``: per such call, a band: every element within it of a kink takes the other branch (its
+    argument reflected across the kink, the gradient flowing as through the argument itself)."""
+
+    def __init__(self, u: float, seed: int, kinks: list | None = None, flip: list | None = None):
         super().__init__()
         self.u, self.gen = u, torch.Generator().manual_seed(seed)
+        self.kinks, self.flip, self.calls = kinks, flip, 0
+
+    def _perturbed(self, t: torch.Tensor) -> torch.Tensor:
+        d = (torch.rand(t.shape, generator=self.gen, dtype=torch.float64) * 2 - 1) * self.u
+        return t * (1 + d.to(t.device))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if (isinstance(out, torch.Tensor) and out.dtype == torch.float64 and out.numel()
+        points = _kinks(func, args, kwargs) if args and isinstance(args[0], torch.Tensor) else None
+        if points is not None and args[0].dtype == torch.float64:
+            x = args[0]
+            if self.kinks is not None:
+                self.kinks.append(x.detach().clone())
+            if self.flip is not None and self.calls < len(self.flip) and self.flip[self.calls].shape == x.shape:
+                band, shift = self.flip[self.calls], torch.zeros_like(x)
+                for k in points:
+                    near = (x.detach() - k).abs() <= band
+                    shift = torch.where(near, 2 * (k - x.detach()), shift)
+                args = (x + shift,) + tuple(args[1:])
+            self.calls += 1
+        if self.u and name in _SUMMING:
+            args = tuple(self._perturbed(a) if isinstance(a, torch.Tensor) and a.dtype == torch.float64
+                         and a.numel() else a for a in args)
+        out = func(*args, **kwargs)
+        if (self.u and isinstance(out, torch.Tensor) and out.dtype == torch.float64 and out.numel()
                 and not name.endswith("_") and not name.startswith("__")
                 and not any(out is a for a in args if isinstance(a, torch.Tensor))):
-            d = (torch.rand(out.shape, generator=self.gen, dtype=torch.float64) * 2 - 1) * self.u
-            out = out * (1 + d.to(out.device))
+            out = self._perturbed(out)
         return out
 
 
@@ -57,57 +110,82 @@ class Samples(list):
 
 
 class Spread:
-    """The rounded float64 runs of a training step, asked as one reference (each method: ``Samples``)."""
+    """The rounded float64 runs of a program, asked as one reference (each method: ``Samples``):
+    ``refs`` (the rounded problem, the perturbed runs) and, once they have run, the branch-flip run
+    (``flipped``): the exact model with every element that lies within ``FLIP_BAND`` times the
+    perturbed runs' largest movement of a kink flipped to the other branch. Random runs find a flip
+    only by chance (GPU fuzz 736f3d759a: one element of 504 within rounding of ``abs``'s kink, hit
+    by 1 of 12 runs); this run finds every one the runs show to be that close."""
 
-    def __init__(self, refs: list):
-        self.refs = refs
+    def __init__(self, refs: list, exact: "Reference64"):
+        self.refs, self.exact, self._flip = refs, exact, None
+
+    def flipped(self) -> "Reference64 | None":
+        if self._flip is None:
+            for r in self.refs:
+                r.out()
+            self.exact.out()
+            base, runs = self.exact.kinks, [r.kinks for r in self.refs]
+            if not base or any(len(k) != len(base) or any(a.shape != b.shape for a, b in zip(k, base))
+                               for k in runs):
+                self._flip = False  # no kink, or the runs took other paths: nothing to flip
+            else:
+                bands = [FLIP_BAND * torch.stack([(k[j] - b).abs() for k in runs]).amax(0)
+                         for j, b in enumerate(base)]
+                self._flip = Reference64(self.exact.source_model, self.exact.source_x, self.exact.program,
+                                         rounding=self.exact.dtype, flip=bands)
+        return self._flip or None
+
+    def _all(self) -> list:
+        flip = self.flipped()
+        return self.refs + ([flip] if flip is not None else [])
 
     def out(self):
-        return Samples(r.out() for r in self.refs)
+        return Samples(r.out() for r in self._all())
 
     def loss(self, loss_fn):
-        return Samples(r.loss(loss_fn) for r in self.refs)
+        return Samples(r.loss(loss_fn) for r in self._all())
 
     def grad(self, name: str, loss_fn):
-        return Samples(r.grad(name, loss_fn) for r in self.refs)
+        return Samples(r.grad(name, loss_fn) for r in self._all())
 
     def buffer(self, name: str):
-        return Samples(r.buffer(name) for r in self.refs)
+        return Samples(r.buffer(name) for r in self._all())
 
 
 class Reference64:
     """The model run in float64, lazily: a copy of the model and input taken now (before eager's
-    step changes them), run on the first call; for a training step the loss's backward too."""
+    step changes them), run on the first call; for a training step the loss's backward too.
+    ``kinks``: the arguments of its piecewise ops once it has run (``RoundEveryOp``)."""
 
     def __init__(self, model, x, program: Program, rounding: torch.dtype | None = None,
-                 perturb: float = 0.0, seed: int = 0):
+                 perturb: float = 0.0, seed: int = 0, flip: list | None = None):
         self.model, self.x, self.training = copy.deepcopy(model), x.detach().clone(), program.mode == "training"
+        self.program, self.dtype = program, getattr(torch, program.dtype)
         self._out = self._loss = None
-        self.perturb, self.seed = perturb, seed
-        #: how rounding moves the result (a training step only): the rounded problem (operands
-        #: rounded to the autocast dtype; 16-bit autocast) and ``PERTURBED_SAMPLES`` runs with
-        #: every op's result perturbed by up to the unit roundoff (``RoundEveryOp``), as ``Samples``
+        self.perturb, self.seed, self.flip, self.kinks = perturb, seed, flip, []
+        #: how rounding moves the result: under 16-bit autocast the rounded problem (operands
+        #: rounded to the autocast dtype), ``PERTURBED_SAMPLES`` runs with every op's operands and
+        #: result perturbed by up to the unit roundoff (``RoundEveryOp``) and the branch-flip run
         self.rounded: Spread | None = None
-        dtype = getattr(torch, program.dtype)
-        if rounding is None and self.training:
-            u = unit_roundoff(dtype, x.device.type)
-            samples = []
-            if dtype != torch.float32:
-                samples.append(Reference64(_rounded(model, dtype), x.detach().to(dtype).to(x.dtype), program,
-                                           rounding=dtype))
+        if rounding is None:
+            self.source_model, self.source_x = copy.deepcopy(model), x.detach().clone()  # the flip run's
+            u = unit_roundoff(self.dtype, x.device.type)
+            autocast = self.training and self.dtype != torch.float32
+            m, xr = ((_rounded(model, self.dtype), x.detach().to(self.dtype).to(x.dtype)) if autocast
+                     else (model, x))
+            samples = [Reference64(m, xr, program, rounding=self.dtype)] if autocast else []
             if u:
-                m, xr = ((_rounded(model, dtype), x.detach().to(dtype).to(x.dtype)) if dtype != torch.float32
-                         else (model, x))
-                samples += [Reference64(m, xr, program, rounding=dtype, perturb=u, seed=program.seed * 7 + k)
+                samples += [Reference64(m, xr, program, rounding=self.dtype, perturb=u, seed=program.seed * 7 + k)
                             for k in range(PERTURBED_SAMPLES)]
-            self.rounded = Spread(samples) if samples else None
+            self.rounded = Spread(samples, self) if samples else None
 
     def out(self):
         if self._out is None:
             self.model.double()
             self.x = self.x.double().requires_grad_(self.training)
-            perturbed = RoundEveryOp(self.perturb, self.seed) if self.perturb else contextlib.nullcontext()
-            with contextlib.nullcontext() if self.training else torch.no_grad(), perturbed:
+            mode = RoundEveryOp(self.perturb, self.seed, kinks=self.kinks, flip=self.flip)
+            with contextlib.nullcontext() if self.training else torch.no_grad(), mode:
                 self._out = self.model(self.x)
         return self._out
 
