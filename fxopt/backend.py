@@ -29,7 +29,7 @@ from functorch.compile import make_boxed_func
 
 from fxopt.config import Options
 from fxopt.autotune import cudnn_choosing
-from fxopt.eager_formats import eager_output_values, output_strides
+from fxopt.eager_formats import eager_output_values, output_strides, with_eager_strides
 from fxopt.compile_cache import CompileCache
 from fxopt.lowered import Lowered
 from fxopt.names import format_of
@@ -166,6 +166,7 @@ class FxoptCompiler:
         eager = eager_output_values(dynamo_gm)
         self.eager_formats = [format_of(v) if v is not None else None for v in eager]
         self.eager_strides = output_strides(eager)
+        self.eager_values = eager
         # Parameters Dynamo kept as graph attributes (it does so with Inductor's global freezing
         # flag set): AOTAutograd lifts them in front of the inputs, in this order
         self.lifted = list({**dict(dynamo_gm.named_parameters(remove_duplicate=False)),
@@ -243,6 +244,8 @@ class FxoptCompiler:
                                                      fallback_reason=fallback)
             cache.store(optimized, records, fallback, ctx)
         compiled = lowered.fn
+        if kind == "inference" and ctx.output_strides:  # what the kernels really give, as eager does
+            compiled = with_eager_strides(compiled, self.eager_values)
         if kind == "forward":
             self.forward_runner = lowered.cudagraph_runner
         report = GraphReport(

@@ -192,17 +192,30 @@ def restore_output_formats(gm: fx.GraphModule, formats: list, strides: list = ()
         return clones[node, fmt]
 
     name = {torch.channels_last: "channels_last", torch.contiguous_format: "NCHW"}
+    returned = list(flat)
     for i, o in enumerate(flat):
         v = o.meta.get("val") if isinstance(o, fx.Node) else None
         if not isinstance(v, torch.Tensor):
             continue
         want = formats[i] if i < len(formats) else None
-        if needs_format(v, want):  # a dense output
+        # a view of another output is not copied on its own: eager's outputs alias (GPU fuzz
+        # f1b43b3664: ``return x, x.transpose(2, 3)``, the transpose dense channels_last)
+        if needs_format(v, want) and not (_is_view(o) and _view_root(o) in returned):  # a dense output
             flat[i] = copy_of(o, want)
             notes.append(f"output {i} ({o.name}) back to {name[want]} as eager gives it")
             continue
         target = strides[i] if i < len(strides) else None
         if target is None or same_strides(v.shape, v.stride(), target):
+            continue
+        if not _is_view(o) and o.op == "call_function":
+            if any(_is_view(r) and _view_root(r) is o for r in returned):
+                continue  # viewed by another output: copied (or not) with that view, below
+            order = dense_order(tuple(v.shape), target)
+            fmt = next((f for f in (torch.channels_last, torch.contiguous_format) if v.dim() == 4 and same_strides(
+                v.shape, torch.empty(tuple(v.shape), device="meta").contiguous(memory_format=f).stride(), target)), None)
+            if fmt is not None or order is not None:  # e.g. a pointwise op over a transposed value (2e22e3cf84)
+                flat[i] = copy_of(o, fmt) if fmt is not None else _permuted_copy(g, o, order)
+                notes.append(f"output {i} ({o.name}) copied into eager's strides {tuple(target)}")
             continue
         chain, base = [], o
         while _is_view(base):
@@ -218,7 +231,7 @@ def restore_output_formats(gm: fx.GraphModule, formats: list, strides: list = ()
         # the viewed value returned too (``return x, x.transpose(2, 3)``): eager's outputs alias, so
         # both read the one copy, where that copy gives the value eager's strides too; else the view
         # keeps reading the value (aliasing before strides: GPU fuzz f1b43b3664)
-        also = [j for j, f in enumerate(flat) if f is base]
+        also = [j for j, f in enumerate(returned) if f is base]
         laid = torch.empty(tuple(b.shape), device="meta").contiguous(memory_format=fmt).stride()
         if any(j >= len(strides) or strides[j] is None or not same_strides(b.shape, laid, strides[j]) for j in also):
             continue
@@ -230,3 +243,86 @@ def restore_output_formats(gm: fx.GraphModule, formats: list, strides: list = ()
                      + (f", and output{'s' * (len(also) > 1)} {', '.join(map(str, also))} that value" if also else ""))
     out_node.args = (type(outs)(flat) if isinstance(outs, (list, tuple)) else flat[0],)
     return notes
+
+
+def _view_root(node: fx.Node) -> fx.Node:
+    while _is_view(node):
+        node = node.args[0]
+    return node
+
+
+def dense_order(shape: tuple, strides) -> list | None:
+    """The dimensions from outermost to innermost of a dense layout with ``strides`` (a permutation
+    of a contiguous one; dimensions of size 1 anywhere), or None where the strides are not such."""
+    if strides is None or len(strides) != len(shape) or not all(type(d) is int for d in (*shape, *strides)):
+        return None
+    order = sorted(range(len(shape)), key=lambda d: (-strides[d], shape[d] != 1, d))
+    step = 1
+    for d in reversed(order):
+        if shape[d] != 1 and strides[d] != step:
+            return None
+        step *= shape[d]
+    return order
+
+
+def _permuted_copy(g: fx.Graph, node: fx.Node, order: list) -> fx.Node:
+    """``node`` copied into the dense layout whose dimensions run in ``order`` (outermost first):
+    permuted so, made contiguous, permuted back (a view of the copy, with those strides)."""
+    inverse = [order.index(d) for d in range(len(order))]
+    aten = torch.ops.aten
+    with g.inserting_after(node):
+        p = g.call_function(aten.permute.default, (node, order))
+    with g.inserting_after(p):
+        c = g.call_function(aten.clone.default, (p,), {"memory_format": torch.contiguous_format})
+    with g.inserting_after(c):
+        back = g.call_function(aten.permute.default, (c, inverse))
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        mode = getattr(v, "fake_mode", None)
+        with mode if mode is not None else contextlib.nullcontext():
+            p.meta["val"] = v.permute(order)
+            c.meta["val"] = p.meta["val"].clone(memory_format=torch.contiguous_format)
+            back.meta["val"] = c.meta["val"].permute(inverse)
+    for n in (p, c, back):
+        n.meta.update({k: w for k, w in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
+    return back
+
+
+def with_eager_strides(fn, values: list):
+    """``fn`` (a compiled inference graph: its outputs one for one Dynamo's) whose outputs come out
+    with the strides eager gives them (``values``: eager's, as fake tensors; None where unknown):
+    an output whose strides differ in a dimension larger than 1 is copied into eager's. The graph's
+    metadata promises them (``restore_output_formats``), but a kernel's real result may differ where
+    its fake one does not: ATen chooses a result's format from its input's strides, size-1
+    dimensions included, and those of fxopt's fused kernels need not be the fake ones (GPU fuzz
+    be7f1a0376: an upsampling after a fused convolution of [1, 2, 1, 1] came out channels_last).
+    An output that shares memory with another or with an input keeps its strides (aliasing first).
+    Static sizes only; ``fn`` itself where nothing can be compared."""
+    want = [(tuple(v.shape), tuple(v.stride())) if isinstance(v, torch.Tensor)
+            and dense_order(tuple(v.shape), tuple(v.stride())) is not None else None for v in values]
+    if not any(w is not None for w in want):
+        return fn
+
+    def call(*args):
+        outs = fn(*args)
+        if not isinstance(outs, (list, tuple)) or len(outs) != len(want):
+            return outs
+        fixed = None
+        for i, (o, w) in enumerate(zip(outs, want)):
+            if (w is None or not isinstance(o, torch.Tensor) or tuple(o.shape) != w[0]
+                    or same_strides(w[0], o.stride(), w[1]) or _shares_memory(o, outs, args)):
+                continue
+            fixed = list(outs) if fixed is None else fixed
+            fixed[i] = torch.empty_strided(w[0], w[1], dtype=o.dtype, device=o.device).copy_(o)
+        if fixed is None:
+            return outs
+        return tuple(fixed) if isinstance(outs, tuple) else fixed
+
+    call.__wrapped__ = fn
+    return call
+
+
+def _shares_memory(t: torch.Tensor, outs, args) -> bool:
+    ptr = t.untyped_storage().data_ptr()
+    return any(isinstance(o, torch.Tensor) and o is not t and o.untyped_storage().data_ptr() == ptr
+               for o in list(outs) + list(args))

@@ -158,19 +158,28 @@ def view_problem(gm: fx.GraphModule) -> Optional[str]:
     2]`` channels_last value viewed as ``[1, 4]`` propagates and fails at run time), so a rewrite
     that propagates may still not run; the view is retried on the meta device, whose view is ATen's."""
     for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target not in _VIEWS or not isinstance(n.args[0], fx.Node):
-            continue
-        src = n.args[0].meta.get("val")
-        if not isinstance(src, torch.Tensor):
-            continue
-        try:
-            meta_key(src)
-            size = meta_key(tuple(n.args[1]))
-        except _Uncacheable:
-            continue  # symbolic: not compared (it would add guards)
-        t = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="meta")
-        try:
-            t.view(size)
-        except RuntimeError as e:
-            return f"{n.name}: {src.shape} {src.stride()} as {list(size)}: {str(e).splitlines()[0][:120]}"
+        why = view_refused(n)
+        if why is not None:
+            return f"{n.name}: {why}"
+    return None
+
+
+def view_refused(n: fx.Node) -> Optional[str]:
+    """Why ATen's kernel refuses ``view`` node ``n`` on its input as last propagated (None: it takes
+    it, or ``n`` is no view, or its sizes are symbolic)."""
+    if n.op != "call_function" or n.target not in _VIEWS or not isinstance(n.args[0], fx.Node):
+        return None
+    src = n.args[0].meta.get("val")
+    if not isinstance(src, torch.Tensor):
+        return None
+    try:
+        meta_key(src)
+        size = meta_key(tuple(n.args[1]))
+    except _Uncacheable:
+        return None  # symbolic: not compared (it would add guards)
+    t = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="meta")
+    try:
+        t.view(size)
+    except (RuntimeError, ValueError) as e:  # (ValueError: the meta view of newer torch versions)
+        return f"{src.shape} {src.stride()} as {list(size)}: {str(e).splitlines()[0][:120]}"
     return None

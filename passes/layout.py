@@ -238,5 +238,39 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     dropped = drop_redundant(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    ctx.note(f"{n_conv} convolutions in channels_last; {restored} conversions back to NCHW; {dropped} redundant dropped")
+    kept = views_in_eagers_format(gm, ctx)
+    ctx.note(f"{n_conv} convolutions in channels_last; {restored} conversions back to NCHW; {dropped} redundant dropped"
+             + (f"; {kept} kept before views" if kept else ""))
     return PassResult(gm, n_conv > 0)
+
+
+def views_in_eagers_format(gm: fx.GraphModule, ctx: PassContext) -> int:
+    """A ``view`` reads its input contiguous where the propagated graph gives it strides ATen's view
+    refuses. ``drop_redundant`` judges each conversion on the strides propagated before any was
+    dropped; a dropped one changes the strides of a dimension of size 1 (a one-channel value is
+    both formats), and PyTorch's convolution after it may then choose channels_last, whose result a
+    ``flatten`` cannot view (GPU fuzz e489bb7fe8: [1, 2, 2, 1] as [1, 4]). Re-propagates until every
+    view is taken; returns the conversions inserted."""
+    from fxopt.fakeprop import view_refused
+
+    inserted = 0
+    for _ in range(8):
+        try:
+            ctx.refresh_meta(gm)
+            error = None
+        except Exception as e:  # noqa: BLE001 - a refused view stops propagation at that node
+            error = e
+        refused = [n for n in gm.graph.nodes if view_refused(n) is not None]
+        if not refused:
+            if error is not None:
+                raise error
+            return inserted
+        for n in refused:
+            src = n.args[0]
+            with gm.graph.inserting_before(n):
+                c = gm.graph.call_function(aten.clone.default, (src,), {"memory_format": NCHW})
+            c.meta.update({k: v for k, v in src.meta.items() if k in ("stack_trace", "nn_module_stack")})
+            n.replace_input_with(src, c)
+            inserted += 1
+        gm.recompile()
+    raise RuntimeError("layout: views still refused after 8 re-propagations")

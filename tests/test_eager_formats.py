@@ -7,7 +7,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxopt.backend import _graph_output_formats, fxopt_backend
-from fxopt.eager_formats import eager_output_formats
+from fxopt.eager_formats import eager_output_formats, eager_output_values, same_strides
 from fxopt.testing import compile_with_fxopt
 
 CL, NCHW = torch.channels_last, torch.contiguous_format
@@ -272,3 +272,102 @@ def test_an_algorithms_convolution_has_the_direct_convolutions_strides(device):
         report, strides = seen
         assert report.fallback is None
         assert strides == [[(32, 1, 32, 16)]] * 2, strides  # eager's: channels_last
+
+
+def _replayed_on_fake_cuda(make, shape, options, fmt=CL):
+    """(report, per graph the runner may replay: (output strides, aliased output pairs)) of ``make()`` compiled
+    by the cuda executor on a fake CUDA input, and eager's output strides (Dynamo's, as eager_formats corrects)."""
+    seen = []
+
+    def backend(gm, ex):
+        fxopt_backend(gm, ex, options={"executor": "cuda", "autotune_cache": False, **options}, _sink=seen)
+        runner = seen[-1].lowered.cudagraph_runner
+        got = []
+        with torch.no_grad(), ex[0].fake_mode:
+            for g in (runner.fn, runner.baseline):
+                outs = g(*ex)
+                keys = [o.untyped_storage()._cdata for o in outs]
+                got.append(([o.stride() for o in outs],
+                            [(i, j) for i in range(len(outs)) for j in range(i + 1, len(outs)) if keys[i] == keys[j]]))
+        seen.append((got, [v.stride() for v in eager_output_values(gm)]))
+        return gm.forward
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = make().eval()
+        x = torch.empty(shape, device="cuda").contiguous(memory_format=fmt)
+        torch.compiler.reset()
+        with torch.no_grad():
+            torch.compile(model, backend=backend)(x)
+    torch.compiler.reset()
+    report, (got, want) = seen
+    return report, got, want
+
+
+class _Returned(nn.Module):
+    def __init__(self, body, ret):
+        super().__init__()
+        self.body, self.ret = body, ret
+
+    def forward(self, x):
+        return self.ret(self.body(x))
+
+
+GPU_FUZZ_FORMATS = {  # the GPU fuzzer's programs (seed 72, 2026-11-28): model, input shape, options, aliased outputs
+    # a pointwise op over a transposed output: the copy into eager's (permuted) strides
+    "2e22e3cf84": (lambda: _Returned(S(nn.Conv2d(16, 16, 3, padding=1, groups=2, bias=False), Abs(), Abs(),
+                                       nn.Conv2d(16, 16, 1, bias=False), Abs()), lambda x: x.transpose(2, 3) * 1.5),
+                   (1, 16, 2, 2), {"conv_algorithm": "direct"}, []),
+    # return x, x.transpose(2, 3) where the transpose is dense channels_last: both read one copy
+    "f1b43b3664": (lambda: _Returned(S(nn.Conv2d(12, 16, 3, padding=1, groups=4, bias=False), Abs(),
+                                       nn.Conv2d(16, 16, 1, bias=False), Abs()), lambda x: (x, x.transpose(2, 3))),
+                   (1, 12, 1, 2), {"conv_algorithm": "winograd_2x2_3x3"}, [(0, 1)]),
+    # one-channel convolutions before a flatten: the view reads a contiguous copy (the layout pass failed)
+    "e489bb7fe8": (lambda: S(nn.Conv2d(16, 16, 3, padding=1, bias=False), Abs(), nn.BatchNorm2d(16), nn.BatchNorm2d(16),
+                             nn.Conv2d(16, 1, 3, padding=1, bias=False), Abs(), nn.Conv2d(1, 2, 3, padding=1, bias=False),
+                             Abs(), nn.Flatten(), nn.Linear(4, 1)), (1, 16, 2, 1), {"conv_algorithm": "winograd_2x2_3x3"},
+                   []),
+}
+
+
+@pytest.mark.parametrize("tag", sorted(GPU_FUZZ_FORMATS))
+def test_what_the_runner_replays_has_eagers_strides_and_aliasing(tag):
+    make, shape, options, aliased = GPU_FUZZ_FORMATS[tag]
+    report, got, want = _replayed_on_fake_cuda(make, shape, {**options, "strict": True},
+                                               fmt=NCHW if tag == "e489bb7fe8" else CL)
+    assert report.fallback is None
+    for strides, pairs in got:  # the optimized graph, and the unoptimized one the runner may replay
+        assert len(strides) == len(want) and all(same_strides(torch.Size(s), s, w) or s == w
+                                                 for s, w in zip(strides, want)), (strides, want)
+        assert pairs == aliased, pairs
+
+
+def test_layout_keeps_a_conversion_before_a_view_its_input_would_refuse():
+    """e489bb7fe8: a dropped conversion of a one-channel value changed its size-1 strides; the next
+    convolution then chose channels_last, and the flatten's view of [1, 2, 2, 1] failed."""
+    report, _, _ = _replayed_on_fake_cuda(GPU_FUZZ_FORMATS["e489bb7fe8"][0], (1, 16, 2, 1),
+                                          {"conv_algorithm": "winograd_2x2_3x3", "strict": True}, fmt=NCHW)
+    notes = next(p for p in report.passes if p.name == "layout").notes
+    assert any("kept before views" in n for n in notes), notes
+    from fxopt.fakeprop import view_problem
+    assert view_problem(report.after) is None
+
+
+def test_dense_order_and_the_run_time_copy_into_eagers_strides():
+    from fxopt.eager_formats import dense_order, with_eager_strides
+
+    assert dense_order((1, 16, 2, 2), (64, 1, 16, 32)) == [0, 3, 2, 1]
+    assert dense_order((2, 3), (3, 1)) == [0, 1] and dense_order((2, 3), (1, 2)) == [1, 0]
+    assert dense_order((2, 3), (0, 1)) is None and dense_order((2, 3), (4, 1)) is None  # expanded; gaps
+    want = torch.empty(1, 2, 4, 4)  # eager's: contiguous
+    cl = torch.randn(1, 2, 4, 4).contiguous(memory_format=CL)  # what a kernel gave instead
+    fn = with_eager_strides(lambda x: (cl, x, cl[:, :1]), [want, want, None])
+    a, b, c = fn(x := torch.randn(1, 2, 4, 4))
+    assert b is x and c.stride() == cl[:, :1].stride()  # an input handed back, an unknown: untouched
+    # the first output shares memory with the third: aliasing before strides
+    assert a is cl
+    fn = with_eager_strides(lambda: (cl,), [want])
+    (a,) = fn()
+    assert a.stride() == want.stride() and torch.equal(a, cl)
+    assert with_eager_strides(len, [None]) is len  # nothing to compare: the function itself

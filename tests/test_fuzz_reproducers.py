@@ -87,6 +87,26 @@ GPU_REPRODUCERS = {  # GPU fuzz seeds 41 / 51 (2026-11-27): shape, dtype, fmt, m
         "self.m3 = nn.BatchNorm2d(6)", _BN.format(3)],
         ["x = F.gelu(self.m1(self.m0(x)))", "x = torch.abs(self.m2(x) + x)",
          "x = F.pad(x, (0, 0, 0, 0), mode='constant', value=0.0)", "x = self.m3(x)"], "x", 9283, {}),
+    # GPU fuzz 2026-11-28 (seed 72): strides and views (test_eager_formats)
+    "be7f1a0376": ((1, 2, 5, 5), "float32", "channels_last", "inference", [  # ATen's format from a fused kernel's
+        "self.m0 = nn.Conv2d(2, 2, 3, stride=2, padding=0, dilation=2, groups=1, bias=False)"],  # size-1 strides
+        ["x = F.leaky_relu(self.m0(x), 0.1)", "y = x", "x = F.interpolate(x, scale_factor=2, mode='nearest')",
+         "x = F.interpolate(x, scale_factor=2, mode='nearest')"], "x, y", 0, {}),
+    "2e22e3cf84": ((1, 16, 2, 2), "float32", "channels_last", "inference", [  # a pointwise op over a transpose
+        "self.m0 = nn.Conv2d(16, 16, 3, stride=1, padding=1, dilation=1, groups=2, bias=False)",
+        "self.m1 = nn.Conv2d(16, 16, 1, stride=1, padding=0, dilation=1, groups=1, bias=False)"],
+        ["x = torch.abs(self.m0(x))", "x = torch.abs(x)", "x = torch.abs(self.m1(x))", "x = x.transpose(2, 3) * 1.5"],
+        "x", 0, {}),
+    "e489bb7fe8": ((1, 16, 2, 1), "float32", "contiguous", "inference", [  # a one-channel value, then a flatten
+        "self.m0 = nn.Conv2d(16, 16, 3, stride=1, padding=1, dilation=1, groups=1, bias=False)",
+        "self.m1 = nn.BatchNorm2d(16)", _BN.format(1), "self.m2 = nn.BatchNorm2d(16)", _BN.format(2),
+        "self.m3 = nn.BatchNorm2d(16)", _BN.format(3),
+        "self.m4 = nn.Conv2d(16, 1, 3, stride=1, padding=1, dilation=1, groups=1, bias=False)",
+        "self.m5 = nn.Conv2d(1, 2, 3, stride=1, padding=1, dilation=1, groups=1, bias=False)",
+        "self.m6 = nn.Linear(4, 1)", "self.m7 = nn.Linear(1, 1)"],
+        ["x = torch.abs(self.m0(x))", "x = self.m1(x)", "x = self.m2(x)", "x = self.m3(x)", "x = torch.abs(self.m4(x))",
+         "x = torch.abs(self.m5(x))", "x = self.m7(F.gelu(self.m6(torch.flatten(x, 1))))"], "x", 0,
+        {"conv_algorithm": "winograd_2x2_3x3"}),
 }
 
 
