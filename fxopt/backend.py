@@ -29,7 +29,7 @@ from functorch.compile import make_boxed_func
 
 from fxopt.config import Options
 from fxopt.autotune import cudnn_choosing
-from fxopt.eager_formats import eager_output_values, output_strides, with_eager_strides
+from fxopt.eager_formats import eager_output_values, measured_output_values, output_strides, with_eager_strides
 from fxopt.compile_cache import CompileCache
 from fxopt.lowered import Lowered
 from fxopt.names import format_of
@@ -163,7 +163,7 @@ class FxoptCompiler:
         self.example_inputs = example_inputs
         self.eager = dynamo_gm  # what a compiled inference graph that fails at run time falls back to
         # Dynamo's example_value with eager's strides where its meta functions give others
-        eager = eager_output_values(dynamo_gm)
+        eager = measured_output_values(dynamo_gm, example_inputs) or eager_output_values(dynamo_gm)
         self.eager_formats = [format_of(v) if v is not None else None for v in eager]
         self.eager_strides = output_strides(eager)
         self.eager_values = eager

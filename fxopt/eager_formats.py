@@ -114,6 +114,42 @@ def eager_output_values(gm: fx.GraphModule) -> list:
     return [v if isinstance(v, torch.Tensor) else None for v in values]
 
 
+_RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "poisson", "uniform", "exponential")
+
+
+def measured_output_values(gm: fx.GraphModule, example_inputs: list) -> list | None:
+    """Each output's layout as eager's kernels really give it (meta tensors of its shape, strides and
+    dtype): Dynamo's graph run once on its real example inputs, with grad disabled. The prediction
+    from fake values (``eager_output_values``) misses where a kernel's format follows the strides of
+    a dimension of size 1 that the fake and the real results disagree on (GPU fuzz be7f1a0376: a
+    [1, 2, 1, 1] value, then nearest upsampling: contiguous in eager, channels_last by the
+    prediction on the GPU). None where that run is not harmless or not possible: a graph that
+    autograd records (training), that writes a value in place or draws random numbers, a module
+    call, inputs that are not real tensors, or a run that raises."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs):
+        return None
+    if any(isinstance(t, torch.Tensor) and is_fake(t) for t in example_inputs):
+        return None
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            return None
+        if n.op in ("call_function", "call_method"):
+            name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+            if (name.endswith("_") and not name.startswith("__")) or name == "setitem" or any(r in name for r in _RANDOM) \
+                    or n.kwargs.get("inplace") or "out" in n.kwargs:
+                return None
+    try:
+        with torch.no_grad():
+            out = gm(*example_inputs)
+    except Exception:  # noqa: BLE001 - the prediction stands
+        return None
+    flat = list(out) if isinstance(out, (list, tuple)) else [out]
+    return [torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device="meta")
+            if isinstance(t, torch.Tensor) else None for t in flat]
+
+
 def eager_output_formats(gm: fx.GraphModule) -> list:
     """``format_of`` each output's value as eager gives it (None: no tensor, a view)."""
     return [format_of(v) if v is not None else None for v in eager_output_values(gm)]

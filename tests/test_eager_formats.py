@@ -371,3 +371,36 @@ def test_dense_order_and_the_run_time_copy_into_eagers_strides():
     (a,) = fn()
     assert a.stride() == want.stride() and torch.equal(a, cl)
     assert with_eager_strides(len, [None]) is len  # nothing to compare: the function itself
+
+
+def test_eagers_output_layouts_are_measured_where_running_the_graph_is_harmless():
+    """be7f1a0376 on the GPU: the prediction from fake values said channels_last where eager's kernels
+    gave contiguous; Dynamo's graph run once on the real example inputs says what eager gives."""
+    from fxopt.eager_formats import measured_output_values
+
+    graphs = []
+
+    def backend(gm, ex):
+        graphs.append((gm, ex))
+        return gm.forward
+
+    def record(fn, *args):
+        graphs.clear()
+        torch.compiler.reset()
+        with torch.no_grad():
+            torch.compile(fn, backend=backend)(*args)
+        torch.compiler.reset()
+        return graphs[0]
+
+    x = torch.randn(1, 2, 4, 4).contiguous(memory_format=CL)
+    gm, ex = record(lambda t: (torch.abs(t), t.transpose(2, 3) * 2), x)
+    got = measured_output_values(gm, ex)
+    assert [v.device.type for v in got] == ["meta", "meta"]
+    assert [v.stride() for v in got] == [torch.abs(x).stride(), (x.transpose(2, 3) * 2).stride()]
+    gm, ex = record(lambda t: torch.nn.functional.dropout(t, 0.5, True), x)  # draws random numbers: not run
+    assert measured_output_values(gm, ex) is None
+    gm, ex = record(lambda t: t.clone().add_(1), x)  # in place: not run
+    assert measured_output_values(gm, ex) is None
+    with FakeTensorMode() as mode:  # fake inputs: nothing to run
+        fake = mode.from_tensor(x)
+    assert measured_output_values(gm, [fake]) is None
