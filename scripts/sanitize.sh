@@ -18,8 +18,7 @@
 # Each tool's log is OUTDIR/<tool>.log; exits non-zero if a step failed or a tool reported errors.
 # Env: PYTHON (default python3), SANITIZE_PER_FAMILY (1), SANITIZE_MAX_DRAWS (300), SANITIZE_SEED (0),
 #      SANITIZE_MEMCHECK_TIMEOUT (250), SANITIZE_RACECHECK_TIMEOUT (140), SANITIZE_SYNCCHECK_TIMEOUT (110),
-#      SANITIZE_MARGIN (60), SANITIZE_ALL_KERNELS=1, SANITIZE_SELECT_ONLY=1 (stop after step 1),
-#      SANITIZE_RACECHECK_PDL (0: racecheck without programmatic dependent launch, see below).
+#      SANITIZE_MARGIN (60), SANITIZE_ALL_KERNELS=1, SANITIZE_SELECT_ONLY=1 (stop after step 1).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -68,13 +67,7 @@ run_tool() {  # tool, time limit (s), "sample run" args (quoted as one word), sa
 FX=(--kernel-name kns=fx_)
 if [ "${SANITIZE_ALL_KERNELS:-0}" = "1" ]; then MEM=(); else MEM=("${FX[@]}"); fi
 run_tool memcheck "${SANITIZE_MEMCHECK_TIMEOUT:-250}" "" --report-api-errors no "${MEM[@]}"
-# racecheck stops at the first kernel launched with programmatic dependent launch ("Internal Sanitizer
-# Error: The Sanitizer failed to handle a hardware exception", H100 and H200, compute-sanitizer of
-# CUDA 13.0; the programs' eager runs are clean under it): it runs with FXOPT_PDL=0. The launch
-# attribute only lets a kernel start before the previous one ends (it then waits for it); racecheck
-# checks the shared memory of each block, which it does not change.
-FXOPT_PDL="${SANITIZE_RACECHECK_PDL:-0}" run_tool racecheck "${SANITIZE_RACECHECK_TIMEOUT:-140}" --shared-only \
-    "${FX[@]}" --racecheck-report all
+run_tool racecheck "${SANITIZE_RACECHECK_TIMEOUT:-140}" --shared-only "${FX[@]}" --racecheck-report all
 run_tool synccheck "${SANITIZE_SYNCCHECK_TIMEOUT:-110}" --shared-only "${FX[@]}"
 
 echo "total $((SECONDS - START)) s" >&2

@@ -107,6 +107,45 @@ GPU_REPRODUCERS = {  # GPU fuzz seeds 41 / 51 (2026-11-27): shape, dtype, fmt, m
         ["x = torch.abs(self.m0(x))", "x = self.m1(x)", "x = self.m2(x)", "x = self.m3(x)", "x = torch.abs(self.m4(x))",
          "x = torch.abs(self.m5(x))", "x = self.m7(F.gelu(self.m6(torch.flatten(x, 1))))"], "x", 0,
         {"conv_algorithm": "winograd_2x2_3x3"}),
+    # GPU fuzz 2026-11-28 (seeds 73-75): open, each in OPEN with what is known
+    "60928602b9": ((1, 8, 1, 5), "float16", "contiguous", "training", [
+        "self.m0 = nn.Conv2d(8, 8, 2, stride=1, padding='same', dilation=2, groups=8, bias=False)",
+        "self.m1 = nn.BatchNorm2d(8)", _BN.format(1), "self.m2 = nn.Conv2d(8, 8, 1, padding=0, bias=False)",
+        "self.m3 = nn.BatchNorm2d(8)", _BN.format(3)],
+        ["x = torch.abs(self.m1(self.m0(x)))", "y = x", "x = torch.abs(self.m3(self.m2(x)) + x)"], "x, y", 0, {}),
+    "7c5eb76ce1": ((1, 1, 6, 1), "float16", "contiguous", "training", [
+        "self.m0 = nn.Conv2d(1, 1, 1, padding=0, bias=False)", "self.m1 = nn.BatchNorm2d(1)",
+        _BN.format(1), "self.m2 = nn.BatchNorm2d(1)",
+        _BN.format(2), "self.m3 = nn.Conv2d(1, 1, 3, stride=1, padding=1, dilation=1, groups=1, bias=False)"],
+        ["x = x.to(torch.bfloat16).to(x.dtype) * 2.0", "x = torch.abs(self.m1(self.m0(x)) + x)",
+        "x = F.avg_pool2d(x, 2, 1, 1, ceil_mode=False, count_include_pad=False)", "x = self.m2(x)",
+        "x = torch.abs(self.m3(x))"], "x", 0, {}),
+    "2ea87f01e0": ((64, 12, 8, 8), "bfloat16", "contiguous", "training", [
+        "self.m0 = nn.Conv2d(12, 12, (1, 1), 1, (0, 0), 2, 3, bias=True)",
+        "self.m1 = nn.Conv2d(12, 12, (3, 3), 1, (2, 2), 2, 3, bias=False)",
+        "self.m2 = nn.Conv2d(12, 12, (1, 1), 1, (0, 0), 2, 3, bias=False)", "self.m3 = nn.Linear(12, 3)",
+        "self.m4 = nn.Linear(3, 2)"],
+        ["x = F.adaptive_avg_pool2d(x, 1)", "y = x", "x = torch.softmax(x, dim=1)",
+        "x = torch.abs(self.m0(x) + self.m1(x) + self.m2(x) + x)", "x = x.to(torch.float16).to(x.dtype) * 2.0",
+        "x = self.m4(self.m3(torch.flatten(x, 1)))"], "x, y[:, :1]",
+        23119, {'cudagraphs': False, 'fast_math': False}),
+    "1b24f0e72f": ((1, 1, 1, 1), "float16", "contiguous", "training", [
+        "self.m0 = nn.Conv2d(1, 1, 1)", "self.m1 = nn.Conv2d(1, 1, 1)",
+        "self.m2 = nn.Conv2d(1, 1, (3, 3), 1, (1, 1), 1, 1, bias=True)", "self.m3 = nn.Linear(9, 1)",
+        "self.m4 = nn.Linear(1, 1)"],
+        ["x = x * torch.sigmoid(self.m1(F.hardswish(self.m0(x.mean((2, 3), keepdim=True)))))",
+        "x = F.interpolate(x, scale_factor=2, mode='nearest')", "x = x - x.mean((1,), keepdim=True)",
+        "x = torch.abs(self.m2(x))", "x = F.avg_pool2d(x, 2, 1, 1, ceil_mode=False, count_include_pad=False)",
+        "x = self.m4(F.gelu(self.m3(torch.flatten(x, 1))))"], "x", 78, {'cudagraphs': True}),
+}
+
+
+#: reproducers still failing on the GPU, with what is known (the GPU test expects them to fail)
+OPEN = {
+    "60928602b9": "NaN weight gradient of the dilated depthwise conv; every run; gone with the joint-graph passes off",
+    "7c5eb76ce1": "a weight gradient 267 from float64 (eager 0.18) in some runs only: a measured kernel choice",
+    "2ea87f01e0": "a linear's bias gradient 5.96 from float64 (eager 0.027) in some runs only: a measured choice",
+    "1b24f0e72f": "a bias gradient 0.356 from float64 (eager 2e-5) once in the fuzzer, in none of 8 reruns",
 }
 
 
@@ -136,7 +175,8 @@ def test_gpu_reproducers_checkable_part_passes_on_the_cpu(tag):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-@pytest.mark.parametrize("tag", sorted(GPU_REPRODUCERS))
+@pytest.mark.parametrize("tag", [pytest.param(t, marks=pytest.mark.xfail(reason=OPEN[t], strict=False)) if t in OPEN
+                                 else t for t in sorted(GPU_REPRODUCERS)])
 def test_gpu_reproducers_pass(tag):
     """The GPU fuzzer's failures, judged as the fuzzer judges them (two calls: a capture, a replay)."""
     assert fuzz_check.run_program(gpu_reproducer(tag), "cuda")

@@ -462,6 +462,26 @@ def test_a_failed_capture_leaves_random_numbers_and_later_captures_working():
     assert set(y.unique().tolist()) <= {0.0, 2.0}
 
 
+def test_a_candidate_that_fails_its_timed_capture_leaves_random_numbers_working():
+    """Measuring a candidate captures it in a CUDA graph; one that fails inside the capture must not
+    leave the generator counting inside a graph (GPU fuzz 5699300038: "Offset increment outside graph
+    capture encountered unexpectedly" in every later program of the process)."""
+    from fxopt.backends.cuda.runtime.measure import time_graphed_ms
+
+    def not_capturable(x):
+        torch.cuda.synchronize()  # not permitted while the stream captures
+        return x + 1
+
+    x = torch.ones(4, device="cuda")
+    torch.cuda.manual_seed(7)
+    expected = torch.rand(8, device="cuda")
+    torch.cuda.manual_seed(7)
+    with pytest.raises(Exception):
+        time_graphed_ms(not_capturable, [x])
+    assert torch.equal(torch.rand(8, device="cuda"), expected)
+    assert time_graphed_ms(lambda t: t * 2, [x]) > 0
+
+
 @pytest.mark.parametrize("mode", ["nearest", "bilinear"])
 def test_upsampling_a_channels_last_input_gives_eagers_strides(mode):
     """On CUDA AOTAutograd's decomposition of upsampling is contiguous where eager's kernel keeps
