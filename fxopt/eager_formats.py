@@ -345,8 +345,11 @@ def with_eager_strides(fn, values: list):
             return outs
         fixed = None
         for i, (o, w) in enumerate(zip(outs, want)):
-            if (w is None or not isinstance(o, torch.Tensor) or tuple(o.shape) != w[0]
-                    or same_strides(w[0], o.stride(), w[1]) or _shares_memory(o, outs, args)):
+            if w is None or not isinstance(o, torch.Tensor):
+                continue
+            strides = o.stride()
+            if (strides == w[1] or o.shape != w[0] or same_strides(w[0], strides, w[1])
+                    or _shares_memory(o, outs, args)):
                 continue
             fixed = list(outs) if fixed is None else fixed
             fixed[i] = torch.empty_strided(w[0], w[1], dtype=o.dtype, device=o.device).copy_(o)

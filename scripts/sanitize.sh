@@ -8,7 +8,9 @@
 #    needed); a family without a program fails the run (the others still go on);
 # 2. memcheck: all selected programs, run on the GPU (CUDA graphs off, every candidate measured
 #    afresh with one warm-up and two timed runs, so every candidate kernel launches under the tool);
-# 3. racecheck and synccheck: the programs whose kernels use shared memory or warp shuffles.
+# 3. racecheck and synccheck: the programs whose kernels use shared memory or warp shuffles. A program
+#    that leaves its process unable to run CUDA work does not take the later ones with it: they run
+#    in a new process, which the tool follows (fxopt.fuzz.sample run --start).
 # The tools instrument fxopt's kernels (named fx_...); SANITIZE_ALL_KERNELS=1 has memcheck instrument
 # every kernel (cuDNN's and cuBLAS's too: several times slower).
 # Each tool gets a time limit; its programs start only while its budget (the limit less
@@ -18,7 +20,8 @@
 # Each tool's log is OUTDIR/<tool>.log; exits non-zero if a step failed or a tool reported errors.
 # Env: PYTHON (default python3), SANITIZE_PER_FAMILY (1), SANITIZE_MAX_DRAWS (300), SANITIZE_SEED (0),
 #      SANITIZE_MEMCHECK_TIMEOUT (250), SANITIZE_RACECHECK_TIMEOUT (140), SANITIZE_SYNCCHECK_TIMEOUT (110),
-#      SANITIZE_MARGIN (60), SANITIZE_ALL_KERNELS=1, SANITIZE_SELECT_ONLY=1 (stop after step 1).
+#      SANITIZE_MARGIN (60), SANITIZE_ALL_KERNELS=1, SANITIZE_SELECT_ONLY=1 (stop after step 1),
+#      SANITIZE_INITCHECK=1 (a 4th tool, initcheck over every kernel; SANITIZE_INITCHECK_TIMEOUT, 200).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -69,6 +72,12 @@ if [ "${SANITIZE_ALL_KERNELS:-0}" = "1" ]; then MEM=(); else MEM=("${FX[@]}"); f
 run_tool memcheck "${SANITIZE_MEMCHECK_TIMEOUT:-250}" "" --report-api-errors no "${MEM[@]}"
 run_tool racecheck "${SANITIZE_RACECHECK_TIMEOUT:-140}" --shared-only "${FX[@]}" --racecheck-report all
 run_tool synccheck "${SANITIZE_SYNCCHECK_TIMEOUT:-110}" --shared-only "${FX[@]}"
+if [ "${SANITIZE_INITCHECK:-0}" = "1" ]; then
+    # reads of device memory nothing wrote (a kernel leaving part of its output unwritten, read by the
+    # next one, fxopt's or a library's): every allocation its own cudaMalloc, so that memory the
+    # caching allocator recycles does not count as written
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 run_tool initcheck "${SANITIZE_INITCHECK_TIMEOUT:-200}" ""
+fi
 
 echo "total $((SECONDS - START)) s" >&2
 if [ "${#FAILED[@]}" -ne 0 ]; then

@@ -284,6 +284,40 @@ def test_jobs_fail_where_a_shard_writes_no_summary(tmp_path):
     assert "invalid choice" in (tmp_path / "shard-0-of-2" / "log.txt").read_text()
 
 
+def test_sanitizer_sample_runs_the_programs_after_one_that_ends_cuda_in_a_new_process(tmp_path, monkeypatch):
+    """Under racecheck one program's failure left the process unable to run CUDA work and every later
+    program of the sample failed with it; those now run in a fresh process (which the sanitizer
+    follows), from the next program on, with the same flags and what is left of the time budget."""
+    import json
+    import subprocess
+
+    import fxopt.fuzz.check as check
+    import fxopt.fuzz.sample as sample
+
+    prog = _program(["x = torch.abs(x)"], [], (1, 1, 1, 2)).to_json()
+    path = tmp_path / "sample.json"
+    path.write_text(json.dumps([{"program": prog, "families": ["pointwise:region"], "shared": True}] * 3))
+    ran, spawned = [], []
+
+    def fails(program, device):
+        ran.append(device)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(check, "run_program", fails)
+    monkeypatch.setattr(sample, "_quick_timing", lambda: None)
+    monkeypatch.setattr(sample, "_cuda_usable", lambda: False)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, check=False: spawned.append(cmd))
+    lines = []
+    assert sample.run(str(path), shared_only=True, device="cuda", log=lines.append, time_budget=100.0) == 1
+    assert len(ran) == 1 and len(spawned) == 1  # the first program here, the rest in the new process
+    cmd = spawned[0]
+    assert cmd[1:5] == ["-m", "fxopt.fuzz.sample", "run", str(path)] and cmd[cmd.index("--start") + 1] == "1"
+    assert "--shared-only" in cmd and 0 < float(cmd[cmd.index("--time-budget") + 1]) <= 100.0
+    assert any("in a new process" in ln for ln in lines)
+    ran.clear()
+    monkeypatch.setattr(sample, "_cuda_usable", lambda: True)  # usable still: every program here
+    assert sample.run(str(path), device="cuda", log=lines.append, start_at=1) == 1 and len(ran) == 2
+
+
 def test_sanitizer_sample_selects_every_family():
     """The cuda executor's planning on CPU tensors reaches every kernel family the coverage lists
     (but those no executor launches), grouped convs and the generated Winograd pipeline included."""

@@ -102,8 +102,23 @@ def _quick_timing() -> None:
     autotune.time_ms = time_ms
 
 
+def _cuda_usable() -> bool:
+    """Whether this process can still run CUDA work (a sticky error, such as an illegal address or a
+    sanitizer's failure, ends it for the process)."""
+    import torch
+
+    try:
+        return torch.zeros(1, device="cuda").add_(1).item() == 1.0
+    except Exception:  # noqa: BLE001 - any error: unusable
+        return False
+
+
 def run(path: str, shared_only: bool = False, device: str = "cuda", log=print, time_budget: float | None = None,
-        full_timing: bool = False) -> int:
+        full_timing: bool = False, start_at: int = 0) -> int:
+    """Run the sample's programs from ``start_at`` on; where one leaves the process unable to run
+    CUDA work, the programs after it run in a fresh process (``--start``; a sanitizer follows it),
+    so that one program's failure does not count as every later one's."""
+    import subprocess
     import time
 
     from .check import run_program
@@ -114,6 +129,8 @@ def run(path: str, shared_only: bool = False, device: str = "cuda", log=print, t
     start, failed, ran, left = time.monotonic(), 0, 0, []
     entries = [e for e in json.loads(open(path).read()) if e["shared"] or not shared_only]
     for i, entry in enumerate(entries):
+        if i < start_at:
+            continue
         if time_budget is not None and time.monotonic() - start > time_budget:
             left.append(entry)
             continue
@@ -127,6 +144,14 @@ def run(path: str, shared_only: bool = False, device: str = "cuda", log=print, t
         except Exception as e:  # noqa: BLE001 - every program runs; the failures are counted
             failed += 1
             log(f"[{i}] FAIL {type(e).__name__}: {str(e)[:300]}\n{program.source}")
+            if device == "cuda" and i + 1 < len(entries) and not _cuda_usable():
+                log(f"[{i}] left the process unable to run CUDA work: programs {i + 1}.. in a new process")
+                cmd = [sys.executable, "-m", "fxopt.fuzz.sample", "run", path, "--start", str(i + 1),
+                       "--device", device] + ["--shared-only"] * shared_only + ["--full-timing"] * full_timing
+                if time_budget is not None:
+                    cmd += ["--time-budget", str(max(0.0, time_budget - (time.monotonic() - start)))]
+                subprocess.run(cmd, check=False)
+                break
     done = {f for e in entries if e not in left for f in e["families"]}
     not_run = sorted({f for e in left for f in e["families"]} - done)
     log(f"ran {ran} of {len(entries)} programs in {time.monotonic() - start:.0f} s, {failed} failing"
@@ -150,6 +175,7 @@ def main(argv=None) -> int:
     r.add_argument("--device", default="cuda")
     r.add_argument("--time-budget", type=float, default=None, help="start no program after SECONDS")
     r.add_argument("--full-timing", action="store_true", help="measure candidates with the usual run counts")
+    r.add_argument("--start", type=int, default=0, help="the first program to run (0-based)")
     args = p.parse_args(argv)
     if args.cmd == "select":
         chosen = select(args.per_family, args.max_draws, args.seed)
@@ -159,7 +185,7 @@ def main(argv=None) -> int:
         missing = [f for f in FAMILIES if f not in reached and f not in NOT_LAUNCHED]
         return 1 if not chosen else (3 if missing else 0)  # 3: a sample without some family
     return run(args.sample, args.shared_only, args.device, time_budget=args.time_budget,
-               full_timing=args.full_timing)
+               full_timing=args.full_timing, start_at=args.start)
 
 
 if __name__ == "__main__":
