@@ -136,6 +136,9 @@ def measured_output_values(gm: fx.GraphModule, example_inputs: list) -> list | N
         if n.op == "call_module":
             return None
         if n.op in ("call_function", "call_method"):
+            schema = getattr(n.target, "_schema", None)  # an ATen overload called directly
+            if schema is not None and schema.is_mutable:
+                return None
             name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
             if (name.endswith("_") and not name.startswith("__")) or name == "setitem" or any(r in name for r in _RANDOM) \
                     or n.kwargs.get("inplace") or "out" in n.kwargs:

@@ -401,6 +401,8 @@ def test_eagers_output_layouts_are_measured_where_running_the_graph_is_harmless(
     assert measured_output_values(gm, ex) is None
     gm, ex = record(lambda t: t.clone().add_(1), x)  # in place: not run
     assert measured_output_values(gm, ex) is None
+    gm, ex = record(lambda t: torch.ops.aten.add_.Tensor(t.clone(), 1), x)  # an ATen overload that writes
+    assert measured_output_values(gm, ex) is None
     with FakeTensorMode() as mode:  # fake inputs: nothing to run
         fake = mode.from_tensor(x)
     assert measured_output_values(gm, [fake]) is None
