@@ -63,16 +63,22 @@ CASES = {  # model, input shape, eager's format
 
 
 
-def _on_fake_cuda(name, backend):
-    make, shape, _ = CASES[name]
+def _compile_on_fake_cuda(make, shape, backend, fmt=CL):
+    """``make()`` compiled with ``backend`` and called once, on a fake CUDA input of ``shape`` in ``fmt``."""
     with FakeTensorMode(allow_non_fake_inputs=True):
+        torch.manual_seed(0)
         with torch.device("cuda"):
             model = make().eval()
-        x = torch.empty(shape, device="cuda").contiguous(memory_format=CL)
+        x = torch.empty(shape, device="cuda").contiguous(memory_format=fmt)
         torch.compiler.reset()
         with torch.no_grad():
             torch.compile(model, backend=backend)(x)
     torch.compiler.reset()
+
+
+def _on_fake_cuda(name, backend):
+    make, shape, _ = CASES[name]
+    _compile_on_fake_cuda(make, shape, backend)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -251,27 +257,10 @@ def test_an_algorithms_convolution_has_the_direct_convolutions_strides(device):
             assert got.stride() == want.stride()
             torch.testing.assert_close(got, want, rtol=1e-3, atol=3e-3)
     if device == "cuda":  # the whole graph on fake CUDA tensors: what the runner replays has the graph's strides
-        seen = []
-
-        def backend(gm, ex):
-            fxopt_backend(gm, ex, options={"executor": "cuda", "autotune_cache": False,
-                                           "conv_algorithm": "winograd_2x2_3x3"}, _sink=seen)
-            runner = seen[-1].lowered.cudagraph_runner
-            with torch.no_grad(), ex[0].fake_mode:
-                seen.append([[o.stride() for o in g(*ex)] for g in (runner.fn, runner.baseline)])
-            return gm.forward
-
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            with torch.device("cuda"):
-                model = _WinogradResidual().eval()
-            xc = torch.empty((1, 16, 1, 2), device="cuda").contiguous(memory_format=CL)
-            torch.compiler.reset()
-            with torch.no_grad():
-                torch.compile(model, backend=backend)(xc)
-        torch.compiler.reset()
-        report, strides = seen
-        assert report.fallback is None
-        assert strides == [[(32, 1, 32, 16)]] * 2, strides  # eager's: channels_last
+        report, got, want = _replayed_on_fake_cuda(_WinogradResidual, (1, 16, 1, 2),
+                                                   {"conv_algorithm": "winograd_2x2_3x3"})
+        assert report.fallback is None and want == [(32, 1, 32, 16)]  # eager's: channels_last
+        assert [strides for strides, _ in got] == [[(32, 1, 32, 16)]] * 2, got
 
 
 def _replayed_on_fake_cuda(make, shape, options, fmt=CL):
@@ -292,15 +281,7 @@ def _replayed_on_fake_cuda(make, shape, options, fmt=CL):
         seen.append((got, [v.stride() for v in eager_output_values(gm)]))
         return gm.forward
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = make().eval()
-        x = torch.empty(shape, device="cuda").contiguous(memory_format=fmt)
-        torch.compiler.reset()
-        with torch.no_grad():
-            torch.compile(model, backend=backend)(x)
-    torch.compiler.reset()
+    _compile_on_fake_cuda(make, shape, backend, fmt)
     report, (got, want) = seen
     return report, got, want
 
