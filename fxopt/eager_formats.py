@@ -140,8 +140,8 @@ def measured_output_values(gm: fx.GraphModule, example_inputs: list) -> list | N
             if schema is not None and schema.is_mutable:
                 return None
             name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-            if (name.endswith("_") and not name.startswith("__")) or name == "setitem" or any(r in name for r in _RANDOM) \
-                    or n.kwargs.get("inplace") or "out" in n.kwargs:
+            writes = (name.endswith("_") and not name.startswith("__")) or name == "setitem"
+            if writes or any(r in name for r in _RANDOM) or n.kwargs.get("inplace") or "out" in n.kwargs:
                 return None
     try:
         with torch.no_grad():
@@ -250,8 +250,9 @@ def restore_output_formats(gm: fx.GraphModule, formats: list, strides: list = ()
             if any(_is_view(r) and _view_root(r) is o for r in returned):
                 continue  # viewed by another output: copied (or not) with that view, below
             order = dense_order(tuple(v.shape), target)
-            fmt = next((f for f in (torch.channels_last, torch.contiguous_format) if v.dim() == 4 and same_strides(
-                v.shape, torch.empty(tuple(v.shape), device="meta").contiguous(memory_format=f).stride(), target)), None)
+            dense = {f: torch.empty(tuple(v.shape), device="meta").contiguous(memory_format=f).stride()
+                     for f in (torch.channels_last, torch.contiguous_format)} if v.dim() == 4 else {}
+            fmt = next((f for f, st in dense.items() if same_strides(v.shape, st, target)), None)
             if fmt is not None or order is not None:  # e.g. a pointwise op over a transposed value (2e22e3cf84)
                 flat[i] = copy_of(o, fmt) if fmt is not None else _permuted_copy(g, o, order)
                 notes.append(f"output {i} ({o.name}) copied into eager's strides {tuple(target)}")

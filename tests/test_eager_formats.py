@@ -305,10 +305,10 @@ GPU_FUZZ_FORMATS = {  # the GPU fuzzer's programs (seed 72, 2026-11-28): model, 
                                        nn.Conv2d(16, 16, 1, bias=False), Abs()), lambda x: (x, x.transpose(2, 3))),
                    (1, 12, 1, 2), {"conv_algorithm": "winograd_2x2_3x3"}, [(0, 1)]),
     # one-channel convolutions before a flatten: the view reads a contiguous copy (the layout pass failed)
-    "e489bb7fe8": (lambda: S(nn.Conv2d(16, 16, 3, padding=1, bias=False), Abs(), nn.BatchNorm2d(16), nn.BatchNorm2d(16),
-                             nn.Conv2d(16, 1, 3, padding=1, bias=False), Abs(), nn.Conv2d(1, 2, 3, padding=1, bias=False),
-                             Abs(), nn.Flatten(), nn.Linear(4, 1)), (1, 16, 2, 1), {"conv_algorithm": "winograd_2x2_3x3"},
-                   []),
+    "e489bb7fe8": (lambda: S(nn.Conv2d(16, 16, 3, padding=1, bias=False), Abs(), nn.BatchNorm2d(16),
+                             nn.BatchNorm2d(16), nn.Conv2d(16, 1, 3, padding=1, bias=False), Abs(),
+                             nn.Conv2d(1, 2, 3, padding=1, bias=False), Abs(), nn.Flatten(), nn.Linear(4, 1)),
+                   (1, 16, 2, 1), {"conv_algorithm": "winograd_2x2_3x3"}, []),
 }
 
 

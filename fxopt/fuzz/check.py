@@ -13,12 +13,13 @@ and input rounded to the autocast dtype; float64 runs with every op's operands a
 by the unit roundoff; a run with every element near a kink of ``abs`` / ``relu`` / ... flipped to the
 other branch): how far those lie from the exact reference is how far rounding moves a value (a
 gradient through ``abs`` of a value near zero flips sign with it), and fxopt passes where its error
-is at most twice the larger of eager's and that spread (the samples' largest). Last, PyTorch's own compiled graph of the model (``CompiledPeer``: ``backend="aot_eager"``, the graph
-AOTAutograd hands every backend, on PyTorch's kernels) is a further sample of how the computation
-rounds: fxopt passes where its error is at most twice that one's. A value whose exact result is 0
-(a convolution's bias gradient before a training BatchNorm: a sum that cancels) is rounding noise
-in every implementation, whose scale its summands set, not its result; eager's one sample of it
-can be small by chance (CPU fuzz, seed 7: 0.344 from fxopt, bitwise AOTAutograd's own, against
+is at most twice the larger of eager's and that spread (the samples' largest). Last, PyTorch's own
+compiled graph of the model (``CompiledPeer``: ``backend="aot_eager"``, the graph AOTAutograd hands
+every backend, on PyTorch's kernels) is a further sample of how the computation rounds: fxopt
+passes where its error is at most twice that one's. A value whose exact result is 0 (a
+convolution's bias gradient before a training BatchNorm: a sum that cancels) is rounding noise in
+every implementation, whose scale its summands set, not its result; eager's one sample of it can
+be small by chance (CPU fuzz, seed 7: 0.344 from fxopt, bitwise AOTAutograd's own, against
 eager's 0.046 and a rounded problem's 3e-14). A training step also compares the loss, every gradient
 (10x), the input's gradient and the parameters and buffers after an SGD step.
 

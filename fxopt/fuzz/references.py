@@ -21,9 +21,10 @@ PERTURBED_SAMPLES = 4
 FLIP_BAND = 2.0
 
 #: ops whose result adds up terms (its rounding error scales with the terms, not with the result)
-_SUMMING = frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose2d", "linear", "matmul", "mm", "bmm", "addmm",
-                      "add", "sub", "__add__", "__sub__", "__radd__", "__rsub__", "batch_norm", "layer_norm", "group_norm", "instance_norm", "sum", "mean", "var", "std",
-                      "avg_pool2d", "adaptive_avg_pool2d", "interpolate", "softmax", "log_softmax"})
+_SUMMING = frozenset({
+    "conv1d", "conv2d", "conv3d", "conv_transpose2d", "linear", "matmul", "mm", "bmm", "addmm", "add", "sub",
+    "__add__", "__sub__", "__radd__", "__rsub__", "batch_norm", "layer_norm", "group_norm", "instance_norm", "sum",
+    "mean", "var", "std", "avg_pool2d", "adaptive_avg_pool2d", "interpolate", "softmax", "log_softmax"})
 
 
 def unit_roundoff(dtype: torch.dtype, device_type: str) -> float:
@@ -48,8 +49,9 @@ def _kinks(func, args, kwargs) -> list | None:
     if name in ("hardsigmoid", "hardswish"):
         return [-3.0, 3.0]
     if name in ("hardtanh", "clamp", "clip"):
-        lo = args[1] if len(args) > 1 else kwargs.get("min_val", kwargs.get("min", -1.0 if name == "hardtanh" else None))
-        hi = args[2] if len(args) > 2 else kwargs.get("max_val", kwargs.get("max", 1.0 if name == "hardtanh" else None))
+        default = (-1.0, 1.0) if name == "hardtanh" else (None, None)
+        lo = args[1] if len(args) > 1 else kwargs.get("min_val", kwargs.get("min", default[0]))
+        hi = args[2] if len(args) > 2 else kwargs.get("max_val", kwargs.get("max", default[1]))
         return [float(v) for v in (lo, hi) if isinstance(v, (int, float))]
     return None
 
