@@ -96,7 +96,8 @@ def decline_reason(node: fx.Node) -> Optional[str]:
         return "no metadata"
     if algorithm != "direct":
         return f"algorithm {algorithm}"
-    if xv.device.type != "cpu" or xv.dim() != 4:
+    # meta: a package's stored value at one batch size (fxopt.package_batch), of a CPU graph
+    if xv.device.type not in ("cpu", "meta") or xv.dim() != 4:
         return f"{xv.dim()}-D {xv.device.type} input"
     if xv.dtype not in DTYPES or wv.dtype != xv.dtype:
         return f"dtype {xv.dtype}"

@@ -161,7 +161,7 @@ def cpu_candidate(gm: fx.GraphModule, ctx, threads: Optional[int] = None):
     if why:
         return None, why
     return OrtRunner(gm, ctx.param_placeholders, ctx.param_qualnames, "CPUExecutionProvider", False,
-                     spin=False, fallback=False, threads=threads), None
+                     spin=False, fallback=False, threads=threads, watch=not ctx.fixed_weights), None
 
 
 def _matches(v, a) -> bool:
@@ -335,9 +335,10 @@ class OrtRunner:
     """The compiled callable: the graph's flat args in (parameters included), the graph's outputs out."""
 
     def __init__(self, gm, param_placeholders, qualnames, provider, cuda_graph, max_sessions=MAX_SESSIONS,
-                 nhwc=False, spin=True, fallback=True, threads=None):
+                 nhwc=False, spin=True, fallback=True, threads=None, watch=True):
         """spin: ORT's CPU workers spin between runs (its default); fallback: signatures ONNX
-        export refuses run on the torch executor (with a warning) instead of raising."""
+        export refuses run on the torch executor (with a warning) instead of raising; watch: whether
+        the weights may change between calls (False: a package's, fixed)."""
         self.gm, self.provider, self.cuda_graph, self.max_sessions = gm, provider, cuda_graph, max_sessions
         self.nhwc, self.spin, self.fallback, self.threads = nhwc, spin, fallback, threads
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -347,7 +348,8 @@ class OrtRunner:
         out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         self.out_type = type(out) if isinstance(out, (list, tuple)) else None
         self.sessions: OrderedDict = OrderedDict()
-        self._params_changed = ParamChanges(self.params)  # whether a weight changed since the last call
+        # whether a weight changed since the last call (none watched where they are fixed)
+        self._params_changed = ParamChanges(self.params if watch else [])
         self._torch = None  # the torch executor, for signatures ONNX export refuses
         self.builds = 0  # sessions created (for tests and reports)
 

@@ -108,7 +108,8 @@ class OvRunner:
     """The compiled callable: the graph's flat args in (parameters included), its outputs out, with
     one OpenVINO compiled model per signature of the user inputs. Conversion failures raise."""
 
-    def __init__(self, gm: fx.GraphModule, param_indices, precision: str, max_models: int = MAX_MODELS):
+    def __init__(self, gm: fx.GraphModule, param_indices, precision: str, max_models: int = MAX_MODELS,
+                 watch: bool = True):
         from fxopt.backends import torch_ref
 
         self.gm, self.fn, self.precision, self.max_models = gm, torch_ref.lower(gm), precision, max_models
@@ -122,7 +123,8 @@ class OvRunner:
                          for o in (out if isinstance(out, (list, tuple)) else [out])]
         self.restride = any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in self.out_vals)
         self.models: OrderedDict = OrderedDict()
-        self._params_changed = ParamChanges(self.params)  # whether a weight changed since the last call
+        # whether a weight changed since the last call (``watch`` False: the weights are fixed)
+        self._params_changed = ParamChanges(self.params if watch else [])
         self.builds = 0
         self._last: Optional[tuple] = None  # (signature, request) of the previous call
 
@@ -251,4 +253,5 @@ def cpu_candidate(gm: fx.GraphModule, ctx):
     if not outs or not all(isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)
                            and o.meta["val"].dtype in _SHAREABLE for o in outs):
         return None, "an output that is not a tensor of a dtype OpenVINO shares"
-    return OvRunner(src, placeholder_indices(src, ctx.param_placeholders), precision), None
+    return OvRunner(src, placeholder_indices(src, ctx.param_placeholders), precision,
+                    watch=not ctx.fixed_weights), None

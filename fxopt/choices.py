@@ -24,11 +24,24 @@ from fxopt.autotune import AutotuneCache
 #: the answer to a lookup FixedChoices does not hold, by key prefix: the choice that needs no
 #: measuring (for the cuda executor's nodes "reference", the implementation the graph names)
 RUNNER_PREFIX = "cudagraph_runner|"
+#: the cpu executor's runner (``backends/cpu.py``, keys ``cpu_runner|<how>|<graphs>|<ways>|<signature>``):
+#: a signature not held runs the way the held signatures with the same ways chose most often (a
+#: package's other batch sizes), else the optimized graph
+CPU_RUNNER_PREFIX = "cpu_runner|"
 
 
-def default_entry(key: str) -> dict:
+def default_entry(key: str, held: Optional[dict] = None) -> dict:
+    """The choice that needs no measuring for ``key``; ``held``: the entries held (key -> entry)."""
     if key.startswith(RUNNER_PREFIX):
         return {"runs": "optimized graph", "timings": {"not_measured": True}}
+    if key.startswith(CPU_RUNNER_PREFIX):
+        ways = key.split("|")[3:4]
+        runs = sorted(e["runs"] for k, e in (held or {}).items() if k.startswith(CPU_RUNNER_PREFIX)
+                      and k.split("|")[3:4] == ways and isinstance(e, dict) and e.get("runs"))
+        if runs:
+            best = max(runs, key=runs.count)  # a tie: the first by name
+            return {"runs": best, "not_measured": True, "why": "the way the measured signatures chose"}
+        return {"runs": "optimized graph", "not_measured": True, "why": "nothing measured"}
     return {"choice": "reference", "ms": {}, "errors": {}, "not_measured": True}
 
 
@@ -81,7 +94,7 @@ class FixedChoices(AutotuneCache):
         if self.fallback is not None:
             return self.fallback.get(device, key)
         self.misses.append(key)
-        return default_entry(key)
+        return default_entry(key, self._data["entries"].get(device))
 
     def put(self, device: str, key: str, entry: dict) -> None:
         if self.fallback is not None:

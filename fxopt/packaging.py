@@ -162,6 +162,11 @@ def _freeze(gm: fx.GraphModule, weights: dict) -> dict:
 
 
 # -- the runnable package ---------------------------------------------------------------------------
+#: executors that get one static graph per batch size (up to ``cudagraph_max_signatures``): the cuda
+#: executor's kernels are generated for static shapes; the cpu executor's alternatives (ONNX Runtime,
+#: OpenVINO, prepacked oneDNN convolutions) are built and timed per input signature
+_PER_BATCH = ("cuda", "cpu")
+
 class PackagedModule(torch.nn.Module):
     """A package ready to run: ``module(*inputs)`` returns what the model returned. Runs under
     ``torch.no_grad()``; inputs must match the packaged dtype, rank and non-batch sizes."""
@@ -181,6 +186,7 @@ class PackagedModule(torch.nn.Module):
         self.lowerings: dict = {}  # batch size (None: every size) -> what the executor made (fxopt.lowered)
         self.check_vals = False  # packaging sets it: stored values checked against propagation
         self.timings: dict = {}
+        self._last_checked: Optional[tuple] = None  # (the inputs' shapes, dtypes, devices; their batch)
 
     def extra_repr(self) -> str:
         b = self.manifest["batch"]
@@ -188,6 +194,15 @@ class PackagedModule(torch.nn.Module):
                 f"batch={'dynamic' if b['dynamic'] else 'fixed at ' + str(b['example'])}")
 
     def _check(self, inputs: Sequence) -> Optional[int]:
+        key = tuple((x.shape, x.dtype, x.device.type) if isinstance(x, torch.Tensor) else None for x in inputs)
+        last = self._last_checked
+        if last is not None and last[0] == key:  # the previous call's shapes: checked then
+            return last[1]
+        batch = self._check_new(inputs)
+        self._last_checked = (key, batch)
+        return batch
+
+    def _check_new(self, inputs: Sequence) -> Optional[int]:
         if len(inputs) != len(self.input_specs):
             raise TypeError(f"fxopt package: expected {len(self.input_specs)} input tensor(s), got {len(inputs)}")
         batch = None
@@ -218,7 +233,7 @@ class PackagedModule(torch.nn.Module):
 
         t0 = time.perf_counter()
         options, gm, key = self.options, self.graph, None
-        if self.executor == "cuda":
+        if self.executor in _PER_BATCH:
             if len(self.lowerings) < options.cudagraph_max_signatures:
                 vals = self.manifest.get("vals")
                 if self.check_vals:  # packaging (which measures): FakeTensors, the stored values checked
@@ -229,11 +244,13 @@ class PackagedModule(torch.nn.Module):
                     gm, counts = specialise_at(self.graph, args, vals, batch)
                 self.timings[f"layout_clones_removed_b{batch}"] = counts["layout_clones_removed"]
                 key = batch
-            else:  # beyond the bound: one symbolic graph with PyTorch's kernels for the other sizes
+            elif self.executor == "cuda":  # beyond the bound: one symbolic graph with PyTorch's kernels
                 options = dataclasses.replace(options, executor="torch", cudagraphs=False)
+            # (the cpu executor beyond the bound: the symbolic graph, its oneDNN convolutions, no alternatives)
         ctx = PassContext(options=options, mode="inference", device_type=self.device.type,
                           target=target_for(options, self.device.type, "inference"))
         ctx.param_placeholders = set(self._weight_names)
+        ctx.fixed_weights = True  # a package's weights are its own and fixed
         with cudnn_choosing(options.cudnn_search):
             lowered = lower(gm, ctx, "inference")
         self.lowerings[key] = lowered
@@ -242,7 +259,7 @@ class PackagedModule(torch.nn.Module):
 
     def forward(self, *inputs):
         batch = self._check(inputs)
-        key = batch if self.executor == "cuda" else None
+        key = batch if self.executor in _PER_BATCH else None
         lowered = self.lowerings.get(key) or self.lowerings.get(None)
         args = list(self._template)
         for at, x in zip(self._input_at, inputs):
@@ -386,7 +403,7 @@ def _build(model, inputs: tuple, opts, dynamic: bool) -> dict:
     manifest = {"inputs": specs, "batch": info, "out_spec": out_spec, "graph": graph_json}
     # the program as load() will see it: lowered, run (measured and recorded), checked
     module = PackagedModule(graph_from_json(graph_json), kept, manifest, run_opts, device)
-    if module.executor == "cuda":  # each batch's values at load without propagation, checked below
+    if module.executor in _PER_BATCH:  # each batch's values at load without propagation, checked below
         with _size_oblivious() if info["dynamic"] else _null():
             manifest["vals"] = _exported_vals(optimized, dict(zip(input_names, inputs)), kept, info["dynamic"])
         module.check_vals = True

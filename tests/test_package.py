@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import fxopt
 import fxopt.version
 from fxopt.backends.cuda.compiler import nvrtc_available
+from fxopt.backends.openvino import why_unavailable as why_no_openvino
 from fxopt.choices import FixedChoices, RecordingCache, default_entry
 from fxopt.package_file import PackageCorruptError, PackageError, PackageVersionError
 from fxopt.serialize import GraphFormatError, graph_from_json, graph_to_json
@@ -301,6 +302,11 @@ def test_fixed_choices_answer_misses_without_measuring():
     assert fixed.get("other", "node|a")["choice"] == "reference"  # another device: none applies
     assert fixed.get("dev", "cudagraph_runner|x")["runs"] == "optimized graph"
     assert fixed.hits == ["node|a"] and len(fixed.misses) == 4
+    # the cpu runner: a signature not held runs what the held ones with the same ways chose most
+    held = FixedChoices({"dev": {f"cpu_runner|b|h{i}|['a', 'ov']|(s{i},)": {"runs": r} for i, r in
+                                 enumerate(["ov", "a", "ov"])} | {"cpu_runner|b|h|['a', 'ort']|(s,)": {"runs": "ort"}}})
+    assert held.get("dev", "cpu_runner|b|h9|['a', 'ov']|(s9,)")["runs"] == "ov"
+    assert held.get("dev", "cpu_runner|b|h9|['a', 'x']|(s9,)")["runs"] == "optimized graph"
     rec = RecordingCache(fxopt.autotune.AutotuneCache(None))
     rec.put("dev", "k", {"choice": "x"})
     assert rec.get("dev", "k") == {"choice": "x"} and rec.used == {"dev": {"k": {"choice": "x"}}}
@@ -495,3 +501,23 @@ def test_noop_layout_clones_are_dropped_only_where_safe():
     assert _drop_noop_layout_clones(_clone_graph(cl, torch.channels_last, of_input=True)) == 0
     assert _drop_noop_layout_clones(_clone_graph(cl, torch.channels_last, to_output=True)) == 0
     assert _drop_noop_layout_clones(_clone_graph(cl, torch.channels_last, mutate=True)) == 0
+
+
+@pytest.mark.skipif(why_no_openvino() is not None, reason="openvino not installed")
+def test_cpu_package_specialises_each_batch_with_the_runners_ways(tmp_path):
+    """The cpu executor gets a static graph per batch size, so its measured ways (OpenVINO here)
+    apply at every size: the packaged sizes run their recorded decision, another size the way they
+    chose, nothing measured at load; a package's weights are fixed, so none is watched per call."""
+    model = make_net()
+    fxopt.package(model, (torch.randn(2, 3, 16, 16),), tmp_path / "net.fxopt", options={"cpu_openvino": True})
+    module = fxopt.load(tmp_path / "net.fxopt")
+    with torch.no_grad():
+        for b in (2, 1, 3):
+            x = torch.randn(b, 3, 16, 16)
+            assert rel(module(x), model(x)) < RTOL
+    runs = {b: d["runner"][0] for b, d in module.decisions().items()}
+    assert sorted(runs) == ["1", "2", "3"] and runs["2"]["cached"] and runs["1"]["cached"]
+    assert runs["3"]["not_measured"] and runs["3"]["runs"] in (runs["1"]["runs"], runs["2"]["runs"])
+    assert module.lowerings[2].details["onednn"]["convs"] == 2  # the stored (meta) values lower as real ones
+    runner = module.lowerings[2].fn.openvino
+    assert runner is not None and runner._params_changed.indices == []
