@@ -406,8 +406,8 @@ class CpuRunner:
         if self.decisions_cache is None:
             return None
         # decisions timed by burst_medians and chosen by _choose (those of single alternating calls, which a
-        # loaded host could get wrong, are not reused)
-        return f"cpu_runner|bursts-ties2|{self.decisions_cache[2]}|{sorted(self.ways)}|{sig}"
+        # loaded host could get wrong, are not reused; nor those before OpenVINO got dense weights, "ov2")
+        return f"cpu_runner|bursts-ties2-ov2|{self.decisions_cache[2]}|{sorted(self.ways)}|{sig}"
 
     def _decide(self, sig, args):
         if len(self.ways) == 1:

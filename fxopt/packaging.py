@@ -23,17 +23,20 @@ Batch: with ``dynamic_batch`` (default) dimension 0 of every input is exported a
 too). The package is then checked against the model in eager mode at the example batch and at a
 second one (1, or 2 for an example of 1); where the model does not allow a varying batch (export
 specialises it, or the check differs), the batch is fixed at the example's and ``info["batch"]``
-says why. A symbolic batch meets the executors so: the torch executor (CPU) runs the symbolic
-graph for every batch size; the cuda executor, whose kernels are generated for static shapes, gets
-a specialisation per batch size at the first call of that size: every node's value at that size
+says why. A symbolic batch meets the executors so: the torch executor runs the symbolic graph for
+every batch size; the cuda executor, whose kernels are generated for static shapes, and the cpu
+executor, whose ways (ONNX Runtime, OpenVINO, prepacked oneDNN convolutions) are built and timed
+per input signature, get a specialisation per batch size at the first call of that size: every node's value at that size
 (shape, strides, dtype) from the package, which stores them as expressions of the batch
 (``symbolic_vals``; packaging checks them against FakeTensor propagation at every batch it runs and
 drops them on any difference), so that the loading process never builds a FakeTensorMode, which
 imports Dynamo (without them: FakeTensor propagation at that size); layout clones that size shows to
 be copies dropped; then lowering, up to ``cudagraph_max_signatures`` sizes (beyond: the torch
-executor). Choices are looked up in the package for every size: the example batch (and the
-second checked size) find theirs; other sizes get the choices that need no measurement
-(``fxopt.choices.FixedChoices``: PyTorch's implementation of each node, CUDA-graph replay).
+executor on CUDA, the cpu executor's symbolic graph on the CPU). Choices are looked up in the
+package for every size: the example batch (and the second checked size) find theirs; other sizes
+get the choices that need no measurement (``fxopt.choices.FixedChoices``: PyTorch's implementation
+of each node, CUDA-graph replay, the way the packaged sizes' CPU runner chose). A package's weights
+are fixed (``PassContext.fixed_weights``): runners that bake them in do not watch them per call.
 
 ``load`` reads the file, checks it (``PackageError`` and its subclasses), puts the weights on the
 device (one host-to-device copy), installs the cubins where the arch and NVRTC version match

@@ -148,6 +148,22 @@ def test_openvino_runs_bf16_only_for_bf16_graphs(slow_torch_graphs):
 
 
 @needs_ov
+def test_openvino_reads_strided_bf16_weights_right(slow_torch_graphs):
+    """Weights that are strided views (channels_last filters; a package's are slices of one blob):
+    OpenVINO gets dense copies (it read such bfloat16 constants as dense: relative error 0.5)."""
+    _skip_without_bf16()
+    m, x = _net(), torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        ref = m(x)
+    strided = _net().bfloat16().to(memory_format=torch.channels_last)
+    assert not strided.stem.weight.is_contiguous()
+    out, g = _compile(strided, x.bfloat16(), {"cpu_onnxruntime": False, "cpu_openvino": True})
+    d = _decision(g)
+    assert d["runs"] == "openvino" and "failed" not in d, d
+    assert relative_error(out.float(), ref) <= BF16_RTOL
+
+
+@needs_ov
 def test_openvino_is_declined_where_its_outputs_differ(slow_torch_graphs, monkeypatch):
     call = ovb.OvRunner.__call__
     def off_by_one_percent(self, *args):

@@ -521,3 +521,6 @@ def test_cpu_package_specialises_each_batch_with_the_runners_ways(tmp_path):
     assert module.lowerings[2].details["onednn"]["convs"] == 2  # the stored (meta) values lower as real ones
     runner = module.lowerings[2].fn.openvino
     assert runner is not None and runner._params_changed.indices == []
+    from fxopt.bench.runners import _package_ran  # the benchmark's "ran" of a package cell
+
+    assert _package_ran(module).split(", ") == sorted({d["runs"] for d in runs.values()}) and not _package_ran(rel)

@@ -239,7 +239,8 @@ def _details_table(results: Dict[str, Any]) -> List[str]:
             _fmt(c.get("max_rel_err"), ".2e"), _fmt(c.get("tflops"), ".3f"),
             _fmt(c.get("pct_peak"), ".1f"), _fmt(c.get("peak_mem_mb"), ".0f"),
             _short(c.get("error") or (f"fallback ×{c.get('fallback_count')}: {c['fallback']}"
-                                      if c.get("fallback") else c.get("note")), 70),
+                                      if c.get("fallback") else "; ".join(
+                                          filter(None, [c.get("note"), c.get("ran") and f"ran {c['ran']}"]))), 90),
         ]) + " |")
     return lines
 

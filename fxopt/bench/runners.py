@@ -108,6 +108,9 @@ def start_cell(backend: str, base_model: nn.Module, x_cpu: torch.Tensor, ref: Op
             _sync(device)
             cell["first_call_s"] = time.perf_counter() - t0
             cell["note"] = live.prepared.note
+            ran = _package_ran(live.prepared.fn)
+            if ran:
+                cell["ran"] = ran
             if ref is not None:
                 cell["max_rel_err"] = max_rel_error(out, ref)
             del out
@@ -131,6 +134,19 @@ def start_cell(backend: str, base_model: nn.Module, x_cpu: torch.Tensor, ref: Op
     finally:
         _record_warnings(cell, caught)
     return live
+
+
+def _package_ran(fn) -> str:
+    """What a package's executor runs after the first call: the CPU runner's way per batch size
+    ("" for anything else)."""
+    decisions = getattr(fn, "decisions", None)
+    if not callable(decisions):
+        return ""
+    try:
+        ways = {d.get("runs") for low in decisions().values() for d in low.get("runner", []) if isinstance(d, dict)}
+    except Exception:  # noqa: BLE001 - a diagnostic, never a reason to fail a cell
+        return ""
+    return ", ".join(sorted(w for w in ways if w))
 
 
 #: seconds a CPU round waits before its first call: the thread pool of the backend that ran before
