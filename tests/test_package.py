@@ -527,3 +527,23 @@ def test_cpu_package_specialises_each_batch_with_the_runners_ways(tmp_path):
     from fxopt.bench.runners import _package_ran  # the benchmark's "ran" of a package cell
 
     assert _package_ran(module).split(", ") == sorted({d["runs"] for d in runs.values()}) and not _package_ran(rel)
+
+
+@pytest.mark.skipif(why_no_openvino() is not None, reason="openvino not installed")
+def test_cpu_package_checks_the_way_it_did_not_measure(tmp_path, monkeypatch):
+    """A batch size not packaged runs the packaged sizes' way only after its outputs matched the
+    optimized graph's there: an OpenVINO way that is wrong at that size is left for the oneDNN graph."""
+    import fxopt.backends.openvino as ovb
+    import fxopt.choices as choices
+
+    model = make_net()
+    fxopt.package(model, (torch.randn(2, 3, 16, 16),), tmp_path / "net.fxopt", options={"cpu_openvino": True})
+    module = fxopt.load(tmp_path / "net.fxopt")
+    monkeypatch.setattr(choices, "default_entry", lambda key, held=None: {"runs": "openvino", "not_measured": True})
+    call = ovb.OvRunner.__call__
+    monkeypatch.setattr(ovb.OvRunner, "__call__", lambda self, *a: [t * 1.5 for t in call(self, *a)])
+    x = torch.randn(5, 3, 16, 16)
+    with torch.no_grad():
+        assert rel(module(x), model(x)) < RTOL
+    (d,) = module.decisions()["5"]["runner"]
+    assert d["runs"] == "optimized graph" and "relative error" in d["failed"]["openvino"], d
