@@ -26,12 +26,12 @@ specialises it, or the check differs), the batch is fixed at the example's and `
 says why. A symbolic batch meets the executors so: the torch executor runs the symbolic graph for
 every batch size; the cuda executor, whose kernels are generated for static shapes, and the cpu
 executor, whose ways (ONNX Runtime, OpenVINO, prepacked oneDNN convolutions) are built and timed
-per input signature, get a specialisation per batch size at the first call of that size: every node's value at that size
-(shape, strides, dtype) from the package, which stores them as expressions of the batch
-(``symbolic_vals``; packaging checks them against FakeTensor propagation at every batch it runs and
-drops them on any difference), so that the loading process never builds a FakeTensorMode, which
-imports Dynamo (without them: FakeTensor propagation at that size); layout clones that size shows to
-be copies dropped; then lowering, up to ``cudagraph_max_signatures`` sizes (beyond: the torch
+per input signature, get a specialisation per batch size at the first call of that size: every
+node's value at that size (shape, strides, dtype) from the package, which stores them as
+expressions of the batch (``symbolic_vals``; packaging checks them against FakeTensor propagation at
+every batch it runs and drops them on any difference), so that the loading process never builds a
+FakeTensorMode, which imports Dynamo (without them: FakeTensor propagation at that size); layout
+clones that size shows to be copies dropped; then lowering, up to ``cudagraph_max_signatures`` sizes (beyond: the torch
 executor on CUDA, the cpu executor's symbolic graph on the CPU). Choices are looked up in the
 package for every size: the example batch (and the second checked size) find theirs; other sizes
 get the choices that need no measurement (``fxopt.choices.FixedChoices``: PyTorch's implementation
@@ -169,6 +169,7 @@ def _freeze(gm: fx.GraphModule, weights: dict) -> dict:
 #: executor's kernels are generated for static shapes; the cpu executor's alternatives (ONNX Runtime,
 #: OpenVINO, prepacked oneDNN convolutions) are built and timed per input signature
 _PER_BATCH = ("cuda", "cpu")
+
 
 class PackagedModule(torch.nn.Module):
     """A package ready to run: ``module(*inputs)`` returns what the model returned. Runs under
