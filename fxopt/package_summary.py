@@ -98,8 +98,9 @@ def describe(module) -> str:
     lines.append(f"  kernels: {k['count']} generated, {k['with_cubin']} with a cubin ({', '.join(k['arch']) or '-'})")
     c = s["choices"]
     lines.append(f"  choices: {c['entries']} autotuning entries; node implementations {c['node_choices'] or '-'}")
+    runner = "CPU runner" if s.get("executor") == "cpu" else "CUDA graphs"  # whose decisions they are
     for batch, runs in c["runner"].items():
-        lines.append(f"    CUDA graphs at batch {batch}: " + "; ".join(r.get("runs", "?") for r in runs))
+        lines.append(f"    {runner} at batch {batch}: " + "; ".join(r.get("runs", "?") for r in runs))
     if module.lowerings:
         for batch, d in module.decisions().items():
             lines.append(f"  this process, batch {batch}: executor {d['executor']}, cudagraphs {d['cudagraphs']}")
