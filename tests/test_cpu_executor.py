@@ -230,6 +230,22 @@ def test_runner_times_a_bounded_number_of_signatures():
     assert runner.decisions()[-1]["why"].startswith("2 signatures timed")
 
 
+def test_runner_checks_the_majority_way_at_a_signature_it_does_not_time():
+    def slow_double(x):
+        time.sleep(0.02)
+        return x * 2
+
+    factor = [2.0]
+    runner = cpu.CpuRunner(slow_double, None, static_indices=[], rounds=3, max_timed=1,
+                           onnxruntime=lambda x: x * factor[0])
+    runner(torch.ones(1))
+    assert runner.decisions()[0]["runs"] == "onnxruntime"
+    factor[0] = 3.0  # wrong from now on: the next signature, not timed, keeps the optimized graph
+    torch.testing.assert_close(runner(torch.ones(2)), torch.full((2,), 2.0))
+    d = runner.decisions()[-1]
+    assert d["runs"] == "optimized graph" and "onnxruntime" in d["failed"] and d["why"].startswith("1 signatures")
+
+
 def test_runner_decisions_are_cached_across_compiles(tmp_path):
     from fxopt.autotune import AutotuneCache
 
