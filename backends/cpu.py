@@ -412,7 +412,9 @@ class CpuRunner:
             return None
         # decisions timed by burst_medians and chosen by _choose (those of single alternating calls, which a
         # loaded host could get wrong, are not reused; nor those before OpenVINO got dense weights, "ov2")
-        return f"cpu_runner|bursts-ties2-ov2|{self.decisions_cache[2]}|{sorted(self.ways)}|{sig}"
+        from fxopt.choices import cpu_runner_key
+
+        return cpu_runner_key("bursts-ties2-ov2", self.decisions_cache[2], self.ways, sig)
 
     def _decide(self, sig, args):
         if len(self.ways) == 1:

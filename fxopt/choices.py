@@ -30,14 +30,23 @@ RUNNER_PREFIX = "cudagraph_runner|"
 CPU_RUNNER_PREFIX = "cpu_runner|"
 
 
+def cpu_runner_key(how: str, graphs: str, ways, signature) -> str:
+    """The autotuning key of a CPU runner's decision (the one place its layout is written)."""
+    return f"{CPU_RUNNER_PREFIX}{how}|{graphs}|{sorted(ways)}|{signature}"
+
+
+def _cpu_runner_ways(key: str) -> str:
+    return key.split("|")[3]
+
+
 def default_entry(key: str, held: Optional[dict] = None) -> dict:
     """The choice that needs no measuring for ``key``; ``held``: the entries held (key -> entry)."""
     if key.startswith(RUNNER_PREFIX):
         return {"runs": "optimized graph", "timings": {"not_measured": True}}
     if key.startswith(CPU_RUNNER_PREFIX):
-        ways = key.split("|")[3:4]
+        ways = _cpu_runner_ways(key)
         runs = sorted(e["runs"] for k, e in (held or {}).items() if k.startswith(CPU_RUNNER_PREFIX)
-                      and k.split("|")[3:4] == ways and isinstance(e, dict) and e.get("runs"))
+                      and _cpu_runner_ways(k) == ways and isinstance(e, dict) and e.get("runs"))
         if runs:
             best = max(runs, key=runs.count)  # a tie: the first by name
             return {"runs": best, "not_measured": True, "why": "the way the measured signatures chose"}
