@@ -101,3 +101,53 @@ def test_nodes_get_their_candidates_from_the_family_table_in_its_order(monkeypat
     every = executor.plan_nodes(gm.graph, options)
     assert len(every) == len(gm.graph.nodes)
     assert every[0].candidates() == {"reference": every[0].node.target, "lib": torch.relu}
+
+
+def _node_with_val(val):
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    n = g.call_function(torch.abs, (x,))
+    n.meta["val"] = val
+    return n
+
+
+def test_chosen_candidates_outputs_take_the_traced_strides_of_size_one_dims():
+    """A generated kernel's [1, 1, 6, 1] output laid out (6, 1, 1, 1) is channels_last to ATen, the
+    traced (eager) (6, 6, 1, 1) contiguous: ATen's avg_pool2d_backward gave another gradient from
+    the first (GPU fuzz 7c5eb76ce1). The chosen candidate's fresh outputs are restrided, no copy."""
+    from fxopt.backends.cuda.runtime.measure import as_traced
+
+    traced = torch.empty(1, 1, 6, 1)
+    made = []
+
+    def candidate(x):
+        out = torch.empty_strided((1, 1, 6, 1), (6, 1, 1, 1))
+        out.copy_(x.abs())
+        made.append(out.data_ptr())
+        return out
+
+    run = as_traced(candidate, _node_with_val(traced))
+    x = torch.randn(1, 1, 6, 1)
+    y = run(x)
+    assert y.stride() == (6, 6, 1, 1) and y.data_ptr() == made[0] and y._base is None
+    torch.testing.assert_close(y, x.abs())
+    # regions return tuples; their node's value is a tuple too
+    run = as_traced(lambda x: (candidate(x),), _node_with_val((traced,)))
+    assert run(x)[0].stride() == (6, 6, 1, 1)
+
+
+def test_as_traced_leaves_arguments_views_and_other_shapes_alone():
+    from fxopt.backends.cuda.runtime.measure import as_traced
+
+    traced = torch.empty(1, 1, 6, 1)
+    x = torch.empty_strided((1, 1, 6, 1), (6, 1, 1, 1))
+    assert as_traced(lambda t: t, _node_with_val(traced))(x).stride() == (6, 1, 1, 1)  # an argument
+    base = torch.empty(12)
+    view = base[:6].as_strided((1, 1, 6, 1), (6, 1, 1, 1))
+    assert as_traced(lambda t: view, _node_with_val(traced))(x).stride() == (6, 1, 1, 1)  # a view
+    part = torch.empty(12).as_strided((1, 1, 6, 1), (6, 1, 1, 1))  # a tensor over a larger storage
+    assert as_traced(lambda t: part, _node_with_val(traced))(x).stride() == (6, 1, 1, 1)
+    fn = lambda t: t  # noqa: E731
+    assert as_traced(fn, _node_with_val(torch.empty(2, 3, 4, 5))) is fn  # no dim of size 1: not wrapped
+    odd = torch.empty_strided((1, 2, 6, 1), (12, 1, 2, 2))  # strides differ in a dim of size > 1
+    assert as_traced(lambda t: odd, _node_with_val(torch.empty(1, 2, 6, 1)))(x).stride() == (12, 1, 2, 2)

@@ -142,8 +142,6 @@ GPU_REPRODUCERS = {  # GPU fuzz seeds 41 / 51 (2026-11-27): shape, dtype, fmt, m
 
 #: reproducers still failing on the GPU, with what is known (the GPU test expects them to fail)
 OPEN = {
-    "60928602b9": "NaN weight gradient of the dilated depthwise conv; every run; gone with the joint-graph passes off",
-    "7c5eb76ce1": "a weight gradient 267 from float64 (eager 0.18) in some runs only: a measured kernel choice",
     "2ea87f01e0": "a linear's bias gradient 5.96 from float64 (eager 0.027) in some runs only: a measured choice",
     "1b24f0e72f": "a bias gradient 0.356 from float64 (eager 2e-5) once in the fuzzer, in none of 8 reruns",
 }

@@ -69,7 +69,7 @@ def graph_keys(program, graphs: list) -> dict:
 
 class Coverage:
     SECTIONS = ("families", "targets", "choices", "ops", "dtypes", "layouts", "modes", "executors", "cudagraphs",
-                "graph_kinds", "eager_error_types", "upstream")
+                "graph_kinds", "eager_error_types", "upstream", "eager_overflow")
 
     TOTALS = ("graphs", "eager_errors", "failures", "shrink_runs", "shrink_failed")
 
@@ -77,7 +77,8 @@ class Coverage:
         self.graphs = self.eager_errors = self.failures = self.shrink_runs = self.shrink_failed = 0
         self.counts = {s: Counter() for s in self.SECTIONS}
 
-    def add(self, program, graphs: list, eager_error: str | None = None, upstream: str | None = None) -> None:
+    def add(self, program, graphs: list, eager_error: str | None = None, upstream: str | None = None,
+            eager_overflow: str | None = None) -> None:
         self.graphs += 1
         self.eager_errors += bool(eager_error)
         keys = graph_keys(program, graphs)
@@ -85,6 +86,8 @@ class Coverage:
             keys["eager_error_types"] = {eager_error}
         if upstream:  # fxopt as PyTorch's own compiled graph, both unlike eager (check._upstream)
             keys["upstream"] = {upstream}
+        if eager_overflow:  # eager's own 16-bit backward overflowed, fxopt's gradients differ (check.py)
+            keys["eager_overflow"] = {eager_overflow}
         for sec, ks in keys.items():
             self.counts[sec].update(ks)
 

@@ -127,7 +127,8 @@ def run_fuzz(device: str = "cpu", examples: int = 100, seed: int = 0, time_budge
                 raise _Poisoned from e
             raise
         if not shrinking:  # the coverage of the search: shrinking's small programs would swamp it
-            cov.add(program, graphs, eager_error=outcome.get("eager_error"), upstream=outcome.get("upstream"))
+            cov.add(program, graphs, eager_error=outcome.get("eager_error"), upstream=outcome.get("upstream"),
+                    eager_overflow=outcome.get("eager_overflow"))
 
     db = DirectoryBasedExampleDatabase(str(out_dir / "hypothesis-db"))
     rnd = 0
