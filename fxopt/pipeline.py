@@ -20,7 +20,7 @@ import torch.fx as fx
 from fxopt.passes import (dead_code, fold_batchnorm, fold_constants, fuse_conv_epilogue, layout,
                           merge_parallel_convs, output_formats,
                           redundant_clones, select_conv_algorithm, training_batchnorm,
-                          training_batchnorm_relu, training_layout)
+                          training_batchnorm_relu, training_layout, pool_backward_layout)
 from fxopt.passinfra import PassContext
 from fxopt.report import PassRecord
 from fxopt.tolerances import outputs_close
@@ -62,6 +62,9 @@ JOINT_PIPELINE = [
     # BatchNorm (+ residual add) + ReLU and their gradients as cuDNN's fused kernels; needs the
     # channels_last layout above and the reserve space of training_batchnorm's form.
     ("training_batchnorm_relu", training_batchnorm_relu.run),
+    # PyTorch's CUDA avg_pool2d_backward is wrong on channels_last tensors where the pool pads:
+    # it reads NCHW copies (after the layout pass, which is one way such tensors reach it).
+    ("pool_backward_layout", pool_backward_layout.run),
 ]
 PASS_NAMES = tuple(name for name, _ in PIPELINE)
 JOINT_PASS_NAMES = tuple(name for name, _ in JOINT_PIPELINE)

@@ -67,6 +67,10 @@ def test_failure_is_shrunk_to_a_reproducer(tmp_path, monkeypatch):
     assert s["failing_programs"] == len(s["failures"]) == s["coverage"]["failures"]
     assert s["coverage"]["shrink_runs"] >= s["coverage"]["shrink_failed"] >= 1
     assert s["ran"] == s["coverage"]["graphs"] + s["coverage"]["shrink_runs"] + len(s["failures"])
+    # the program as first drawn was written before shrinking began (a killed process keeps it)
+    unshrunk = list((tmp_path / "shard-0-of-1" / "unshrunk").glob("repro_*.py"))
+    # (one per round at most; a round may first replay a program an earlier one found: the same file)
+    assert 1 <= len(unshrunk) <= len(s["failures"]) and "Mismatch: a convolution" in unshrunk[0].read_text()
 
 
 def test_reproducer_runs_without_the_fuzzer(tmp_path):

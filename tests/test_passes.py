@@ -192,7 +192,7 @@ def test_training_graph_keeps_batchnorm_and_fuses_only_legal():
     # the joint-graph passes (before the split) are in the report's table once, with their reasons
     rows = [line.split() for line in r.table().splitlines() if line.startswith("0:joint")]
     assert [row[1] for row in rows] == ["redundant_clones", "training_batchnorm", "training_layout",
-                                        "training_batchnorm_relu"]
+                                        "training_batchnorm_relu", "pool_backward_layout"]
     assert "not CUDA" in r.table() and "1:joint" not in r.table()
 
 

@@ -16,7 +16,7 @@ BENCHMARKS_MAX_LINES = 250
 #: bytes (decimal) of the measurement results in the tree: ``benchmarks/`` and the pictures in ``docs/``
 RESULTS_MAX_BYTES = 400_000
 RESULT_PREFIXES = ("benchmarks/",)
-RESULT_SUFFIXES = (".png", ".jpg", ".svg")
+RESULT_SUFFIXES = (".png", ".jpg", ".svg", ".webp")
 #: bytes (decimal) of all files ``git ls-files`` lists, summed: a ceiling over sources, tests, docs and
 #: results together (sources, tests and docs alone came to about 2.1 MB at the end of 2026-11-27, the
 #: results to 0.4 MB: the ceiling leaves room for the next families and their tests, not for dumps).

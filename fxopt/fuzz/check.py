@@ -341,6 +341,7 @@ def _training_step(program, device, eager, mine, compiled, x, graphs, ref: Refer
     dtype = getattr(torch, program.dtype)
     amp = torch.autocast(device, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     xe, xc = (x.detach().clone().requires_grad_(True) for _ in range(2))
+    pristine = copy.deepcopy(eager) if dtype != torch.float32 else None  # for ``_overflowed``
     with amp:
         out_e, out_c = run_both(lambda: eager(xe), lambda: compiled(xc))
     if spare is not None and _upstream(program, device, spare, x, out_c, out_e, outcome):
@@ -359,20 +360,31 @@ def _training_step(program, device, eager, mine, compiled, x, graphs, ref: Refer
     n = sum(o.numel() for o in _flat(out_e)) ** 0.5
     compare("loss", lc, le, lambda: ref.loss(loss), rtol, atol * max(1.0, n),
             spread64=rr and (lambda: rr.loss(loss)), peer=peer and (lambda: loss(peer.out())))
-    watch = _Overflow() if dtype != torch.float32 else contextlib.nullcontext()
-    with watch:
-        le.backward()
+    le.backward()
     lc.backward()
     try:
         _compare_step(eager, mine, xe, xc, loss, ref, rr, peer, rtol, atol)
     except Mismatch:
-        first = getattr(watch, "first", None)
+        first = _overflowed(pristine, x, amp, loss) if pristine is not None else None
         if first is None:
             raise
         if outcome is not None:  # eager's own 16-bit backward overflowed (the module's docstring)
             outcome["eager_overflow"] = first
         return
     _compare_buffers(eager, mine, ref, rr, peer, rtol, atol)
+
+
+def _overflowed(model, x, amp, loss) -> str | None:
+    """The first op of eager's 16-bit backward that overflowed (``_Overflow``), running the step
+    again on ``model`` (a copy taken before it): only where gradients differ, so that a passing
+    program's step is not watched (the watch reads every op's values, scratch ones too)."""
+    xr = x.detach().clone().requires_grad_(True)
+    with amp:
+        out = model(xr)
+    watch = _Overflow()
+    with watch:
+        loss(out).backward()
+    return watch.first
 
 
 def _compare_step(eager, mine, xe, xc, loss, ref, rr, peer, rtol, atol) -> None:

@@ -76,6 +76,19 @@ def _fuzz_options(program):
     return program
 
 
+def _keep_unshrunk(program, message: str, out_dir: Path, device: str, graphs: list) -> None:
+    """The failing program as drawn, written at once (``out/shard-i-of-n/unshrunk/``): shrinking may
+    outlast what the caller allows (a device time limit kills the process), and the shrunk
+    reproducer is written only when shrinking ends."""
+    from .check import tolerance_for
+    from .repro import write_repro
+
+    try:
+        write_repro(program, message, out_dir, device, tolerance_for(program, device, graphs))
+    except Exception as e:  # noqa: BLE001 - keeping it is a courtesy; the search goes on
+        print(f"fxopt fuzz: could not write the unshrunk reproducer: {type(e).__name__}: {e}")
+
+
 def run_fuzz(device: str = "cpu", examples: int = 100, seed: int = 0, time_budget: float | None = None,
              out="fuzz-out", shard: tuple = (0, 1), executors=None, max_batch: int | None = None,
              max_size: int = 12, max_layers: int = 5, dtypes=("float32", "float16", "bfloat16"),
@@ -83,7 +96,8 @@ def run_fuzz(device: str = "cpu", examples: int = 100, seed: int = 0, time_budge
     """Fuzz ``examples`` graphs (this shard's share) on ``device``; returns the summary written to
     ``out/shard-i-of-n/summary.json`` (``restart`` K > 0: ``.../restart-K/summary.json``, other
     seeds). A failure found is shrunk for at most ``SHRINK_SECONDS`` (and half the budget) past the
-    time budget; one that leaves the process unusable ends the shard (``summary["poisoned"]``)."""
+    time budget, its program as drawn written at once to ``.../unshrunk/``; one that leaves the
+    process unusable ends the shard (``summary["poisoned"]``)."""
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
     from hypothesis.database import DirectoryBasedExampleDatabase
@@ -120,6 +134,8 @@ def run_fuzz(device: str = "cpu", examples: int = 100, seed: int = 0, time_budge
         try:
             graphs = run_program(program, device, state["graphs"], outcome=outcome)
         except Exception as e:
+            if state["failed"] is None:  # as drawn, before shrinking: kept should the process be killed meanwhile
+                _keep_unshrunk(program, f"{type(e).__name__}: {e}", out_dir / "unshrunk", device, state["graphs"])
             state["failed"] = (program, f"{type(e).__name__}: {e}", traceback.format_exc())
             cov.shrink_failed += shrinking
             if not process_ok(device):

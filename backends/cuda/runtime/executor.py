@@ -48,7 +48,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from fxopt.backends.cuda.runtime.measure import Tuning, as_traced, cache_key, region_key, with_fallback
+from fxopt.backends.cuda.runtime.measure import Tuning, cache_key, region_key, with_fallback
 from fxopt.backends.cuda.runtime.running_stats import update_in_place
 from fxopt.backends.cuda.runtime.groups import fuse_group
 from fxopt.backends.cuda.kernels import FAMILIES, GROUPS
@@ -284,7 +284,7 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
         entry = decisions[p.node.name] = tuning.entry(p.node, candidates, region_key(p.node, p.generated,
                                                                                        candidates, tuning.graphed))
         if entry["choice"] in candidates and entry["choice"] != "reference":
-            p.node.target = as_traced(candidates[entry["choice"]], p.node)
+            p.node.target = candidates[entry["choice"]]
     for p in planned:
         pending.ready(p.cands)
         candidates = p.candidates()
@@ -293,7 +293,7 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
         node = p.node
         entry = decisions[node.name] = tuning.entry(node, candidates, cache_key(node, candidates, tuning.graphed))
         if entry["choice"] in candidates and entry["choice"] != "reference":
-            node.target = as_traced(candidates[entry["choice"]], node)
+            node.target = candidates[entry["choice"]]
             changed = True
     pending.finish()
     info["nvrtc_s"] = round(pending.compile_s, 3)  # overlapping the measuring that follows it

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from fxopt.backends.cuda.kernels.common import NodeGroup
-from fxopt.backends.cuda.runtime.measure import Tuning, as_traced, cache_key, with_fallback
+from fxopt.backends.cuda.runtime.measure import Tuning, cache_key, with_fallback
 
 
 def fuse_group(gm: fx.GraphModule, group: NodeGroup, tuning: Tuning, decisions: dict) -> bool:
@@ -34,6 +34,6 @@ def fuse_group(gm: fx.GraphModule, group: NodeGroup, tuning: Tuning, decisions: 
     if entry["choice"] not in candidates or entry["choice"] == "reference":
         g.erase_node(node)
         return False
-    node.target = as_traced(candidates[entry["choice"]], node)
+    node.target = candidates[entry["choice"]]
     group.replace(gm, node)
     return True

@@ -8,8 +8,6 @@
   compile measures nothing. ``cache_key`` names a node by what decides its choice: target, input
   shapes/layouts/dtypes, constant arguments and the candidates.
 - ``with_fallback``: a candidate that may decline at run time (``None``) backed by the reference.
-- ``as_traced``: the chosen candidate, its fresh outputs given the traced value's strides where
-  they differ only in dimensions of size 1.
 """
 from __future__ import annotations
 
@@ -193,48 +191,3 @@ class Tuning:
             self.ctx.measurements += len(entry["ms"])
             self.cache.put(self.device, key, entry)
         return entry
-
-
-def _traced(v):
-    """(shape, strides) of a traced tensor value with a dimension of size 1 and static sizes, else None."""
-    if not isinstance(v, torch.Tensor) or not all(isinstance(d, int) for d in (*v.shape, *v.stride())):
-        return None
-    return (tuple(v.shape), tuple(v.stride())) if 1 in v.shape else None
-
-
-def as_traced(fn, node: fx.Node):
-    """``fn`` (a node's chosen candidate) with each fresh output restrided to the traced value's
-    strides where they differ only in dimensions of size 1 (which address nothing).
-
-    Why: PyTorch's kernels read those strides. A [1, 1, 6, 1] tensor with strides (6, 1, 1, 1) is
-    channels_last to ``suggest_memory_format``, with (6, 6, 1, 1) contiguous: the same memory, yet
-    ATen's ``avg_pool2d_backward`` computed another gradient from a generated kernel's output laid
-    out the first way than from eager's the second (GPU fuzz 7c5eb76ce1: a weight gradient 267 off).
-    Generated kernels allocate what their own loops need and may choose either; eager's choice is
-    what the traced value (the graph's FakeTensor) records, and what downstream ATen ops were traced
-    with. Only a fresh dense allocation is restrided (``Tensor.set_``, no copy): an output that is
-    one of the arguments, or a view, is left as it is. ``fn`` itself where no output has a dimension
-    of size 1."""
-    val = node.meta.get("val")
-    vals = list(val) if isinstance(val, (tuple, list)) else [val]
-    want = [_traced(v) for v in vals]
-    if not any(want):
-        return fn
-    single = not isinstance(val, (tuple, list))
-
-    def run(*args):
-        out = fn(*args)
-        outs = [out] if single else (list(out) if isinstance(out, (tuple, list)) else [])
-        for t, w in zip(outs, want):
-            if w is None or not isinstance(t, torch.Tensor) or tuple(t.stride()) == w[1] or tuple(t.shape) != w[0]:
-                continue
-            if t._base is not None or any(t is a for a in args) or not all(
-                    n == 1 or a == b for n, a, b in zip(w[0], t.stride(), w[1])):
-                continue
-            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-                continue  # not a fresh dense allocation of its own
-            t.set_(t.untyped_storage(), t.storage_offset(), t.shape, w[1])
-        return out
-
-    run.__name__ = getattr(fn, "__name__", "candidate")
-    return run
