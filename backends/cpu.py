@@ -414,7 +414,7 @@ class CpuRunner:
         # loaded host could get wrong, are not reused; nor those before OpenVINO got dense weights, "ov2")
         from fxopt.choices import cpu_runner_key
 
-        return cpu_runner_key("bursts-ties2-ov2", self.decisions_cache[2], self.ways, sig)
+        return cpu_runner_key("bursts-ties2-ov2-ortrun", self.decisions_cache[2], self.ways, sig)
 
     def _decide(self, sig, args):
         if len(self.ways) == 1:

@@ -361,6 +361,11 @@ def test_onnxruntime_io_binding_gives_fresh_outputs_and_reads_inputs_at_the_call
     assert runs in ("onnxruntime", "onnxruntime 1 thread"), runner.decisions()
     (session,) = runner.ways[runs].sessions.values()
     assert session._cpu_binding is not None and (session._out_bufs is None) == (out_buffer_bytes == 0)
+    # its workers spin between a run's operators and stop when the run returns
+    opts = session.sess.get_session_options()
+    assert opts.get_session_config_entry("session.force_spinning_stop") == "1"
+    with pytest.raises(Exception):  # not set: ORT's default, spinning
+        opts.get_session_config_entry("session.intra_op.allow_spinning")
 
 
 def test_runner_gives_a_tie_to_onnxruntime_with_several_threads():
