@@ -13,7 +13,8 @@ lay out a tensor with a dimension of size 1 so that ATen reads it as channels_la
 [1, 1, 6, 1] value with strides (6, 1, 1, 1) counts as contiguous *and* channels_last, and the
 kernel then took the NHWC path (GPU fuzz 7c5eb76ce1: a weight gradient 267 off; eager's is 0.18).
 So the traced strides cannot say whether the NHWC kernel will run. The copy is made whenever it
-could.
+could. (``training_layout``'s copies for GroupNorm, ``NEEDS_NCHW``, go by the traced
+layout and run only where that pass changed it: neither holds here, hence a pass of its own.)
 
 Matches: ``aten.avg_pool2d_backward`` on a CUDA value with a padding above 0.
 

@@ -29,13 +29,13 @@ def _step(source: str, shape, poison: bool):
     that skips the padding's taps, as eager's on the GPU); returns the outcome."""
     program = Program(source, shape, "float16", "contiguous", "training", 0, {}, ["test"])
     eager, x = fuzz_check.build(program, "cpu")
-    mine = copy.deepcopy(eager)
+    mine, spare = copy.deepcopy(eager), copy.deepcopy(eager)  # spare: eager as it comes (run_program's)
     eager.m0.weight.register_hook(lambda g: g.nan_to_num(0.0))
     if poison:
         mine.m0.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
     outcome = {}
     fuzz_check._training_step(program, "cpu", eager, mine, mine, x, [], Reference64(eager, x, program),
-                              None, outcome, None)
+                              spare, outcome, None)
     return outcome
 
 

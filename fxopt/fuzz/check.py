@@ -341,7 +341,6 @@ def _training_step(program, device, eager, mine, compiled, x, graphs, ref: Refer
     dtype = getattr(torch, program.dtype)
     amp = torch.autocast(device, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     xe, xc = (x.detach().clone().requires_grad_(True) for _ in range(2))
-    pristine = copy.deepcopy(eager) if dtype != torch.float32 else None  # for ``_overflowed``
     with amp:
         out_e, out_c = run_both(lambda: eager(xe), lambda: compiled(xc))
     if spare is not None and _upstream(program, device, spare, x, out_c, out_e, outcome):
@@ -365,7 +364,7 @@ def _training_step(program, device, eager, mine, compiled, x, graphs, ref: Refer
     try:
         _compare_step(eager, mine, xe, xc, loss, ref, rr, peer, rtol, atol)
     except Mismatch:
-        first = _overflowed(pristine, x, amp, loss) if pristine is not None else None
+        first = _overflowed(spare, x, amp, loss) if spare is not None and dtype != torch.float32 else None
         if first is None:
             raise
         if outcome is not None:  # eager's own 16-bit backward overflowed (the module's docstring)
@@ -376,7 +375,8 @@ def _training_step(program, device, eager, mine, compiled, x, graphs, ref: Refer
 
 def _overflowed(model, x, amp, loss) -> str | None:
     """The first op of eager's 16-bit backward that overflowed (``_Overflow``), running the step
-    again on ``model`` (a copy taken before it): only where gradients differ, so that a passing
+    again on ``model`` (``run_program``'s spare copy, taken before eager's step; a forward of it in
+    ``_upstream`` leaves its parameters as they were): only where gradients differ, so that a passing
     program's step is not watched (the watch reads every op's values, scratch ones too)."""
     xr = x.detach().clone().requires_grad_(True)
     with amp:
