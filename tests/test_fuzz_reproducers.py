@@ -145,6 +145,13 @@ GPU_REPRODUCERS = {  # GPU fuzz seeds 41 / 51 (2026-11-27): shape, dtype, fmt, m
         "self.m5 = nn.BatchNorm2d(8)", _BN.format(5), "self.m6 = nn.Linear(8, 1)", "self.m7 = nn.Linear(1, 2)"],
         ["x = torch.tanh(self.m1(self.m0(x)) + self.m3(self.m2(x)))", "x = F.adaptive_avg_pool2d(x, 1)",
         "x = F.hardsigmoid(self.m5(self.m4(x)))", "x = self.m7(F.gelu(self.m6(torch.flatten(x, 1))))"], "x", 10, {}),
+    # GPU fuzz 2026-12-03 (seed 81)
+    "68a548ca2f": ((1, 5, 6, 9), "float32", "channels_last", "training", [
+        "self.m0 = nn.Conv2d(5, 2, 1)", "self.m1 = nn.Conv2d(2, 5, 1)",
+        "self.m2 = nn.Conv2d(5, 5, 1, stride=1, padding=0, dilation=1, groups=5, bias=True)"],
+        ["x = x * torch.sigmoid(self.m1(F.silu(self.m0(x.mean((2, 3), keepdim=True)))))",
+        "x = F.avg_pool2d(x, 3, 1, 1, ceil_mode=False, count_include_pad=True)", "x = F.mish(self.m2(x))",
+        "x = x + 0.1 * x.amin((3,), keepdim=True)"], "x", 533, {"conv_algorithm": "winograd_2x2_3x3"}),
 }
 
 
