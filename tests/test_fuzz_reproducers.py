@@ -156,17 +156,7 @@ GPU_REPRODUCERS = {  # GPU fuzz seeds 41 / 51 (2026-11-27): shape, dtype, fmt, m
 
 
 #: reproducers still failing on the GPU, with what is known (the GPU test expects them to fail)
-OPEN = {
-    "7c5eb76ce1": "PyTorch's CUDA avg_pool2d_backward read a [1, 1, 6, 1] value laid out (6, 1, 1, 1) as "
-                  "channels_last and is wrong there (a weight gradient 267 off); pool_backward_layout "
-                  "gives it NCHW copies, not yet run on a GPU",
-    "1b24f0e72f": "a conv bias gradient 0.356 from float64 (eager 2e-5) before a padded average pool: "
-                  "likely the same as 7c5eb76ce1; fails with its failing run's choices forced, 3 of 3",
-    "2ea87f01e0": "a linear's bias gradient 5.96 from float64 (eager 0.027) with one measured choice set: "
-                  "every op's inputs and outputs in the lowered graphs are bit-identical to a passing set's",
-    "6e42ecd3e1": "a conv bias gradient before a training BatchNorm (exactly 0 in float64) 0.404 from "
-                  "float64, eager 0.106, rounding 0.072: not yet rerun",
-}
+OPEN: dict = {}
 
 
 def gpu_reproducer(tag: str) -> Program:

@@ -4,8 +4,9 @@ Compared: the outputs' structure, shapes, dtypes, strides (dims of size 1 except
 (which outputs share storage with each other or with the input) exactly; values within the dtype's
 tolerance (``fxopt.tolerances``; on CUDA float32 at least 1e-3 for TF32), widened to the tolerance
 of every convolution algorithm the graph chose (``ConvAlgorithm.tolerance``, docs/NUMERICS.md).
-Where the values differ by more, they are judged against the model run in float64 (``Reference64``,
-run only then; a reference that cannot run is the fuzzer's failure, never skipped): fxopt passes
+Where the values differ by more, they are judged against the model run in float64 on the CPU
+(``Reference64``, run only then; a reference that cannot run is the fuzzer's failure, never
+skipped; why the CPU: its docstring): fxopt passes
 when its error against float64 is at most twice eager's plus the absolute tolerance (eager's own
 result is rounded, in 16 bits most of all). A program that rounds (16 bits; float32 on CUDA) also
 has a rounding spread (``references.Spread``: under 16-bit autocast the rounded problem, parameters
@@ -184,8 +185,9 @@ def _alias_pattern(outs: list, x: torch.Tensor) -> list:
 
 
 def _err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    d = (a.detach().double() - ref.detach().double()).abs()
-    d = torch.where(torch.isnan(a.detach().double()) & torch.isnan(ref.detach().double()), 0.0, d)
+    ref = ref.detach().to(a.device)  # the float64 references run on the CPU
+    d = (a.detach().double() - ref.double()).abs()
+    d = torch.where(torch.isnan(a.detach().double()) & torch.isnan(ref.double()), 0.0, d)
     return float(d.nan_to_num(float("inf")).max()) if d.numel() else 0.0
 
 
@@ -353,7 +355,7 @@ def _training_step(program, device, eager, mine, compiled, x, graphs, ref: Refer
     ws = [torch.randn(o.shape, generator=gen).to(o.device) for o in _flat(out_e)]
 
     def loss(outs, ref=False):
-        return sum(((o.double() if ref else o.float()) * (w.double() if ref else w)).sum()
+        return sum(((o.double() if ref else o.float()) * (w.double() if ref else w).to(o.device)).sum()
                    for o, w in zip(_flat(outs), ws))
     le, lc = loss(out_e), loss(out_c)
     n = sum(o.numel() for o in _flat(out_e)) ** 0.5

@@ -60,7 +60,11 @@ class RoundEveryOp(torch.overrides.TorchFunctionMode):
     """The standard model of rounding, applied to a float64 run (seeded): every op computed exactly
     on operands each within the unit roundoff ``u`` of the values it is handed (the ops that add up
     terms: convolutions, products, sums, norms; their rounding error scales with the terms, which
-    may cancel) and its floating-point result times ``1 + d``, ``d`` uniform in ``[-u, u]``. Its
+    may cancel) and its floating-point result times ``1 + d``, ``d`` uniform in ``[-u, u]``; in a
+    training step the gradient the backward computes for that result too (a 16-bit backward rounds
+    every gradient it writes: a convolution's bias gradient before a training BatchNorm adds up
+    thousands of rounded terms whose exact sum is 0, GPU fuzz 6e42ecd3e1: 0.03 to 0.4 from float64
+    across eager, its channels_last run and fxopt, by the loss's random weights alone). Its
     values and gradients, against the exact ones, are how far rounding anywhere in the forward moves
     them: through ``abs`` / ``relu`` / ``hardsigmoid`` of values within rounding of their kink, a
     gradient element flips between branches in every implementation, eager's and fxopt's at other
@@ -104,6 +108,8 @@ class RoundEveryOp(torch.overrides.TorchFunctionMode):
                 and not name.endswith("_") and not name.startswith("__")
                 and not any(out is a for a in args if isinstance(a, torch.Tensor))):
             out = self._perturbed(out)
+            if out.requires_grad:  # the backward rounds too: the gradient reaching this op's result
+                out.register_hook(self._perturbed)
         return out
 
 
@@ -158,6 +164,11 @@ class Spread:
 class Reference64:
     """The model run in float64, lazily: a copy of the model and input taken now (before eager's
     step changes them), run on the first call; for a training step the loss's backward too.
+    It runs on the CPU whatever the program's device: a CUDA kernel that is wrong in eager's layout
+    is as wrong in float64 there, and a reference that shares eager's error passes eager and fails
+    a correct fxopt (GPU fuzz 68a548ca2f: the channels_last ``avg_pool2d_backward`` of a padded pool,
+    eager's layout, agreed with float64 on the GPU to 3e-9 in the same layout and was 0.25 from
+    float64 on the CPU; fxopt, which reads NCHW copies there, was flagged).
     ``kinks``: the arguments of its piecewise ops once it has run (``RoundEveryOp``)."""
 
     def __init__(self, model, x, program: Program, rounding: torch.dtype | None = None,
@@ -183,9 +194,9 @@ class Reference64:
             self.rounded = Spread(samples, self) if samples else None
 
     def out(self):
-        if self._out is None:
-            self.model.double()
-            self.x = self.x.double().requires_grad_(self.training)
+        if self._out is None:  # on the CPU: see the class's docstring
+            self.model.double().cpu()
+            self.x = self.x.double().cpu().requires_grad_(self.training)
             mode = RoundEveryOp(self.perturb, self.seed, kinks=self.kinks, flip=self.flip)
             with contextlib.nullcontext() if self.training else torch.no_grad(), mode:
                 self._out = self.model(self.x)
