@@ -58,3 +58,18 @@ def test_float64_reference_runs_on_the_cpu():
     ref = fuzz_refs.Reference64(model, x, prog)
     assert ref.out().device.type == "cpu" and ref.grad("m0.weight", _loss).device.type == "cpu"
     assert next(model.parameters()).device.type == "cuda"  # the model itself is left where it was
+
+
+def test_a_cancelled_value_is_judged_by_the_size_of_its_noise():
+    """Where float64's value is 0 (at most ``CANCELLED`` of the noise), fxopt's error may be up to
+    ``NOISE_FACTOR`` times the largest sample; anywhere else twice, as before; and not beyond."""
+    from fxopt.fuzz.check import NOISE_FACTOR, Mismatch, compare
+
+    eager = torch.tensor([0.1, -0.05])
+    zero = torch.tensor([1e-15, -2e-15], dtype=torch.float64)
+    compare("b.grad", torch.tensor([0.4, 0.1]), eager, lambda: zero, 1e-3, 1e-3)  # 4x eager's noise
+    with pytest.raises(Mismatch, match=r"exactly 0 in float64: up to 8x"):
+        compare("b.grad", torch.tensor([0.1 * NOISE_FACTOR + 0.01, 0.0]), eager, lambda: zero, 1e-3, 1e-3)
+    nonzero = torch.tensor([0.2, -0.05], dtype=torch.float64)  # the same differences where it is not 0
+    with pytest.raises(Mismatch, match=r"error vs float64 0.3, eager.s 0.1 \(atol"):
+        compare("b.grad", torch.tensor([0.5, -0.05]), torch.tensor([0.3, -0.05]), lambda: nonzero, 1e-3, 1e-3)

@@ -18,11 +18,16 @@ is at most twice the larger of eager's and that spread (the samples' largest). L
 compiled graph of the model (``CompiledPeer``: ``backend="aot_eager"``, the graph AOTAutograd hands
 every backend, on PyTorch's kernels) is a further sample of how the computation rounds: fxopt
 passes where its error is at most twice that one's. A value whose exact result is 0 (a
-convolution's bias gradient before a training BatchNorm: a sum that cancels) is rounding noise in
-every implementation, whose scale its summands set, not its result; eager's one sample of it can
-be small by chance (CPU fuzz, seed 7: 0.344 from fxopt, bitwise AOTAutograd's own, against
-eager's 0.046 and a rounded problem's 3e-14). A training step also compares the loss, every gradient
-(10x), the input's gradient and the parameters and buffers after an SGD step.
+convolution's bias gradient before a training BatchNorm: a sum that cancels; ``CANCELLED``: float64's
+result at most 1e-6 of the samples' largest error) is rounding noise in every implementation, whose
+size its terms set, not its result, and one sample of that noise says little of the next: on GPU fuzz
+6e42ecd3e1 (bfloat16, batch 64, H200) the bias gradient lay 0.033 / 0.106 from 0 in eager NCHW and
+0.258 / 0.085 in eager channels_last, for two sets of loss weights, 7.8x apart with the same weights;
+the rounded float64 runs, which round each term once, gave 0.09. There fxopt passes where its error is
+at most ``NOISE_FACTOR`` (8) times the largest sample, plus the absolute tolerance (CPU fuzz, seed 7:
+0.344 from fxopt, bitwise AOTAutograd's own, against eager's 0.046 and a rounded problem's 3e-14).
+A training step also compares the loss, every gradient (10x), the input's gradient and the
+parameters and buffers after an SGD step.
 
 A 16-bit training step whose eager backward itself overflowed (an op of it returned inf or NaN
 from finite inputs: a BatchNorm over a constant channel divides by sqrt(eps) and leaves float16's
@@ -66,6 +71,10 @@ from .references import CompiledPeer, Reference64, Samples
 
 #: the SGD step's learning rate (momentum 0.9: the first step moves a parameter by LR * its gradient)
 LR = 0.05
+#: a value whose float64 result is at most this fraction of its rounding noise is a sum that cancels
+CANCELLED = 1e-6
+#: ... and fxopt's error there may be this many times the largest sample of that noise (module docstring)
+NOISE_FACTOR = 8
 
 
 class Mismatch(AssertionError):
@@ -231,9 +240,14 @@ def compare(what: str, got, want, ref64, rtol: float, atol: float, check_strides
                 err_p = _err(r, c) if isinstance(r, torch.Tensor) else None
                 if err_p is not None and err_c <= 2 * err_p + atol:
                     continue
+            noise = max(v for v in (err_e, spread, err_p) if v is not None)
+            cancelled = c.numel() > 0 and float(c.detach().double().abs().nan_to_num().max()) <= CANCELLED * noise
+            if cancelled and err_c <= NOISE_FACTOR * noise + atol:
+                continue  # its exact value is 0: noise of the terms' size in every implementation
             raise Mismatch(f"{name}: error vs float64 {err_c:.3g}, eager's {err_e:.3g}"
                            + (f", rounding's {spread:.3g}" if spread is not None else "")
                            + (f", PyTorch's compiled graph's {err_p:.3g}" if err_p is not None else "")
+                           + (f" (exactly 0 in float64: up to {NOISE_FACTOR}x)" if cancelled else "")
                            + f" (atol {atol}); vs eager: {str(e).splitlines()[1:3]}") from None
 
 
