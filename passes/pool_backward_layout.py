@@ -5,7 +5,10 @@ the pool pads. Measured on an H200 (torch 2.11.0+cu130): each of the 128 padded 
 than one channel was wrong, against the same call on NCHW tensors (kernels 2-4, strides 1-2,
 padding 1-2, ``count_include_pad`` and ``ceil_mode`` both ways, inputs [2, C, 7, 6] and [2, C, 4, 4],
 C = 2 or 8). Errors were 0.15 to 4.8 on unit-normal gradients; NCHW was within 2e-7 of float64.
-None of the 256 cases without padding or with one channel were wrong.
+None of the 256 cases without padding or with one channel were wrong. Against float64 on the CPU
+(H200, 2026-12-03): channels_last 0.46 to 3.3 off in float32 *and* float64 ([1, 5, 6, 9] and
+[2, 8, 7, 6], kernels 2-3, padding 1), NCHW 2e-7 and 0; so a float64 run in eager's layout on the
+GPU shares eager's error (the fuzzer's reference runs on the CPU).
 
 The layout reaches the call in two ways. The training layout pass makes convolutions
 channels_last, and their activations flow into the pool's backward. A generated kernel may also

@@ -320,6 +320,14 @@ def test_sanitizer_sample_runs_the_programs_after_one_that_ends_cuda_in_a_new_pr
     ran.clear()
     monkeypatch.setattr(sample, "_cuda_usable", lambda: True)  # usable still: every program here
     assert sample.run(str(path), device="cuda", log=lines.append, start_at=1) == 1 and len(ran) == 2
+    ran.clear()  # --inference-only leaves the training programs out, and passes itself on
+    train = {**prog, "mode": "training"}
+    path.write_text(json.dumps([{"program": p, "families": ["pointwise:region"], "shared": True}
+                                for p in (train, prog, train)]))
+    monkeypatch.setattr(sample, "_cuda_usable", lambda: False)
+    spawned.clear()
+    assert sample.run(str(path), device="cuda", log=lines.append, inference_only=True) == 1 and len(ran) == 1
+    assert not spawned and "ran 1 of 1 programs" in lines[-1]
 
 
 def test_sanitizer_sample_selects_every_family():
@@ -335,6 +343,9 @@ def test_sanitizer_sample_selects_every_family():
     assert any(e["shared"] for e in chosen)
     sizes = [len(e["families"]) for e in chosen]  # ordered: the first program covers the most families
     assert sizes[0] == max(sizes)
+    # every family also in an inference program with shared memory or shuffles (racecheck runs those)
+    racecheck = {f for e in chosen if e["shared"] and e["program"]["mode"] == "inference" for f in e["families"]}
+    assert not [f for f in FAMILIES if f not in racecheck and f not in NOT_LAUNCHED]
 
 
 def test_parameters_after_the_step_are_judged_against_float64_like_the_gradients():

@@ -8,7 +8,9 @@
 tensors (``fxopt.explain``: the kernels are generated, nothing runs on a GPU) until every kernel
 family of ``coverage.FAMILIES`` has ``--per-family`` programs or the draws are spent; each program
 records whether one of its kernels uses shared memory or warp shuffles (what racecheck and
-synccheck are for). The sample is ordered so that its first programs cover the most families;
+synccheck are for). Every family also gets ``--per-family`` inference programs where the draws
+reach one, for ``run --inference-only`` (racecheck, which cannot run a training step's cuBLAS
+products on an H200: ``scripts/sanitize.sh``). The sample is ordered so that its first programs cover the most families;
 the exit status is 3 where a family of ``FAMILIES`` (but those in ``coverage.NOT_LAUNCHED``) has no
 program (the sample is written all the same).
 
@@ -52,23 +54,27 @@ def select(per_family: int = 1, max_draws: int = 300, seed: int = 0, log=print) 
     from .graphs import programs
 
     chosen, counts, draws = [], {f: 0 for f in FAMILIES}, [0]
+    inference = {f: 0 for f in FAMILIES}  # the same, over inference programs (``run --inference-only``)
 
     @hseed(seed)
     @settings(max_examples=max_draws, database=None, deadline=None, suppress_health_check=list(HealthCheck))
     @given(programs(max_batch=8, max_size=10, cudagraphs=(False,), executor="cuda"))
     def draw(program):
-        if all(c >= per_family for c in counts.values()):
-            return
+        if all(c >= per_family for c in counts.values()) and all(
+                c >= per_family for f, c in inference.items() if f not in NOT_LAUNCHED):
+            return  # (a family no inference program reaches draws on until the draws are spent)
         draws[0] += 1
         try:
             fams, shared = _plan(program)
         except Exception as e:  # noqa: BLE001 - a graph fxopt cannot plan is the fuzzer's business, not this sample's
             log(f"skipped ({type(e).__name__}: {str(e)[:120]})")
             return
-        new = [f for f in fams if f in counts and counts[f] < per_family]
+        infer = program.mode == "inference"
+        new = [f for f in fams if f in counts and (counts[f] < per_family or (infer and inference[f] < per_family))]
         if new:
             for f in fams & counts.keys():
                 counts[f] += 1
+                inference[f] += infer
             chosen.append({"program": program.to_json(), "families": sorted(fams), "shared": shared})
     draw()
     chosen = cover_order(chosen)
@@ -76,6 +82,9 @@ def select(per_family: int = 1, max_draws: int = 300, seed: int = 0, log=print) 
     missing = [f for f, c in counts.items() if not c]
     if missing:
         log(f"never reached: {', '.join(missing)}")
+    only_training = [f for f, c in inference.items() if counts[f] and not c]
+    if only_training:
+        log(f"reached by training programs only: {', '.join(only_training)}")
     return chosen
 
 
@@ -114,7 +123,7 @@ def _cuda_usable() -> bool:
 
 
 def run(path: str, shared_only: bool = False, device: str = "cuda", log=print, time_budget: float | None = None,
-        full_timing: bool = False, start_at: int = 0) -> int:
+        full_timing: bool = False, start_at: int = 0, inference_only: bool = False) -> int:
     """Run the sample's programs from ``start_at`` on; where one leaves the process unable to run
     CUDA work, the programs after it run in a fresh process (``--start``; a sanitizer follows it),
     so that one program's failure does not count as every later one's."""
@@ -127,7 +136,8 @@ def run(path: str, shared_only: bool = False, device: str = "cuda", log=print, t
     if not full_timing:
         _quick_timing()
     start, failed, ran, left = time.monotonic(), 0, 0, []
-    entries = [e for e in json.loads(open(path).read()) if e["shared"] or not shared_only]
+    entries = [e for e in json.loads(open(path).read()) if (e["shared"] or not shared_only)
+               and (e["program"]["mode"] == "inference" or not inference_only)]
     for i, entry in enumerate(entries):
         if i < start_at:
             continue
@@ -148,6 +158,7 @@ def run(path: str, shared_only: bool = False, device: str = "cuda", log=print, t
                 log(f"[{i}] left the process unable to run CUDA work: programs {i + 1}.. in a new process")
                 cmd = [sys.executable, "-m", "fxopt.fuzz.sample", "run", path, "--start", str(i + 1),
                        "--device", device] + ["--shared-only"] * shared_only + ["--full-timing"] * full_timing
+                cmd += ["--inference-only"] * inference_only
                 if time_budget is not None:
                     cmd += ["--time-budget", str(max(0.0, time_budget - (time.monotonic() - start)))]
                 subprocess.run(cmd, check=False)
@@ -176,6 +187,8 @@ def main(argv=None) -> int:
     r.add_argument("--time-budget", type=float, default=None, help="start no program after SECONDS")
     r.add_argument("--full-timing", action="store_true", help="measure candidates with the usual run counts")
     r.add_argument("--start", type=int, default=0, help="the first program to run (0-based)")
+    r.add_argument("--inference-only", action="store_true",
+                   help="no training programs (racecheck: see scripts/sanitize.sh)")
     args = p.parse_args(argv)
     if args.cmd == "select":
         chosen = select(args.per_family, args.max_draws, args.seed)
@@ -185,7 +198,7 @@ def main(argv=None) -> int:
         missing = [f for f in FAMILIES if f not in reached and f not in NOT_LAUNCHED]
         return 1 if not chosen else (3 if missing else 0)  # 3: a sample without some family
     return run(args.sample, args.shared_only, args.device, time_budget=args.time_budget,
-               full_timing=args.full_timing, start_at=args.start)
+               full_timing=args.full_timing, start_at=args.start, inference_only=args.inference_only)
 
 
 if __name__ == "__main__":
