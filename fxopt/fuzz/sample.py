@@ -8,9 +8,10 @@
 tensors (``fxopt.explain``: the kernels are generated, nothing runs on a GPU) until every kernel
 family of ``coverage.FAMILIES`` has ``--per-family`` programs or the draws are spent; each program
 records whether one of its kernels uses shared memory or warp shuffles (what racecheck and
-synccheck are for). Every family also gets ``--per-family`` inference programs where the draws
-reach one, for ``run --inference-only`` (racecheck, which cannot run a training step's cuBLAS
-products on an H200: ``scripts/sanitize.sh``). The sample is ordered so that its first programs cover the most families;
+synccheck are for). Every family also gets ``--per-family`` such inference programs where the
+draws reach one, for ``run --inference-only --shared-only`` (racecheck, which cannot run a training
+step's cuBLAS products on an H200: ``scripts/sanitize.sh``). The sample is ordered so that its
+first programs cover the most families;
 the exit status is 3 where a family of ``FAMILIES`` (but those in ``coverage.NOT_LAUNCHED``) has no
 program (the sample is written all the same).
 
@@ -54,7 +55,7 @@ def select(per_family: int = 1, max_draws: int = 300, seed: int = 0, log=print) 
     from .graphs import programs
 
     chosen, counts, draws = [], {f: 0 for f in FAMILIES}, [0]
-    inference = {f: 0 for f in FAMILIES}  # the same, over inference programs (``run --inference-only``)
+    inference = {f: 0 for f in FAMILIES}  # the same, over inference programs with shared memory or shuffles
 
     @hseed(seed)
     @settings(max_examples=max_draws, database=None, deadline=None, suppress_health_check=list(HealthCheck))
@@ -69,7 +70,7 @@ def select(per_family: int = 1, max_draws: int = 300, seed: int = 0, log=print) 
         except Exception as e:  # noqa: BLE001 - a graph fxopt cannot plan is the fuzzer's business, not this sample's
             log(f"skipped ({type(e).__name__}: {str(e)[:120]})")
             return
-        infer = program.mode == "inference"
+        infer = program.mode == "inference" and shared  # what racecheck runs
         new = [f for f in fams if f in counts and (counts[f] < per_family or (infer and inference[f] < per_family))]
         if new:
             for f in fams & counts.keys():
@@ -82,9 +83,9 @@ def select(per_family: int = 1, max_draws: int = 300, seed: int = 0, log=print) 
     missing = [f for f, c in counts.items() if not c]
     if missing:
         log(f"never reached: {', '.join(missing)}")
-    only_training = [f for f, c in inference.items() if counts[f] and not c]
-    if only_training:
-        log(f"reached by training programs only: {', '.join(only_training)}")
+    no_racecheck = [f for f, c in inference.items() if counts[f] and not c]
+    if no_racecheck:
+        log(f"no inference program with shared memory or shuffles: {', '.join(no_racecheck)}")
     return chosen
 
 
