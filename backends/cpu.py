@@ -288,9 +288,10 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
     if ctx.options.cpu_onnxruntime:
         from fxopt.backends.onnxrt import cpu_candidate
 
-        ort, why = cpu_candidate(gm, ctx)
+        exports: dict = {}  # one ONNX export per signature for both thread counts
+        ort, why = cpu_candidate(gm, ctx, exports=exports)
         if ort is not None and torch.get_num_threads() > 1:
-            ort1 = cpu_candidate(gm, ctx, threads=1)[0]
+            ort1 = cpu_candidate(gm, ctx, threads=1, exports=exports)[0]
     details["onnxruntime_candidate"] = "timed per signature" if ort is not None else f"none ({why})"
     ov, why = None, "option cpu_openvino=False"
     if ctx.options.cpu_openvino:

@@ -150,7 +150,7 @@ def _why_not(gm: fx.GraphModule, ctx, strict: bool) -> Optional[str]:
     return f"dtype without an onnxruntime binding here: {odd}" if odd else None
 
 
-def cpu_candidate(gm: fx.GraphModule, ctx, threads: Optional[int] = None):
+def cpu_candidate(gm: fx.GraphModule, ctx, threads: Optional[int] = None, exports: Optional[dict] = None):
     """(the optimized CPU inference graph in ONNX Runtime sessions, None) as one more way for the
     cpu executor's runner to time per signature, or (None, why not). Its workers spin between the
     operators of a run and stop when the run returns (``session.force_spinning_stop``): a pool left
@@ -159,12 +159,13 @@ def cpu_candidate(gm: fx.GraphModule, ctx, threads: Optional[int] = None):
     1.24 ms a run against 1.02 ms spinning within runs only, a 64x64 matmul after each run no slower). Export failures raise (the runner
     then leaves it out). ``threads``: its intra-op threads (default torch's thread count; 1: the
     calling thread alone, no hand-off to a worker, which at a small graph's batch 1 can be the
-    faster)."""
+    faster). ``exports``: a dict shared with the other thread count's candidate, so that a signature's
+    graph is exported to ONNX once for both (vgg11_bn at 64x64: 2.7 s an export)."""
     why = _why_not(gm, ctx, strict=False)
     if why:
         return None, why
     return OrtRunner(gm, ctx.param_placeholders, ctx.param_qualnames, "CPUExecutionProvider", False,
-                     spin="run", fallback=False, threads=threads, watch=not ctx.fixed_weights), None
+                     spin="run", fallback=False, threads=threads, watch=not ctx.fixed_weights, exports=exports), None
 
 
 def _matches(v, a) -> bool:
@@ -194,18 +195,27 @@ def specialize(gm: fx.GraphModule, args: list) -> fx.GraphModule:
     return g
 
 
+def export_signature(gm, args, params) -> tuple:
+    """(the graph specialized to ``args`` as a serialized ONNX model, its output values)."""
+    from fxopt.onnx_graph import graph_to_onnx
+
+    g = specialize(gm, args)
+    proto = graph_to_onnx(g, args, params, dynamic_batch=False)
+    out = next(n for n in g.graph.nodes if n.op == "output").args[0]
+    return proto.SerializeToString(), [o.meta["val"] for o in (out if isinstance(out, (list, tuple)) else [out])]
+
+
 class _Session:
     """One ORT session for one input signature."""
 
-    def __init__(self, gm, args, params, provider, cuda_graph, nhwc=False, spin=True, threads=None):
+    def __init__(self, gm, args, params, provider, cuda_graph, nhwc=False, spin=True, threads=None,
+                 export: Optional[tuple] = None):
+        """export: (serialized ONNX model, output values) of this signature, exported already."""
         import onnxruntime as ort
 
-        from fxopt.onnx_graph import graph_to_onnx
-
-        g = specialize(gm, args)
-        proto = graph_to_onnx(g, args, params, dynamic_batch=False)
-        out = next(n for n in g.graph.nodes if n.op == "output").args[0]
-        self.out_vals = [o.meta["val"] for o in (out if isinstance(out, (list, tuple)) else [out])]
+        if export is None:
+            export = export_signature(gm, args, params)
+        data, self.out_vals = export
         self.restride = any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in self.out_vals)
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
@@ -229,7 +239,6 @@ class _Session:
             if nhwc:
                 popts["prefer_nhwc"] = "1"
             providers = [(provider, popts)]
-        data = proto.SerializeToString()
         self.sess = None
         while self.sess is None:
             try:
@@ -340,11 +349,13 @@ class OrtRunner:
     """The compiled callable: the graph's flat args in (parameters included), the graph's outputs out."""
 
     def __init__(self, gm, param_placeholders, qualnames, provider, cuda_graph, max_sessions=MAX_SESSIONS,
-                 nhwc=False, spin=True, fallback=True, threads=None, watch=True):
+                 nhwc=False, spin=True, fallback=True, threads=None, watch=True, exports=None):
         """spin: ORT's CPU workers spin between runs (True, its default), never (False), or within a
         run only ("run"); fallback: signatures ONNX
         export refuses run on the torch executor (with a warning) instead of raising; watch: whether
-        the weights may change between calls (False: a package's, fixed)."""
+        the weights may change between calls (False: a package's, fixed); exports: signature ->
+        (``export_signature``'s result, the weights it holds), a dict shared with runners of the same
+        graph (or None): an export is reused only with the same weight tensors, unchanged."""
         self.gm, self.provider, self.cuda_graph, self.max_sessions = gm, provider, cuda_graph, max_sessions
         self.nhwc, self.spin, self.fallback, self.threads = nhwc, spin, fallback, threads
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -358,6 +369,7 @@ class OrtRunner:
         self._params_changed = ParamChanges(self.params if watch else [])
         self._torch = None  # the torch executor, for signatures ONNX export refuses
         self.builds = 0  # sessions created (for tests and reports)
+        self.exports = exports
 
     def entry(self, args) -> _Session:
         if self._params_changed(args):  # a weight changed: every session holds stale initializers
@@ -366,8 +378,16 @@ class OrtRunner:
                     else args[i] for i in self.user)
         entry = self.sessions.get(sig)
         if entry is None:
+            export = None
+            if self.exports is not None:  # reused where its weights are the ones these args hold
+                weights = tuple((id(args[i]), args[i]._version, args[i].data_ptr()) if isinstance(args[i], torch.Tensor)
+                                else args[i] for i in self.params)
+                export, held = self.exports.get(sig, (None, None))
+                if export is None or held != weights:
+                    export = export_signature(self.gm, list(args), self.params)
+                    self.exports[sig] = (export, weights)
             entry = _Session(self.gm, list(args), self.params, self.provider, self.cuda_graph, self.nhwc, self.spin,
-                             self.threads)
+                             self.threads, export)
             self.builds += 1
             self.sessions[sig] = entry
             while len(self.sessions) > self.max_sessions:

@@ -406,3 +406,32 @@ def check_fresh_outputs_and_reread_inputs(compiled, m, x) -> None:
         x2.mul_(-2.0)  # same memory, new values
         torch.testing.assert_close(compiled(x2), m(x2), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(b, m(x2 / -2.0), rtol=1e-4, atol=1e-5)
+
+
+def test_onnxruntime_candidates_export_each_signature_once_and_again_after_a_weight_change(monkeypatch):
+    """The all-threads and one-thread ONNX Runtime candidates share one ONNX export per signature;
+    a weight change (a compile's weights may change) empties it, and both then run the new weights."""
+    from fxopt import onnx_graph
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: no one-thread candidate")
+    exported = []
+    real = onnx_graph.graph_to_onnx
+    monkeypatch.setattr(onnx_graph, "graph_to_onnx", lambda *a, **k: exported.append(1) or real(*a, **k))
+    calls = []  # the runner's flat arguments (parameters and input), to call each candidate with
+    call = cpu.CpuRunner.__call__
+    monkeypatch.setattr(cpu.CpuRunner, "__call__", lambda self, *a: calls.append(a) or call(self, *a))
+    torch.manual_seed(0)
+    m, x = SeedCNN().eval(), torch.randn(2, 3, 32, 32)
+    graphs: list = []
+    compiled = fxopt.testing.compile_with_fxopt(m, {"autotune_cache": False, "cpu_openvino": False}, graphs)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), m(x))
+        runner = graphs[0].executor_details["cpu_runner"]
+        ort, ort1 = runner.ways["onnxruntime"], runner.ways["onnxruntime 1 thread"]
+        assert ort.exports is ort1.exports and len(exported) == 1 and ort.builds == ort1.builds == 1
+        next(m.parameters()).mul_(0.5)  # both candidates must see it
+        for way in (ort, ort1):
+            out = way(*calls[-1])
+            torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out, m(x))
+        assert len(exported) == 2 and ort.builds == ort1.builds == 2
