@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from fxopt.backends import torch_ref
 from fxopt.lowered import Lowered
-from fxopt.weights import ParamChanges
+from fxopt.weights import ParamChanges, weights_key
 
 MAX_SESSIONS = 8
 #: CPU outputs up to this many bytes in all are written into buffers bound once and copied out
@@ -380,8 +380,7 @@ class OrtRunner:
         if entry is None:
             export = None
             if self.exports is not None:  # reused where its weights are the ones these args hold
-                weights = tuple((id(args[i]), args[i]._version, args[i].data_ptr()) if isinstance(args[i], torch.Tensor)
-                                else args[i] for i in self.params)
+                weights = weights_key(args, self.params)
                 export, held = self.exports.get(sig, (None, None))
                 if export is None or held != weights:
                     export = export_signature(self.gm, list(args), self.params)

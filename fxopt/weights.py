@@ -69,6 +69,13 @@ class WeightWatch:
         return ptrs_changed, changed
 
 
+def weights_key(args, indices) -> tuple:
+    """The identity, version and address of each parameter input at ``indices`` (a non-tensor as it
+    is): equal keys, the same weights unchanged."""
+    return tuple((id(args[i]), args[i]._version, args[i].data_ptr()) if isinstance(args[i], torch.Tensor)
+                 else args[i] for i in indices)
+
+
 class ParamChanges:
     """Whether the parameter inputs at ``indices`` were replaced or changed in place since the previous
     call: one ``WeightWatch`` check where they are all tensors (a few C-level calls, not Python work
@@ -84,8 +91,7 @@ class ParamChanges:
             tensors = all(isinstance(args[i], torch.Tensor) for i in self.indices)
             self._watch = WeightWatch(self.indices) if tensors else False
         if self._watch is False:  # a non-tensor parameter input: compare everything
-            key = tuple((id(args[i]), args[i]._version, args[i].data_ptr()) if isinstance(args[i], torch.Tensor)
-                        else args[i] for i in self.indices)
+            key = weights_key(args, self.indices)
             changed, self._key = key != self._key, key
             return changed
         return self._watch.check(args)[1]
