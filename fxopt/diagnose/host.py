@@ -18,9 +18,11 @@ With fxopt's CUDA-graph runner (CUDA inference) also:
 - ``wrappers_host``: Dynamo + AOTAutograd around a runner that returns at once;
 
 and the runner's replay decision. Then the executor's choice per node (``--choices``: every
-candidate's time); ``--kernels``: the kernels of one replay by GPU time; ``--inductor``: Inductor
-(freezing, reduce-overhead) beside it; ``--cprofile N``: the N functions with the most own time
-over 1000 calls of the compiled model.
+candidate's time); ``--kernels``: the kernels of one replay by GPU time (``--rows N`` of them;
+kernels launched early wait inside their predecessor's time, so their times overlap: ``FXOPT_PDL=0``
+for times without); ``--inductor``: Inductor (freezing, reduce-overhead) beside it, and with
+``--kernels`` Inductor's kernels of one call too; ``--cprofile N``: the N functions with the most
+own time over 1000 calls of the compiled model.
 """
 from __future__ import annotations
 
@@ -39,7 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("--options", type=options_json, default={}, help="fxopt options as JSON")
     p.add_argument("--choices", action="store_true", help="every measured candidate per node")
     p.add_argument("--kernels", action="store_true", help="the kernels of one CUDA-graph replay")
-    p.add_argument("--inductor", action="store_true", help="Inductor (freezing, reduce-overhead) beside it")
+    p.add_argument("--inductor", action="store_true", help="Inductor (freezing, reduce-overhead) beside it "
+                   "(with --kernels: its kernels too)")
+    p.add_argument("--rows", type=int, default=12, metavar="N", help="--kernels: the N kernels with the most time")
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="profile 1000 calls: N functions")
 
 
@@ -100,7 +104,7 @@ def runner_split(runner, compiled, x, device: str) -> tuple[dict, str]:
     return row, state
 
 
-def kernel_table(fn, rows: int = 12) -> str:
+def kernel_table(fn, rows: int = 12, title: str = "replay") -> str:
     """The kernels of 10 calls of ``fn``, by GPU time per call."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -111,7 +115,7 @@ def kernel_table(fn, rows: int = 12) -> str:
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0)]
     total = sum(e.device_time_total for e in events) / 10
-    lines = [f"  kernels per replay {sum(e.count for e in events) / 10:.0f}, GPU µs per replay {total:.1f}"]
+    lines = [f"  kernels per {title} {sum(e.count for e in events) / 10:.0f}, GPU µs per {title} {total:.1f}"]
     for e in sorted(events, key=lambda e: -e.device_time_total)[:rows]:
         lines.append(f"  {e.device_time_total / 10:8.1f} µs  x{e.count / 10:4.0f}  {e.key[:90]}")
     return "\n".join(lines)
@@ -140,7 +144,7 @@ def run(args) -> int:
             sync(args.device)
         kernels = ""
         if args.kernels and runner is not None:
-            kernels = kernel_table(next(iter(runner.graphs.values())).instances[0].graph.replay)
+            kernels = kernel_table(next(iter(runner.graphs.values())).instances[0].graph.replay, args.rows)
         row["entry_host"] = entry_host_us(model, x, args.device)
         if args.inductor:
             torch.compiler.reset()
@@ -148,6 +152,9 @@ def run(args) -> int:
                 ind = torch.compile(model, mode="reduce-overhead")
                 row["inductor_freezing_ro"] = call_us(ind, x, args.device)
                 row["inductor_host"] = host_us(ind, x, args.device)
+                if args.kernels and args.device == "cuda":
+                    kernels += "\n  Inductor (freezing, reduce-overhead):\n" + kernel_table(
+                        lambda: ind(x), args.rows, "call")
     torch.compiler.reset()
     print(f"{args.model} {args.dtype} {tuple(x.shape)} {args.device}, µs per call: "
           + "  ".join(f"{k}={v:.1f}" for k, v in row.items()))
