@@ -1,6 +1,10 @@
 """The cuda executor's lowering: what runs on the GPU for each part of the optimized graph.
 
-First the fusion scheduler (``schedule/fusion.py``) groups every pointwise, reduction and
+First, on a GPU, a ``fused_linear`` over many rows whose readers are all generated kernels is
+measured as the bare product plus its bias/activation against the fused call (cuBLAS picks another
+kernel with a bias epilogue); where the former wins its epilogue moves into the readers' kernels
+(``rewrite.split_linear_epilogues``; choice ``split`` in ``node_choices``). Then the fusion
+scheduler (``schedule/fusion.py``) groups every pointwise, reduction and
 data-movement op it has a rule for into regions, each one generated kernel
 (``kernels/region.py``), and replaces each region by one node. A region's candidates: its
 ``reference`` (its ATen ops as PyTorch runs them), ``generated`` (the kernel), and for a region that
@@ -56,7 +60,8 @@ from fxopt.backends.cuda.kernels.region import GeneratedRegion, parallel_variant
 from fxopt.backends.cuda.schedule.copies import copy_summary
 from fxopt.backends.cuda.schedule.fusion import schedule
 from fxopt.backends.cuda.schedule.movement_rules import INFERENCE_ONLY
-from fxopt.backends.cuda.schedule.rewrite import rewrite, split_conv_epilogues
+from fxopt.backends.cuda.schedule.rewrite import (linear_then_epilogue, rewrite, split_conv_epilogues,
+                                                  split_linear_epilogues)
 from fxopt.backends.cuda.schedule.generated import EmulatedRegion, RegionReference, template_candidates
 
 
@@ -205,9 +210,13 @@ def _fallback_call(call, reference, name):
 
 
 def fuse_regions(runnable: fx.GraphModule, info: dict, skip: set, strict: bool = False,
-                 fast_math: bool = False) -> list:
+                 fast_math: bool = False, tuning=None) -> list:
     """Schedule ``runnable`` into regions and put one node per region in the graph (target: its
-    reference, until a measurement chooses otherwise). ``fast_math``: option fast_math."""
+    reference, until a measurement chooses otherwise). ``fast_math``: option fast_math. ``tuning``
+    (on a GPU): measures whether a linear layer's epilogue moves into its readers' kernels."""
+    info["linear_epilogues"] = split_linear_epilogues(runnable, skip, None if tuning is None else (
+        lambda node: tuning.entry(node, {"reference": node.target, "split": linear_then_epilogue},
+                                  cache_key(node, {"reference": 0, "split": 0}, tuning.graphed))))
     split = split_conv_epilogues(runnable, skip)
     sched = schedule(runnable, skip, strict=strict)
     info["unfused"] = sched.unfused
@@ -237,7 +246,14 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     skip = {n for gs in by_family.values() for g in gs for n in g.keep_out}
     if ctx.mode != "inference":
         skip |= {n for n in runnable.graph.nodes if n.op == "call_function" and n.target in INFERENCE_ONLY}
-    regions = (fuse_regions(runnable, info, skip, ctx.options.strict, ctx.options.fast_math)
+    on_gpu = torch.cuda.is_available() and ctx.device_type == "cuda"
+    tuning = None
+    if on_gpu:
+        from fxopt.autotune import AutotuneCache, device_fingerprint
+
+        tuning = Tuning(AutotuneCache.for_option(ctx.options.autotune_cache), device_fingerprint("cuda"),
+                        ctx.options.cudagraphs is not False, ctx)
+    regions = (fuse_regions(runnable, info, skip, ctx.options.strict, ctx.options.fast_math, tuning)
                if ctx.options.fusion else [])
     planned = plan_nodes(runnable.graph, ctx.options)
     by_family.update((f.name, f.plan(runnable.graph)) for f in GROUPS if not f.before_fusion)
@@ -256,9 +272,8 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
     pending = PendingKernels([p.generated for p in regions] + [c for p in regions for c, _ in p.templates.values()]
                              + first + [c for p in planned for c in p.cands if id(c) not in firsts]
                              + [c for g in groups for c in g.candidates], info, computes)
-    decisions = {}
+    decisions = dict(info.get("linear_epilogues", {}))  # "split": the epilogue went into its readers
     info["node_choices"] = decisions
-    on_gpu = torch.cuda.is_available() and ctx.device_type == "cuda"
     if not on_gpu:
         if getattr(ctx.options, "emulate_kernels", False) and regions:
             for p in regions:  # the kernels' IR in the references' place (option emulate_kernels)
@@ -269,12 +284,7 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
         info["updated_in_place"] = update_in_place(runnable)
         _stream_plan(runnable, ctx, info)
         return runnable
-    from fxopt.autotune import AutotuneCache, device_fingerprint
-
-    opt = ctx.options.autotune_cache
-    cache = AutotuneCache.for_option(opt)
-    tuning = Tuning(cache, device_fingerprint("cuda"), ctx.options.cudagraphs is not False, ctx)
-    changed = bool(regions)
+    changed = bool(regions) or any(e.get("choice") == "split" for e in info.get("linear_epilogues", {}).values())
     t0 = time.perf_counter()
     for p in regions:  # measured as soon as its own kernels are compiled
         pending.ready([p.generated] + [c for c, _ in p.templates.values()])
