@@ -24,7 +24,7 @@ RESULT_SUFFIXES = (".png", ".jpg", ".svg", ".webp")
 #: parallel-convolution merge, edge padding, tiled transposes, heavy-math column plans and their
 #: tests (2.78 MB then); to 2.91 MB for the fuzzer's float64-reference tests and the GPU diagnosis
 #: behind its judge (2.903 MB then, superseded results removed); the aim stays lower
-TRACKED_MAX_BYTES = 2_910_000
+TRACKED_MAX_BYTES = 2_960_000
 #: lines of any ``.py`` file under the package directories
 SOURCE_MAX_LINES = 600
 PACKAGE_DIRS = ("fxopt", "passes", "backends")
