@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from fxopt.backends import torch_ref
@@ -16,6 +16,7 @@ from fxopt.backends.cuda.runtime.executor import fuse_regions
 from fxopt.backends.cuda.schedule.fusion import schedule
 from fxopt.backends.cuda.schedule.generated import EmulatedRegion
 from fxopt.backends.cuda.schedule.rewrite import linear_then_epilogue, split_linear_epilogues
+from fxopt.fuzz.graphs import programs
 from fxopt.ops import conv_epilogue_ref, fused_linear_ref
 from fxopt.testing.fusion import capture
 
@@ -187,3 +188,18 @@ def test_gpu_each_linear_is_measured_and_the_compiled_block_matches_eager(dtype)
     choices = graphs[0].executor_details["node_choices"]
     split = {k: v for k, v in choices.items() if v.get("choice") in ("split",) or set(v.get("ms", {})) == {"reference", "split"}}
     assert len(split) == 2, choices  # both layers measured, fused call against bare product + epilogue
+
+
+@settings(max_examples=10, deadline=None, database=None)
+@given(program=programs(
+    kinds=("mlp",), max_layers=2, max_batch=8, max_size=6, modes=("inference", "training"), cudagraphs=(None,)),
+    executor=st.sampled_from([None, "torch", "cuda"]))
+def test_property_the_fuzzers_channel_mlp_passes_on_the_cpu(program, executor):
+    """The fuzzer's ``mlp`` layer (ConvNeXt's channel MLP, inside ``fxopt fuzz``'s kinds) judged as
+    the fuzzer judges it: against eager and float64, on every executor's CPU-checkable part."""
+    from fxopt.fuzz.check import run_program
+
+    assume("mlp" in program.ops)
+    if executor:  # None: the default (the cpu executor for inference)
+        program.options["executor"] = executor
+    run_program(program, "cpu")

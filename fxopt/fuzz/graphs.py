@@ -11,7 +11,8 @@ grouped; 3x3 stride 1 dense often, for Winograd) with optional BatchNorm and act
 chains (every activation fxopt fuses and more, arithmetic, clamp, where); reductions (mean, amax,
 amin, sum, var over every axis incl. the batch) broadcast back; BatchNorm, InstanceNorm, GroupNorm,
 LayerNorm over channels and over (C, H, W); max / avg / adaptive pools; softmax / log_softmax;
-squeeze-excite; parallel convolutions of one input summed (re-parameterizable branches); views
+squeeze-excite; parallel convolutions of one input summed (re-parameterizable branches); ConvNeXt's
+channel MLP on channels-last rows (linear, activation, linear, scale, residual); views
 (transpose, channel shuffle, permute round trip, strided slice); chunk / split
 + cat, stack + softmax over it + weighted sum; constant / reflect / replicate pad; nearest /
 bilinear upsample; residual blocks; dtype round trips; flatten + linear heads. A model may return a
@@ -42,8 +43,9 @@ ARITH = {
 KINDS = ("conv", "conv", "conv3", "pointwise", "reduce", "norm", "norm", "pool", "softmax", "se", "view",
          "split_cat", "pad", "upsample", "residual", "cast")
 #: the fuzz run's kinds: also parallel convolutions summed (a graph rewrite's case, no kernel family of
-#: its own: the sanitizers' sample, which looks for families, draws ``KINDS``)
-FUZZ_KINDS = KINDS + ("branches",)
+#: its own: the sanitizers' sample, which looks for families, draws ``KINDS``) and a channel MLP (a
+#: library product whose epilogue the executor may move into the next kernel)
+FUZZ_KINDS = KINDS + ("branches", "mlp")
 DTYPES = ("float32", "float16", "bfloat16")
 ALGORITHMS = (None, "direct", "winograd_2x2_3x3", "winograd_4x4_3x3", "fft", "gemm")
 
@@ -355,6 +357,26 @@ def _branches(b: _Builder) -> None:
     b.ops.add("branches")
 
 
+def _mlp(b: _Builder) -> None:
+    """ConvNeXt's channel MLP over N*H*W channels-last rows (more than 16: the executor measures each
+    linear layer with its bias fused against the bare product with the bias and activation moved
+    into the kernel that reads it): permute, Linear(C, hidden), activation, Linear(hidden, C),
+    maybe a per-channel scale, permute back, maybe a residual."""
+    draw, c = b.draw, b.c
+    hidden = draw(st.sampled_from(sorted({1, 3, 8, 4 * c})))
+    l1 = b.mod(f"nn.Linear({c}, {hidden})")
+    l2 = b.mod(f"nn.Linear({hidden}, {c}, bias={draw(st.booleans())})")
+    y, a = b.act(f"{l1}(x.permute(0, 2, 3, 1))", pool=("gelu", "gelu_tanh", "relu", "silu", "hardswish", "identity"))
+    z = f"{l2}({y})"
+    scale = draw(st.booleans())
+    if scale:
+        z = f"{b.mod(f'nn.Parameter(torch.rand({c}) + 0.5)')} * {z}"
+    residual = draw(st.booleans())
+    b.fwd.append(f"x = {'x + ' if residual else ''}({z}).permute(0, 3, 1, 2)")
+    b.desc.append(f"mlp({c}-{hidden}-{a}{'-scale' if scale else ''}{'+x' if residual else ''})")
+    b.ops.add("mlp")
+
+
 def _residual(b: _Builder) -> None:
     if not b.bn_ok(b.h * b.w):
         return
@@ -462,7 +484,7 @@ def programs(draw, dtypes=DTYPES, modes=("inference", "training"), max_layers: i
         else:
             {"pointwise": _pointwise, "reduce": _reduce, "norm": _norm, "pool": _pool, "softmax": _softmax,
              "se": _se, "view": _view, "split_cat": _split_cat, "pad": _pad, "upsample": _upsample,
-             "residual": _residual, "branches": _branches}[kind](b)
+             "residual": _residual, "branches": _branches, "mlp": _mlp}[kind](b)
         if aux is None and i == 0 and draw(st.integers(0, 5)) == 0:
             aux = draw(st.sampled_from(["y", "y.transpose(2, 3)", "y[:, :1]"]))
             b.fwd.append("y = x")
