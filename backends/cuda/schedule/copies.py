@@ -45,7 +45,7 @@ COPY_OPS = frozenset({
     "aten.narrow.default", "aten.view.default",
     "aten._unsafe_view.default", "aten.reshape.default", "aten.permute.default", "aten.transpose.int",
     "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default",
-    "aten.expand.default", "aten.alias.default", "aten.detach.default", "aten.flatten.using_ints",
+    "aten.expand.default", "aten.alias.default", "aten.detach.default", "aten.flatten.using_ints", "aten.as_strided.default",
     "aten.channel_shuffle.default", "aten.native_channel_shuffle.default", "aten.constant_pad_nd.default",
     "aten.reflection_pad1d.default", "aten.reflection_pad2d.default", "aten.reflection_pad3d.default",
     "aten.replication_pad1d.default", "aten.replication_pad2d.default", "aten.replication_pad3d.default",

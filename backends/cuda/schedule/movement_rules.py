@@ -1,7 +1,7 @@
 """Lowering rules of views and data movement: index maps, no arithmetic.
 
 ``VIEWS`` (view / reshape / permute / transpose / expand / slice / select / squeeze / unsqueeze /
-channel shuffle), the items of ``MULTI_VIEWS`` (split / chunk / unbind: a slice or select of their
+channel shuffle / as_strided of a tensor that fills its storage), the items of ``MULTI_VIEWS`` (split / chunk / unbind: a slice or select of their
 input), and ``MOVEMENT``: ``cat`` a choice among its inputs by index range (``stack`` by index),
 ``constant_pad_nd`` a range test, reflection and replication padding a choice by range among
 mirrored / clamped index maps, ``repeat`` a modulo, and the window ops (max / average pooling)
@@ -105,6 +105,41 @@ def _identity(node, base, shape):
     return base.load
 
 
+def _as_strided(node, base, shape):
+    """``as_strided(x, size, stride, offset)`` reads x's storage at ``offset + sum(idx * stride)``.
+    Where x fills its storage exactly (offset 0, its elements dense and non-overlapping: any
+    memory format), that address is one element of x, found by x's own strides (largest first);
+    a restride that only relabels size-1 dims (a pooled value made channels_last) is the common
+    case. Declined where x is itself a part of its storage or the view reads outside it."""
+    x = meta(node.args[0])
+    size, stride = [int(d) for d in node.args[1]], [int(d) for d in node.args[2]]
+    offset = int(node.args[3]) if len(node.args) > 3 and node.args[3] is not None else 0
+    if x is None or int(x.storage_offset()) != 0:
+        raise Decline("as_strided of a tensor that does not start its storage")
+    xs = [(int(st), int(n), d) for d, (n, st) in enumerate(zip(x.shape, x.stride())) if int(n) != 1]
+    xs.sort(reverse=True)
+    acc = 1
+    for st, n, _ in reversed(xs):  # dense and non-overlapping: strides are the sizes' running products
+        if st != acc:
+            raise Decline("as_strided of a tensor that is not dense in its storage")
+        acc *= n
+    if any(st < 0 for st in stride) or offset < 0:
+        raise Decline("negative strides or offset")
+    if offset + sum((n - 1) * st for n, st in zip(size, stride) if n > 0) >= max(acc, 1):
+        raise Decline("as_strided reads outside its input")
+
+    def load(idx):
+        flat = Ix.of(offset) if offset else Ix()
+        for i, n, st in zip(idx, size, stride):
+            if n != 1 and st:
+                flat = flat + Ix.of(i) * st
+        where = [Ix()] * len(base.shape)
+        for st, n, d in xs:
+            where[d] = flat.floordiv(st).mod(n)
+        return base.load(where)
+    return load
+
+
 VIEWS: dict = {
     aten.view.default: _view_rule(_same_elements), aten._unsafe_view.default: _view_rule(_same_elements),
     aten.reshape.default: _view_rule(_same_elements), aten.unsqueeze.default: _view_rule(_same_elements),
@@ -114,6 +149,7 @@ VIEWS: dict = {
     aten.t.default: _view_rule(_transpose), aten.expand.default: _view_rule(_expand),
     aten.slice.Tensor: _view_rule(_slice), aten.select.int: _view_rule(_select),
     aten.alias.default: _view_rule(_identity), aten.detach.default: _view_rule(_identity),
+    aten.as_strided.default: _view_rule(_as_strided),
     aten.channel_shuffle.default: _view_rule(_channel_shuffle),
     aten.native_channel_shuffle.default: _view_rule(_channel_shuffle),
 }
