@@ -245,3 +245,28 @@ def test_a_cell_whose_eager_result_is_not_finite_is_not_checkable():
     assert s["accuracy_unchecked"] == 1 and s["counted"] == 2  # still timed, its accuracy unknown
     md = ZR.render_zoo_markdown({"meta": {"config": {}}, "zoo": [rec, ok]})
     assert "1 whose accuracy is not checkable" in md
+
+
+def test_skip_measured_leaves_out_cells_earlier_runs_measured(tmp_path, monkeypatch):
+    import gzip
+
+    earlier = tmp_path / "results" / "day"
+    earlier.mkdir(parents=True)
+    rec = {"model": "test/tiny_a", "cell": "fp32-b1", "speedup": 1.2}
+    with gzip.open(earlier / "zoo_a.json.gz", "wt") as f:  # as benchmarks/results keeps them
+        json.dump({"zoo": [rec, {"model": "test/tiny_b", "cell": "fp32-b1", "speedup": None, "status": "failed"}]}, f)
+    assert Z.measured_cells([str(tmp_path / "results")]) == {("test/tiny_a", "fp32-b1")}
+    ran = []
+    real = B.run_benchmark
+
+    def spy(args, argv):
+        ran.append((argv[argv.index("--models") + 1], argv[argv.index("--batch") + 1]))
+        return real(args, argv)
+    monkeypatch.setattr(B, "run_benchmark", spy)
+    out = str(tmp_path / "out")
+    assert Z.main([*CPU, "--models", "tiny_a,tiny_b", "--out", out, "--skip-measured", str(tmp_path / "results")],
+                  zoo=FAKE, harness=B) == 0
+    assert sorted((r["name"], r["cell"]) for r in _doc(out)["zoo"]) == [("tiny_a", "fp32-b2"), ("tiny_b", "fp32-b1")]
+    assert len(ran) == 2
+    with pytest.raises(SystemExit):  # a path that is not there is the user's mistake, said at once
+        Z.main([*CPU, "--out", out, "--skip-measured", str(tmp_path / "nowhere")], zoo=FAKE, harness=B)

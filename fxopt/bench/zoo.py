@@ -214,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], help="default cuda if available")
     p.add_argument("--time-budget", type=float, metavar="S", help="start no new cell after S seconds")
     p.add_argument("--out", default="zoo_out", help="the part's directory (zoo.json, zoo.md, zoo.png)")
+    p.add_argument("--skip-measured", nargs="+", metavar="PATH", help="leave out the cells measured (with a "
+                   "speed-up) in earlier runs: their zoo.json / *.json.gz files, or folders holding them")
     p.add_argument("--zoo-merge", nargs="+", metavar="DIR", help="measure nothing: merge the parts' DIR/zoo.json "
                    "into one report in --out")
     p.add_argument("--fxopt-options", metavar="JSON", help="passed to the fxopt backend (as fxopt bench)")
@@ -290,6 +292,29 @@ def _new_doc(a: argparse.Namespace, argv: Sequence[str], backends: List[str]) ->
     return {"meta": meta, "peak": {}, "flops": {}, "cells": [], "checks": [], "errors_logged": 0, "zoo": []}
 
 
+def measured_cells(paths: Sequence[str]) -> set:
+    """(model key, cell) of every cell that has a speed-up in the zoo results under ``paths`` (a
+    part's zoo.json, a gzipped copy, or a folder searched for ``zoo*.json`` / ``zoo*.json.gz``)."""
+    import glob
+    import gzip
+
+    files = []
+    for p in paths:
+        if os.path.isdir(p):
+            files += [f for pat in ("zoo*.json", "zoo*.json.gz")
+                      for f in glob.glob(os.path.join(p, "**", pat), recursive=True)]
+        elif os.path.exists(p):
+            files.append(p)
+        else:
+            raise ValueError(f"--skip-measured: no such file or folder: {p}")
+    out = set()
+    for f in sorted(set(files)):
+        with (gzip.open(f, "rt") if f.endswith(".gz") else open(f)) as fh:
+            doc = json.load(fh)
+        out |= {(r["model"], r["cell"]) for r in doc.get("zoo", []) if r.get("speedup") is not None}
+    return out
+
+
 def run_part(a: argparse.Namespace, argv: Sequence[str], zoo: Sequence[ZooEntry], B) -> Dict[str, Any]:
     """Measure the part's cells not yet in ``--out``/zoo.json, one harness row each (``B``: the
     harness, ``fxopt.bench``, with ``parse_args`` and ``run_benchmark``), writing the file after
@@ -309,7 +334,7 @@ def run_part(a: argparse.Namespace, argv: Sequence[str], zoo: Sequence[ZooEntry]
              "command": "fxopt bench --zoo " + shlex.join(argv)})
     else:
         doc = _new_doc(a, argv, backends)
-    done = {(r["model"], r["cell"]) for r in doc["zoo"]}
+    done = {(r["model"], r["cell"]) for r in doc["zoo"]} | measured_cells(getattr(a, "skip_measured", None) or [])
     todo = [(e, c) for e, c in todo if (e.key, c) not in done]
     scratch = os.path.join(a.out, "cell")
     t0 = time.perf_counter()
@@ -411,7 +436,8 @@ def main(argv: Optional[Sequence[str]] = None, zoo: Optional[Sequence[ZooEntry]]
         p.error(f"--part {a.part}: expected I/N with 0 <= I < N")
     try:
         select(zoo, a.models, a.cells)
-    except ValueError as exc:
+        measured_cells(a.skip_measured or [])
+    except (ValueError, OSError) as exc:  # (a results file that is not JSON: json's ValueError)
         p.error(str(exc))
     bad = [b for b in expand_peers(a.peers) if not _is_peer(b)]
     if bad:
