@@ -43,13 +43,28 @@ def _only_fusible_readers(node: fx.Node, skip: set) -> bool:
     return True
 
 
+def _split(node: fx.Node, bare_target, bare_args: tuple, epilogue_args: tuple) -> None:
+    """Replace ``node`` by ``bare_target(*bare_args)`` followed by ``conv_epilogue_ref(bare,
+    *epilogue_args)``; both carry the node's name (the report's regions name it)."""
+    from fxopt.ops import conv_epilogue_ref
+
+    g = node.graph
+    with g.inserting_before(node):
+        bare = g.call_function(bare_target, bare_args)
+        epi = g.call_function(conv_epilogue_ref, (bare,) + tuple(epilogue_args))
+    bare.meta = dict(node.meta, fxopt_split_from=node.meta.get("fxopt_split_from", node.name))
+    epi.meta = dict(bare.meta)
+    node.replace_all_uses_with(epi)
+    g.erase_node(node)
+
+
 def split_conv_epilogues(gm: fx.GraphModule, skip: set = frozenset()) -> int:
     """Split each fused conv with an epilogue (bias, residual, activation) whose readers are all
     generated kernels into the bare convolution and ``conv_epilogue_ref``: the scheduler then
     computes the epilogue inside those kernels, where they read the conv's output, instead of in a
     pass of its own over the whole activation (one write and one read less; a squeeze-excite block
     reads a SiLU conv's output twice and writes it never)."""
-    from fxopt.ops import conv_epilogue_ref, fused_conv_ref
+    from fxopt.ops import fused_conv_ref
 
     g, count = gm.graph, 0
     for node in list(g.nodes):
@@ -61,13 +76,8 @@ def split_conv_epilogues(gm: fx.GraphModule, skip: set = frozenset()) -> int:
             continue  # nothing to move
         if meta(node) is None or not _only_fusible_readers(node, skip):
             continue
-        with g.inserting_before(node):
-            conv = g.call_function(fused_conv_ref, tuple(args[:2] + [None, None] + args[4:8] + ["none", []] + args[10:]))
-            epi = g.call_function(conv_epilogue_ref, (conv, bias, res, act, list(params)))
-        conv.meta = dict(node.meta, fxopt_split_from=node.meta.get("fxopt_split_from", node.name))
-        epi.meta = dict(conv.meta)  # both carry the fused conv's name (the report's regions name it)
-        node.replace_all_uses_with(epi)
-        g.erase_node(node)
+        _split(node, fused_conv_ref, tuple(args[:2] + [None, None] + args[4:8] + ["none", []] + args[10:]),
+               (bias, res, act, list(params)))
         count += 1
     if count:
         gm.recompile()
@@ -89,7 +99,7 @@ def split_linear_epilogues(gm: fx.GraphModule, skip: set = frozenset(), choose=N
     ``choose(node)`` (the executor's measurement of ``linear_then_epilogue`` against the fused
     call) says so: {node name: what ``choose`` returned} for the nodes asked."""
     from fxopt.backends.cuda.kernels.linear import MAX_ROWS
-    from fxopt.ops import conv_epilogue_ref, fused_linear_ref
+    from fxopt.ops import fused_linear_ref
 
     g, asked, count = gm.graph, {}, 0
     for node in list(g.nodes):
@@ -108,13 +118,7 @@ def split_linear_epilogues(gm: fx.GraphModule, skip: set = frozenset(), choose=N
         entry = asked[node.name] = choose(node)
         if entry.get("choice") != "split":
             continue
-        with g.inserting_before(node):
-            bare = g.call_function(fused_linear_ref, (x, w, None, "none", []))
-            epi = g.call_function(conv_epilogue_ref, (bare, bias, None, act, list(params)))
-        bare.meta = dict(node.meta, fxopt_split_from=node.meta.get("fxopt_split_from", node.name))
-        epi.meta = dict(bare.meta)
-        node.replace_all_uses_with(epi)
-        g.erase_node(node)
+        _split(node, fused_linear_ref, (x, w, None, "none", []), (bias, None, act, list(params)))
         count += 1
     if count:
         gm.recompile()
