@@ -334,7 +334,7 @@ def run_part(a: argparse.Namespace, argv: Sequence[str], zoo: Sequence[ZooEntry]
              "command": "fxopt bench --zoo " + shlex.join(argv)})
     else:
         doc = _new_doc(a, argv, backends)
-    done = {(r["model"], r["cell"]) for r in doc["zoo"]} | measured_cells(getattr(a, "skip_measured", None) or [])
+    done = {(r["model"], r["cell"]) for r in doc["zoo"]} | getattr(a, "measured", set())
     todo = [(e, c) for e, c in todo if (e.key, c) not in done]
     scratch = os.path.join(a.out, "cell")
     t0 = time.perf_counter()
@@ -436,7 +436,7 @@ def main(argv: Optional[Sequence[str]] = None, zoo: Optional[Sequence[ZooEntry]]
         p.error(f"--part {a.part}: expected I/N with 0 <= I < N")
     try:
         select(zoo, a.models, a.cells)
-        measured_cells(a.skip_measured or [])
+        a.measured = measured_cells(a.skip_measured or [])  # --skip-measured, read once
     except (ValueError, OSError) as exc:  # (a results file that is not JSON: json's ValueError)
         p.error(str(exc))
     bad = [b for b in expand_peers(a.peers) if not _is_peer(b)]

@@ -214,9 +214,10 @@ def fuse_regions(runnable: fx.GraphModule, info: dict, skip: set, strict: bool =
     """Schedule ``runnable`` into regions and put one node per region in the graph (target: its
     reference, until a measurement chooses otherwise). ``fast_math``: option fast_math. ``tuning``
     (on a GPU): measures whether a linear layer's epilogue moves into its readers' kernels."""
-    info["linear_epilogues"] = split_linear_epilogues(runnable, skip, None if tuning is None else (
-        lambda node: tuning.entry(node, {"reference": node.target, "split": linear_then_epilogue},
-                                  cache_key(node, {"reference": 0, "split": 0}, tuning.graphed))))
+    def measured(node):  # the fused call against the bare product plus its epilogue (autotune-cached)
+        cands = {"reference": node.target, "split": linear_then_epilogue}
+        return tuning.entry(node, cands, cache_key(node, cands, tuning.graphed))
+    info["linear_epilogues"] = split_linear_epilogues(runnable, skip, None if tuning is None else measured)
     split = split_conv_epilogues(runnable, skip)
     sched = schedule(runnable, skip, strict=strict)
     info["unfused"] = sched.unfused
@@ -284,7 +285,7 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
         info["updated_in_place"] = update_in_place(runnable)
         _stream_plan(runnable, ctx, info)
         return runnable
-    changed = bool(regions) or any(e.get("choice") == "split" for e in info.get("linear_epilogues", {}).values())
+    changed = bool(regions)  # (a split linear layer's epilogue is in the regions of its readers)
     t0 = time.perf_counter()
     for p in regions:  # measured as soon as its own kernels are compiled
         pending.ready([p.generated] + [c for c, _ in p.templates.values()])

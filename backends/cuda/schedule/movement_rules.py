@@ -1,11 +1,11 @@
 """Lowering rules of views and data movement: index maps, no arithmetic.
 
 ``VIEWS`` (view / reshape / permute / transpose / expand / slice / select / squeeze / unsqueeze /
-channel shuffle / as_strided of a tensor that fills its storage), the items of ``MULTI_VIEWS`` (split / chunk / unbind: a slice or select of their
-input), and ``MOVEMENT``: ``cat`` a choice among its inputs by index range (``stack`` by index),
-``constant_pad_nd`` a range test, reflection and replication padding a choice by range among
-mirrored / clamped index maps, ``repeat`` a modulo, and the window ops (max / average pooling)
-unrolling their window.
+channel shuffle / as_strided of a tensor that fills its storage), the items of ``MULTI_VIEWS``
+(split / chunk / unbind: a slice or select of their input), and ``MOVEMENT``: ``cat`` a choice
+among its inputs by index range (``stack`` by index), ``constant_pad_nd`` a range test, reflection
+and replication padding a choice by range among mirrored / clamped index maps, ``repeat`` a modulo,
+and the window ops (max / average pooling) unrolling their window.
 """
 from __future__ import annotations
 

@@ -4,10 +4,10 @@ Before it, ``split_conv_epilogues``: a fused convolution whose readers are all g
 becomes the bare convolution and its epilogue (``conv_epilogue_ref``), which the scheduler then
 computes inside those kernels; ``split_linear_epilogues`` does the same for a linear layer over
 many rows where the bare product measured faster (cuBLAS chooses its kernel by whether a bias is
-fused: in float32, a ConvNeXt MLP's products ran 20-40% slower with it). After it, ``rewrite``: each region becomes one node (its outputs'
-users read that node's items), and ``reference_module``: a region's nodes as PyTorch runs them,
-the reference every generated kernel is checked and measured against (with the constant index
-arithmetic a kernel folded into an index map recomputed in it).
+fused; in float32 a ConvNeXt MLP's products were slower with it). After it, ``rewrite``: each
+region becomes one node (its outputs' users read that node's items), and ``reference_module``: a
+region's nodes as PyTorch runs them, the reference every generated kernel is checked and measured
+against (with the constant index arithmetic a kernel folded into an index map recomputed in it).
 """
 from __future__ import annotations
 
