@@ -6,7 +6,12 @@ filter transforms, FFT kernel spectra, ``t()`` of linear weights) need not run
 per call.
 
 Matches: every pure node whose inputs are all constant (frozen parameter
-placeholders, ``get_attr`` attributes, or other such nodes).
+placeholders, ``get_attr`` attributes, or other such nodes), and the pure
+subgraphs rooted in tensor-creating ops (``arange``, ``full``...: no tensor
+input) and literals of the traced code where their sizes are static and small: bilinear upsampling's
+interpolation weights, computed from ``arange`` on every call otherwise. Of the
+latter, values of integer or boolean dtype stay in the graph (a gather's index
+arithmetic: the cuda executor reads it as an index map, never as a table).
 
 Produces: one ``call_module`` node ``fxopt_constants`` (a ``FoldedConstants``
 module holding the weight-only subgraph) whose outputs replace the folded
@@ -15,8 +20,9 @@ when any input tensor changed in place (its version counter moved: optimizer
 step, ``load_state_dict``, ``copy_``) or was replaced, so folded weights never
 go stale.
 
-Illegal: non-frozen parameters (training graphs, ``freezing=False``); impure
-ops (random, in-place/mutating); values that are plain placeholders already
+Illegal: non-frozen parameters (training graphs, ``freezing=False``: only
+generated constants are folded there, and none in training graphs); impure ops
+(random, in-place/mutating); values that are plain placeholders already
 (nothing to fold).
 """
 from __future__ import annotations
@@ -25,6 +31,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fxopt.names import FOLDED_CONSTANTS_MODULE
@@ -32,6 +39,14 @@ from fxopt.passinfra import PassContext, PassResult
 from fxopt.weights import WeightWatch
 
 MODULE_NAME = FOLDED_CONSTANTS_MODULE  # the name packages and executors look for (fxopt.names)
+
+aten = torch.ops.aten
+#: ops that make a tensor from scalars alone: roots of generated constants
+CREATION_OPS = frozenset(op for op in (
+    aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default, aten.zeros.default,
+    aten.ones.default, aten.scalar_tensor.default, getattr(torch.ops.prims, "iota", None)) if op is not None)
+#: a generated constant (and every value of its subgraph) holds at most this many elements
+MAX_GENERATED_ELEMENTS = 1 << 20
 
 
 class FoldedConstants(torch.nn.Module):
@@ -49,6 +64,8 @@ class FoldedConstants(torch.nn.Module):
     def forward(self, *tensors):
         if tensors and isinstance(tensors[0], FakeTensor):  # fake inputs come all together
             return self._fake_forward(tensors)  # metadata propagation
+        if not tensors and detect_fake_mode() is not None:  # generated constants alone, traced
+            return self._fake_forward(tensors)
         if self._watch is None:
             self._watch = WeightWatch(range(len(tensors)))
         _, changed = self._watch.check(tensors)
@@ -103,34 +120,75 @@ def is_pure(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded not in tags
 
 
-def constant_nodes(gm: fx.GraphModule, ctx: PassContext) -> list[fx.Node]:
+def _static_small(node: fx.Node) -> bool:
+    v = node.meta.get("val")
+    return (isinstance(v, torch.Tensor) and all(isinstance(d, int) for d in v.shape)
+            and v.numel() <= MAX_GENERATED_ELEMENTS)
+
+
+def constant_nodes(gm: fx.GraphModule, ctx: PassContext, generated: set | None = None) -> list[fx.Node]:
+    """The call_function nodes whose values are constants; ``generated`` (if given) receives those
+    computed from tensor-creating ops and literals alone (no weight among their inputs)."""
     const: set[fx.Node] = set()
+    gen = generated if generated is not None else set()
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node.name in ctx.const_placeholders:
             const.add(node)
         elif node.op == "get_attr":
             const.add(node)
+            if str(node.target).startswith("_tensor_constant"):  # a literal of the traced code
+                gen.add(node)
+        elif node.op == "call_function" and node.target in CREATION_OPS and not node.all_input_nodes:
+            if _static_small(node):  # guard: symbolic or large creations are left to run
+                const.add(node)
+                gen.add(node)
         elif is_pure(node) and all(a in const for a in node.all_input_nodes) and node.all_input_nodes:
+            if all(a in gen for a in node.all_input_nodes):
+                if not _static_small(node):  # guard: a large or symbolic generated value is computed per call
+                    continue
+                gen.add(node)
             const.add(node)
     return [n for n in gm.graph.nodes if n in const and n.op == "call_function"]
 
 
+def _to_fold(gm: fx.GraphModule, ctx: PassContext) -> tuple[list, list, set]:
+    """(nodes to fold in graph order, the values leaving them, every constant node). A generated
+    value of integer or boolean dtype is not folded (an index stays index arithmetic)."""
+    generated: set = set()
+    const = constant_nodes(gm, ctx, generated)
+    const_set = set(const)
+    frontier = []
+    for n in const:
+        if not any(u not in const_set for u in n.users):
+            continue
+        v = n.meta.get("val")
+        if n in generated and not (isinstance(v, torch.Tensor) and v.is_floating_point()):
+            continue  # guard: indices and masks stay in the graph
+        frontier.append(n)
+    needed, stack = set(), list(frontier)
+    while stack:
+        n = stack.pop()
+        if n in needed or n not in const_set:
+            continue
+        needed.add(n)
+        stack.extend(n.all_input_nodes)
+    return [n for n in const if n in needed], frontier, const_set
+
+
 def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    if not ctx.const_placeholders:
-        ctx.note("skipped: no frozen parameters (training graph or freezing=False)")
+    if not ctx.const_placeholders and ctx.mode != "inference":
+        ctx.note("skipped: a training graph without frozen parameters")
         return PassResult(gm, False)
     if hasattr(gm, MODULE_NAME):
         ctx.note("skipped: already folded")
         return PassResult(gm, False)
-    folded = constant_nodes(gm, ctx)
-    folded_set = set(folded)
-    # Values leaving the constant region: used by a non-constant node or the output.
-    frontier = [n for n in folded if any(u not in folded_set for u in n.users)]
+    folded, frontier, const_set = _to_fold(gm, ctx)
     if not frontier:
         ctx.note("nothing weight-only to fold")
         return PassResult(gm, False)
-    inputs = sorted({a for n in folded for a in n.all_input_nodes if a not in folded_set},
-                    key=lambda n: list(gm.graph.nodes).index(n))
+    folded_set = set(folded)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    inputs = sorted({a for n in folded for a in n.all_input_nodes if a not in folded_set}, key=order.__getitem__)
     sub = fx.Graph()
     env = {}
     for a in inputs:
@@ -144,8 +202,11 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     module.remember_fake([a.meta.get("val") for a in inputs], [n.meta.get("val") for n in frontier])
     gm.add_submodule(MODULE_NAME, module)
 
-    last_input = max(inputs, key=lambda n: list(gm.graph.nodes).index(n))
-    with gm.graph.inserting_after(last_input):
+    if inputs:
+        anchor = max(inputs, key=order.__getitem__)
+    else:  # generated constants alone: after the last placeholder
+        anchor = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_after(anchor):
         call = gm.graph.call_module(MODULE_NAME, tuple(inputs))
     getters = []
     with gm.graph.inserting_after(call):
@@ -154,10 +215,14 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for n, get in zip(frontier, getters):
         get.meta.update({k: v for k, v in n.meta.items() if k in ("val", "tensor_meta")})
         get.meta["fxopt_const"] = True
-        n.replace_all_uses_with(get)
+        # constants left in the graph (a generated index) keep reading the original
+        n.replace_all_uses_with(get, delete_user_cb=lambda u: u not in const_set)
     for n in reversed(folded):
-        gm.graph.erase_node(n)
+        if not n.users:
+            gm.graph.erase_node(n)
     gm.recompile()
+    gen = sum(1 for n in folded if n.target in CREATION_OPS)
     ctx.note(f"{len(folded)} weight-only nodes folded into {len(frontier)} constants, "
-             f"evaluated once and re-evaluated only when a weight changes")
+             f"evaluated once and re-evaluated only when a weight changes"
+             + (f" ({gen} tensor creations among them: generated constants)" if gen else ""))
     return PassResult(gm, True)

@@ -1,8 +1,9 @@
-"""Nearest upsampling as an index map (backends/cuda/schedule/index_rules.py), on the CPU: a gather
-at compile-time constant indices (AOTAutograd's decomposition of ``F.interpolate(mode="nearest")``)
-is lowered as loads of its input at index expressions, fused with the pointwise ops around it, and
-its index arithmetic gets no kernel; gathers at other indices (read from an input, bilinear's)
-decline with their reason. Every region's IR against its ATen ops, the compiled model against eager
+"""Nearest and bilinear upsampling as index maps (backends/cuda/schedule/index_rules.py), on the
+CPU: a gather at compile-time constant indices (AOTAutograd's decomposition of
+``F.interpolate(mode="nearest" | "bilinear")``) is lowered as loads of its input at index
+expressions, fused with the pointwise ops around it, and its index arithmetic gets no kernel
+(bilinear's interpolation weights are folded into constants by ``fold_constants``); gathers at
+other indices (read from an input) decline with their reason. Every region's IR against its ATen ops, the compiled model against eager
 (values, shapes, strides), the undecomposed upsampling ops against their kernels, and a hypothesis
 property over sizes, scales, modes, memory formats and dtypes."""
 import itertools
@@ -37,13 +38,14 @@ class UpBlock(nn.Module):
     """Upsampling, pointwise ops, a convolution (and the upsampled activation returned too where
     ``both``)."""
 
-    def __init__(self, mode="nearest", scale=2, c=4, both=False):
+    def __init__(self, mode="nearest", scale=2, c=4, both=False, align=False):
         super().__init__()
         self.mode, self.scale, self.both = mode, scale, both
+        self.kw = {"align_corners": align} if mode == "bilinear" else {}
         self.conv = nn.Conv2d(c, c, 3, padding=1)
 
     def forward(self, x):
-        y = torch.relu(F.interpolate(x, scale_factor=self.scale, mode=self.mode) * 2.0 + 1.0)
+        y = torch.relu(F.interpolate(x, scale_factor=self.scale, mode=self.mode, **self.kw) * 2.0 + 1.0)
         return (self.conv(y), y) if self.both else self.conv(y)
 
 
@@ -158,17 +160,24 @@ def test_constant_list_and_arange_indices_are_index_maps():
 
 
 @pytest.mark.parametrize("cl", [False, True])
-def test_bilinear_upsampling_is_left_as_it_was(cl):
-    m, x = _case(UpBlock("bilinear"), (2, 4, 5, 7), cl=cl)
-    gm, sched = _schedule(m, (x,), CL if cl else CONTIGUOUS)
-    gathers = [n.name for n in gm.graph.nodes if n.target is aten._unsafe_index.Tensor]
-    assert len(gathers) == 4
-    for g in gathers:
-        assert "not a nearest or identity map" in sched.unfused[g], sched.unfused[g]
-    assert GATHER not in _ops(sched)
-    assert any(n.startswith("arange") for n in sched.unfused)  # its index arithmetic runs as before
-    check_fusion(CNNCase(m, (x,), torch.float32), CL if cl else CONTIGUOUS)
-    _compiled_matches_eager(m, (x,), CL if cl else CONTIGUOUS, torch.float32)
+@pytest.mark.parametrize("align", [False, True])
+def test_bilinear_upsampling_is_one_region_with_folded_weights(cl, align):
+    """Bilinear's four gathers are index maps (the floor of the source position clamped at 0, and
+    that plus one clamped at ``n - 1``), its interpolation weights constants folded by
+    ``fold_constants``: the upsampling and the pointwise ops around it are one region, and nothing
+    but the convolution runs as PyTorch runs it."""
+    m, x = _case(UpBlock("bilinear", align=align), (2, 4, 5, 7), cl=cl)
+    layout = CL if cl else CONTIGUOUS
+    graphs = _compiled_matches_eager(m, (x,), layout, torch.float32)
+    low = graphs[0].lowered
+    ops = [op for r in low.regions.values() for op in r["ops"]]
+    assert len(low.regions) == 1 and GATHER in ops, low.regions
+    assert all("conv" in n for n in low.unfused), low.unfused
+    assert not any("arange" in r["kernel"] or "clamp" in r["kernel"] for r in low.regions.values())
+    folded, = [p.summary for p in graphs[0].passes if p.name == "fold_constants"]
+    assert "(2 tensor creations among them: generated constants)" in folded, folded
+    for s in check_fusion(CNNCase(m, (x,), torch.float32), layout):
+        assert s.unfused.keys() <= {n for n in s.unfused if "conv" in n}, s.unfused
 
 
 def test_the_executor_reports_one_region_and_no_index_kernels():
@@ -192,7 +201,12 @@ def test_fit_finds_nearest_exact_clamped_and_constant_maps():
     clamped = fit([0, 0, 1, 2, 3, 3], 4, [Fraction(5, 6)])
     assert clamped is not None and clamped.hi == 3
     assert fit([3, 3, 3], 5, []) == index_rules.Map1(0, 3, 1)
-    assert fit([0, 0, 0, 1, 1, 2, 2, 3], 4, [Fraction(1, 2), Fraction(1)]) is None  # bilinear's
+    half = fit([0, 0, 0, 1, 1, 2, 2, 3], 4, [Fraction(1, 2)])  # bilinear's: floor((i + 0.5) / 2 - 0.5)
+    assert half is not None and half.lo == 0 and half.values(8) == [0, 0, 0, 1, 1, 2, 2, 3]
+    nxt = fit([1, 1, 1, 2, 2, 3, 3, 3], 4, [Fraction(1, 2)])  # its second neighbour, clamped on both sides
+    assert nxt is not None and (nxt.lo, nxt.hi) == (1, 3)
+    corners = fit([0, 0, 0, 1, 1, 2], 3, [Fraction(2, 5)])  # align_corners: floor(i * 2 / 5)
+    assert corners is not None and corners.values(6) == [0, 0, 0, 1, 1, 2]
     assert fit([2, 0, 1], 3, [Fraction(1)]) is None  # a permutation
 
 
@@ -256,7 +270,7 @@ def test_kernels_rounding_differently_decline():
 
 
 # ---------------------------------------------------------------------------- numerics
-@pytest.mark.parametrize("mode", ["nearest", "nearest-exact"])
+@pytest.mark.parametrize("mode", ["nearest", "nearest-exact", "bilinear"])
 @pytest.mark.parametrize("scale", [2, 1.5, 0.5, (2, 3)], ids=str)
 @pytest.mark.parametrize("dtype,cl", [(torch.float32, True), (torch.float16, True), (torch.float32, False)])
 def test_every_region_matches_its_aten_ops_and_the_model_matches_eager(mode, scale, dtype, cl):
@@ -271,22 +285,24 @@ def test_every_region_matches_its_aten_ops_and_the_model_matches_eager(mode, sca
 
 # ---------------------------------------------------------------------------- property
 class Upsample(nn.Module):
-    def __init__(self, mode, scale):
+    def __init__(self, mode, scale, align=False):
         super().__init__()
         self.mode, self.scale = mode, scale
+        self.kw = {"align_corners": align} if mode == "bilinear" else {}
 
     def forward(self, x):
-        return F.interpolate(x, scale_factor=self.scale, mode=self.mode) * 2.0 - 1.0
+        return F.interpolate(x, scale_factor=self.scale, mode=self.mode, **self.kw) * 2.0 - 1.0
 
 
 @settings(max_examples=12, deadline=None)
 @given(h=st.integers(1, 9), w=st.integers(1, 9), scale=st.sampled_from([2, 3, 1.5, 0.5, (2, 3)]),
-       mode=st.sampled_from(["nearest", "nearest-exact"]), cl=st.booleans(), half=st.booleans())
-def test_property_nearest_upsampling_matches_eager(h, w, scale, mode, cl, half):
+       mode=st.sampled_from(["nearest", "nearest-exact", "bilinear"]), align=st.booleans(), cl=st.booleans(),
+       half=st.booleans())
+def test_property_upsampling_matches_eager(h, w, scale, mode, align, cl, half):
     sh, sw = scale if isinstance(scale, tuple) else (scale, scale)
     assume(int(h * sh) > 0 and int(w * sw) > 0)
     dtype = torch.float16 if half else torch.float32
-    m, x = _case(Upsample(mode, scale), (2, 3, h, w), dtype, cl)
+    m, x = _case(Upsample(mode, scale, align), (2, 3, h, w), dtype, cl)
     layout = CL if cl else CONTIGUOUS
     for s in check_fusion(CNNCase(m, (x,), dtype), layout):
         assert GATHER in _ops(s) and not s.unfused, s.unfused
@@ -295,7 +311,8 @@ def test_property_nearest_upsampling_matches_eager(h, w, scale, mode, cl, half):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("mode,scale", [("nearest", 2), ("nearest", 1.5), ("nearest-exact", 3), ("nearest", (2, 3))])
+@pytest.mark.parametrize("mode,scale", [("nearest", 2), ("nearest", 1.5), ("nearest-exact", 3), ("nearest", (2, 3)),
+                                        ("bilinear", 2), ("bilinear", 1.5), ("bilinear", 0.5)])
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
 def test_upsampling_fused_on_the_gpu_gives_eagers_results(mode, scale, fmt):
     """The generated kernel with the upsampling's index map runs on the GPU: eager's values, shapes

@@ -306,9 +306,13 @@ def _pad(b: _Builder) -> None:
 
 def _upsample(b: _Builder) -> None:
     mode = b.draw(st.sampled_from(["nearest", "bilinear"]))
-    extra = ", align_corners=False" if mode == "bilinear" else ""
-    b.fwd.append(f"x = F.interpolate(x, scale_factor=2, mode='{mode}'{extra})")
-    b.h, b.w = b.h * 2, b.w * 2
+    extra = f", align_corners={b.draw(st.booleans())}" if mode == "bilinear" else ""
+    if b.draw(st.booleans()):
+        b.fwd.append(f"x = F.interpolate(x, scale_factor=2, mode='{mode}'{extra})")
+        b.h, b.w = b.h * 2, b.w * 2
+    else:  # to a size: scales that are not whole numbers, down as well as up
+        b.h, b.w = b.draw(st.integers(1, 2 * b.h + 3)), b.draw(st.integers(1, 2 * b.w + 3))
+        b.fwd.append(f"x = F.interpolate(x, size=({b.h}, {b.w}), mode='{mode}'{extra})")
     b.desc.append(f"upsample-{mode}")
     b.ops.add(f"upsample:{mode}")
 

@@ -1,20 +1,24 @@
-"""Gathers at compile-time constant indices as index maps: nearest upsampling without a gather.
+"""Gathers at compile-time constant indices as index maps: upsampling without a gather.
 
-AOTAutograd decomposes nearest upsampling into index arithmetic (``arange``, ``add``, ``mul``, a
-cast to int64, ``unsqueeze``) and ``aten._unsafe_index``. Where every index tensor of an
-``_unsafe_index`` / ``index`` depends only on constant-producing ops (``CONSTANT_OPS``: no graph
-input, no attribute but a literal of the traced code, ``_tensor_constant``), its values are
-computed once at planning time, on the CPU (the nodes run with device cpu), and each is matched
-over its whole range against an exact integer map of one output coordinate ``i`` into an input dim of extent ``n`` (``fit``): at a rational scale ``p/q``
-(the ratio of the two sizes, or a scalar of the index arithmetic as a fraction of small integers),
-nearest ``floor(i*p/q)`` or nearest-exact ``floor((2i+1)*p/(2q))`` (the identity is nearest at
-scale 1), clamped to ``n - 1`` or not, or a constant. A match makes the gather a view in the IR:
-loads of its input at those index expressions (a clamp that binds: a choice between two loads), no
-indirect load. The index nodes then have no reader left in any kernel: ``constant_nodes`` tells
-the scheduler to give them none, the region's reference recomputes them (``rewrite.py``) and dead
-code elimination drops them from the graph. Anything else declines with a one-line reason and
-the node runs as PyTorch runs it: an index read from a graph input (a real gather), a boolean
-mask, an index depending on several output coordinates, bilinear's shifted and clamped indices.
+AOTAutograd decomposes nearest and bilinear upsampling into index arithmetic (``arange``, ``add``,
+``mul``, a clamp, a cast to int64, ``unsqueeze``) and ``aten._unsafe_index``. Where every index
+tensor of an ``_unsafe_index`` / ``index`` depends only on constant-producing ops (``CONSTANT_OPS``:
+no graph input, no attribute but a literal of the traced code, ``_tensor_constant``), its values
+are computed once at planning time, on the CPU (the nodes run with device cpu), and each is
+matched over its whole range against an exact integer map of one output coordinate ``i`` into an
+input dim of extent ``n`` (``fit``): at a rational scale ``p/q`` (a ratio of the two sizes, or a
+scalar of the index arithmetic as a fraction of small integers), the floor of a source position,
+nearest ``i*p/q``, nearest-exact ``(2i+1)*p/(2q)`` or linear's half-pixel ``(i+0.5)*p/q - 0.5``
+(the identity is nearest at scale 1; align_corners is nearest at ``(n-1)/(m-1)``), or that plus
+one (linear's second neighbour), clamped below (0, or 1) and above (``n - 1``) where needed, or a
+constant. A match makes the gather a view in the IR: loads of its input at those index
+expressions (a clamp that binds: a choice between loads), no indirect load. The index nodes then
+have no reader left in any kernel: ``constant_nodes`` tells the scheduler to give them none, the
+region's reference recomputes them (``rewrite.py``) and dead code elimination drops them from the
+graph; bilinear's interpolation weights (floating point, from the same ``arange``) are folded into
+constants by the ``fold_constants`` pass. Anything else declines with a one-line reason and the
+node runs as PyTorch runs it: an index read from a graph input (a real gather), a boolean mask, an
+index depending on several output coordinates, a float rounding that no exact map reproduces.
 
 ``upsample_nearest2d`` and ``_upsample_nearest_exact2d`` (where they reach the executor
 undecomposed) are the same index maps, their source indices computed as PyTorch's CPU and CUDA
@@ -182,52 +186,73 @@ def _scalars(node: fx.Node) -> set:
 # ---------------------------------------------------------------------------- index maps of one coordinate
 @dataclass(frozen=True)
 class Map1:
-    """``min((i * a + b) // d, hi)`` of an output coordinate ``i`` (``hi`` None: no clamp)."""
+    """``min(max((i * a + b) // d, lo), hi)`` of an output coordinate ``i`` (``lo`` / ``hi`` None:
+    no clamp on that side)."""
     a: int
     b: int
     d: int
     hi: Optional[int] = None
+    lo: Optional[int] = None
 
     def ix(self, i) -> Ix:
-        return (Ix.of(i) * self.a + self.b).floordiv(self.d)
+        # a negative numerator (bilinear's first source position, ``(i + 0.5) * s - 0.5`` below 0)
+        # is shifted by whole multiples of ``d``, so that the floor division stays non-negative
+        s = -(self.b // self.d) if self.b < 0 else 0
+        return (Ix.of(i) * self.a + (self.b + s * self.d)).floordiv(self.d) - s
+
+    def raw(self, m: int) -> list:
+        return [(i * self.a + self.b) // self.d for i in range(m)]
 
     def values(self, m: int) -> list:
-        raw = [(i * self.a + self.b) // self.d for i in range(m)]
-        return raw if self.hi is None else [min(v, self.hi) for v in raw]
+        out = self.raw(m)
+        if self.lo is not None:
+            out = [max(v, self.lo) for v in out]
+        return out if self.hi is None else [min(v, self.hi) for v in out]
 
 
 def _ratios(n: int, m: int, scalars=()) -> list:
-    """Candidate scales (input positions per output position) as fractions of small integers: the
-    ratio of the sizes, 1, and each scalar of the index arithmetic and its reciprocal."""
-    out = [Fraction(n, max(m, 1)), Fraction(1)]
+    """Candidate scales (input positions per output position) as fractions: the ratios of the sizes
+    (``n / m``; ``(n - 1) / (m - 1)``, align_corners), 1, and each scalar of the index arithmetic and
+    its reciprocal as a fraction of small integers."""
+    sizes = [Fraction(n, max(m, 1)), Fraction(1)] + ([Fraction(n - 1, m - 1)] if m > 1 and n > 1 else [])
+    out = []
     for s in sorted(scalars):
         f = Fraction(s).limit_denominator(MAX_SCALE_TERM)
         if f > 0:
             out += [f, 1 / f]
-    return [f for f in dict.fromkeys(out) if f.numerator <= MAX_SCALE_TERM ** 2 and f.denominator <= MAX_SCALE_TERM]
+    out = [f for f in out if f.numerator <= MAX_SCALE_TERM ** 2 and f.denominator <= MAX_SCALE_TERM]
+    return list(dict.fromkeys(sizes + out))
+
+
+def _bases(r: Fraction) -> list:
+    """``(a, b, d)`` of the source positions ``(i * a + b) / d`` at scale ``r = p / q``: nearest
+    ``i * r``, nearest-exact ``(i + 0.5) * r`` and linear's half-pixel ``(i + 0.5) * r - 0.5``."""
+    p, q = r.numerator, r.denominator
+    return [(p, 0, q), (2 * p, p, 2 * q), (2 * p, p - q, 2 * q)]
 
 
 def fit(seq: list, n: int, ratios: list) -> Optional[Map1]:
     """An exact ``Map1`` giving ``seq`` (source indices into an extent ``n``, one per output
-    coordinate) at every coordinate, or None: a constant, or nearest / nearest-exact at one of
-    ``ratios``, clamped to ``n - 1`` where that is needed."""
+    coordinate) at every coordinate, or None: a constant, or the floor of a source position at one
+    of ``ratios`` (``_bases``), or that plus one (linear interpolation's second neighbour), clamped
+    below to 0 (plus one: 1) and above to ``n - 1`` where that is needed."""
     m = len(seq)
     if m == 0:
         return None
     if all(v == seq[0] for v in seq):
         return Map1(0, seq[0], 1)
     for r in ratios:
-        p, q = r.numerator, r.denominator
-        for a, b, d in ((p, 0, q), (2 * p, p, 2 * q)):  # nearest, nearest-exact
-            g = math.gcd(math.gcd(a, b), d)
-            f = Map1(a // g, b // g, d // g)
-            raw = f.values(m)
-            if raw == seq:
-                return f
-            if max(raw) >= n:
-                clamped = Map1(f.a, f.b, f.d, n - 1)
-                if clamped.values(m) == seq:
-                    return clamped
+        for a0, b0, d0 in _bases(r):
+            for k in (0, 1):
+                a, b, d = a0, b0 + k * d0, d0
+                g = math.gcd(math.gcd(a, abs(b)), d)
+                f = Map1(a // g, b // g, d // g)
+                raw = f.raw(m)
+                lows = [None] + ([k] if min(raw) < k else [])
+                for lo in lows:
+                    cand = Map1(f.a, f.b, f.d, n - 1 if max(raw) >= n else None, lo)
+                    if cand.values(m) == seq:
+                        return cand
     return None
 
 
@@ -249,19 +274,27 @@ class IndexMap:
                 f = d[2]
                 e = f.ix(idx[d[1]])
                 src.append(e)
-                if f.hi is not None and e.bounds()[1] > f.hi:
-                    clamps.append((k, f.hi))
+                elo, ehi = e.bounds()
+                lo = f.lo if f.lo is not None and elo < f.lo else None
+                hi = f.hi if f.hi is not None and ehi > f.hi else None
+                if lo is not None or hi is not None:
+                    clamps.append((k, lo, hi))
         return _choose(base, src, clamps)
 
 
 def _choose(base: Value, src: list, clamps: list):
-    """``base`` at ``src`` with each clamped coordinate replaced by its bound where it exceeds it."""
+    """``base`` at ``src`` with each clamped coordinate replaced by its bound where it passes it."""
     if not clamps:
         return base.load(src)
-    (k, hi), rest = clamps[0], clamps[1:]
-    inside = _choose(base, src, rest)
-    outside = _choose(base, src[:k] + [Ix.of(hi)] + src[k + 1:], rest)
-    return Where(InRange(src[k], 0, hi + 1), inside, outside)
+    (k, lo, hi), rest = clamps[0], clamps[1:]
+    e = src[k]
+    elo, ehi = e.bounds()
+    out = _choose(base, src, rest)
+    if hi is not None:
+        out = Where(InRange(e, elo, hi + 1), out, _choose(base, src[:k] + [Ix.of(hi)] + src[k + 1:], rest))
+    if lo is not None:
+        out = Where(InRange(e, lo, ehi + 1), out, _choose(base, src[:k] + [Ix.of(lo)] + src[k + 1:], rest))
+    return out
 
 
 # ---------------------------------------------------------------------------- the plans
@@ -322,7 +355,7 @@ def _gather_plan(node: fx.Node) -> IndexMap:
         seq = v.movedim(j, 0).reshape(bshape[j], -1)[:, 0].tolist()
         f = fit(seq, n, _ratios(n, bshape[j], _scalars(t)))
         if f is None:
-            raise Decline(f"index {t.name} is not a nearest or identity map of the output coordinate "
+            raise Decline(f"index {t.name} is not a nearest, linear or identity map of the output coordinate "
                           f"(values {seq[:8]}{'...' if len(seq) > 8 else ''})")
         dims[k] = ("map", bstart + j, f)
     return IndexMap(shape, dims)
