@@ -178,14 +178,28 @@ def cmd_fuzz(args) -> int:
         raise SystemExit(f"--shard {args.shard}: expected i/n with 0 <= i < n")
     if args.threads:
         torch.set_num_threads(args.threads)
-    summary = run_fuzz(args.device, args.examples, args.seed, args.time_budget, args.out or "fuzz-out", (i, n),
+    summary = run_fuzz(args.device, fuzz_examples(args), args.seed, args.time_budget, args.out or "fuzz-out", (i, n),
                        executors=args.executor or None, progress=args.progress, restart=args.restart)
     return 1 if summary["failures"] else 0
 
 
+#: graphs a fuzz run draws without --examples or --time-budget
+DEFAULT_FUZZ_EXAMPLES = 200
+#: without --examples, a run with a time budget draws until the budget is spent (this many at most)
+BUDGETED_FUZZ_EXAMPLES = 10_000_000
+
+
+def fuzz_examples(args) -> int:
+    """The graphs to draw over all shards: ``--examples`` where given; else, under a time budget,
+    as many as it allows (a budget alone used to stop at the default 200); else the default."""
+    if args.examples is not None:
+        return args.examples
+    return BUDGETED_FUZZ_EXAMPLES if args.time_budget is not None else DEFAULT_FUZZ_EXAMPLES
+
+
 def _fuzz_arguments(args) -> list:
     """The arguments every shard of a ``--jobs`` run gets."""
-    out = ["--device", args.device, "--examples", str(args.examples), "--seed", str(args.seed),
+    out = ["--device", args.device, "--examples", str(fuzz_examples(args)), "--seed", str(args.seed),
            "--out", args.out or "fuzz-out"]
     out += ["--time-budget", f"{args.time_budget:g}"] if args.time_budget is not None else []
     return out + [a for e in args.executor or [] for a in ("--executor", e)]
@@ -194,7 +208,9 @@ def _fuzz_arguments(args) -> list:
 def add_fuzz(sub) -> None:
     p = sub.add_parser("fuzz", help="random CNN graphs through the whole backend against eager (fxopt.fuzz)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--examples", type=non_negative_int, default=200, help="graphs over all shards (default 200)")
+    p.add_argument("--examples", type=non_negative_int, default=None,
+                   help=f"graphs over all shards (default: {DEFAULT_FUZZ_EXAMPLES}; with --time-budget, as many as "
+                        "the budget allows)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget", type=float, default=None, help="stop drawing graphs after SECONDS (per shard)")
     p.add_argument("--out", default=None, help="directory of summaries, coverage and reproducers (default fuzz-out)")

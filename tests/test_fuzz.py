@@ -625,3 +625,15 @@ def test_a_sum_that_cancels_is_judged_against_pytorchs_compiled_graph_too():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss(compiled(x.detach().clone().requires_grad_(True))).backward()
     torch.testing.assert_close(mine_.m0.bias.grad, peer.grad("m0.bias", loss), rtol=0, atol=1e-3)
+
+
+def test_a_time_budget_alone_draws_until_it_is_spent():
+    """``--time-budget`` without ``--examples`` is not cut at the default count of graphs."""
+    from argparse import Namespace
+
+    from fxopt.cli import BUDGETED_FUZZ_EXAMPLES, DEFAULT_FUZZ_EXAMPLES, fuzz_examples
+
+    assert fuzz_examples(Namespace(examples=None, time_budget=None)) == DEFAULT_FUZZ_EXAMPLES
+    assert fuzz_examples(Namespace(examples=None, time_budget=60.0)) == BUDGETED_FUZZ_EXAMPLES > 10 ** 6
+    assert fuzz_examples(Namespace(examples=7, time_budget=60.0)) == 7
+    assert fuzz_examples(Namespace(examples=0, time_budget=None)) == 0
