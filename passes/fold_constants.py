@@ -8,10 +8,11 @@ per call.
 Matches: every pure node whose inputs are all constant (frozen parameter
 placeholders, ``get_attr`` attributes, or other such nodes), and the pure
 subgraphs rooted in tensor-creating ops (``arange``, ``full``...: no tensor
-input) and literals of the traced code where their sizes are static and small: bilinear upsampling's
-interpolation weights, computed from ``arange`` on every call otherwise. Of the
-latter, values of integer or boolean dtype stay in the graph (a gather's index
-arithmetic: the cuda executor reads it as an index map, never as a table).
+input) and literals of the traced code, where their sizes are static and
+small: bilinear upsampling's interpolation weights, computed from ``arange``
+on every call otherwise. Of the latter, values of integer or boolean dtype stay
+in the graph (a gather's index arithmetic: the cuda executor reads it as an
+index map, never as a table).
 
 Produces: one ``call_module`` node ``fxopt_constants`` (a ``FoldedConstants``
 module holding the weight-only subgraph) whose outputs replace the folded
@@ -42,9 +43,9 @@ MODULE_NAME = FOLDED_CONSTANTS_MODULE  # the name packages and executors look fo
 
 aten = torch.ops.aten
 #: ops that make a tensor from scalars alone: roots of generated constants
-CREATION_OPS = frozenset(op for op in (
+CREATION_OPS = frozenset((
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default, aten.zeros.default,
-    aten.ones.default, aten.scalar_tensor.default, getattr(torch.ops.prims, "iota", None)) if op is not None)
+    aten.ones.default, aten.scalar_tensor.default, torch.ops.prims.iota.default))
 #: a generated constant (and every value of its subgraph) holds at most this many elements
 MAX_GENERATED_ELEMENTS = 1 << 20
 

@@ -117,3 +117,10 @@ def test_generated_constants_alone_fold_in_a_graph_without_weights(align):
     torch.testing.assert_close(out1, ref(x), rtol=0, atol=0)
     torch.testing.assert_close(out2, ref(x), rtol=0, atol=0)
     torch.testing.assert_close(out1, f(x))  # and eager's kernel within float32 rounding
+
+
+def test_every_creation_op_is_an_overload_a_node_can_name():
+    """Graph nodes carry op overloads (``prims.iota.default``), never packets: a packet among the
+    creation ops would never match one."""
+    assert all(isinstance(op, torch._ops.OpOverload) for op in fold_constants.CREATION_OPS)
+    assert torch.ops.prims.iota.default in fold_constants.CREATION_OPS
