@@ -32,7 +32,6 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fxopt.names import FOLDED_CONSTANTS_MODULE
@@ -65,7 +64,7 @@ class FoldedConstants(torch.nn.Module):
     def forward(self, *tensors):
         if tensors and isinstance(tensors[0], FakeTensor):  # fake inputs come all together
             return self._fake_forward(tensors)  # metadata propagation
-        if not tensors and detect_fake_mode() is not None:  # generated constants alone, traced
+        if not tensors and _fake_mode_active():  # generated constants alone, traced
             return self._fake_forward(tensors)
         if self._watch is None:
             self._watch = WeightWatch(range(len(tensors)))
@@ -104,6 +103,12 @@ class FoldedConstants(torch.nn.Module):
         return out
 
 
+def _fake_mode_active() -> bool:
+    """Whether a fake tensor mode is tracing (one C call: this runs on every call of a graph with
+    generated constants alone)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
 def _same_layout(a, b) -> bool:
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
             and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device)
@@ -127,11 +132,11 @@ def _static_small(node: fx.Node) -> bool:
             and v.numel() <= MAX_GENERATED_ELEMENTS)
 
 
-def constant_nodes(gm: fx.GraphModule, ctx: PassContext, generated: set | None = None) -> list[fx.Node]:
-    """The call_function nodes whose values are constants; ``generated`` (if given) receives those
-    computed from tensor-creating ops and literals alone (no weight among their inputs)."""
+def constant_nodes(gm: fx.GraphModule, ctx: PassContext) -> tuple[list[fx.Node], set]:
+    """The call_function nodes whose values are constants, and the constants computed from
+    tensor-creating ops and literals alone (no weight among their inputs)."""
     const: set[fx.Node] = set()
-    gen = generated if generated is not None else set()
+    gen: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node.name in ctx.const_placeholders:
             const.add(node)
@@ -149,14 +154,13 @@ def constant_nodes(gm: fx.GraphModule, ctx: PassContext, generated: set | None =
                     continue
                 gen.add(node)
             const.add(node)
-    return [n for n in gm.graph.nodes if n in const and n.op == "call_function"]
+    return [n for n in gm.graph.nodes if n in const and n.op == "call_function"], gen
 
 
 def _to_fold(gm: fx.GraphModule, ctx: PassContext) -> tuple[list, list, set]:
     """(nodes to fold in graph order, the values leaving them, every constant node). A generated
     value of integer or boolean dtype is not folded (an index stays index arithmetic)."""
-    generated: set = set()
-    const = constant_nodes(gm, ctx, generated)
+    const, generated = constant_nodes(gm, ctx)
     const_set = set(const)
     frontier = []
     for n in const:
