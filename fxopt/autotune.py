@@ -59,7 +59,7 @@ class ConvChoice:
     max_rel_error: Optional[float] = None  # of the chosen algorithm vs direct, when measured
     errors: dict = field(default_factory=dict)  # name -> relative error vs direct
     rejected: dict = field(default_factory=dict)  # name -> reason
-    how: str = "heuristic"  # measured | cached | pruned | heuristic | forced | only-direct
+    how: str = "heuristic"  # measured | cached | pruned | heuristic | forced | only-direct | symbolic sizes
     shape_str: str = ""
 
     def to_json(self) -> dict:

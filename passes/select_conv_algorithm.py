@@ -111,6 +111,8 @@ def choose(ctx: PassContext, node: fx.Node, qualname: str, cache: AutotuneCache)
         reason = ALGORITHMS[want].legal(sig) or f"the {ctx.target.executor} executor does not run it"
         ctx.note(f"{qualname}: {want} illegal ({reason}); direct")
         return ConvChoice("direct", {n: None for n in legal}, how="forced-illegal", shape_str=shape)
+    if not legal:  # sizes no legality is decided at (symbolic height and width): the library's own
+        return ConvChoice("direct", {}, how="symbolic sizes", shape_str=shape)
     if legal == ["direct"]:
         return ConvChoice("direct", {"direct": None}, how="only-direct", shape_str=shape)
     if want == "heuristic":

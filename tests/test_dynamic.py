@@ -62,6 +62,9 @@ def test_dynamic_true_compiles_once(pipeline_runs):
     _check(compiled, model, [(2, 32), (3, 32), (2, 32)])
     assert backend.compiles == 1
     assert len(pipeline_runs) == 1
+    # every pass ran on the symbolic graph (a convolution at a symbolic height and width has no
+    # algorithm whose legality is decided: it keeps the library's, rather than failing the pass)
+    assert [r.fallback for r in backend.reports] == [None]
     info = backend.dynamic()
     assert info["pipeline_runs"] == 1 and len(info["symbolic"]) == 2  # the batch and the image side
     assert sorted(int(k.split(",")[0].split("=")[1]) for k in info["specializations"]) == [2, 3]
@@ -149,3 +152,28 @@ def test_training_smaller_last_batch(dynamic, compiles):
     assert backend.compiles == compiles
     assert sum(r.kind == "forward" for r in backend.reports) == compiles
     torch.testing.assert_close(losses, want, rtol=1e-3, atol=1e-3)
+
+
+def test_symbolic_height_and_width_keep_every_pass_for_the_cuda_target():
+    """``dynamic=True`` makes the height and width symbolic too: no convolution algorithm's legality
+    is decided there, and the convolutions keep the library's (the pass failed before: every pass
+    fell back, the unoptimized graph lowered per size). The graph is traced on a fake CUDA input."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    reports = []
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = SeedCNN2().eval()
+        x = torch.empty(4, 3, 32, 32, device="cuda")
+        torch.compiler.reset()
+        options = {"executor": "cuda", "strict": True, "autotune_cache": False}
+        with torch.no_grad():
+            torch.compile(model, dynamic=True, backend=lambda gm, ex: fxopt_backend(
+                gm, ex, options=options, _sink=reports) and gm.forward)(x)
+    torch.compiler.reset()
+    (report,) = reports
+    assert report.fallback is None
+    assert len(report.executor_details["dynamic"]["symbolic"]) == 2  # the batch; height and width (equal: one)
+    assert report.conv_algorithms and {c.how for c in report.conv_algorithms.values()} == {"symbolic sizes"}
+    assert all(c.algorithm == "direct" for c in report.conv_algorithms.values())
