@@ -189,7 +189,7 @@ def test_the_emulator_sees_each_kind_of_mistake():
              ("cnt_[tile_] = 0u;", "", "not reset"),
              ("tk_ == 7u", "tk_ == 0u", "before its writer's ticket"),
              ("__threadfence();", "", "before its partials were fenced"),
-             ("(gu_ < 122 ? gu_ : (idx_t)121)", "(gu_)", "outside its"),
+             ("(gu_ < n1_ ? gu_ : n1_ - 1)", "(gu_)", "outside its"),
              ("if (ok_ && ty_ == 0) {\n        out0", "if (ty_ == 0) {\n        out0", "stored 7 times")]
     for old, new, what in cases:
         assert old in src, old

@@ -267,8 +267,8 @@ def _parse(source: str, name: str):
     lines = [ln.split("//")[0].strip() if ln.startswith("fx_pdl_begin") else ln for ln in lines]
     head = "\n".join(lines[:8])
     tpr = int(re.search(r"const int lane_ = threadIdx\.x % (\d+);", head).group(1))
-    loop = re.search(r"for \(idx_t base_ = \(idx_t\)blockIdx\.x \* (\d+); base_ < (\d+);", head)
-    rpb, rows = int(loop.group(1)), int(loop.group(2))
+    loop = re.search(r"for \(idx_t base_ = \(idx_t\)blockIdx\.x \* (\d+); base_ < (\w+);", head)
+    rpb, rows = int(loop.group(1)), loop.group(2)  # rows: a number, or an extent's name (an argument)
     start = next(i for i, ln in enumerate(lines) if ln.startswith("for (idx_t base_"))
     ops, depth = [], 0
     for ln in lines[start + 1:]:
@@ -453,7 +453,11 @@ def check_row_geometry(ks, max_errors: int = 5) -> dict:
     """Emulate ``ks`` (a register-row reduction ``KernelSource``) over its whole launch; raises
     AssertionError naming the first violations. Returns a summary (rows, threads, phases)."""
     k = ks.meta["kernel"]
+    from fxopt.backends.cuda.codegen.ir_kernel import extent
+
     tpr, rpb, rows, ops = _parse(ks.source, ks.name)
+    extents = {extent(i): int(v) for i, v in enumerate(ks.meta.get("extents", ()))}  # the arguments' values
+    rows = extents[rows] if rows in extents else int(rows)
     block, grid = ks.block[0], ks.meta["grid"][0]
     R = k.row_size
     errors: list = []
@@ -469,7 +473,7 @@ def check_row_geometry(ks, max_errors: int = 5) -> dict:
     for b in range(grid):
         base = b * rpb
         while base < rows:
-            threads = [_run_thread(ops, {"lane_": t % tpr, "sub_": t // tpr, "base_": base}, spans, errors)
+            threads = [_run_thread(ops, {"lane_": t % tpr, "sub_": t // tpr, "base_": base, **extents}, spans, errors)
                        for t in range(block)]
             for w0 in range(0, block, 32):
                 warp = threads[w0:w0 + 32]

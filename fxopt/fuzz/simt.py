@@ -202,6 +202,7 @@ class _Machine:
         b = t // block
         self.env: dict = {"threadIdx_x": t % block, "blockIdx_x": b % gx, "blockIdx_y": b // gx, "gridDim_x": gx,
                           "gridDim_y": gy, "np": np}
+        self.env.update((f"fx_n{i}", int(v)) for i, v in enumerate(ks.meta.get("extents", ())))  # arguments
         self.tid, self.blk = t, b
         self.mem = {f"in{i}": _flat_memory(x, buf) for i, (x, buf) in enumerate(zip(inputs, k.inputs))}
         self.out = {f"out{j}": np.full(max(1, b_.span()), np.nan) for j, b_ in enumerate(k.outputs)}
@@ -408,7 +409,7 @@ def is_column_kernel(ks) -> bool:
 
 def emulate(ks, inputs: list, seed: int = 0):
     """(the outputs' memory as flat float64 arrays, stores per element, errors) of ``ks`` on ``inputs``."""
-    pointers = {p for p, _ in ks.params}
+    pointers = {p for p, t in ks.params if t.endswith("*")}
     tree = _parse(ks.source, ks.name, pointers)
     m = _Machine(ks, inputs, seed)
     m.run(tree)

@@ -43,8 +43,9 @@ from fxopt.backends.cuda import ir
 from fxopt.backends.cuda.ir import Ix, Load, Red, ReductionKernel, Var
 from fxopt.backends.cuda.codegen.c import ctype
 from fxopt.backends.cuda.codegen.emit import REDUCE_COMBINE, REDUCE_INIT, Emitter, ix_c
-from fxopt.backends.cuda.codegen.ir_kernel import (MAX_GRID, kernel_fast_math_prefix, kernel_header, kernel_index64,
-                                                   kernel_name, kernel_params, split_index)
+from fxopt.backends.cuda.codegen.ir_kernel import (MAX_GRID, extent, extent_params, kernel_fast_math_prefix,
+                                                   kernel_header, kernel_index64, kernel_name, kernel_params,
+                                                   named_source, split_index)
 from fxopt.backends.cuda.codegen.source import KernelSource
 
 BLOCK = 256
@@ -201,8 +202,9 @@ def _varies(e, red: set, memo: dict) -> bool:
 
 
 class _Gen:
-    def __init__(self, k: ReductionKernel, plan: ColumnPlan):
+    def __init__(self, k: ReductionKernel, plan: ColumnPlan, ext: dict):
         self.k, self.p, self.c = k, plan, k.outer[-1]
+        self.ext = ext  # extent name -> its C name (an argument, codegen/ir_kernel.py)
         self.em = Emitter(k, "", {})
         self.aligned: list = []
 
@@ -289,7 +291,8 @@ class _Gen:
     def generate(self, header: list) -> list:
         k, p, c = self.k, self.p, self.c
         self.lines = list(header)
-        groups, R = k.rows // p.vec, k.row_size
+        R = k.row_size
+        groups = self.ext.get("groups")
         self.lines += [f"  const int tx_ = threadIdx.x % {p.bx};", f"  const int ty_ = threadIdx.x / {p.bx};"]
         if p.by > 1:
             self.lines.append(f"  __shared__ float smem_[{p.block * p.vec}];")
@@ -297,7 +300,7 @@ class _Gen:
             self.lines.append(f"  __shared__ float stg_[{p.bx * p.vec * (p.tw + 1)}];")
         if p.splits > 1:
             self.lines.append("  __shared__ int last_[1];")
-        self.lines.append(f"  for (idx_t tile_ = blockIdx.x; tile_ < {p.tiles}; tile_ += gridDim.x) {{")
+        self.lines.append(f"  for (idx_t tile_ = blockIdx.x; tile_ < {self.ext['tiles']}; tile_ += gridDim.x) {{")
         ind = "    "
         if p.tw:
             w = transpose_var(k)
@@ -310,7 +313,7 @@ class _Gen:
                            f"{ind}const idx_t {w.name} = wu_ < {w.size} ? wu_ : (idx_t){w.size - 1};"]
         else:
             self.lines += [f"{ind}const idx_t gu_ = tile_ * {p.bx} + tx_;", f"{ind}const bool ok_ = gu_ < {groups};",
-                           f"{ind}const idx_t q_ = (gu_ < {groups} ? gu_ : (idx_t){groups - 1}) * {p.vec};"]
+                           f"{ind}const idx_t q_ = (gu_ < {groups} ? gu_ : {groups} - 1) * {p.vec};"]
             self.lines += split_index("q_", list(k.outer), ind)
         lo, hi = "0", str(R)
         if p.splits > 1:
@@ -344,7 +347,8 @@ class _Gen:
         (ph,) = k.phases
         reds = [f"red_{ph.name}_{lane}" for lane in range(p.vec)]
         self.lines.append(f"{ind}if (ok_ && ty_ == 0) {{")
-        self.lines += [f"{ind}  ws_[(idx_t)blockIdx.y * {k.rows} + q_ + {lane}] = {r};" for lane, r in enumerate(reds)]
+        rows = self.ext["rows"]
+        self.lines += [f"{ind}  ws_[(idx_t)blockIdx.y * {rows} + q_ + {lane}] = {r};" for lane, r in enumerate(reds)]
         self.lines += [f"{ind}}}", f"{ind}__threadfence();", f"{ind}__syncthreads();",
                        f"{ind}if (threadIdx.x == 0) {{",
                        f"{ind}  const unsigned int tk_ = atomicAdd(cnt_ + tile_, 1u);",
@@ -352,7 +356,7 @@ class _Gen:
                        f"{ind}if (last_[0]) {{"]
         self.lines += [f"{ind}  {r} = __ldcg(ws_ + q_ + {lane});" for lane, r in enumerate(reds)]
         self.lines.append(f"{ind}  for (idx_t s_ = 1; s_ < {p.splits}; s_ += 1) {{")
-        self.lines += [f"{ind}    {r} = {REDUCE_COMBINE[ph.op].format(a=r, b=f'__ldcg(ws_ + s_ * {k.rows} + q_ + {lane})')};"
+        self.lines += [f"{ind}    {r} = {REDUCE_COMBINE[ph.op].format(a=r, b=f'__ldcg(ws_ + s_ * {rows} + q_ + {lane})')};"
                        for lane, r in enumerate(reds)]
         self.lines += [f"{ind}  }}", f"{ind}  if (ok_ && ty_ == 0) {{"]
         self._stores(k.outer_stores, ind + "    ")
@@ -389,11 +393,19 @@ def generate_column_reduction(k: ReductionKernel, plan: ColumnPlan, fast_math: b
     ps = kernel_params(k)
     if plan.splits > 1:
         ps = ps + [("ws_", "float*"), ("cnt_", "unsigned int*")]
-    gen = _Gen(k, plan)
+    # the extents that scale with the batch, as arguments (codegen/ir_kernel.py): the tiles, the
+    # row groups (without the transposing staging) and the rows (a split's partials)
+    values = {"tiles": plan.tiles, "groups": None if plan.tw else k.rows // plan.vec,
+              "rows": k.rows if plan.splits > 1 else None}
+    values = {n: v for n, v in values.items() if v is not None}
+    ps = ps + extent_params(len(values))
+    gen = _Gen(k, plan, {n: extent(i) for i, n in enumerate(values)})
     lines = gen.generate(kernel_header(k, name, plan.block, ps, index64, prefix))
     geometry = vars(plan) | {"block": plan.block}
     meta = {"kernel": k, "grid": (max(1, min(plan.tiles, MAX_GRID)), plan.splits, 1), "geometry": geometry,
-            "aligned": sorted(set(gen.aligned)), "vec": plan.vec, "fast_math": bool(prefix)}
+            "aligned": sorted(set(gen.aligned)), "vec": plan.vec, "extents": list(values.values()),
+            "fast_math": bool(prefix)}
     if plan.splits > 1:
         meta["scratch"] = (plan.splits * k.rows, plan.tiles)  # float partials, int32 tickets (zeroed)
-    return KernelSource(name, "\n".join(lines) + "\n", tuple(ps), "fused_reduction", meta, (plan.block, 1, 1), index64)
+    name, source = named_source(name, lines)
+    return KernelSource(name, source, tuple(ps), "fused_reduction", meta, (plan.block, 1, 1), index64)

@@ -4,7 +4,9 @@ scheduled region (reductions: ``reduction.py``; the region's candidate and launc
 ``generate_kernel(k, vec)`` writes the source of a ``PointwiseKernel`` or ``ReductionKernel``:
 
 - sizes, strides and offsets are compile-time constants (a kernel is specialised to its shapes;
-  the scheduler only fuses static shapes), indices are ``int`` unless an extent needs 64 bits;
+  the scheduler only fuses static shapes), except the outermost extent that scales with the batch
+  (work items, rows, tiles), an argument (``codegen/ir_kernel.py``, "Extents as arguments");
+  indices are ``int`` unless an extent needs 64 bits;
 - value expressions are emitted once per distinct subtree (equal subtrees are one IR node),
   except under a ``Where`` branch: a load there may be out of bounds for the rows the condition
   excludes (padding, the other inputs of a concatenation), so a branch is evaluated inline and
@@ -29,7 +31,9 @@ from fxopt.backends.cuda import ir
 from fxopt.backends.cuda.ir import Ix, Load, PointwiseKernel, ReductionKernel, Var
 from fxopt.backends.cuda.codegen.c import ctype
 from fxopt.backends.cuda.codegen.emit import Emitter, ix_c
-from fxopt.backends.cuda.codegen.ir_kernel import MAX_GRID, decompose_index, kernel_fast_math_prefix, kernel_header, kernel_index64, kernel_params, kernel_name
+from fxopt.backends.cuda.codegen.ir_kernel import (MAX_GRID, decompose_index, extent, extent_params,
+                                                   kernel_fast_math_prefix, kernel_header, kernel_index64,
+                                                   kernel_name, kernel_params, named_source)
 from fxopt.backends.cuda.codegen.source import KernelSource
 from fxopt.backends.cuda.kernels.reduction import reduction_vector_width
 
@@ -57,12 +61,13 @@ def _vector_plan(k: PointwiseKernel, vec: int):
     return loads, stores
 
 
-def _pointwise_loop(k: PointwiseKernel, vec: int, block: int, ind: str) -> tuple:
-    """(lines, aligned accesses, work items) of the grid-stride loop of one (sub-)kernel."""
+def _pointwise_loop(k: PointwiseKernel, vec: int, block: int, ind: str, part: int = 0) -> tuple:
+    """(lines, aligned accesses, work items) of the grid-stride loop of one (sub-)kernel (``part``:
+    its index, whose extent argument bounds the loop)."""
     plan = _vector_plan(k, vec)
     vec = vec if plan is not None else 1
     work = k.numel // vec
-    lines = [f"{ind}for (idx_t w_ = (idx_t)blockIdx.x * {block} + threadIdx.x; w_ < {work}; "
+    lines = [f"{ind}for (idx_t w_ = (idx_t)blockIdx.x * {block} + threadIdx.x; w_ < {extent(part)}; "
              f"w_ += (idx_t)gridDim.x * {block}) {{"]
     ind2 = ind + "  "
     vars_ = list(k.vars)
@@ -122,13 +127,13 @@ def generate_pointwise_kernel(k: PointwiseKernel, vec: int = 1, block: int = POI
     index64 = kernel_index64(k)
     prefix = kernel_fast_math_prefix(k, fast_math)
     name = kernel_name(k, f"v{vec}" + "f" * bool(prefix))
-    ps = kernel_params(k)
+    ps = kernel_params(k) + extent_params(max(1, len(k.parts)))
     lines = kernel_header(k, name, block, ps, index64, prefix)
     aligned, works = [], []
     if k.parts:
         lines.append("  switch (blockIdx.y) {")
         for i, part in enumerate(k.parts):
-            body, al, work = _pointwise_loop(part, min(vec, vector_width(part)) if vec > 1 else 1, block, "    ")
+            body, al, work = _pointwise_loop(part, min(vec, vector_width(part)) if vec > 1 else 1, block, "    ", i)
             lines += [f"  case {i}: {{"] + body + ["    break;", "  }"]
             aligned += al
             works.append(work)
@@ -140,8 +145,9 @@ def generate_pointwise_kernel(k: PointwiseKernel, vec: int = 1, block: int = POI
     lines.append("}")
     grid = max(1, min(-(-max(works) // block), MAX_GRID))
     meta = {"kernel": k, "vec": vec, "aligned": sorted(set(aligned)), "grid": (grid, max(1, len(k.parts)), 1),
-            "work": sum(works), "fast_math": bool(prefix)}
-    return KernelSource(name, "\n".join(lines) + "\n", tuple(ps), "fused_pointwise", meta, (block, 1, 1), index64)
+            "work": sum(works), "extents": works, "fast_math": bool(prefix)}
+    name, source = named_source(name, lines)
+    return KernelSource(name, source, tuple(ps), "fused_pointwise", meta, (block, 1, 1), index64)
 
 
 def vector_width(k) -> int:

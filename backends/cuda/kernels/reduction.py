@@ -34,7 +34,9 @@ from fxopt.backends.cuda import ir
 from fxopt.backends.cuda.ir import Ix, Load, ReductionKernel, Var
 from fxopt.backends.cuda.codegen.c import ctype
 from fxopt.backends.cuda.codegen.emit import REDUCE_COMBINE, REDUCE_INIT, Emitter, ix_c
-from fxopt.backends.cuda.codegen.ir_kernel import MAX_GRID, decompose_index, kernel_fast_math_prefix, kernel_header, kernel_index64, kernel_params, kernel_name, split_index
+from fxopt.backends.cuda.codegen.ir_kernel import (MAX_GRID, decompose_index, extent, extent_params,
+                                                   kernel_fast_math_prefix, kernel_header, kernel_index64,
+                                                   kernel_name, kernel_params, named_source, split_index)
 from fxopt.backends.cuda.codegen.source import KernelSource
 from fxopt.backends.cuda.kernels.column_reduction import (column_plan, column_vector_width, generate_column_reduction,
                                                           vector_ok)
@@ -68,21 +70,21 @@ def generate_reduction_kernel(k: ReductionKernel, fast_math: bool = False, vec: 
         prefix = kernel_fast_math_prefix(k, fast_math)
         index64 = kernel_index64(k)
         name = kernel_name(k, f"rows{plan.block}v{plan.vec}" + "f" * bool(prefix))
-        ps = kernel_params(k)
+        ps = kernel_params(k) + extent_params(1)
         lines, aligned = generate_row_reduction(k, plan, name, kernel_header(k, name, plan.block, ps, index64, prefix))
         grid = max(1, min(-(-k.rows // plan.rpb), MAX_GRID))
         meta = {"kernel": k, "grid": (grid, 1, 1), "geometry": vars(plan) | {"block": plan.block},
-                "aligned": aligned, "vec": plan.vec, "fast_math": bool(prefix)}
-        return KernelSource(name, "\n".join(lines) + "\n", tuple(ps), "fused_reduction", meta, (plan.block, 1, 1),
-                            index64)
+                "aligned": aligned, "vec": plan.vec, "extents": [k.rows], "fast_math": bool(prefix)}
+        name, source = named_source(name, lines)
+        return KernelSource(name, source, tuple(ps), "fused_reduction", meta, (plan.block, 1, 1), index64)
     geo = _reduction_geometry(k)
     block = geo["block"]
     index64 = kernel_index64(k)
     prefix = kernel_fast_math_prefix(k, fast_math)
     name = kernel_name(k, f"{k.strategy}{block}" + "f" * bool(prefix))
-    ps = kernel_params(k)
+    ps = kernel_params(k) + extent_params(1)
     lines = kernel_header(k, name, block, ps, index64, prefix)
-    rows, outer = k.rows, list(k.outer)
+    rows, outer = extent(0), list(k.outer)
     rt, rpb = geo["row_threads"], geo["rows_per_block"]
     if rt > 32:
         lines.append(f"  __shared__ float smem_[{rt // 32}];")
@@ -106,8 +108,9 @@ def generate_reduction_kernel(k: ReductionKernel, fast_math: bool = False, vec: 
     lines += _row_outputs(k, "", "lane_", str(rt), ind)
     lines += _outer_outputs(k, "lane_ == 0", ind)
     lines += ["  }", "}"]
-    meta = {"kernel": k, "grid": (geo["grid"], 1, 1), "geometry": geo, "fast_math": bool(prefix)}
-    return KernelSource(name, "\n".join(lines) + "\n", tuple(ps), "fused_reduction", meta, (block, 1, 1), index64)
+    meta = {"kernel": k, "grid": (geo["grid"], 1, 1), "geometry": geo, "extents": [k.rows], "fast_math": bool(prefix)}
+    name, source = named_source(name, lines)
+    return KernelSource(name, source, tuple(ps), "fused_reduction", meta, (block, 1, 1), index64)
 
 
 def _accumulate(k: ReductionKernel, ph, guard: str, start: str, step: int, ind: str) -> list:
@@ -209,13 +212,13 @@ def row_plan(k: ReductionKernel, vec: int) -> Optional[RowPlan]:
 def generate_row_reduction(k: ReductionKernel, plan: RowPlan, name: str, header: list) -> tuple:
     """(lines of the kernel after ``header``, aligned accesses) for ``k`` mapped by ``plan``."""
     vec, tpr, rpb, chunks, iters = plan.vec, plan.tpr, plan.rpb, plan.chunks, plan.iters
-    rows, inner = k.rows, k.reduced[-1]
+    rows, inner = extent(0), k.reduced[-1]  # the rows: an argument (codegen/ir_kernel.py)
     lines = list(header)
     lines += [f"  const int lane_ = threadIdx.x % {tpr};", f"  const int sub_ = threadIdx.x / {tpr};",
               f"  for (idx_t base_ = (idx_t)blockIdx.x * {rpb}; base_ < {rows}; base_ += (idx_t)gridDim.x * {rpb}) {{",
               "    const idx_t rowu_ = base_ + sub_;",
               f"    const bool rowok_ = rowu_ < {rows};",
-              f"    const idx_t row_ = rowok_ ? rowu_ : (idx_t){rows - 1};"]
+              f"    const idx_t row_ = rowok_ ? rowu_ : {rows} - 1;"]
     ind = "    "
     lines += split_index("row_", list(k.outer), ind)
 

@@ -124,7 +124,8 @@ def buffer_fits(t: torch.Tensor, shape: tuple, strides: tuple, dtype: torch.dtyp
 
 def launch_fused(ks: KernelSource, inputs, outputs, kernel=None) -> None:
     """Launch a kernel generated from the loop-level IR (``generate_kernel``): its inputs and
-    outputs in the order of the kernel's buffers; sizes are compiled in."""
+    outputs in the order of the kernel's buffers; sizes are compiled in but for the extents in
+    ``meta["extents"]``, passed after them."""
     k = ks.meta["kernel"]
     if len(inputs) != len(k.inputs) or len(outputs) != len(k.outputs):
         raise ValueError(f"{ks.name}: {len(inputs)} inputs / {len(outputs)} outputs, "
@@ -143,6 +144,7 @@ def launch_fused(ks: KernelSource, inputs, outputs, kernel=None) -> None:
         device = (list(inputs) + list(outputs))[0].device
         args += [torch.empty(partials, dtype=torch.float32, device=device),
                  torch.zeros(tickets, dtype=torch.int32, device=device)]
+    args += ks.meta.get("extents", [])  # the extents the kernel takes as arguments (codegen/ir_kernel.py)
     compiled_kernel(ks, kernel).launch(ks.meta["grid"], ks.block, args)
 
 

@@ -22,8 +22,9 @@ from typing import Optional
 from fxopt.backends.cuda.ir import Load, PointwiseKernel, Var
 from fxopt.backends.cuda.codegen.c import ctype
 from fxopt.backends.cuda.codegen.emit import Emitter, ix_c
-from fxopt.backends.cuda.codegen.ir_kernel import (MAX_GRID, kernel_fast_math_prefix, kernel_header, kernel_index64,
-                                                   kernel_name, kernel_params, split_index)
+from fxopt.backends.cuda.codegen.ir_kernel import (MAX_GRID, extent, extent_params, kernel_fast_math_prefix,
+                                                   kernel_header, kernel_index64, kernel_name, kernel_params,
+                                                   named_source, split_index)
 from fxopt.backends.cuda.codegen.source import KernelSource
 
 TILE = 32           # tile edge: a warp's worth of consecutive elements on each side
@@ -46,8 +47,12 @@ def tiled_plan(k) -> Optional[tuple]:
         return None
     em = Emitter(k, "", {})
     best = None
-    for e in em.unconditional([s.value for s in k.stores]):
-        if not isinstance(e, Load) or _walks(e.offset, b):
+    # in the order of the buffers (ties between inputs of one size go to the first, whatever the
+    # set's order: the same kernel at every batch size and in every process)
+    loads = sorted((e for e in em.unconditional([s.value for s in k.stores]) if isinstance(e, Load)),
+                   key=lambda e: (e.buf, repr(e.offset)))
+    for e in loads:
+        if _walks(e.offset, b):
             continue
         a = next((v for v in k.vars[:-1] if v.size >= MIN_EXTENT and _walks(e.offset, v)), None)
         size = k.inputs[e.buf].numel
@@ -71,11 +76,11 @@ def generate_tiled(k: PointwiseKernel, fast_math: bool = False) -> Optional[Kern
     index64 = kernel_index64(k)
     prefix = kernel_fast_math_prefix(k, fast_math)
     name = kernel_name(k, f"tile{TILE}" + "f" * bool(prefix))
-    ps = kernel_params(k)
+    ps = kernel_params(k) + extent_params(1)
     lines = kernel_header(k, name, TILE * ROWS, ps, index64, prefix)
     lines += [f"  const int tx_ = threadIdx.x % {TILE};", f"  const int ty_ = threadIdx.x / {TILE};",
               f"  __shared__ float tile_[{TILE * (TILE + 1)}];",
-              f"  for (idx_t t_ = blockIdx.x; t_ < {tiles}; t_ += gridDim.x) {{"]
+              f"  for (idx_t t_ = blockIdx.x; t_ < {extent(0)}; t_ += gridDim.x) {{"]
     lines += split_index("t_", others + [at, bt], "    ")
     inside = f"{a.name} < {a.size} && {b.name} < {b.size}"
     # phase 1: consecutive threads on a, the input read coalesced into the tile
@@ -97,6 +102,7 @@ def generate_tiled(k: PointwiseKernel, fast_math: bool = False) -> Optional[Kern
               for s, v in zip(k.stores, vals)]
     lines += ["      }", "    }", "    __syncthreads();", "  }", "}"]
     meta = {"kernel": k, "vec": 1, "aligned": [], "grid": (max(1, min(tiles, MAX_GRID)), 1, 1), "work": k.numel,
-            "fast_math": bool(prefix), "geometry": {"tile": TILE, "rows": ROWS, "a": a.name, "b": b.name}}
-    return KernelSource(name, "\n".join(lines) + "\n", tuple(ps), "fused_pointwise", meta, (TILE * ROWS, 1, 1),
-                        index64)
+            "extents": [tiles], "fast_math": bool(prefix),
+            "geometry": {"tile": TILE, "rows": ROWS, "a": a.name, "b": b.name}}
+    name, source = named_source(name, lines)
+    return KernelSource(name, source, tuple(ps), "fused_pointwise", meta, (TILE * ROWS, 1, 1), index64)

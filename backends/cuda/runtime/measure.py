@@ -166,10 +166,10 @@ def cache_key(node: fx.Node, candidates: dict, graphed: bool) -> str:
 
 def region_key(node: fx.Node, generated, candidates: dict, graphed: bool) -> str:
     """A fused region by what decides its choice: the generated sources (shapes, strides, dtypes
-    and ops are all in them) and the candidates."""
+    and ops are all in them but for the extents they take as arguments, added) and the candidates."""
     import hashlib
 
-    src = "\n".join(sorted(ks.source for ks in generated.sources.values()))
+    src = "\n".join(sorted(f"{ks.source}{ks.meta.get('extents', '')}" for ks in generated.sources.values()))
     return f"region|graphed={graphed}|{hashlib.sha256(src.encode()).hexdigest()[:24]}|{sorted(candidates)}"
 
 
