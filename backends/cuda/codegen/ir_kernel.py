@@ -5,7 +5,8 @@ variables' decomposition from a linear index, and the extents a kernel takes as 
 ``kernels/column_reduction.py``.
 
 Extents as arguments: the loop extent that scales with the batch (a pointwise kernel's work items,
-a row reduction's rows, a tiled transpose's tiles) is a kernel parameter ``fx_n<i>`` (its value in
+a row reduction's rows, a tiled transpose's tiles, a column reduction's tiles, row groups and split
+rows) is a kernel parameter ``fx_n<i>`` (its value in
 ``meta["extents"]``, passed at launch after the buffers), not a constant. Such a kernel's source is
 then the same at every batch size where nothing else in it changes, and its name is a digest of
 that source (``named_source``): a graph lowered at a new batch size (dynamic shapes, a package's
