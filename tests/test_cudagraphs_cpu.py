@@ -663,3 +663,21 @@ def test_a_signature_whose_capture_fails_runs_uncaptured(monkeypatch):
     y = torch.randn(4, 3)
     torch.testing.assert_close(runner(w, y)[0], y @ w.T)  # another signature: captured
     assert runner.captures == 1 and len(runner.graphs) == 1
+
+
+def test_a_size_among_the_arguments_keeps_the_fast_path():
+    """A dynamic-shape graph's specialization is called with its sizes as ints beside the tensors: the
+    fast path compares them by value (another value: the full path, a capture of its own)."""
+    runner = _simulated_runner(lambda w, x, n: (x @ w.T * n,), [0])
+    w, x = torch.randn(5, 3), torch.randn(2, 3)
+    first = runner(w, x, 2)
+    torch.testing.assert_close(first[0], x @ w.T * 2)
+    assert runner._fast is not None and runner.captures == 1
+    del first
+    inst = runner._fast[0]
+    out = runner(w, x, 2)
+    assert inst.graph.replays == 2 and runner._fast[0] is inst and runner.captures == 1
+    del out
+    out = runner(w, x, 3)  # another value: not the fast path's capture
+    torch.testing.assert_close(out[0], x @ w.T * 3)
+    assert runner.captures == 2 and inst.graph.replays == 2

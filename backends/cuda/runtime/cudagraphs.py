@@ -496,8 +496,9 @@ class CudaGraphRunner(StreamChoice, Measuring):
         dtype it was captured with (each capture allocates from a pool of its own, which no other
         allocation can take while the capture lives, and AOTAutograd hands the backward its saved
         values as the forward returned them)."""
-        if _PTRS_EQUAL is None or not all(isinstance(args[i], torch.Tensor) for i in self.dynamic):
-            return  # symbolic sizes among the arguments: the full path decides
+        if _PTRS_EQUAL is None or not all(isinstance(args[i], (torch.Tensor, int)) for i in self.dynamic):
+            return  # a symbolic value among the arguments: the full path decides (a size as an int, as a
+            # dynamic-shape graph's specialization gets them, is compared by value as the signature's part)
         ptr_list: list = [None] * len(args)
         for i, p in zip(self.watch.indices, self.watch.ptrs):
             ptr_list[i] = p
