@@ -28,7 +28,7 @@ import torch.fx as fx
 from functorch.compile import make_boxed_func
 
 from fxopt.config import Options
-from fxopt.autotune import cudnn_choosing
+from fxopt.autotune import cudnn_choosing, deferred_writes
 from fxopt.eager_formats import eager_output_values, measured_output_values, output_strides, with_eager_strides
 from fxopt.compile_cache import CompileCache
 from fxopt.lowered import Lowered
@@ -228,7 +228,8 @@ class FxoptCompiler:
         if ctx.mode == "training":
             self._link_training(ctx, gm, kind)
         before = copy_graph_module(gm)
-        with cudnn_choosing(self.options.cudnn_search):  # how the convolutions measured now use cuDNN
+        # how the convolutions measured now use cuDNN; measured choices written to the cache file once
+        with cudnn_choosing(self.options.cudnn_search), deferred_writes():
             cache = CompileCache(gm, ctx, kind)  # an identical earlier compile's graph and choices
             optimized, records, fallback = cache.run(gm, ctx, fake_args, dump_prefix=f"{kind}_")
             ctx.unoptimized = before if fallback is None else None

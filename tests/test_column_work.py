@@ -21,7 +21,7 @@ from fxopt.fuzz.simt import check_column_geometry
 from test_column_reduction import column_kernel
 
 
-HEAVY = re.compile(r"_cols\d+v\d+(s\d+)?t?w\d+_")  # a kernel planned for heavy math (``w<work>``)
+HEAVY = re.compile(r"_cols\d+v\d+(s\d+)?t?w\d+f?_")  # a kernel planned for heavy math (``w<work>``; ``f``: fast_math)
 
 
 def silu_mean(shape, dtype=torch.float32):

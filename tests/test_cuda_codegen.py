@@ -150,22 +150,19 @@ def test_compile_error_carries_log_source_and_line():
 
 @needs_nvrtc
 @pytest.mark.parametrize("layout,vec", [("nchw", 1), ("nhwc", 8)])
-def test_fast_math_epilogue_template_only_for_16_bit_results(layout, vec):
+def test_fast_math_epilogue_template_only_where_an_activation_has_exp_or_a_quotient(layout, vec):
     """Option fast_math reaches the conv-epilogue kernel: the activation's exp and quotient approximate
-    (no IEEE division left in the PTX) where the result is fp16/bf16; a float32 result, or an
-    activation without them, is unchanged."""
+    (no IEEE division left in the PTX) in every float dtype; an activation without them is unchanged."""
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         ieee, fast = (epi_kernel("silu", (), True, True, dtype, layout, vec, fast_math=f) for f in (False, True))
-        if dtype == torch.float32:
-            assert (fast.source, fast.name, fast.meta["fast_math"]) == (ieee.source, ieee.name, False)
-            continue
         assert fast.meta["fast_math"] and fast.name == ieee.name + "_fm"
         assert fast.source.replace(fast.name, ieee.name) == "#define FXOPT_FAST_MATH 1\n" + ieee.source
         ptx_ieee, ptx_fast = (nvrtc.compile_ptx(k.source, k.name, ARCH) for k in (ieee, fast))
         assert "div.rn.f32" in ptx_ieee and "div.rn.f32" not in ptx_fast
         relu = epi_kernel("relu", (), True, False, dtype, layout, vec, fast_math=True)
         assert not relu.meta["fast_math"] and relu.source == epi_kernel("relu", (), True, False, dtype, layout, vec).source
-    compile_all([epi_kernel("hardswish", (), True, True, torch.float16, layout, vec, fast_math=True)])
+    compile_all([epi_kernel("hardswish", (), True, True, dt, layout, vec, fast_math=True)
+                 for dt in (torch.float16, torch.float32)])
 
 
 @needs_nvrtc

@@ -317,7 +317,7 @@ def test_register_rows_compile_for_every_width(dtype):
 
 
 @needs_nvrtc
-def test_fast_math_approximates_exp_and_division_only_in_kernels_with_16_bit_results():
+def test_fast_math_approximates_exp_and_division_in_every_float_dtype():
     from fxopt.backends.cuda.kernels.region import generate_kernel
     from fxopt.backends.cuda.compiler import compile_ptx
     from fxopt.backends.cuda.schedule.rewrite import split_conv_epilogues
@@ -330,9 +330,6 @@ def test_fast_math_approximates_exp_and_division_only_in_kernels_with_16_bit_res
         gate = next(r for r in schedule(gm, strict=True).regions if "aten.mul.Tensor" in r.ops)
         ieee, fast = generate_kernel(gate.kernel, 1), generate_kernel(gate.kernel, 1, fast_math=True)
         assert not ieee.meta["fast_math"] and "#define FXOPT_FAST_MATH" not in ieee.source
-        if dtype == torch.float32:  # float32 results: the option changes nothing
-            assert fast.source == ieee.source and fast.name == ieee.name and not fast.meta["fast_math"]
-            continue
         assert fast.meta["fast_math"] and fast.source.startswith("#define FXOPT_FAST_MATH 1\n")
         assert fast.name != ieee.name  # both may live in one process and one profile
         ptx_ieee, ptx_fast = (compile_ptx(k.source, k.name, "sm_90") for k in (ieee, fast))
@@ -340,7 +337,8 @@ def test_fast_math_approximates_exp_and_division_only_in_kernels_with_16_bit_res
         # with expf's extra range reduction only in the IEEE kernel
         assert "div.rn.f32" in ptx_ieee and "div.rn.f32" not in ptx_fast
         assert ptx_fast.count("ex2.approx") >= 2
-        assert len(ptx_fast.splitlines()) < len(ptx_ieee.splitlines())
+        if dtype == torch.bfloat16:  # (float32's cheaper body gets unrolled further: PTX lines say little there)
+            assert len(ptx_fast.splitlines()) < len(ptx_ieee.splitlines())
 
 
 def test_a_graph_with_in_place_ops_is_not_fused():

@@ -37,6 +37,45 @@ def test_auto_measures_once_then_hits_the_cache(tmp_path):
     assert rec.algorithm in ALGOS and isinstance(rec.candidates, dict) and rec.max_rel_error is not None
 
 
+def test_deferred_writes_rewrite_the_file_once_and_share_entries(tmp_path, monkeypatch):
+    from fxopt import autotune
+
+    path = str(tmp_path / "tune.json")
+    writes = []
+    real = autotune._write
+    monkeypatch.setattr(autotune, "_write", lambda p, e, mine=None: writes.append(p) or real(p, e, mine))
+    a, b = autotune.AutotuneCache(path), autotune.AutotuneCache(path)
+    with autotune.deferred_writes():
+        with autotune.deferred_writes():  # nested: only the outermost writes
+            for i in range(5):
+                a.put("dev", f"k{i}", {"algorithm": "direct", "i": i})
+        assert writes == [] and not (tmp_path / "tune.json").exists()
+        assert b.get("dev", "k3") == {"algorithm": "direct", "i": 3}  # another instance of the file sees it
+    assert writes == [path]
+    data = json.loads((tmp_path / "tune.json").read_text())
+    assert sorted(data["entries"]["dev"]) == [f"k{i}" for i in range(5)]
+    a.put("dev", "k9", {"algorithm": "gemm"})  # outside: written at once, merged with the file
+    assert writes == [path, path]
+    assert sorted(json.loads((tmp_path / "tune.json").read_text())["entries"]["dev"]) == \
+        [f"k{i}" for i in range(5)] + ["k9"]
+    assert autotune.AutotuneCache(path).get("dev", "k9") == {"algorithm": "gemm"}
+
+
+def test_a_compile_writes_the_cache_file_once(tmp_path, monkeypatch):
+    from fxopt import autotune
+
+    writes = []
+    real = autotune._write
+    monkeypatch.setattr(autotune, "_write", lambda p, e, mine=None: writes.append(p) or real(p, e, mine))
+    cache = tmp_path / "tune.json"
+    r = fxopt.explain(SmallResNet().eval(), torch.randn(2, 3, 32, 32),
+                      options={"conv_algorithm": "auto", "autotune_cache": str(cache)})
+    # once at the compile's end (14 measured entries), once for the runner's decision at the first call
+    assert r.measurements > 2 and writes == [str(cache)] * 2
+    entries = json.loads(cache.read_text())["entries"]
+    assert sum(len(e) for e in entries.values()) > 2
+
+
 def test_corrupt_cache_is_ignored_with_a_warning_and_rewritten(tmp_path):
     cache = tmp_path / "tune.json"
     cache.write_text("{not json")

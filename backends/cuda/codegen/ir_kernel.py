@@ -85,8 +85,7 @@ def kernel_params(k) -> list:
 
 
 def kernel_fast_math_prefix(k, fast_math: bool) -> str:
-    return fast_math_prefix(fast_math, [b.dtype for b in k.outputs],
-                            (n.op for e in ir.kernel_exprs(k) for n in ir.walk(e) if isinstance(n, Op)))
+    return fast_math_prefix(fast_math, (n.op for e in ir.kernel_exprs(k) for n in ir.walk(e) if isinstance(n, Op)))
 
 
 def kernel_header(k, name: str, block: int, ps: list, index64: bool, prefix: str = "") -> list:

@@ -71,12 +71,12 @@ def generate_conv_epilogue(name: str, e, dtype: torch.dtype, layout: str = "nchw
     ``vector_width`` > 1 promises: every full input and the output are aligned to
     min(16, vec * itemsize) bytes, and the bias (if any) satisfies HW % vec == 0 (nchw) or
     C % vec == 0 with an aligned vector (nhwc); elements past the last full vector go through a
-    scalar tail loop. ``fast_math`` (16-bit results only): the activations' exp and quotient
+    scalar tail loop. ``fast_math``: the activations' exp and quotient
     approximate, as in the generated region kernels."""
     inputs = epilogue_inputs(e)
     var = {a.leaf: f"x{j}" for j, a in enumerate(inputs)}
     body = epilogue_body(e, var)
-    prefix = fast_math_prefix(fast_math, [dtype], (n.op for n in ir.walk(e) if isinstance(n, ir.Op)))
+    prefix = fast_math_prefix(fast_math, (n.op for n in ir.walk(e) if isinstance(n, ir.Op)))
     lay, vec = checked_layout(layout), int(vector_width)
     if vec not in (1, 2, 4, 8) or vec * dtype.itemsize > 32:
         raise ValueError(f"unsupported vector width {vector_width}")

@@ -4,7 +4,7 @@ allows), the region's candidate ``GeneratedRegion`` (a vectorized variant where 
 allows, and a scalar one for tensors that are not aligned for it; for a column reduction of heavy
 math, ``parallel_variant``, the same kernel planned for more threads, and for a transposing
 pointwise kernel, ``tiled_variant``, shared-memory tiles, each measured against it; option
-``fast_math``: approximate exp and division in kernels with 16-bit results; ``__call__`` returns ``None``, so that the
+``fast_math``: approximate exp and division in the activations; ``__call__`` returns ``None``, so that the
 reference runs, when the tensors it gets are not on the GPU or differ in shape, dtype or strides
 from those the kernel was generated for) and its launch (``launch_fused``: buffers checked against
 the kernel's, vector accesses' alignment; the scratch of a column reduction split over blocks,
