@@ -1,6 +1,7 @@
 """Size buckets for dynamic shapes: measured choices shared within a bucket, padded runs.
 
-Batch sizes fall in power-of-two buckets (``bucket(5) == 8``: 5..8 share a bucket).
+Sizes fall in power-of-two buckets (``bucket(5) == 8``: batches 5..8 share a bucket; each symbolic
+size is bucketed so, an image's sides as well: 192, 224 and 256 share one).
 
 - ``BucketChoices``: the choices the first lowering in a bucket measured (or read from the
   autotuning cache), in the order it asked for them, handed to every later lowering in the bucket.

@@ -194,6 +194,29 @@ def test_bucket_choices_without_padding():
     assert all(r["choices"]["reused"] >= 1 for r in recs[1:])
 
 
+def test_image_sizes_of_a_bucket_share_its_choices():
+    """Every symbolic size is bucketed: sides 20, 28 and 32 share bucket 32, so only the first
+    lowering there measures; side 40 (bucket 64) measures again. Every call gives eager's results."""
+    torch.manual_seed(0)
+    model, backend = SmallResNet().eval(), Counting(dynamic_padding=False)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for b, side in [(5, 32), (6, 28), (7, 20), (5, 40)]:
+            x = torch.randn(b, 3, side, side)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    infos = [r.executor_details["dynamic"] for r in backend.reports if r.executor_details.get("dynamic")]
+    recs = {k: v for i in infos for k, v in i["specializations"].items()}
+    by_side = {}
+    for k, v in recs.items():
+        vals = dict(p.split("=") for p in k.split(", "))
+        by_side[max(int(x) for x in list(vals.values())[1:])] = v
+    assert set(by_side) >= {28, 20, 40}, recs
+    for side in (28, 20):
+        assert by_side[side]["choices"]["measured"] == 0 and by_side[side]["choices"]["reused"] >= 1, by_side[side]
+        assert by_side[side]["choices_from"] == "its bucket's first lowering"
+    assert by_side[40]["choices_from"] == "measured here (first of its bucket)"
+
+
 def test_lru_bound_with_padding():
     torch.manual_seed(0)
     model, backend = BasicBlock(8, 8).eval(), Counting(executor="torch", max_specializations=2, specialize_after=1)
