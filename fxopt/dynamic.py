@@ -20,9 +20,9 @@ after its recompile limit runs new sizes eagerly. So a symbolic inference graph 
    runs on is dropped (its CUDA graphs released) and lowered again if it comes back.
 4. Buckets (``fxopt.dynamic_buckets``): every symbolic size falls in a power-of-two bucket (batch
    5..8, side 129..256). The choices the first lowering in a bucket measured are reused by every
-   later lowering in it (nothing measured at a second size of a bucket: a second image size of a
-   bucket measured nothing, where each measured its own, 43.3 s of compile in a 1,000-call loop
-   over three image sizes against Inductor's 22.5, H200). Where the graph is batch-independent
+   later lowering in it (nothing measured at a second size of a bucket; with the sides bucketed
+   too, the image phase of a serving loop over sides 192/224/256 compiled in 28.8 s where each
+   side measuring its own took 34.7 and 43.3 s, H200, BENCHMARKS.md). Where the graph is batch-independent
    (``fxopt.batch_independence``; option ``dynamic_padding``), a new batch size does not wait for a
    lowering: it runs on the smallest lowered larger batch, padded, its outputs' first rows
    returned; larger than every lowered batch, it runs in chunks of lowered batches (the largest
