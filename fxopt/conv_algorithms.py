@@ -14,13 +14,16 @@ documented tolerance (docs/NUMERICS.md), in pure torch, on CPU and CUDA.
   symbolic spatial dims, or a kernel spectrum larger than FFT_MAX_SPECTRUM_BYTES.
 * ``gemm``            -- 1x1 convs as one matmul (zero-copy for channels_last),
   everything else as im2col + (batched over groups) matmul. Always legal.
+* ``blockdiag``       -- a conv of 2-8 wide groups as one dense conv with a block-diagonal
+  weight: ``groups`` times the multiply-adds, no per-group slicing. CUDA only.
 
 Precision policy (``compute_dtype``): on CPU fp16/bf16 are computed in fp32 and cast
 back; on CUDA winograd/gemm run in the input dtype; fft always runs in fp32 (fp64
 for fp64). Weight-only work (filter transform, kernel spectrum, reshaped weight) is
 done once by ``prepare``; ``run(..., prepacked=None)`` recomputes it. Prepacked tensors
 are fp32/complex64 (fp64/complex128 for fp64) whatever the device, so their shape and
-dtype depend on the weight and the sig's shapes/dtype only (not on sig.device_type).
+dtype depend on the weight and the sig's shapes/dtype only (not on sig.device_type);
+``blockdiag``'s is the weight's dtype and layout (the library convolution reads it as it is).
 
 ``estimate_ms`` is a roofline-style heuristic: sum(FLOPs / (peak * efficiency)) + bytes /
 bandwidth + ops * per-op overhead, with per-device constants in ``_DEVICES``. It is meant
@@ -432,13 +435,62 @@ class Gemm(_Base):
         return _cost(sig, items, nbytes, 2 if zero_copy else 5)
 
 
+#: groups ``blockdiag`` runs as one dense convolution, and the input channels a group has at least
+BLOCKDIAG_GROUPS = range(2, 9)
+BLOCKDIAG_MIN_GROUP = 16
+
+
+class BlockDiag(_Base):
+    """A grouped conv of 2-8 wide groups as one dense conv whose weight is block-diagonal (zeros
+    between the groups): ``groups`` times the multiply-adds in one library call that slices
+    nothing. cuDNN's channels_last kernels for such convs slice each group's channels out on every
+    call (``nhwcSliceCKernel``: 232 launches a call in eca_nfnet_l0 at batch 1, H200); at small
+    batches those launches, not the arithmetic, take the time. The zeros add exactly 0 (the
+    grouped conv's sums, in the library's order). CUDA only: on the CPU the extra arithmetic is
+    never repaid. Chosen only where measured faster than ``direct`` (``fxopt.autotune``)."""
+    name = "blockdiag"
+
+    def legal(self, sig: ConvSig) -> str | None:
+        why = _basic_reason(sig)
+        if why is not None:
+            return why
+        if sig.device_type != "cuda":
+            return "CUDA only (on the CPU the extra arithmetic is never repaid)"
+        if sig.groups not in BLOCKDIAG_GROUPS:
+            return f"{sig.groups} groups (2-8 only)"
+        if sig.w_shape[1] < BLOCKDIAG_MIN_GROUP:
+            return f"{sig.w_shape[1]} input channels a group (at least {BLOCKDIAG_MIN_GROUP})"
+        return None
+
+    def prepare(self, weight, sig):
+        g = sig.groups
+        ocg, cg = weight.shape[0] // g, weight.shape[1]
+        full = weight.new_zeros((weight.shape[0], cg * g, *weight.shape[2:]))
+        for i in range(g):
+            full[i * ocg:(i + 1) * ocg, i * cg:(i + 1) * cg] = weight[i * ocg:(i + 1) * ocg]
+        if sig.channels_last and full.dim() == 4:
+            full = full.contiguous(memory_format=torch.channels_last)
+        return full
+
+    def run(self, x, weight, prepacked, bias, sig):
+        w = prepacked if prepacked is not None else self.prepare(weight, sig)
+        w = w.to(device=x.device, dtype=x.dtype)
+        return _restore_format(_CONV[sig.ndim](x, w, bias, sig.stride, sig.padding, sig.dilation, 1), x)
+
+    def _estimate(self, sig, batch):
+        n, c, oc, g, cg, xs, os_, ks = _sizes(sig, batch)
+        fl = 2.0 * n * oc * c * ks * os_
+        nbytes = _esize(sig.dtype) * (n * c * xs + n * oc * os_ + oc * c * ks)
+        return _cost(sig, [(fl, "direct", sig.dtype, True, torch.backends.cudnn.allow_tf32)], nbytes, 1)
+
+
 # Winograd in fp16/bf16 on CUDA computes in the input dtype; the transforms amplify
 # rounding (F(4,3): |B| entries up to 5, |A| up to 8), hence the wide half-precision bounds.
 _W2_TOL = {**_Base._TOL, torch.float16: (1e-2, 1e-2), torch.bfloat16: (4e-2, 8e-2)}
 _W4_TOL = {**_Base._TOL, torch.float16: (5e-2, 2.5e-1), torch.bfloat16: (2.5e-1, 2.0)}
 
 ALGORITHMS: dict[str, ConvAlgorithm] = {
-    a.name: a for a in (Direct(), Winograd(2, _W2_TOL), Winograd(4, _W4_TOL), FFTConv(), Gemm())}
+    a.name: a for a in (Direct(), Winograd(2, _W2_TOL), Winograd(4, _W4_TOL), FFTConv(), Gemm(), BlockDiag())}
 
 
 def get_algorithm(name: str) -> ConvAlgorithm:

@@ -232,7 +232,7 @@ def _prepack_fake(weight, algorithm, x_shape, stride, padding, dilation, groups,
 
     with unset_fake_temporarily():
         probe = get_algorithm(algorithm).prepare(torch.zeros(weight.shape, dtype=weight.dtype, device="meta"), sig)
-    return weight.new_empty(probe.shape, dtype=probe.dtype)
+    return weight.new_empty_strided(probe.shape, probe.stride(), dtype=probe.dtype)
 
 
 FUSED_CONV = torch.ops.fxopt.fused_conv.default

@@ -49,7 +49,7 @@ def check(name, x, w, b, stride=1, padding=0, dilation=1, groups=1, prepack=True
 
 # ------------------------------------------------------------------ registry / signature
 def test_registry():
-    assert list(ALGORITHMS) == NAMES
+    assert list(ALGORITHMS) == NAMES + ["blockdiag"]  # blockdiag: CUDA only (tests below)
     for name, algo in ALGORITHMS.items():
         assert algo.name == name and isinstance(algo, ConvAlgorithm)
         assert get_algorithm(name) is algo
@@ -232,6 +232,64 @@ def test_half_precision_fixed_cases(name, dtype):
     if name in ("fft", "gemm", "direct"):
         x, w, b = make((1, 4, 512), (4, 4, 65), dtype, seed=4)
         check(name, x, w, b, padding=32)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("groups,cg,stride,padding,dilation", [(2, 16, 1, 1, 1), (3, 24, 2, 1, 1), (4, 16, 1, 2, 2),
+                                                            (8, 16, 1, 0, 1)])
+def test_blockdiag_is_the_grouped_conv(groups, cg, stride, padding, dilation, channels_last):
+    """The dense conv over the block-diagonal weight gives the grouped conv (float64: exact up to
+    the order of the sums); its prepacked weight keeps the input's layout, and the fake
+    ``prepack_conv_weight`` gives the real one's shape, dtype and strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxopt.ops import PREPACK
+
+    algo = get_algorithm("blockdiag")
+    x, w, b = make((2, groups * cg, 9, 9), (groups * 8, cg, 3, 3), channels_last=channels_last)
+    sig = ConvSig.from_tensors(x, w, stride, padding, dilation, groups)
+    assert "CUDA only" in algo.legal(sig)
+    sig = ConvSig(sig.x_shape, sig.w_shape, sig.stride, sig.padding, sig.dilation, groups, sig.dtype, "cuda",
+                  sig.channels_last)
+    assert algo.legal(sig) is None and "blockdiag" in legal_algorithms(sig)
+    packed = algo.prepare(w, sig)
+    assert packed.shape == (groups * 8, groups * cg, 3, 3) and packed.dtype == w.dtype
+    assert packed.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    for i in range(groups):  # zeros off the diagonal blocks
+        off = packed[i * 8:(i + 1) * 8].clone()
+        off[:, i * cg:(i + 1) * cg] = 0
+        assert not off.any()
+    ref = F.conv2d(x, w, b, stride, padding, dilation, groups)
+    for pp in (packed, None):
+        y = algo.run(x, w, pp, b, sig)
+        torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+        assert y.stride() == ref.stride()
+    args = (list(sig.x_shape), list(sig.stride), list(sig.padding), list(sig.dilation), groups, x.dtype, channels_last)
+    real = PREPACK(w, "blockdiag", *args)
+    with FakeTensorMode() as mode:
+        fake = PREPACK(mode.from_tensor(w), "blockdiag", *args)
+    assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
+
+
+@pytest.mark.parametrize("sig,why", [
+    (_sig((1, 32, 8, 8), (32, 32, 3, 3), dev="cuda"), "groups"),          # one group
+    (_sig((1, 160, 8, 8), (160, 16, 3, 3), g=10, dev="cuda"), "groups"),  # more than 8
+    (_sig((1, 32, 8, 8), (32, 8, 3, 3), g=4, dev="cuda"), "input channels"),  # narrow groups
+    (_sig((1, 32, 8, 8), (32, 16, 3, 3), g=2), "CUDA"),                   # the CPU
+])
+def test_blockdiag_only_for_few_wide_groups_on_cuda(sig, why):
+    reason = get_algorithm("blockdiag").legal(sig)
+    assert reason and why in reason and "\n" not in reason
+    assert math.isinf(get_algorithm("blockdiag").estimate_ms(sig, 1))
+
+
+def test_blockdiag_estimate_prunes_it_where_the_arithmetic_dominates():
+    """At batch 1 a few-group conv is launch-bound and blockdiag stays a candidate; at a large batch
+    its ``groups`` times the multiply-adds price it out for 8 groups."""
+    sig = _sig((None, 512, 14, 14), (512, 64, 3, 3), p=1, g=8, dtype=torch.float16, dev="cuda")
+    direct, dense = ALGORITHMS["direct"], ALGORITHMS["blockdiag"]
+    assert dense.estimate_ms(sig, 1) < 4 * direct.estimate_ms(sig, 1)
+    assert dense.estimate_ms(sig, 256) > 4 * direct.estimate_ms(sig, 256)
 
 
 def test_tolerances_are_ordered():

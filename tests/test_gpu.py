@@ -102,6 +102,37 @@ def test_forced_algorithms_on_gpu(algorithm):
         assert relative_error(compiled(x), m(x)) <= 1e-3
 
 
+class _FewGroups(nn.Module):
+    """Grouped convs of 2, 4 and 8 groups of 16+ channels (bias, ReLU, a residual) and a dense one."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 64, 3, padding=1)
+        self.g2 = nn.Conv2d(64, 64, 3, padding=1, groups=2)
+        self.g4 = nn.Conv2d(64, 128, 3, stride=2, padding=1, groups=4)
+        self.g8 = nn.Conv2d(128, 128, 1, groups=8, bias=False)
+
+    def forward(self, x):
+        y = torch.relu(self.stem(x))
+        y = torch.relu(self.g2(y)) + y
+        return self.g8(torch.relu(self.g4(y)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_forced_blockdiag_on_gpu(dtype):
+    """``blockdiag`` forced: the few-group convs run as dense convs over block-diagonal weights (the
+    dense stem stays direct: illegal there), eager's results in either layout."""
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        m = _FewGroups().cuda().eval().to(dtype)
+        x = torch.randn(2, 3, 16, 16, device="cuda", dtype=dtype).contiguous(memory_format=fmt)
+        report = fxopt.explain(m, x, options={"conv_algorithm": "blockdiag"})
+        algos = {k.split(".")[-1]: c.algorithm for k, c in report.conv_algorithms.items()}
+        assert algos == {"stem": "direct", "g2": "blockdiag", "g4": "blockdiag", "g8": "blockdiag"}, algos
+        compiled = torch.compile(m, backend="fxopt", options={"conv_algorithm": "blockdiag"})
+        with torch.no_grad():
+            assert relative_error(compiled(x), m(x)) <= (1e-3 if dtype == torch.float32 else 1e-2)
+
+
 def test_auto_large_kernel_picks_fft_and_caches(tmp_path):
     conv = nn.Conv2d(128, 128, 31, padding=15, groups=128).cuda().eval()
     x = torch.randn(32, 128, 56, 56, device="cuda")  # RepLKNet-style: cuDNN 3.4 ms, FFT 1.6 ms on an H100
