@@ -437,7 +437,9 @@ class CpuRunner:
             self._decisions[sig] = self._measure(args)
             if key:
                 self.decisions_cache[0].put(self.decisions_cache[1], key, dict(self._decisions[sig]))
-        self._chosen[sig] = self.ways[self._decisions[sig]["runs"]]
+        way = self.ways[self._decisions[sig]["runs"]]
+        bound = getattr(way, "bound", None)  # ONNX Runtime's session of this signature, looked up once
+        self._chosen[sig] = (bound(args) if bound is not None else None) or way
         return self._chosen[sig](*args)
 
     def _checked(self, runs: str, args) -> dict:

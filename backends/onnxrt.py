@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from typing import Optional
 
@@ -394,6 +395,34 @@ class OrtRunner:
         else:
             self.sessions.move_to_end(sig)
         return entry
+
+    def bound(self, args):
+        """A call for the signature of ``args`` alone, for a caller that dispatches on signatures
+        itself (``backends/cpu.CpuRunner``): the session looked up once, not at every call (a
+        package's seedcnn at batch 1 spent 6 us a call above its session's run in ``__call__``).
+        Only where no weight is watched (a package's, fixed) and the session runs on the CPU; it
+        holds the session weakly: once evicted, its calls take ``__call__``. None elsewhere."""
+        from fxopt.onnx_common import OnnxExportError
+
+        if self._params_changed.indices or self.provider != "CPUExecutionProvider":
+            return None
+        try:
+            ref = weakref.ref(self.entry(args))
+        except OnnxExportError:
+            return None
+        positions = [i for i in self.user if isinstance(args[i], torch.Tensor)]
+        restride, out_type = ref().restride, self.out_type
+
+        def run(*a):
+            entry = ref()
+            if entry is None:  # evicted (more signatures than ``max_sessions``)
+                return self(*a)
+            outs = entry.run([a[i] for i in positions])
+            if restride:
+                outs = [_restride(t, v) for t, v in zip(outs, entry.out_vals)]
+            return out_type(outs) if out_type is not None else outs[0]
+
+        return run
 
     def __call__(self, *args):
         from fxopt.onnx_common import OnnxExportError

@@ -266,6 +266,42 @@ def test_report_names_the_graph_that_runs():
     assert d["runs"] in cpu.CpuRunner.KEYS and d["threads"] == torch.get_num_threads()
 
 
+def test_fixed_weights_onnxruntime_session_bound_once_per_signature():
+    """Where no weight is watched (a package's), the runner keeps, per signature, a call bound to ONNX
+    Runtime's session of that signature; evicted (more signatures than the sessions kept), the bound
+    call takes the full path and builds it again. Watched weights: no bound call. Eager's values."""
+    pytest.importorskip("onnxruntime")
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxopt.backends.onnxrt import OrtRunner
+
+    def f(x, w, b):
+        return (F.conv2d(x, w, b, padding=1).relu(),)
+
+    x, w, b = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3), torch.randn(4)
+    gm = make_fx(f)(x, w, b)
+    params = {n.name for n in gm.graph.nodes if n.op == "placeholder"} - {"x_1"}
+    ort = OrtRunner(gm, params, {}, "CPUExecutionProvider", False, max_sessions=1, spin="run", fallback=False,
+                    watch=False)
+    def slow(*args):
+        time.sleep(0.02)
+        return f(*args)
+
+    runner = cpu.CpuRunner(slow, None, static_indices=[1, 2], rounds=3, onnxruntime=ort)
+    torch.testing.assert_close(runner(x, w, b)[0], f(x, w, b)[0], rtol=1e-5, atol=1e-5)
+    (d,) = runner.decisions()
+    assert d["runs"] == "onnxruntime"
+    (bound,) = runner._chosen.values()
+    assert bound is not ort and bound.__qualname__.startswith("OrtRunner.bound")
+    x3 = torch.randn(3, 3, 8, 8)
+    torch.testing.assert_close(runner(x3, w, b)[0], f(x3, w, b)[0], rtol=1e-5, atol=1e-5)  # evicts batch 2's
+    builds = ort.builds
+    torch.testing.assert_close(runner(x, w, b)[0], f(x, w, b)[0], rtol=1e-5, atol=1e-5)
+    assert ort.builds == builds + 1  # batch 2's session built again through the full path
+    watched = OrtRunner(gm, params, {}, "CPUExecutionProvider", False, spin="run", fallback=False)
+    assert watched.bound([x, w, b]) is None
+
+
 def test_runner_times_onnxruntime_too_and_leaves_it_out_where_it_fails():
     runner = cpu.CpuRunner(_slow(6, "same"), _slow(4, "same"), static_indices=[], rounds=3,
                            onnxruntime=_slow(0, "same"))
