@@ -196,6 +196,7 @@ def _write(path: str, entries: dict, mine: Optional[dict] = None) -> dict:
 #: file -> {device: {key: entry}} put while writes were deferred, not yet in the file
 _PENDING: dict = {}
 _DEFERRING = [0]  # depth of nested ``deferred_writes``
+_ATEXIT = [False]  # whether ``flush_pending`` is registered to run at the process's exit
 _LOCK = threading.Lock()
 
 
@@ -230,9 +231,6 @@ def deferred_writes():
             outermost = _DEFERRING[0] == 0
         if outermost:
             flush_pending()
-
-
-_ATEXIT = [False]
 
 
 def cuda_event_times(call, n: int) -> list:

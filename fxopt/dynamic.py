@@ -22,8 +22,8 @@ after its recompile limit runs new sizes eagerly. So a symbolic inference graph 
    5..8, side 129..256). The choices the first lowering in a bucket measured are reused by every
    later lowering in it (nothing measured at a second size of a bucket; with the sides bucketed
    too, the image phase of a serving loop over sides 192/224/256 compiled in 28.8 s where each
-   side measuring its own took 34.7 and 43.3 s, H200, BENCHMARKS.md). Where the graph is batch-independent
-   (``fxopt.batch_independence``; option ``dynamic_padding``), a new batch size does not wait for a
+   side measuring its own took 34.7 and 43.3 s, H200, BENCHMARKS.md). Where the graph is
+   batch-independent (``fxopt.batch_independence``; option ``dynamic_padding``), a new batch size does not wait for a
    lowering: it runs on the smallest lowered larger batch, padded, its outputs' first rows
    returned; larger than every lowered batch, it runs in chunks of lowered batches (the largest
    repeatedly, the rest padded), each chunk's outputs copied into their rows of outputs of the
@@ -46,6 +46,7 @@ report says why (``executor_details["dynamic"]``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from typing import Callable, Optional
 
@@ -229,13 +230,10 @@ class SizeDispatcher:
         self.calls[key] += 1
         last_key, fn = self._last
         if key != last_key:
-            if key in self.cache:
-                fn = self._lookup(key, args)
-                self._last = (key, fn)
-                return fn(*args)
             from fxopt.autotune import deferred_writes
 
-            with deferred_writes():  # what a lowering and its first call measure: written to the file once
+            # a size not lowered yet: what its lowering and first call measure, written to the file once
+            with contextlib.nullcontext() if key in self.cache else deferred_writes():
                 fn = self._lookup(key, args)
                 self._last = (key, fn)
                 return fn(*args)
