@@ -49,6 +49,13 @@ def _on_cuda(inputs) -> bool:
 def kernel_launches(fn, inputs) -> int:
     """GPU kernels one inference call of ``fn`` runs (torch.profiler's CUDA kernel events; those
     of a replayed CUDA graph count one by one), after two warm-up calls."""
+    return kernel_profile(fn, inputs)[0]
+
+
+def kernel_profile(fn, inputs, top: int = 0) -> tuple[int, list]:
+    """``(kernels, rows)`` of one inference call of ``fn`` after two warm-up calls: the GPU kernels it
+    launches (torch.profiler's CUDA kernel events, a replayed CUDA graph's one by one) and its
+    ``top`` kernels by GPU time, ``[name, launches, µs]`` each, the longest first."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad():
@@ -58,8 +65,16 @@ def kernel_launches(fn, inputs) -> int:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn(*inputs)
             torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if getattr(e, "device_type", None) is not None
-               and e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")))
+    per: dict = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) is None or e.device_type.name != "CUDA" \
+                or e.name.startswith(("Memcpy", "Memset")):
+            continue
+        row = per.setdefault(e.name, [e.name, 0, 0.0])
+        row[1] += 1
+        row[2] += getattr(e, "device_time", 0.0) or 0.0
+    rows = sorted(per.values(), key=lambda r: -r[2])[:top]
+    return sum(r[1] for r in per.values()), [[n, k, round(us, 1)] for n, k, us in rows]
 
 
 def _run(compiled, example_inputs, training: bool) -> None:

@@ -467,3 +467,21 @@ def test_merge_results_of_split_runs(tmp_path):
         json.dump(json.loads((tmp_path / "m" / "results.json").read_text()), f)
     assert B.main(["--merge", str(tmp_path / "m.json.gz"), str(paths[0]), "--out", str(tmp_path / "m2")]) == 0
     assert len(json.loads((tmp_path / "m2" / "results.json").read_text())["meta"]["runs"]) == 3
+
+
+def test_longest_kernels_shown_only_where_fxopt_is_slower():
+    cell = {"model": "m", "batch": 1, "dtype": "float16", "status": "ok"}
+    top_peer = [["triton_poi_fused", 18, 22.4], ["cutlass_fprop", 5, 30.0]]
+    top_fx = [["fx_pw_conv_epi_silu", 38, 58.5]]
+    losing = {"cells": [dict(cell, backend="inductor", median_ms=0.50, kernels_per_call=149, top_kernels=top_peer),
+                        dict(cell, backend="fxopt", median_ms=0.62, kernels_per_call=155, top_kernels=top_fx)]}
+    lines = RP._top_kernel_lines(losing)
+    text = "\n".join(lines)
+    assert lines[0] == "## Longest kernels where fxopt is slower" and "### m b1 float16" in text
+    assert "- fxopt (155 kernels; these 1: 58.5 µs): 58.5 µs ×38 `fx_pw_conv_epi_silu`" in text
+    assert "- inductor (149 kernels; these 2: 52.4 µs)" in text
+    assert "## Longest kernels" in RP.render_markdown(losing)
+    winning = {"cells": [dict(c, median_ms=0.4) if c["backend"] == "fxopt" else c for c in losing["cells"]]}
+    assert RP._top_kernel_lines(winning) == []
+    no_profile = {"cells": [{k: v for k, v in c.items() if k != "top_kernels"} for c in losing["cells"]]}
+    assert RP._top_kernel_lines(no_profile) == []

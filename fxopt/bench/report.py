@@ -333,11 +333,33 @@ def _kernel_lines(results: Dict[str, Any]) -> List[str]:
     return lines + [""]
 
 
+def _top_kernel_lines(results: Dict[str, Any]) -> List[str]:
+    """Where fxopt is slower than the best peer: each backend's longest kernels of one call."""
+    cells, sp = _cells_by_row(results), speedups(results)
+    lines: List[str] = []
+    for key, entry in sp.items():
+        losing = [b for b, v in entry["fxopt"].items() if v["over_best"] is not None and v["over_best"] < 1.0]
+        shown = [b for b in losing + [entry["best_peer"]] if b and cells[key].get(b, {}).get("top_kernels")]
+        if not losing or not shown:
+            continue
+        lines += [f"### {key[0]} b{key[1]} {key[2]}", ""]
+        for b in shown:
+            c = cells[key][b]
+            total = sum(r[2] for r in c["top_kernels"])
+            lines.append(f"- {b} ({c.get('kernels_per_call')} kernels; these {len(c['top_kernels'])}: "
+                         f"{total:.1f} µs): " + "; ".join(f"{us:.1f} µs ×{n} `{name[:70]}`"
+                                                          for name, n, us in c["top_kernels"]))
+        lines.append("")
+    return (["## Longest kernels where fxopt is slower", "",
+             "GPU µs of one call (torch.profiler), fxopt's and the best peer's.", ""] + lines) if lines else []
+
+
 def render_markdown(results: Dict[str, Any]) -> str:
     lines = _header(results) + ["## Summary", ""] + _summary_table(results) + [""]
     lines += _checks_lines(results)
     lines += _rounds_lines(results)
     lines += _kernel_lines(results)
+    lines += _top_kernel_lines(results)
     lines += _cold_lines(results)
     lines += ["## Details", ""] + _details_table(results)
     return "\n".join(lines) + "\n"

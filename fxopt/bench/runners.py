@@ -30,6 +30,8 @@ __all__ = ["BACKENDS", "DEFAULT_BACKENDS", "BackendSpec", "BackendUnavailable", 
            "measure_cell", "measure_peak_tflops", "reference_output", "start_cell", "stats", "time_calls",
            "time_round"]
 
+#: kernels per backend kept in a cell's record (``top_kernels``) and shown where fxopt loses
+TOP_KERNELS = 12
 
 
 def _record_warnings(cell: Dict[str, Any], caught: List[warnings.WarningMessage]) -> None:
@@ -125,7 +127,8 @@ def start_cell(backend: str, base_model: nn.Module, x_cpu: torch.Tensor, ref: Op
             # session crashed the process (SIGSEGV in the replay; torch 2.11, CUDA 13.0)
             with torch.no_grad(), spec.context(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                cell["kernels_per_call"] = _kernels_per_call(live.prepared.fn, live.prepared.inputs)
+                cell["kernels_per_call"], cell["top_kernels"] = _kernels_per_call(live.prepared.fn,
+                                                                                   live.prepared.inputs)
     except KeyboardInterrupt:
         raise
     except Exception as exc:
@@ -188,15 +191,16 @@ def time_round(live: LiveCell, device: str, iters: int, rewarm: int = 0,
         live.prepared = live.model = None
 
 
-def _kernels_per_call(fn: Callable, x) -> Optional[int]:
+def _kernels_per_call(fn: Callable, x, top: int = TOP_KERNELS) -> tuple:
     """GPU kernels one call launches (torch.profiler; a replayed CUDA graph's kernels count one by
-    one), or None where the profiler is not available."""
+    one) and its ``top`` kernels by GPU time (``[name, launches, µs]``), or ``(None, None)`` where
+    the profiler is not available."""
     try:
-        from fxopt.explain import kernel_launches
+        from fxopt.explain import kernel_profile
 
-        return kernel_launches(lambda inp: fn(inp), [x])
+        return kernel_profile(lambda inp: fn(inp), [x], top)
     except Exception:  # noqa: BLE001 - a count is a diagnostic, never a reason to fail a cell
-        return None
+        return None, None
 
 
 def finish_cell(live: LiveCell, device: str, rounds: int = 1) -> Dict[str, Any]:
