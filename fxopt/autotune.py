@@ -20,7 +20,8 @@ the file is rewritten once at the end, not at every entry.
 cuDNN's own choice: while fxopt compiles a graph (measuring candidates) and while
 the compiled graph runs outside a CUDA-graph replay, ``torch.backends.cudnn.benchmark``
 is off (``cudnn_choosing`` / ``cudnn_choice``) unless the option ``cudnn_search``
-is set: cuDNN then picks each convolution's algorithm by its heuristics. fxopt
+is set: cuDNN then picks each convolution's algorithm by its heuristics (a grouped
+convolution's first call excepted: searched, ``conv_algorithms.library_conv``). fxopt
 measures its own candidates per convolution anyway, and cuDNN's exhaustive search
 on each shape's first use cost seconds per network while choosing no faster kernels
 on the H100 (ResNet-50 fp16 batch 1 channels_last: first call 3.60 s with the search
@@ -296,6 +297,8 @@ def measure(sig, batch: int, candidates: list[str], device: torch.device) -> Con
 
     inputs = [rand(x_shape).contiguous(memory_format=fmt) for _ in range(3)]
     weight = rand(sig.w_shape) * (1.0 / max(1, sig.w_shape[1] * int(torch.tensor(sig.kernel).prod())) ** 0.5)
+    if len(sig.w_shape) == 4:  # the weight's layout in the graph (the layout pass gives it the input's)
+        weight = weight.contiguous(memory_format=fmt)
     bias = rand((sig.w_shape[0],))
     # Accuracy does not depend on the batch size (images are independent): it is checked on the
     # first CHECK_BATCH images, so the float64 reference stays cheap at large batches.

@@ -58,8 +58,6 @@ ACTIVATIONS = {
     "tanh": (lambda x, p: torch.tanh(x), 0),
 }
 
-_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
-
 
 def apply_activation(y: Tensor, activation: str, act_params: Sequence[float]) -> Tensor:
     fn, nparams = ACTIVATIONS[activation]
@@ -69,8 +67,9 @@ def apply_activation(y: Tensor, activation: str, act_params: Sequence[float]) ->
 
 
 def direct_conv(x, weight, bias, stride, padding, dilation, groups):
-    ndim = weight.dim() - 2
-    return _CONV[ndim](x, weight, bias, stride, padding, dilation, groups)
+    from fxopt.conv_algorithms import library_conv  # cuDNN's search for grouped convs (see there)
+
+    return library_conv(x, weight, bias, stride, padding, dilation, groups)
 
 
 def conv_by_algorithm(x, weight, bias, stride, padding, dilation, groups, algorithm, prepacked):

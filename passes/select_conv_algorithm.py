@@ -124,6 +124,8 @@ def choose(ctx: PassContext, node: fx.Node, qualname: str, cache: AutotuneCache)
     if keep == ["direct"]:
         return ConvChoice("direct", {n: None for n in legal}, rejected=left_out, how="pruned", shape_str=shape)
     key = f"{sig.key()}|n={batch}" + (f"|prune={factor:g}" if factor else "")
+    if sig.device_type == "cuda" and sig.groups > 1 and sig.w_shape[1] > 1:
+        key += "|searched"  # direct runs by cuDNN's search (conv_algorithms.searched_grouped)
     device = device_fingerprint(sig.device_type)
     hit = cache.get(device, key)
     if hit is not None and hit.get("algorithm") in legal:

@@ -459,7 +459,7 @@ def test_cudnn_choosing_turns_the_search_off_inside_only(benchmark_on):
 
 def test_option_cudnn_search_decides_how_cudnn_chooses(benchmark_on, monkeypatch):
     import fxopt.backends
-    import fxopt.ops as ops
+    import fxopt.conv_algorithms as ops  # the library convolution's table (``library_conv``)
     from fxopt.config import Options
     from fxopt.testing import compile_with_fxopt
 
@@ -491,3 +491,32 @@ def test_option_cudnn_search_decides_how_cudnn_chooses(benchmark_on, monkeypatch
         assert torch.backends.cudnn.benchmark is True
     with pytest.raises(ValueError, match="cudnn_search"):
         Options.from_any({"cudnn_search": "yes"})
+
+
+def test_library_conv_searches_only_grouped_cuda_convs(monkeypatch):
+    """cuDNN's search (``cudnn.benchmark`` on for the call, off after) for a grouped conv of 2+
+    channels a group on CUDA outside a capture; the heuristics for dense, depthwise, CPU convs."""
+    import types
+
+    import fxopt.conv_algorithms as CA
+
+    cuda = types.SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert CA.searched_grouped(cuda, torch.empty(64, 16, 3, 3), 4)
+    assert not CA.searched_grouped(cuda, torch.empty(64, 1, 3, 3), 64)  # depthwise
+    assert not CA.searched_grouped(cuda, torch.empty(64, 64, 3, 3), 1)  # dense
+    assert not CA.searched_grouped(types.SimpleNamespace(is_cuda=False), torch.empty(64, 16, 3, 3), 4)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not CA.searched_grouped(cuda, torch.empty(64, 16, 3, 3), 4)  # a capture: the cached plan
+    seen = []
+
+    def conv(x, w, b, s, p, d, g):
+        seen.append(torch.backends.cudnn.benchmark)
+        return F.conv2d(x, w, b, s, p, d, g)
+
+    monkeypatch.setitem(CA._CONV, 2, conv)
+    monkeypatch.setattr(CA, "searched_grouped", lambda x, w, g: g > 1)
+    x, w = torch.randn(1, 8, 5, 5), torch.randn(8, 2, 3, 3)
+    torch.testing.assert_close(CA.library_conv(x, w, None, 1, 1, 1, 4), F.conv2d(x, w, None, 1, 1, 1, 4))
+    CA.library_conv(x, torch.randn(8, 8, 3, 3), None, 1, 1, 1, 1)
+    assert seen == [True, False] and not torch.backends.cudnn.benchmark

@@ -133,6 +133,22 @@ def test_forced_blockdiag_on_gpu(dtype):
             assert relative_error(compiled(x), m(x)) <= (1e-3 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_grouped_convs_searched_then_captured(dtype):
+    """The grouped convs' direct plans chosen by cuDNN's search (``conv_algorithms.library_conv``)
+    on their first call, then replayed from a CUDA graph: eager's results, and the process's
+    ``cudnn.benchmark`` as it was."""
+    assert not torch.backends.cudnn.benchmark
+    m = _FewGroups().cuda().eval().to(dtype)
+    x = torch.randn(1, 3, 16, 16, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+    compiled = torch.compile(m, backend="fxopt", options={"conv_algorithm": "direct", "cudagraphs": True})
+    with torch.no_grad():
+        for _ in range(3):
+            assert relative_error(compiled(x), m(x)) <= (1e-3 if dtype == torch.float32 else 1e-2)
+    assert not torch.backends.cudnn.benchmark
+    torch.compiler.reset()
+
+
 def test_auto_large_kernel_picks_fft_and_caches(tmp_path):
     conv = nn.Conv2d(128, 128, 31, padding=15, groups=128).cuda().eval()
     x = torch.randn(32, 128, 56, 56, device="cuda")  # RepLKNet-style: cuDNN 3.4 ms, FFT 1.6 ms on an H100
