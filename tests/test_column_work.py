@@ -1,6 +1,7 @@
 """Column reductions of heavy math (``column_reduction.element_work``, ``region.parallel_variant``):
-a squeeze-excite mean with its SiLU epilogue inlined gets a second candidate planned for more
-threads, measured against the default plan on the GPU. On the CPU: the work count, the plans, every
+a squeeze-excite mean with its SiLU epilogue inlined, or a plain one whose default plan leaves the
+GPU under-filled (``column_reduction.underfilled``: a mean at batch 1), gets a second candidate
+planned for more threads, measured against the default plan on the GPU. On the CPU: the work count, the plans, every
 thread of the alternative kernel run by ``fxopt.fuzz.simt`` against the IR, and the candidate offered
 (and compiled with NVRTC) only where it differs."""
 import dataclasses
@@ -72,14 +73,41 @@ def _kernels(model, x):
     return [k for g in r.graphs for k in g.kernels]
 
 
-def test_the_squeeze_mean_gets_the_parallel_candidate_plain_means_do_not():
+def test_the_squeeze_mean_gets_the_parallel_candidate():
     torch.manual_seed(0)
     names = [k.name for k in _kernels(SqueezeExcite(), torch.randn(8, 32, 20, 20))]
     means = [n for n in names if n.startswith("fx_red_mean")]
     assert any(HEAVY.search(n) for n in means) and any(not HEAVY.search(n) for n in means), means
+
+
+def test_plain_means_get_it_only_where_the_default_plan_is_underfilled():
+    """A plain spatial mean of few columns and many positions (32 columns x 400 positions) is bound
+    by each thread's chain of loads, not by bandwidth: planned for ``LATENCY_WORK`` too (``w4``);
+    one of two positions per column is not."""
+    torch.manual_seed(0)
     pool = nn.Sequential(nn.Conv2d(32, 32, 3, padding=1), nn.AdaptiveAvgPool2d(1))
-    plain = [k.name for k in _kernels(pool, torch.randn(8, 32, 20, 20)) if k.name.startswith("fx_red_mean")]
-    assert plain and not any(HEAVY.search(n) for n in plain), plain
+    long = [k.name for k in _kernels(pool, torch.randn(8, 32, 20, 20)) if k.name.startswith("fx_red_mean")]
+    assert any(f"w{cr.LATENCY_WORK}_" in n for n in long) and any(not HEAVY.search(n) for n in long), long
+    short = [k.name for k in _kernels(pool, torch.randn(8, 32, 1, 2)) if k.name.startswith("fx_red_mean")]
+    assert short and not any(HEAVY.search(n) for n in short), short
+
+
+@pytest.mark.parametrize("shape", [(1, 1536, 14, 14), (1, 256, 56, 56), (32, 1536, 7, 7), (8, 32, 20, 20)])
+def test_underfilled_plans_get_shorter_chains(shape):
+    k = column_kernel(shape, (0, 2, 3, 1), (2, 3), torch.float16, op="mean")
+    vec = cr.column_vector_width(k)
+    base, alt = cr.column_plan(k, vec), cr.column_plan(k, vec, cr.LATENCY_WORK)
+    assert cr.underfilled(k, vec)
+    chain = lambda p: -(-k.row_size // (p.by * p.splits))  # noqa: E731 - loads a thread chains
+    assert chain(alt) < chain(base) and alt.by * alt.splits > base.by * base.splits
+    check_column_geometry(generate_kernel(k, vec, work=cr.LATENCY_WORK), high=4, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("shape", [(256, 2048, 2, 2), (8, 32, 1, 2)])
+def test_filled_or_short_plans_are_not_underfilled(shape):
+    """Enough column groups to fill the GPU (524,288 rows), or chains of two loads."""
+    k = column_kernel(shape, (0, 2, 3, 1), (2, 3), torch.float16, op="mean")
+    assert not cr.underfilled(k, cr.column_vector_width(k))
 
 
 @pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (cuda-core) not importable")

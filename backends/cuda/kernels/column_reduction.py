@@ -55,6 +55,7 @@ MAX_SPLITS = 256        # blocks along the reduced index at most
 FILL_BLOCKS = 264       # blocks below which a block takes fewer columns (two per SM of an H100)
 TILE_C = 32             # transposed stores: columns per tile (x TILE_W = BLOCK * vec / TILE_C positions)
 MAX_FILL = 1 << 18      # column threads at most that a compute-heavy plan aims for (``element_work``)
+LATENCY_WORK = 4        # the ``work`` an under-filled plain reduction's alternative plan takes (``underfilled``)
 #: float operations of tens of instructions each (transcendentals, IEEE division): a reduced value
 #: made of them (a SiLU epilogue inlined into a squeeze-excite mean) keeps a thread's ALU busy
 #: longer than its loads, so few threads a SM leave that latency exposed
@@ -133,6 +134,18 @@ def element_work(k: ReductionKernel) -> int:
     heavy = {e for p in k.phases for e in ir.walk(p.value)
              if isinstance(e, ir.Op) and e.op in HEAVY_OPS and _varies(e, set(k.reduced), memo)}
     return 1 + len(heavy)
+
+
+def underfilled(k: ReductionKernel, vec: int) -> bool:
+    """Whether the default plan of ``k`` leaves most of the GPU idle: fewer than ``FILL_THREADS``
+    threads because each keeps ``MIN_ITERS`` reduced elements (a mean at batch 1, [1, 1536, 14, 14]:
+    192 column groups x 16 threads, each a chain of a dozen loads). Such a kernel is bound by that
+    chain's latency, not by bandwidth: ``LATENCY_WORK`` plans it for more threads with shorter
+    chains (``region.parallel_variant``, measured against the default; chosen for dpn68's last
+    mean at batch 1 on an H200, not for eca_nfnet_l0's channel means)."""
+    p = column_plan(k, vec)
+    return p is not None and (k.rows // vec) * p.by * p.splits < FILL_THREADS \
+        and -(-k.row_size // (p.by * p.splits)) > max(1, MIN_ITERS // LATENCY_WORK)
 
 
 def column_plan(k: ReductionKernel, vec: int = 1, work: int = 1) -> Optional[ColumnPlan]:

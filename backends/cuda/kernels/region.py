@@ -2,8 +2,9 @@
 IR, ``pointwise.py`` / ``reduction.py``), ``vector_width`` (the widest vector its innermost loop
 allows), the region's candidate ``GeneratedRegion`` (a vectorized variant where the innermost loop
 allows, and a scalar one for tensors that are not aligned for it; for a column reduction of heavy
-math, ``parallel_variant``, the same kernel planned for more threads, and for a transposing
-pointwise kernel, ``tiled_variant``, shared-memory tiles, each measured against it; option
+math or of an under-filled plan, ``parallel_variant``, the same kernel planned for more threads,
+and for a transposing pointwise kernel, ``tiled_variant``, shared-memory tiles, each measured
+against it; option
 ``fast_math``: approximate exp and division in the activations; ``__call__`` returns ``None``, so that the
 reference runs, when the tensors it gets are not on the GPU or differ in shape, dtype or strides
 from those the kernel was generated for) and its launch (``launch_fused``: buffers checked against
@@ -17,7 +18,7 @@ import torch
 
 from fxopt.backends.cuda.ir import PointwiseKernel, ReductionKernel
 from fxopt.backends.cuda.codegen.source import KernelSource
-from fxopt.backends.cuda.kernels.column_reduction import element_work
+from fxopt.backends.cuda.kernels.column_reduction import LATENCY_WORK, element_work, underfilled
 from fxopt.backends.cuda.kernels.common import compiled_kernel, meta
 from fxopt.backends.cuda.kernels.pointwise import generate_pointwise_kernel, vector_width
 from fxopt.backends.cuda.kernels.reduction import generate_reduction_kernel
@@ -73,16 +74,20 @@ class GeneratedRegion:
 
 
 def parallel_variant(region: Region, generated: GeneratedRegion, fast_math: bool = False) -> dict:
-    """``{"generated_parallel": (candidate, call)}``: a column reduction whose reduced values are
-    heavy math (``column_reduction.element_work``, a SiLU epilogue inlined into a squeeze-excite
-    mean) planned for more threads, measured against the default plan (which is planned for the
-    loads alone); ``{}`` where the kernel is not such a reduction or the plans are the same."""
+    """``{"generated_parallel": (candidate, call)}``: a column reduction planned for more threads,
+    measured against the default plan (which is planned for the loads alone), where its reduced
+    values are heavy math (``column_reduction.element_work``, a SiLU epilogue inlined into a
+    squeeze-excite mean) or where the default plan leaves the GPU under-filled with long chains of
+    loads per thread (``column_reduction.underfilled``, a mean at batch 1); ``{}`` where the kernel is
+    neither or the plans are the same."""
     k = region.kernel
     if not isinstance(k, ReductionKernel) or k.strategy != "outer":
         return {}
     work = element_work(k)
     if work < 2:
-        return {}
+        if not underfilled(k, vector_width(k)):
+            return {}
+        work = LATENCY_WORK
     alt = GeneratedRegion(region, fast_math, work)
     if all(alt.sources.get(v) is not None and alt.sources[v].name == ks.name for v, ks in generated.sources.items()):
         return {}
