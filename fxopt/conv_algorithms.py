@@ -65,7 +65,8 @@ def searched_grouped(x: Tensor, weight: Tensor, groups: int) -> bool:
     (heuristics or a capture) reuse it. Dense and depthwise convolutions keep the heuristics: the
     search cost seconds a network there and chose no faster kernels (``fxopt.autotune``)."""
     return (x.is_cuda and groups > 1 and weight.dim() >= 3 and weight.shape[1] > 1
-            and not torch.backends.cudnn.benchmark and not torch.cuda.is_current_stream_capturing())
+            and not torch.backends.cudnn.benchmark and torch.cuda.is_available()  # (fake CUDA tensors)
+            and not torch.cuda.is_current_stream_capturing())
 
 
 def library_conv(x: Tensor, weight: Tensor, bias, stride, padding, dilation, groups: int) -> Tensor:

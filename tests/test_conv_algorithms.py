@@ -501,6 +501,7 @@ def test_library_conv_searches_only_grouped_cuda_convs(monkeypatch):
     import fxopt.conv_algorithms as CA
 
     cuda = types.SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert CA.searched_grouped(cuda, torch.empty(64, 16, 3, 3), 4)
     assert not CA.searched_grouped(cuda, torch.empty(64, 1, 3, 3), 64)  # depthwise
@@ -508,6 +509,9 @@ def test_library_conv_searches_only_grouped_cuda_convs(monkeypatch):
     assert not CA.searched_grouped(types.SimpleNamespace(is_cuda=False), torch.empty(64, 16, 3, 3), 4)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert not CA.searched_grouped(cuda, torch.empty(64, 16, 3, 3), 4)  # a capture: the cached plan
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # fake CUDA tensors without a GPU
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: 1 / 0)
+    assert not CA.searched_grouped(cuda, torch.empty(64, 16, 3, 3), 4)
     seen = []
 
     def conv(x, w, b, s, p, d, g):
