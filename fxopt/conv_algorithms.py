@@ -53,6 +53,12 @@ _DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16"
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
+def grouped_search(groups: int, channels_per_group: int) -> bool:
+    """A CUDA convolution of this grouping runs cuDNN's search (``searched_grouped``): grouped, not
+    depthwise. Also the autotuning key's mark (``select_conv_algorithm``)."""
+    return groups > 1 and channels_per_group > 1
+
+
 def searched_grouped(x: Tensor, weight: Tensor, groups: int) -> bool:
     """Whether ``library_conv`` lets cuDNN search this convolution's plan: a grouped one (2+ input
     channels a group, not depthwise) on CUDA, outside a CUDA-graph capture.
@@ -64,7 +70,7 @@ def searched_grouped(x: Tensor, weight: Tensor, groups: int) -> bool:
     7.2 us). The search runs once per shape; cuDNN caches its plan for the process, so later calls
     (heuristics or a capture) reuse it. Dense and depthwise convolutions keep the heuristics: the
     search cost seconds a network there and chose no faster kernels (``fxopt.autotune``)."""
-    return (x.is_cuda and groups > 1 and weight.dim() >= 3 and weight.shape[1] > 1
+    return (x.is_cuda and grouped_search(groups, weight.shape[1] if weight.dim() >= 3 else 1)
             and not torch.backends.cudnn.benchmark and torch.cuda.is_available()  # (fake CUDA tensors)
             and not torch.cuda.is_current_stream_capturing())
 

@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from fxopt.autotune import AutotuneCache, ConvChoice, device_fingerprint, measure
-from fxopt.conv_algorithms import ALGORITHMS, get_algorithm, legal_algorithms
+from fxopt.conv_algorithms import ALGORITHMS, get_algorithm, grouped_search, legal_algorithms
 from fxopt.ops import FUSED_CONV, PREPACK, conv_sig_of
 from fxopt.passinfra import PassContext, PassResult, is_call, module_path, val
 
@@ -124,7 +124,7 @@ def choose(ctx: PassContext, node: fx.Node, qualname: str, cache: AutotuneCache)
     if keep == ["direct"]:
         return ConvChoice("direct", {n: None for n in legal}, rejected=left_out, how="pruned", shape_str=shape)
     key = f"{sig.key()}|n={batch}" + (f"|prune={factor:g}" if factor else "")
-    if sig.device_type == "cuda" and sig.groups > 1 and sig.w_shape[1] > 1:
+    if sig.device_type == "cuda" and grouped_search(sig.groups, sig.w_shape[1]):
         key += "|searched"  # direct runs by cuDNN's search (conv_algorithms.searched_grouped)
     device = device_fingerprint(sig.device_type)
     hit = cache.get(device, key)
