@@ -133,3 +133,31 @@ def test_emulated_inputs_with_gaps_between_elements():
     arrange(k)
     assert src.span() > 24  # gaps
     check_column_geometry(generate_kernel(k, vector_width(k)))
+
+
+def test_a_latency_plan_keeps_its_split_within_the_block():
+    """[1, 1536, 14, 14] at batch 1: the default plan splits the 196 positions over 2 blocks (a
+    ticket and scratch); planned for more threads, 64 rows of a block take them, combined by a tree
+    in shared memory (halved down to ``TREE_BY`` rows), each thread a chain of 4 loads."""
+    k = column_kernel((1, 1536, 14, 14), (0, 2, 3, 1), (2, 3), torch.float16, op="mean")
+    vec = cr.column_vector_width(k)
+    base, alt = cr.column_plan(k, vec), cr.column_plan(k, vec, cr.LATENCY_WORK)
+    assert base.splits == 2 and (alt.splits, alt.by) == (1, 64) and alt.bx * vec * 2 >= 64
+    src = generate_kernel(k, vec, work=cr.LATENCY_WORK).source
+    assert "if (ty_ < 32) {" in src and f"if (ty_ < {cr.TREE_BY}) {{" in src and "if (ty_ < 4) {" not in src
+    assert "cnt_" not in src
+    check_column_geometry(generate_kernel(k, vec, work=cr.LATENCY_WORK), high=4, rtol=1e-3, atol=1e-3)
+
+
+def test_split_tickets_are_kept_per_region_and_kernel():
+    """A split reduction's counters (zeroed once, reset by the kernel's last block) are kept by the
+    region that launches it, one set per kernel and device; without a region's cache, fresh ones."""
+    from fxopt.backends.cuda.kernels.region import split_tickets
+
+    mine, other = {}, {}
+    a = split_tickets(mine, "k", 5, torch.device("cpu"))
+    assert split_tickets(mine, "k", 5, torch.device("cpu")) is a and int(a.abs().sum()) == 0
+    assert split_tickets(other, "k", 5, torch.device("cpu")) is not a
+    assert split_tickets(mine, "k2", 5, torch.device("cpu")) is not a
+    assert split_tickets(None, "k", 5, torch.device("cpu")) is not a
+    assert split_tickets(mine, "k", 7, torch.device("cpu")).numel() == 7

@@ -49,6 +49,36 @@ def test_the_cost_models_cases_at_full_size(case):
     _launch_and_compare(layout(case[0], case[1], case[2], torch.float16, *case[3:]))
 
 
+@pytest.mark.parametrize("shape", [(1, 1536, 7, 7), (1, 1536, 14, 14), (1, 512, 28, 28), (1, 256, 56, 56),
+                                   (2, 40, 20, 20)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_latency_plans_with_kept_tickets(shape, dtype):
+    """The under-filled means' alternative plans (a tree over up to 64 rows of a block, a split over
+    blocks) against their IR, launched three times with the region's kept ticket counters: the same
+    counters each time, back at zero after every launch."""
+    from fxopt.backends.cuda.kernels import column_reduction as cr
+    from fxopt.backends.cuda.kernels.region import generate_kernel
+
+    from test_column_reduction import column_kernel
+    k = column_kernel(shape, (0, 2, 3, 1), (2, 3), dtype, op="mean")
+    ks = generate_kernel(k, cr.column_vector_width(k), work=cr.LATENCY_WORK)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [torch.empty_strided(b.shape, b.strides, dtype=b.dtype, device="cuda").normal_(generator=gen)
+              for b in k.inputs]
+    want = [torch.empty_strided(b.shape, b.strides, dtype=torch.float32, device="cuda") for b in k.outputs]
+    ir.evaluate(k, inputs, want)
+    kept, kernel = {}, ks.compile()
+    for _ in range(3):
+        outs = [torch.full(b.shape, float("nan"), dtype=b.dtype, device="cuda").as_strided(b.shape, b.strides)
+                for b in k.outputs]
+        launch_fused(ks, inputs, outs, kernel, tickets=kept)
+        for got, w in zip(outs, want):
+            err = ((got.double() - w.double()).abs().max() / w.double().abs().max().clamp_min(1)).item()
+            assert err <= TOL[dtype], f"{ks.name} {ks.meta['geometry']}: error {err}"
+    assert len(kept) == (ks.meta["geometry"]["splits"] > 1)
+    assert all(int(t.abs().sum()) == 0 for t in kept.values())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_split_attention_compiled_matches_eager(dtype):
     from fxopt.testing import compile_with_fxopt

@@ -56,6 +56,7 @@ FILL_BLOCKS = 264       # blocks below which a block takes fewer columns (two pe
 TILE_C = 32             # transposed stores: columns per tile (x TILE_W = BLOCK * vec / TILE_C positions)
 MAX_FILL = 1 << 18      # column threads at most that a compute-heavy plan aims for (``element_work``)
 LATENCY_WORK = 4        # the ``work`` an under-filled plain reduction's alternative plan takes (``underfilled``)
+TREE_BY = 8             # a block's rows of partials above this are first halved in shared memory (a tree)
 #: float operations of tens of instructions each (transcendentals, IEEE division): a reduced value
 #: made of them (a SiLU epilogue inlined into a squeeze-excite mean) keeps a thread's ALU busy
 #: longer than its loads, so few threads a SM leave that latency exposed
@@ -173,14 +174,17 @@ def column_plan(k: ReductionKernel, vec: int = 1, work: int = 1) -> Optional[Col
     R, groups = k.row_size, k.rows // vec
     fill, min_iters = min(MAX_FILL, FILL_THREADS * work), max(1, MIN_ITERS // work)
     f = min(_p2ceil(-(-fill // groups)), _p2floor(max(1, R // min_iters)))
-    by = min(f, BLOCK // min(32, _p2ceil(groups)))
+    # columns a block keeps at least: a warp's worth by default; planned for more threads, the
+    # threads that span 64-128 bytes of a row (the rest of the block walks the reduced index)
+    bx_min = max(4, 32 // vec) if work > 1 else 8
+    by = min(f, BLOCK // min(32 if work == 1 else bx_min, _p2ceil(groups)))
     bx = min(BLOCK // by, _p2ceil(groups))
     splits = 1
     if f > by and len(k.phases) == 1 and not k.row_stores:
         splits = min(MAX_SPLITS, -(-f // by))
     chunk = -(-R // splits) if R else 0
     splits = -(-R // chunk) if R else 1
-    while bx > 8 and bx * by > 64 and -(-groups // bx) * splits < FILL_BLOCKS:
+    while bx > bx_min and bx * by > 64 and -(-groups // bx) * splits < FILL_BLOCKS:
         bx //= 2  # fewer columns a block: the blocks spread over more SMs
     c, w = k.outer[-1], transpose_var(k)
     if w is not None and by == 1 and splits == 1 and c.size >= TILE_C // 2 and w.size >= 16:
@@ -271,8 +275,18 @@ class _Gen:
         stride = p.vec * p.bx
         self.lines += [f"{ind}smem_[ty_ * {stride} + {lane * p.bx} + tx_] = {a};" for lane, a in enumerate(accs)]
         self.lines.append(f"{ind}__syncthreads();")
+        if p.by > TREE_BY:  # halve the rows of partials in place until TREE_BY are left
+            comb, h = REDUCE_COMBINE[ph.op], p.by // 2
+            while h >= TREE_BY:
+                at = [f"smem_[ty_ * {stride} + {lane * p.bx} + tx_]" for lane in range(p.vec)]
+                up = [f"smem_[(ty_ + {h}) * {stride} + {lane * p.bx} + tx_]" for lane in range(p.vec)]
+                self.lines.append(f"{ind}if (ty_ < {h}) {{")
+                self.lines += [f"{ind}  {a} = {comb.format(a=a, b=b)};" for a, b in zip(at, up)]
+                self.lines += [f"{ind}}}", f"{ind}__syncthreads();"]
+                h //= 2
+        rows = min(p.by, TREE_BY)
         self.lines += [f"{ind}float {r} = smem_[{lane * p.bx} + tx_];" for lane, r in enumerate(reds)]
-        self.lines.append(f"{ind}for (idx_t j_ = 1; j_ < {p.by}; j_ += 1) {{")
+        self.lines.append(f"{ind}for (idx_t j_ = 1; j_ < {rows}; j_ += 1) {{")
         comb = REDUCE_COMBINE[ph.op]
         self.lines += [f"{ind}  {r} = {comb.format(a=r, b=f'smem_[j_ * {stride} + {lane * p.bx} + tx_]')};"
                        for lane, r in enumerate(reds)]

@@ -9,7 +9,7 @@ against it; option
 reference runs, when the tensors it gets are not on the GPU or differ in shape, dtype or strides
 from those the kernel was generated for) and its launch (``launch_fused``: buffers checked against
 the kernel's, vector accesses' alignment; the scratch of a column reduction split over blocks,
-``meta["scratch"]``, allocated per launch)."""
+``meta["scratch"]``: its partials allocated per launch, its ticket counters kept by the region)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
@@ -43,6 +43,7 @@ class GeneratedRegion:
     def __init__(self, region: Region, fast_math: bool = False, work: int = 1, sources: Optional[dict] = None):
         self.region, self.name, self.label = region, region.name, "fused"
         self.kernels: dict = {}
+        self.tickets: dict = {}  # (kernel, device) -> a split column reduction's counters (``launch_fused``)
         if sources is not None:  # another mapping of the region's kernel (``tiled_variant``)
             self.sources = dict(sources)
             return
@@ -68,7 +69,7 @@ class GeneratedRegion:
         for variant in sorted(self.sources, reverse=True):
             ks = self.sources[variant]
             if vector_aligned(ks, inputs, outs):
-                launch_fused(ks, inputs, outs, kernel=self.kernels[variant])
+                launch_fused(ks, inputs, outs, kernel=self.kernels[variant], tickets=self.tickets)
                 return tuple(outs)
         return None
 
@@ -127,10 +128,12 @@ def buffer_fits(t: torch.Tensor, shape: tuple, strides: tuple, dtype: torch.dtyp
     return all(n == 1 or s == e for n, s, e in zip(shape, t.stride(), strides))
 
 
-def launch_fused(ks: KernelSource, inputs, outputs, kernel=None) -> None:
+def launch_fused(ks: KernelSource, inputs, outputs, kernel=None, tickets: Optional[dict] = None) -> None:
     """Launch a kernel generated from the loop-level IR (``generate_kernel``): its inputs and
     outputs in the order of the kernel's buffers; sizes are compiled in but for the extents in
-    ``meta["extents"]``, passed after them."""
+    ``meta["extents"]``, passed after them. A column reduction split over blocks gets float
+    scratch for its partials (uninitialized) and zeroed ticket counters: from ``tickets`` (the
+    launching region's own, kept per kernel and device) where given, else fresh ones."""
     k = ks.meta["kernel"]
     if len(inputs) != len(k.inputs) or len(outputs) != len(k.outputs):
         raise ValueError(f"{ks.name}: {len(inputs)} inputs / {len(outputs)} outputs, "
@@ -145,12 +148,27 @@ def launch_fused(ks: KernelSource, inputs, outputs, kernel=None) -> None:
         return
     args = list(inputs) + list(outputs)
     if "scratch" in ks.meta:  # a column reduction split over blocks: partials and zeroed tickets
-        partials, tickets = ks.meta["scratch"]
+        partials, count = ks.meta["scratch"]
         device = (list(inputs) + list(outputs))[0].device
         args += [torch.empty(partials, dtype=torch.float32, device=device),
-                 torch.zeros(tickets, dtype=torch.int32, device=device)]
+                 split_tickets(tickets, ks.name, count, device)]
     args += ks.meta.get("extents", [])  # the extents the kernel takes as arguments (codegen/ir_kernel.py)
     compiled_kernel(ks, kernel).launch(ks.meta["grid"], ks.block, args)
+
+
+def split_tickets(cache: Optional[dict], name: str, count: int, device: torch.device) -> torch.Tensor:
+    """``count`` zeroed int32 counters for a split column reduction's tiles. The kernel's last block
+    of a tile resets its counter, so after each launch they are zero again: ``cache`` (one region's,
+    so that no two kernels that may run at once on different streams share them) keeps them from
+    one launch to the next (a zero-fill kernel less per call). Counters first made while a CUDA
+    graph is being captured are not kept: their zero-fill would run only in that graph's replays."""
+    key = (name, str(device))
+    t = None if cache is None else cache.get(key)
+    if t is None or t.numel() != count:
+        t = torch.zeros(count, dtype=torch.int32, device=device)
+        if cache is not None and not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            cache[key] = t
+    return t
 
 
 def vector_aligned(ks: KernelSource, inputs, outputs) -> bool:
