@@ -195,6 +195,14 @@ def column_plan(k: ReductionKernel, vec: int = 1, work: int = 1) -> Optional[Col
     return ColumnPlan(vec, bx, by, splits, chunk, -(-groups // bx))
 
 
+def smem_stride(p: ColumnPlan) -> int:
+    """Floats between two rows of a block's partials in shared memory: the row's ``vec * bx``, plus
+    ``bx`` where that is a multiple of the 32 banks, so that the rows of partials a warp writes
+    (``32 / bx`` of them, at the same columns) fall in different banks."""
+    row = p.vec * p.bx
+    return row + p.bx if row % 32 == 0 else row
+
+
 def _rename_reds(e, lane: int, memo: dict):
     """``e`` with each ``Red(p)`` replaced by lane ``lane``'s ``Red(p_lane)``."""
     return ir.map_leaves(e, lambda x: Red(f"{x.name}_{lane}") if isinstance(x, Red) else None, memo)
@@ -272,7 +280,7 @@ class _Gen:
         if p.by == 1:
             self.lines += [f"{ind}float {r} = {a};" for r, a in zip(reds, accs)]
             return
-        stride = p.vec * p.bx
+        stride = smem_stride(p)
         self.lines += [f"{ind}smem_[ty_ * {stride} + {lane * p.bx} + tx_] = {a};" for lane, a in enumerate(accs)]
         self.lines.append(f"{ind}__syncthreads();")
         if p.by > TREE_BY:  # halve the rows of partials in place until TREE_BY are left
@@ -322,7 +330,7 @@ class _Gen:
         groups = self.ext.get("groups")
         self.lines += [f"  const int tx_ = threadIdx.x % {p.bx};", f"  const int ty_ = threadIdx.x / {p.bx};"]
         if p.by > 1:
-            self.lines.append(f"  __shared__ float smem_[{p.block * p.vec}];")
+            self.lines.append(f"  __shared__ float smem_[{p.by * smem_stride(p)}];")
         if p.tw:
             self.lines.append(f"  __shared__ float stg_[{p.bx * p.vec * (p.tw + 1)}];")
         if p.splits > 1:
