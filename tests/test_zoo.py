@@ -270,3 +270,30 @@ def test_skip_measured_leaves_out_cells_earlier_runs_measured(tmp_path, monkeypa
     assert len(ran) == 2
     with pytest.raises(SystemExit):  # a path that is not there is the user's mistake, said at once
         Z.main([*CPU, "--out", out, "--skip-measured", str(tmp_path / "nowhere")], zoo=FAKE, harness=B)
+
+
+def test_merge_takes_each_cells_latest_measurement_gzipped_or_not(tmp_path):
+    """Screens of one zoo over several sessions: the parts merge in the order they were measured
+    (their dates), whatever order the paths come in, and a part kept gzipped reads as well."""
+    import gzip
+    import json
+
+    from fxopt.bench.zoo_report import measured_at, merge_parts
+
+    def part(date, speedup, cell="fp16-b1"):
+        rec = {"model": "timm/m", "cell": cell, "status": "ok", "speedup": speedup}
+        return {"meta": {"date": date, "device_name": "gpu", "command": "c"}, "cells": [], "zoo": [rec]}
+
+    new, old = part("2026-12-04T10:41:47+00:00", 1.5), part("2026-11-27T19:21:48+00:00", 0.9)
+    old["zoo"].append(part("", 1.1, "fp16-b32")["zoo"][0])
+    p_new, p_old = str(tmp_path / "new.json.gz"), str(tmp_path / "old.json")
+    with gzip.open(p_new, "wt") as f:
+        json.dump(new, f)
+    with open(p_old, "w") as f:
+        json.dump(old, f)
+    m = merge_parts([p_new, p_old])
+    got = {r["cell"]: r["speedup"] for r in m["zoo"]}
+    assert got == {"fp16-b1": 1.5, "fp16-b32": 1.1}
+    assert [r["date"] for r in m["meta"]["runs"]] == [old["meta"]["date"], new["meta"]["date"]]
+    merged = {"meta": {"date": "2026-01-01", "runs": [{"date": "2026-01-01"}, {"date": "2026-03-01"}]}}
+    assert measured_at(merged) == "2026-03-01"

@@ -11,8 +11,8 @@ classifier, fp32 at batch 8 for about a third, the segmentation nets at batch 1-
 The zoo is meant to run in parts (``--part i/n``: every n-th model from the i-th), each within one
 command's time limit: a part writes ``zoo.json`` into ``--out`` after every cell, skips the cells
 already there when started again (resume), and ``--time-budget S`` stops it from starting new cells
-after S seconds. ``fxopt bench --zoo-merge DIR... --out DIR`` merges the parts into one report
-(``fxopt.bench.zoo_report``). A model its library refuses (unknown name, missing package, a
+after S seconds. ``fxopt bench --zoo-merge PATH... --out DIR`` merges the parts into one report
+(``fxopt.bench.zoo_report``; parts of several sessions too: each cell's latest measurement). A model its library refuses (unknown name, missing package, a
 constructor that raises) becomes a skipped cell with the reason.
 """
 from __future__ import annotations
@@ -216,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="zoo_out", help="the part's directory (zoo.json, zoo.md, zoo.png)")
     p.add_argument("--skip-measured", nargs="+", metavar="PATH", help="leave out the cells measured (with a "
                    "speed-up) in earlier runs: their zoo.json / *.json.gz files, or folders holding them")
-    p.add_argument("--zoo-merge", nargs="+", metavar="DIR", help="measure nothing: merge the parts' DIR/zoo.json "
-                   "into one report in --out")
+    p.add_argument("--zoo-merge", nargs="+", metavar="PATH", help="measure nothing: merge the parts (DIR/zoo.json, "
+                   "or zoo.json / *.json.gz files) into one report in --out, each cell's latest measurement")
     p.add_argument("--fxopt-options", metavar="JSON", help="passed to the fxopt backend (as fxopt bench)")
     for opt in ("--warmup", "--iters", "--rounds"):
         p.add_argument(opt, type=int, help=f"as fxopt bench {opt}")

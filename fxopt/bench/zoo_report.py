@@ -8,6 +8,7 @@ and ``left``, the cells not measured yet.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -162,15 +163,25 @@ def write_chart(doc: Dict[str, Any], path: str) -> str:
 def _read(path: str) -> Dict[str, Any]:
     if os.path.isdir(path):
         path = os.path.join(path, "zoo.json")
-    with open(path) as f:
+    opener = gzip.open if path.endswith(".gz") else open  # raw files are kept gzipped in the tree
+    with opener(path, "rt") as f:
         return json.load(f)
 
 
+def measured_at(doc: Dict[str, Any]) -> str:
+    """When a part was measured: the latest of its runs' dates (ISO 8601, so they sort as text)."""
+    meta = doc.get("meta", {})
+    return max([str(meta.get("date") or "")] + [str(r.get("date") or "") for r in meta.get("runs") or []])
+
+
 def merge_parts(paths: Sequence[str]) -> Dict[str, Any]:
-    """The parts (directories holding zoo.json, or the files) as one document: the harness's results
-    through ``fxopt.bench.report.merge_results`` (one device, every part's command), the zoo records
-    by (model, cell), a later part's record replacing an earlier one's."""
-    parts = [_read(p) for p in paths]
+    """The parts (directories holding zoo.json, or the files, gzipped or not) as one document: the
+    harness's results through ``fxopt.bench.report.merge_results`` (one device, every part's
+    command), the zoo records by (model, cell). The parts are taken in the order they were measured
+    (``measured_at``; the order given where dates tie), so a cell measured again keeps its latest
+    record whatever order the paths come in: screens of one zoo over several sessions merge into
+    the zoo's current state."""
+    parts = sorted((_read(p) for p in paths), key=measured_at)
     doc = merge_results(parts)
     recs: Dict[tuple, Dict[str, Any]] = {}
     for p in parts:
