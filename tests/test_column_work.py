@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 import torch.nn as nn
+from hypothesis import assume, event, given, settings, strategies as st
 
 import fxopt
 from fxopt.backends.cuda import ir
@@ -161,3 +162,27 @@ def test_split_tickets_are_kept_per_region_and_kernel():
     assert split_tickets(mine, "k2", 5, torch.device("cpu")) is not a
     assert split_tickets(None, "k", 5, torch.device("cpu")) is not a
     assert split_tickets(mine, "k", 7, torch.device("cpu")).numel() == 7
+
+
+@settings(deadline=None, database=None)
+@given(shape=st.tuples(st.integers(1, 3), st.sampled_from([1, 3, 8, 24, 40, 96, 200]), st.integers(1, 40),
+                       st.integers(1, 40)),
+       case=st.sampled_from(["spatial_cl", "batch_nchw", "softmax_c"]),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       work=st.sampled_from([1, 2, 3, cr.LATENCY_WORK]))
+def test_every_plan_of_every_work_on_its_emulated_grid(shape, case, dtype, work):
+    """Any column reduction planned for any ``work`` (the default plan, the heavy-math and the
+    under-filled alternatives: splits within the block combined serially or by a tree, splits over
+    blocks with their tickets) stores each output once with the IR's value, every thread of its
+    grid run by the emulator."""
+    if case == "spatial_cl":  # a spatial sum / mean of a channels_last tensor
+        k = column_kernel(shape, (0, 2, 3, 1), (2, 3), dtype, op="mean" if shape[0] % 2 else "sum")
+    elif case == "batch_nchw":  # a sum over the batch of a contiguous tensor
+        k = column_kernel(shape, (0, 1, 2, 3), (0,), dtype)
+    else:  # a softmax over the channels of a channels_last tensor: two phases and row stores
+        k = column_kernel(shape, (0, 2, 3, 1), (1,), dtype, (0, 2, 3, 1), op="softmax")
+    assume(k.strategy == "outer" and k.outer)
+    ks = generate_kernel(k, cr.column_vector_width(k), work=work)
+    g = ks.meta["geometry"]
+    event(f"by {'> TREE_BY' if g['by'] > cr.TREE_BY else '<= TREE_BY'}, {'split' if g['splits'] > 1 else 'one block'}")
+    check_column_geometry(ks, high=4, rtol=1e-3, atol=1e-3)
