@@ -12,8 +12,9 @@ The zoo is meant to run in parts (``--part i/n``: every n-th model from the i-th
 command's time limit: a part writes ``zoo.json`` into ``--out`` after every cell, skips the cells
 already there when started again (resume), and ``--time-budget S`` stops it from starting new cells
 after S seconds. ``fxopt bench --zoo-merge PATH... --out DIR`` merges the parts into one report
-(``fxopt.bench.zoo_report``; parts of several sessions too: each cell's latest measurement). A model its library refuses (unknown name, missing package, a
-constructor that raises) becomes a skipped cell with the reason.
+(``fxopt.bench.zoo_report``; parts of several sessions too: each cell's latest measurement). A
+model its library refuses (unknown name, missing package, a constructor that raises) becomes a
+skipped cell with the reason.
 """
 from __future__ import annotations
 

@@ -8,13 +8,12 @@ and ``left``, the cells not measured yet.
 """
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
-from .report import _fmt, _header, _short, merge_results, write_markdown
+from .report import _fmt, _header, _short, merge_results, read_results, write_markdown
 
 __all__ = ["geomean", "merge_parts", "render_zoo_markdown", "summarize", "write_chart", "write_zoo_reports"]
 
@@ -163,9 +162,7 @@ def write_chart(doc: Dict[str, Any], path: str) -> str:
 def _read(path: str) -> Dict[str, Any]:
     if os.path.isdir(path):
         path = os.path.join(path, "zoo.json")
-    opener = gzip.open if path.endswith(".gz") else open  # raw files are kept gzipped in the tree
-    with opener(path, "rt") as f:
-        return json.load(f)
+    return read_results(path)  # a raw file kept gzipped in the tree reads as well
 
 
 def measured_at(doc: Dict[str, Any]) -> str:

@@ -162,7 +162,7 @@ def split_tickets(cache: Optional[dict], name: str, count: int, device: torch.de
     so that no two kernels that may run at once on different streams share them) keeps them from
     one launch to the next (a zero-fill kernel less per call). Counters first made while a CUDA
     graph is being captured are not kept: their zero-fill would run only in that graph's replays."""
-    key = (name, str(device))
+    key = (name, device)
     t = None if cache is None else cache.get(key)
     if t is None or t.numel() != count:
         t = torch.zeros(count, dtype=torch.int32, device=device)
