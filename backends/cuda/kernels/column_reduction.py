@@ -177,10 +177,11 @@ def column_plan(k: ReductionKernel, vec: int = 1, work: int = 1) -> Optional[Col
     R, groups = k.row_size, k.rows // vec
     fill, min_iters = min(MAX_FILL, FILL_THREADS * work), max(1, MIN_ITERS // work)
     f = min(_p2ceil(-(-fill // groups)), _p2floor(max(1, R // min_iters)))
-    # columns a block keeps at least: a warp's worth by default; planned for more threads, the
-    # threads that span 64-128 bytes of a row (the rest of the block walks the reduced index)
-    bx_min = max(4, 32 // vec) if work > 1 else 8
-    by = min(f, BLOCK // min(32 if work == 1 else bx_min, _p2ceil(groups)))
+    # the column threads a block keeps: by default a warp's worth before the reduced index is split
+    # within the block, and 8 as the blocks spread; planned for more threads, only those that span
+    # 64-128 bytes of a row (the rest of the block walks the reduced index)
+    keep, bx_min = (32, 8) if work == 1 else (max(4, 32 // vec),) * 2
+    by = min(f, BLOCK // min(keep, _p2ceil(groups)))
     bx = min(BLOCK // by, _p2ceil(groups))
     splits = 1
     if f > by and len(k.phases) == 1 and not k.row_stores:
