@@ -90,6 +90,9 @@ class Options:
     cudnn_search: bool = False
     #: "auto" (channels_last for conv-heavy graphs on CUDA), "channels_last", "contiguous"
     layout: str = "auto"
+    #: "auto" (16-bit channels_last convolutions on CUDA), "on" (any dtype and device), "off": carry
+    #: channel counts that are not a multiple of 8 at the next multiple (``passes/pad_channels.py``)
+    pad_channels: str = "auto"
     #: cuda executor: group pointwise, reduction and data-movement ops into generated kernels
     #: (the fusion scheduler); False runs them one ATen op at a time
     fusion: bool = True
@@ -144,6 +147,8 @@ class Options:
             raise ValueError(f"fxopt: executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"fxopt: layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.pad_channels not in ("auto", "on", "off"):
+            raise ValueError(f"fxopt: pad_channels must be 'auto', 'on' or 'off', got {self.pad_channels!r}")
         if self.partitioner not in PARTITIONERS:
             raise ValueError(f"fxopt: partitioner must be one of {PARTITIONERS}, got {self.partitioner!r}")
         from fxopt.conv_algorithms import ALGORITHMS

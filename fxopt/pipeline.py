@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from fxopt.passes import (dead_code, fold_batchnorm, fold_constants, fuse_conv_epilogue, layout,
-                          merge_parallel_convs, output_formats,
+                          merge_parallel_convs, output_formats, pad_channels,
                           redundant_clones, select_conv_algorithm, training_batchnorm,
                           training_batchnorm_relu, training_layout, pool_backward_layout)
 from fxopt.passinfra import PassContext
@@ -44,6 +44,9 @@ PIPELINE = [
     # outputs in eager's memory format where a decomposition changed it (the layout pass restores
     # only the values it made NHWC).
     ("output_formats", output_formats.run),
+    # channel counts that are not a multiple of 8 carried at the next multiple (16-bit tensor
+    # cores); needs the channels_last layout, precedes the algorithm choice (which sees the widths).
+    ("pad_channels", pad_channels.run),
     # direct / Winograd / FFT / GEMM per convolution, by measurement or cost model.
     ("select_conv_algorithm", select_conv_algorithm.run),
     # Last: everything weight-only the passes above produced is evaluated once.
