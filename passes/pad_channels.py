@@ -27,6 +27,10 @@ after it is evaluated on that one number at compile time; a value is carried wid
 it is finite (a zero weight times a finite number is zero), so the true channels are exactly
 those of the graph before the pass.
 
+A seed is declined (kept at its true width, with a note) where its wide value would reach a
+convolution through such a slice: the library copies a strided operand on every call. Trial runs on
+copies of the graph find these seeds before the graph itself is rewritten.
+
 Illegal (left alone, with a reason): training graphs, weights that are not constants, symbolic
 channel counts, channels-first convolutions, grouped convolutions other than depthwise (their
 input is read through the slice), and (``"auto"``) other devices, dtypes, or executors.
@@ -68,8 +72,9 @@ class Wide:
     """A value carried at ``width`` channels whose first ``true`` are the graph's; the others all
     hold ``fill``."""
 
-    def __init__(self, true: int, width: int, fill: float):
+    def __init__(self, true: int, width: int, fill: float, seeds: frozenset = frozenset()):
         self.true, self.width, self.fill = true, width, fill
+        self.seeds = seeds  # the convolutions whose widened output this value carries
 
 
 def should_run(gm: fx.GraphModule, ctx: PassContext) -> Optional[str]:
@@ -107,7 +112,7 @@ def _scalar(f: float) -> torch.Tensor:
 
 
 class Padder:
-    def __init__(self, gm: fx.GraphModule, ctx: PassContext):
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext, declined: frozenset = frozenset()):
         from fxopt.passes.fold_constants import constant_nodes
 
         self.gm, self.g, self.ctx = gm, gm.graph, ctx
@@ -118,6 +123,8 @@ class Padder:
         self.wide: dict[fx.Node, Wide] = {}
         self.narrow: dict[fx.Node, fx.Node] = {}  # wide value -> its slice to the true channels
         self.widened = 0
+        self.declined = declined  # convolutions whose output stays at its true width
+        self.copies: set[str] = set()  # seeds whose wide value a convolution reads through a slice
 
     # -- helpers ---------------------------------------------------------------------------
     def call(self, target, args, before: fx.Node, like: fx.Node) -> fx.Node:
@@ -151,6 +158,7 @@ class Padder:
             keep = {n.args[0]} if wide is not None else set()  # weights widened for the wide input
             for a in (n.args[0], n.args[3]):
                 if isinstance(a, fx.Node) and a in self.wide and a not in keep:
+                    self.copies |= self.wide[a].seeds  # the library copies a strided operand
                     n.replace_input_with(a, self.true_view(a))
             return None
         return wide
@@ -170,7 +178,7 @@ class Padder:
         rin = self.wide.get(res) if isinstance(res, fx.Node) else None
         if groups == 1:
             pad_in = xin.width - xin.true if xin else 0
-            width = _round8(c_out)
+            width = c_out if n.name in self.declined else _round8(c_out)
             if res is not None and not (rin and rin.width == width):
                 width = c_out  # guard: a residual of the true width keeps the output true
             if not pad_in and width == c_out:
@@ -194,7 +202,7 @@ class Padder:
         if fill is None:  # guard: an activation of a finite number that is not finite (none known)
             raise RuntimeError(f"pad_channels: {n.args[8]} of the extra channels is not finite")
         n.meta["fxopt_channels"] = (c_out, width)
-        return Wide(c_out, width, fill)
+        return Wide(c_out, width, fill, frozenset({n.name}) | (rin.seeds if rin else frozenset()))
 
     def pointwise(self, n: fx.Node) -> Optional[Wide]:
         out = val(n)
@@ -225,7 +233,7 @@ class Padder:
             return None  # guard: the extra channels would not stay finite
         for a, spec in padded.items():
             n.replace_input_with(a, self.padded_const(a, spec, n))
-        return Wide(int(out.shape[1]), width, fill)
+        return Wide(int(out.shape[1]), width, fill, frozenset().union(*(w.seeds for w in wide_in)))
 
     def spatial(self, n: fx.Node) -> Optional[Wide]:
         """Means over spatial dims, pools: the extra channels keep their value."""
@@ -239,7 +247,7 @@ class Padder:
             pads = n.args[4] if len(n.args) > 4 else [0]
             if any(pads):
                 return None  # guard: counting the zero border changes a nonzero fill per position
-        return Wide(src.true, src.width, src.fill)
+        return Wide(src.true, src.width, src.fill, src.seeds)
 
     def slice_(self, n: fx.Node) -> Optional[Wide]:
         x, dim = n.args[0], n.args[1] if len(n.args) > 1 else 0
@@ -252,7 +260,7 @@ class Padder:
         if end is not None and end < src.true:
             return "true"  # a slice within the true channels reads them as before
         n.args = (x, dim, start, src.width)
-        return Wide(src.true - start, src.width - start, src.fill)
+        return Wide(src.true - start, src.width - start, src.fill, src.seeds)
 
     def cat(self, n: fx.Node) -> Optional[Wide]:
         parts = n.args[0]
@@ -266,7 +274,7 @@ class Padder:
         width = true - last.true + last.width
         if width % ALIGN:
             return None  # guard: would stay unaligned
-        return Wide(true, width, last.fill)
+        return Wide(true, width, last.fill, last.seeds)
 
     # -- the walk --------------------------------------------------------------------------
     def run(self) -> int:
@@ -315,13 +323,32 @@ class Padder:
         out.args = (type(outs)(flat) if isinstance(outs, (list, tuple)) else flat[0],)
 
 
+def _declined(gm: fx.GraphModule, ctx: PassContext) -> frozenset:
+    """The seeds not to widen: those whose wide value some convolution would read through a slice
+    (the library copies a strided operand on every call). Found by trial runs on copies of the graph;
+    declining one seed can strand another (a concat no longer wide), so until none is left."""
+    declined: frozenset = frozenset()
+    for _ in range(4):
+        g = fx.Graph()
+        g.output(g.graph_copy(gm.graph, {}))
+        trial = Padder(fx.GraphModule(gm, g), ctx, declined)
+        trial.run()
+        if not trial.copies - declined:
+            return declined
+        declined |= trial.copies
+    return declined
+
+
 def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     reason = should_run(gm, ctx)
     if reason:
         ctx.note(f"skipped: {reason}")
         return PassResult(gm, False)
-    padder = Padder(gm, ctx)
+    declined = _declined(gm, ctx)
+    padder = Padder(gm, ctx, declined)
     changed = padder.run()
+    for name in sorted(declined):
+        ctx.note(f"{name}: output kept at its true width (a convolution would read it through a copy)")
     if not changed:
         return finish(gm, ctx, 0, "")
     for n, w in padder.wide.items():
