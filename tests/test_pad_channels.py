@@ -219,3 +219,22 @@ def test_gpu_half_pads_by_default_and_gives_eagers_results(batch):
         torch.testing.assert_close(g.float(), w, rtol=2e-2, atol=2e-2)
         assert g.stride() == st
     torch.compiler.reset()
+
+
+def test_symbolic_batch_and_package_keep_the_wide_graph_correct(tmp_path):
+    """The pass on Dynamo's symbolic graph (one compile for every batch size) and in a package
+    specialized per batch on load: eager's results and strides at each size."""
+    m = _init(Rex())
+    compiled = torch.compile(m, backend="fxopt", options=ON, dynamic=True)
+    path = str(tmp_path / "rex.fxopt")
+    fxopt.package(m, (torch.randn(2, 3, 16, 16),), path, options=ON)
+    loaded = fxopt.load(path)
+    with torch.no_grad():
+        for b in (1, 3, 4):
+            x = torch.randn(b, 3, 16, 16)
+            want = m(x)
+            for run in (compiled, loaded):
+                for g, w in zip(run(x), want):
+                    torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+                    assert g.stride() == w.stride()
+    torch.compiler.reset()
