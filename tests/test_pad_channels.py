@@ -238,3 +238,25 @@ def test_symbolic_batch_and_package_keep_the_wide_graph_correct(tmp_path):
                     torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
                     assert g.stride() == w.stride()
     torch.compiler.reset()
+
+
+@_examples(8)
+@given(cnn_cases(dtypes=(torch.float16,), ndims=(2,), max_layers=5))
+def test_property_random_cnns_padded_through_the_cuda_executors_kernels(case):
+    """float16 graphs run by the cuda executor's kernel IR emulated on the CPU (slices of wide values,
+    widened depthwise groups, concats ending wide, as the generated kernels see them), padded and
+    not: the same results and strides (against eager, the executor's own fp16 rounding over deep
+    chains is the executor tests' business)."""
+    import copy
+
+    from fxopt.testing.strategies import compile_with_fxopt
+
+    opts = {"layout": "channels_last", "executor": "cuda", "emulate_kernels": True, "strict": True}
+    outs = []
+    for pad in ("on", "off"):
+        compiled = compile_with_fxopt(copy.deepcopy(case.model), dict(opts, pad_channels=pad))
+        with torch.no_grad():
+            outs.append(compiled(*case.inputs))
+    torch.compiler.reset()
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-2, atol=1e-3)
+    assert outs[0].stride() == outs[1].stride()
