@@ -117,11 +117,15 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str, kernels: bool = True) -> Low
     baseline = unoptimized_baseline(gm, ctx)
     refresh, folded_from = constants_refresher(runnable)
     written = [n.name for n in gm.graph.nodes if n.op == "placeholder" and written_in_place(n)]
+    # fixed weights: nothing watched per call (folded constants made on the first call, kept)
+    fixed = ctx.fixed_weights and not training and not written
     low.fn = low.cudagraph_runner = CudaGraphRunner(
-        low.fn, placeholder_indices(gm, ctx.param_placeholders), refresh=refresh, versioned=folded_from,
-        max_graphs=ctx.options.cudagraph_max_signatures, watched=read_params(runnable, ctx.param_placeholders),
+        low.fn, placeholder_indices(gm, ctx.param_placeholders), refresh=refresh,
+        versioned=[] if fixed else folded_from, max_graphs=ctx.options.cudagraph_max_signatures,
+        watched=[] if fixed else read_params(runnable, ctx.param_placeholders),
         baseline=None if baseline is None else cudnn_choice(baseline, search),
-        baseline_watched=None if baseline is None else read_params(baseline, ctx.param_placeholders),
+        baseline_watched=(None if baseline is None else
+                          [] if fixed else read_params(baseline, ctx.param_placeholders)),
         decisions_cache=decisions_cache(ctx, runnable, baseline),
         training=ctx.training_link if training else None, written=placeholder_indices(gm, written),
         streams=streams)

@@ -184,7 +184,8 @@ class FxoptCompiler:
 
         mode = "inference" if kind == "inference" else "training"
         ctx = PassContext(options=self.options, mode=mode, device_type=self.device_type,
-                          target=target_for(self.options, self.device_type, kind))
+                          target=target_for(self.options, self.device_type, kind),
+                          fixed_weights=mode == "inference" and self.options.fixed_weights)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         ctx.fake_inputs = list(fake_args)
         lifted = len(self.lifted) if len(placeholders) == len(self.lifted) + self.n_inputs else 0

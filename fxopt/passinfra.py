@@ -55,8 +55,9 @@ class PassContext:
     const_placeholders: set[str] = field(default_factory=set)
     #: names of placeholders that hold parameters / buffers (constant or not)
     param_placeholders: set[str] = field(default_factory=set)
-    #: the parameter inputs can never change (a package's weights): executors that bake them into
-    #: a compiled model (ONNX Runtime, OpenVINO) need not watch them for changes per call
+    #: the parameter inputs can never change (a package's weights, option ``fixed_weights``):
+    #: executors that bake them into a compiled model (ONNX Runtime, OpenVINO), CUDA-graph runners
+    #: and folded constants need not watch them for changes per call
     fixed_weights: bool = False
     #: placeholder name -> qualified module attribute ("layer1.0.conv1.weight")
     param_qualnames: dict[str, str] = field(default_factory=dict)

@@ -57,6 +57,7 @@ class FoldedConstants(torch.nn.Module):
         self.graph_module = graph_module
         self.input_names = input_names
         self._watch = None  # WeightWatch over the inputs, made on the first real call
+        self.fixed = False  # the inputs never change (option fixed_weights): evaluated once
         self._values = None
         self._fake = (None, None)  # (input metadata, fake outputs) of the last fake call
         self.evaluations = 0
@@ -66,6 +67,8 @@ class FoldedConstants(torch.nn.Module):
             return self._fake_forward(tensors)  # metadata propagation
         if not tensors and _fake_mode_active():  # generated constants alone, traced
             return self._fake_forward(tensors)
+        if self.fixed and self._values is not None:
+            return self._values
         if self._watch is None:
             self._watch = WeightWatch(range(len(tensors)))
         _, changed = self._watch.check(tensors)
@@ -204,6 +207,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     sub.output(tuple(env[n] for n in frontier))
     sub_gm = fx.GraphModule(gm, sub, class_name="WeightOnlyGraph")
     module = FoldedConstants(sub_gm, [a.name for a in inputs])
+    module.fixed = ctx.fixed_weights
     module.remember_fake([a.meta.get("val") for a in inputs], [n.meta.get("val") for n in frontier])
     gm.add_submodule(MODULE_NAME, module)
 

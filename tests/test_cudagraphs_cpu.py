@@ -681,3 +681,29 @@ def test_a_size_among_the_arguments_keeps_the_fast_path():
     out = runner(w, x, 3)  # another value: not the fast path's capture
     torch.testing.assert_close(out[0], x @ w.T * 3)
     assert runner.captures == 2 and inst.graph.replays == 2
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_option_fixed_weights_folds_once_and_watches_nothing(fixed):
+    """fixed_weights=True: the weights are taken as fixed (Inductor's freezing contract): folded
+    constants are made once, whatever happens to the parameters later; by default an in-place
+    change is seen and they are refolded."""
+    from fxopt.names import FOLDED_CONSTANTS_MODULE
+
+    torch.manual_seed(0)
+    model = SmallResNet().eval()
+    x = torch.randn(2, 3, 32, 32)
+    graphs: list = []
+    compiled = fxopt.testing.compile_with_fxopt(model, {"fixed_weights": fixed, "cpu_onnxruntime": False}, graphs)
+    with torch.no_grad():
+        before = compiled(x)
+        torch.testing.assert_close(before, model(x), rtol=1e-4, atol=1e-5)
+        for p in model.parameters():
+            p.mul_(1.5)  # in place, as an optimizer step or load_state_dict does
+        after, eager = compiled(x), model(x)
+    folded = [m for g in graphs for name, m in g.after.named_modules() if name == FOLDED_CONSTANTS_MODULE]
+    assert folded and all(m.fixed is fixed for m in folded)
+    assert sum(m.evaluations for m in folded) == (1 if fixed else 2) * len(folded)
+    if not fixed:
+        torch.testing.assert_close(after, eager, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(after, before)

@@ -54,6 +54,19 @@ def test_cudagraph_sees_weight_updates():
         torch.testing.assert_close(compiled(x), new(x), rtol=1e-3, atol=1e-4)
 
 
+def test_fixed_weights_replays_without_a_weight_watch():
+    m = SmallResNet().cuda().eval()
+    x = torch.randn(2, 3, 32, 32, device="cuda")
+    for fixed in (False, True):
+        graphs: list = []
+        compiled = fxopt.testing.compile_with_fxopt(m, {"fixed_weights": fixed}, graphs)
+        with torch.no_grad():
+            for _ in range(3):
+                torch.testing.assert_close(compiled(x), m(x), rtol=1e-3, atol=1e-4)
+        runner = graphs[0].executor_details["cudagraph_runner"]
+        assert (runner.watch.indices == [] and runner.watch.version_indices == []) is fixed
+
+
 def test_training_replays_linked_cuda_graphs_and_matches_eager():
     """Forward and backward replayed as CUDA graphs: the same parameters and running statistics as
     eager after optimizer steps, with gradient accumulation and two forwards before their
