@@ -304,7 +304,7 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
 
     runner = CpuRunner(runnable, baseline, placeholder_indices(gm, ctx.param_placeholders),
                        decisions_cache=decisions_cache(ctx, runnable, baseline, "cpu"), onnxruntime=ort,
-                       onnxruntime_1t=ort1, rounds=PACKAGE_ROUNDS if ctx.fixed_weights else 3,
+                       onnxruntime_1t=ort1, rounds=PACKAGE_ROUNDS if ctx.package else 3,
                        openvino=ov, check_dtype=compute_dtype(ctx.unoptimized or gm))
     # the runner's decisions() say, per signature, which graph runs and the times
     return Lowered(fn=runner, executor=EXECUTOR, cudagraphs="off (CPU)", cpu_runner=runner,

@@ -254,7 +254,7 @@ class PackagedModule(torch.nn.Module):
         ctx = PassContext(options=options, mode="inference", device_type=self.device.type,
                           target=target_for(options, self.device.type, "inference"))
         ctx.param_placeholders = set(self._weight_names)
-        ctx.fixed_weights = True  # a package's weights are its own and fixed
+        ctx.fixed_weights = ctx.package = True  # a package's weights are its own and fixed
         with cudnn_choosing(options.cudnn_search):
             lowered = lower(gm, ctx, "inference")
         self.lowerings[key] = lowered
