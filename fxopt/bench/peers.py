@@ -171,7 +171,7 @@ BACKENDS: Dict[str, BackendSpec] = {s.name: s for s in [
     BackendSpec("fxopt-no-fusion", _fxopt({"fusion": False}), is_fxopt=True, default=False),
     BackendSpec("fxopt-ieee", _fxopt({"fast_math": False}), is_fxopt=True, default=False),
     BackendSpec("fxopt-onnxruntime", _fxopt({"executor": "onnxruntime"}), is_fxopt=True, default=False),
-    # independent branches on two CUDA streams, kept per signature where measured faster
+    # independent branches on up to four CUDA streams, kept per signature where measured faster
     BackendSpec("fxopt-streams", _fxopt({"streams": 4}), is_fxopt=True, default=False),
     # built once, loaded without torch.compile (AOTInductor builds for minutes: not run by default)
     BackendSpec("fxopt-package", _deploy("prepare_package"), is_fxopt=True, deploy=True),
