@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from fxopt.lowered import Lowered
+from fxopt.names import FOLDED_CONSTANTS_MODULE
 from fxopt.target import Target
 
 
@@ -56,6 +57,9 @@ def target_for(options, device_type: str, kind: str) -> Target:
 def lower(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
     """The executor option ``executor`` picks for this graph, lowering it (the executor contract)."""
     executor = resolve_executor(ctx.options.executor, ctx.device_type, kind)
+    folded = getattr(gm, FOLDED_CONSTANTS_MODULE, None)
+    if folded is not None and ctx.fixed_weights:  # made on the first call and kept (a cached graph too)
+        folded.fixed = True
     if executor == "onnxruntime":
         from fxopt.backends import onnxrt
 

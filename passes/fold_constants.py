@@ -57,7 +57,7 @@ class FoldedConstants(torch.nn.Module):
         self.graph_module = graph_module
         self.input_names = input_names
         self._watch = None  # WeightWatch over the inputs, made on the first real call
-        self.fixed = False  # the inputs never change (option fixed_weights): evaluated once
+        self.fixed = False  # the inputs never change (set by the lowering under fixed weights): evaluated once
         self._values = None
         self._fake = (None, None)  # (input metadata, fake outputs) of the last fake call
         self.evaluations = 0
@@ -207,7 +207,6 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     sub.output(tuple(env[n] for n in frontier))
     sub_gm = fx.GraphModule(gm, sub, class_name="WeightOnlyGraph")
     module = FoldedConstants(sub_gm, [a.name for a in inputs])
-    module.fixed = ctx.fixed_weights
     module.remember_fake([a.meta.get("val") for a in inputs], [n.meta.get("val") for n in frontier])
     gm.add_submodule(MODULE_NAME, module)
 
