@@ -2,6 +2,7 @@
 # Fuzzed graphs covering every kernel family under compute-sanitizer (on the GPU machine).
 #
 #   scripts/sanitize.sh [OUTDIR]          (default: $OUT or sanitize_out/)
+#   scripts/sanitize.sh --streams [OUTDIR]  only the multi-stream graphs (below)
 #
 # 1. select: draws fuzz programs and plans them with the cuda executor on CPU tensors until every
 #    kernel family has SANITIZE_PER_FAMILY programs (python -m fxopt.fuzz.sample select; no GPU
@@ -23,15 +24,45 @@
 #      SANITIZE_MEMCHECK_TIMEOUT (250), SANITIZE_RACECHECK_TIMEOUT (140), SANITIZE_SYNCCHECK_TIMEOUT (110),
 #      SANITIZE_MARGIN (60), SANITIZE_ALL_KERNELS=1, SANITIZE_SELECT_ONLY=1 (stop after step 1),
 #      SANITIZE_INITCHECK=1 (a 4th tool, initcheck over every kernel; SANITIZE_INITCHECK_TIMEOUT, 200).
+#
+# --streams: racecheck, synccheck and memcheck (SANITIZE_STREAMS_TOOLS: which ones) over a multi-stream
+# capture: tests/test_stream_capture.py::test_float32_inception_blocks_on_streams (two Inception blocks,
+# the plan on up to 4 streams captured and measured; float32 with TF32 off and fxopt's direct
+# convolutions: racecheck fails inside cuDNN's tensor-core kernels, fp16 or TF32, before fxopt's run),
+# fxopt's kernels instrumented, each tool within SANITIZE_STREAMS_TIMEOUT (200) s. The tools check each
+# kernel's own shared-memory and barrier use and its accesses; the order across streams is what the
+# tests check (eager's values, every cross-stream read marked, every side stream joined).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO" || exit 2
 PY="${PYTHON:-python3}"
+STREAMS_ONLY=0
+if [ "${1:-}" = "--streams" ]; then STREAMS_ONLY=1; shift; fi
 DIR="${1:-${OUT:-$REPO/sanitize_out}}"
 mkdir -p "$DIR"
 FAILED=()
 START=$SECONDS
+
+if [ "$STREAMS_ONLY" = "1" ]; then
+    command -v compute-sanitizer >/dev/null 2>&1 || { echo "compute-sanitizer not on PATH" >&2; exit 2; }
+    for tool in ${SANITIZE_STREAMS_TOOLS:-racecheck synccheck memcheck}; do
+        extra=()
+        [ "$tool" = "racecheck" ] && extra=(--racecheck-report all)
+        [ "$tool" = "memcheck" ] && extra=(--report-api-errors no)  # the driver's cuGetProcAddress probing
+        t0=$SECONDS
+        timeout "${SANITIZE_STREAMS_TIMEOUT:-200}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+            --kernel-name kns=fx_ "${extra[@]}" "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+            tests/test_stream_capture.py::test_float32_inception_blocks_on_streams >"$DIR/streams_$tool.log" 2>&1
+        rc=$?
+        grep -E "ERROR SUMMARY|RACECHECK SUMMARY| passed| failed" "$DIR/streams_$tool.log" | tail -3 >&2
+        echo "streams $tool: rc=$rc in $((SECONDS - t0)) s" >&2
+        [ "$rc" -ne 0 ] && FAILED+=("streams $tool (rc=$rc)")
+    done
+    [ "${#FAILED[@]}" -ne 0 ] && { echo "FAILED: ${FAILED[*]}" >&2; exit 1; }
+    echo "sanitizers clean on the multi-stream graphs: $DIR" >&2
+    exit 0
+fi
 
 "$PY" -m fxopt.fuzz.sample select --out "$DIR/sample.json" --per-family "${SANITIZE_PER_FAMILY:-1}" \
     --max-draws "${SANITIZE_MAX_DRAWS:-300}" --seed "${SANITIZE_SEED:-0}" >"$DIR/select.log" 2>&1

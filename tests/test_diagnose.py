@@ -10,7 +10,7 @@ import torch
 import fxopt
 import fxopt.bench
 from fxopt.cli import build_parser, main
-from fxopt.diagnose import DIAGNOSTICS, autotune, compile_time, host
+from fxopt.diagnose import DIAGNOSTICS, autotune, compile_time, host, timeline
 
 
 def _exit_code(argv, capsys):
@@ -23,14 +23,15 @@ def _exit_code(argv, capsys):
 def test_help_lists_every_diagnostic(capsys):
     code, text = _exit_code(["diagnose", "--help"], capsys)
     assert code == 0
-    for name in ("host", "compile", "autotune"):
+    for name in ("host", "compile", "autotune", "timeline"):
         assert f"    {name}  " in text
-    assert set(DIAGNOSTICS) == {"host", "compile", "autotune"}
+    assert set(DIAGNOSTICS) == {"host", "compile", "autotune", "timeline"}
     code, text = _exit_code(["--help"], capsys)
     assert code == 0 and "diagnose" in text and "bench" in text
 
 
-@pytest.mark.parametrize("name,module", [("host", host), ("compile", compile_time), ("autotune", autotune)])
+@pytest.mark.parametrize("name,module", [("host", host), ("compile", compile_time), ("autotune", autotune),
+                                         ("timeline", timeline)])
 def test_arguments_parsed(name, module):
     args = build_parser().parse_args(["diagnose", name, "resnet50", "--batch", "4", "--dtype", "float16",
                                       "--device", "cpu", "--options", '{"layout": "contiguous"}'])

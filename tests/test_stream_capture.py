@@ -418,6 +418,48 @@ def test_random_branches_on_real_streams_with_and_without_a_cuda_graph(case, n):
             _close(out, model(static))
 
 
+class Inception(nn.Module):
+    def __init__(self, c=192):
+        super().__init__()
+        self.b1 = nn.Conv2d(c, 64, 1)
+        self.b2 = nn.Sequential(nn.Conv2d(c, 96, 1), nn.ReLU(), nn.Conv2d(96, 128, 3, padding=1))
+        self.b3 = nn.Sequential(nn.Conv2d(c, 16, 1), nn.ReLU(), nn.Conv2d(16, 32, 5, padding=2))
+        self.b4 = nn.Sequential(nn.MaxPool2d(3, 1, 1), nn.Conv2d(c, 32, 1))
+
+    def forward(self, x):
+        return F.relu(torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], 1))
+
+
+def inception_blocks() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Inception(), nn.Conv2d(256, 192, 1), Inception()).eval()
+
+
+@pytest.mark.gpu
+@gpu
+def test_float32_inception_blocks_on_streams(monkeypatch):
+    """The multi-stream capture that ``scripts/sanitize.sh --streams`` runs under racecheck: float32
+    with TF32 off and fxopt's direct convolutions, so that no tensor-core library kernel runs (the
+    tool fails inside cuDNN's); the plan is captured and measured, and the values are eager's on
+    the CPU in float32."""
+    import fxopt
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model = inception_blocks()
+    x = torch.randn(1, 192, 28, 28)
+    with torch.no_grad():
+        want = model(x)
+        graphs = []
+        compiled = fxopt.testing.compile_with_fxopt(
+            model.cuda(), {"streams": 4, "conv_algorithm": "direct", "autotune_cache": False}, graphs)
+        for _ in range(3):
+            got = compiled(x.cuda())
+    s = graphs[0].executor_details["cudagraph_runner"].decisions()[0]["streams"]
+    assert s["used"] >= 2 and s["multi_ms"] is not None, s
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.gpu
 @gpu
 def test_inception_block_measured_and_explained():
@@ -427,18 +469,7 @@ def test_inception_block_measured_and_explained():
     import fxopt
     from fxopt.backends.cuda.runtime.cudagraphs import choose
 
-    class Inception(nn.Module):
-        def __init__(self, c=192):
-            super().__init__()
-            self.b1 = nn.Conv2d(c, 64, 1)
-            self.b2 = nn.Sequential(nn.Conv2d(c, 96, 1), nn.ReLU(), nn.Conv2d(96, 128, 3, padding=1))
-            self.b3 = nn.Sequential(nn.Conv2d(c, 16, 1), nn.ReLU(), nn.Conv2d(16, 32, 5, padding=2))
-            self.b4 = nn.Sequential(nn.MaxPool2d(3, 1, 1), nn.Conv2d(c, 32, 1))
-
-        def forward(self, x):
-            return F.relu(torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], 1))
-
-    model = nn.Sequential(Inception(), nn.Conv2d(256, 192, 1), Inception()).eval().cuda().half()
+    model = inception_blocks().cuda().half()
     x = torch.randn(1, 192, 28, 28, device="cuda", dtype=torch.half)
     opts = {"streams": 4, "autotune_cache": False}
     report = fxopt.explain(model, x, options=opts)

@@ -247,6 +247,34 @@ def test_a_cell_whose_eager_result_is_not_finite_is_not_checkable():
     assert "1 whose accuracy is not checkable" in md
 
 
+def test_variants_are_timed_beside_fxopt_not_as_peers(capsys, tmp_path):
+    """--variants: fxopt variants in the same rows, each with its time and fxopt's time over it; the
+    speed-up stays fxopt's over the best peer; a peer or an unknown name is refused as a variant, and
+    a variant as a peer."""
+    from fxopt.bench.zoo import ZooEntry, cell_record
+
+    entry = ZooEntry("tiny", "test", "tiny", (3, 8, 8), ("fp16-b1",))
+    res = _fake_results(entry.key, 1, "float16", 2.0, 1.0)
+    res["cells"].append({**res["cells"][1], "backend": "fxopt-streams", "median_ms": 0.8})
+    rec = cell_record(entry, "fp16-b1", res)
+    assert rec["speedup"] == pytest.approx(2.0) and rec["best_peer"] == "eager"
+    assert rec["variants"] == {"fxopt-streams": {"ms": 0.8, "status": "ok", "over_fxopt": pytest.approx(1.25)}}
+    assert "variants" not in cell_record(entry, "fp16-b1", _fake_results(entry.key, 1, "float16", 2.0, 1.0))
+    for argv, message in ((["--variants", "eager"], "not an fxopt variant: eager"),
+                          (["--variants", "fxopt-nope"], "not an fxopt variant: fxopt-nope"),
+                          (["--peers", "fxopt-streams"], "not a peer: fxopt-streams")):
+        with pytest.raises(SystemExit):
+            Z.main(["--zoo", "--device", "cpu", "--models", "tiny_a", *argv], zoo=FAKE, harness=B)
+        assert message in capsys.readouterr().err
+    out = str(tmp_path / "v")
+    assert Z.main(["--zoo", *CPU, "--models", "tiny_b", "--variants", "fxopt-no-fusion", "--out", out],
+                  zoo=FAKE, harness=B) == 0
+    (r,) = _doc(out)["zoo"]
+    assert r["status"] == "ok" and r["best_peer"] == "eager" and r["peers"] == ["eager"]
+    v = r["variants"]["fxopt-no-fusion"]
+    assert v["status"] == "ok" and v["over_fxopt"] == pytest.approx(r["fxopt_ms"] / v["ms"])
+
+
 def test_skip_measured_leaves_out_cells_earlier_runs_measured(tmp_path, monkeypatch):
     import gzip
 

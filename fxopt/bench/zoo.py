@@ -220,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zoo-merge", nargs="+", metavar="PATH", help="measure nothing: merge the parts (DIR/zoo.json, "
                    "or zoo.json / *.json.gz files) into one report in --out, each cell's latest measurement")
     p.add_argument("--fxopt-options", metavar="JSON", help="passed to the fxopt backend (as fxopt bench)")
+    p.add_argument("--variants", default="", help="comma list of fxopt variants timed in the same rows (e.g. "
+                   "fxopt-streams; --fxopt-options apply to them too): each cell records their times against "
+                   "fxopt's; the speed-up stays fxopt's over the best peer")
     for opt in ("--warmup", "--iters", "--rounds"):
         p.add_argument(opt, type=int, help=f"as fxopt bench {opt}")
     p.add_argument("--seed", type=int, default=0)
@@ -279,6 +282,11 @@ def cell_record(entry: ZooEntry, cell: str, results: Dict[str, Any], fx: str = "
         errs = "; ".join(f"{c['backend']}: {c.get('error')}" for c in cells if c["backend"] != fx)
         return {**rec, "status": "failed", "reason": f"no peer ran ({errs[:300]})"}
     rec.update(speedup=got["over_best"], paired_speedup=got.get("paired_over_best"))
+    variants = {c["backend"]: c for c in cells if _is_variant(c["backend"]) and c["backend"] != fx}
+    if variants:  # --variants: each one's time and fxopt's time over it (> 1: the variant is faster)
+        rec["variants"] = {b: {"ms": c.get("median_ms"), "status": c["status"],
+                               "over_fxopt": rec["fxopt_ms"] / c["median_ms"] if c.get("median_ms") else None}
+                           for b, c in variants.items()}
     return rec
 
 
@@ -324,7 +332,7 @@ def run_part(a: argparse.Namespace, argv: Sequence[str], zoo: Sequence[ZooEntry]
 
     i, n = (int(v) for v in a.part.split("/"))
     todo = select(zoo, a.models, a.cells, (i, n))
-    backends = expand_peers(a.peers) + ["fxopt"]
+    backends = expand_peers(a.peers) + ["fxopt"] + csv_list(a.variants or "")
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, JSON_NAME)
     if os.path.exists(path):
@@ -443,6 +451,9 @@ def main(argv: Optional[Sequence[str]] = None, zoo: Optional[Sequence[ZooEntry]]
     bad = [b for b in expand_peers(a.peers) if not _is_peer(b)]
     if bad:
         p.error(f"not a peer: {', '.join(bad)}")
+    bad = [b for b in csv_list(a.variants or "") if not _is_variant(b)]
+    if bad:
+        p.error(f"not an fxopt variant: {', '.join(bad)}")
     if a.device is None:
         import torch
 
@@ -460,6 +471,13 @@ def main(argv: Optional[Sequence[str]] = None, zoo: Optional[Sequence[ZooEntry]]
     if "png_error" in paths:
         print(paths["png_error"], file=sys.stderr)
     return 130 if doc["meta"].get("interrupted") else 0
+
+
+def _is_variant(backend: str) -> bool:
+    from .peers import BACKENDS
+
+    spec = BACKENDS.get(backend)
+    return spec is not None and spec.is_fxopt and backend != "fxopt"
 
 
 def _is_peer(backend: str) -> bool:

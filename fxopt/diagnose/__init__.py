@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 
-from fxopt.diagnose import autotune, compile_time, host
+from fxopt.diagnose import autotune, compile_time, host, timeline
 
 #: subcommand name -> module with HELP, add_arguments(parser) and run(args) -> int
-DIAGNOSTICS = {"host": host, "compile": compile_time, "autotune": autotune}
+DIAGNOSTICS = {"host": host, "compile": compile_time, "autotune": autotune, "timeline": timeline}
 
 
 def add_subcommands(parser: argparse.ArgumentParser) -> None:
