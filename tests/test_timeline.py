@@ -105,3 +105,53 @@ def test_timeline_of_a_branchy_model_on_the_gpu(tmp_path, capsys):
     rows, _ = T.lanes([T.Kernel(**k) for k in multi["kernels"]])
     assert len(rows) >= 2
     assert "picture:" in capsys.readouterr().out
+
+
+class _Entry:
+    def __init__(self, replay):
+        self.instances = [type("Instance", (), {"graph": type("Graph", (), {"replay": staticmethod(replay)})})()]
+
+
+class _FakeRunner:
+    """The runner's surface ``_way`` reads: its signatures' entries, ``decisions()``, the
+    multi-stream alternative, ``_capture_streams``; called with the flat arguments."""
+
+    def __init__(self, kept):
+        self.graphs = {"sig": _Entry(lambda: "single replay")}
+        self.streams = object()
+        self.kept, self.captured_with = kept, None
+
+    def __call__(self, *args):
+        return args[0]
+
+    def decisions(self):
+        return [{"runs": "optimized graph", "streams": {"used": 3, "single_ms": 0.3, "multi_ms": 0.31,
+                                                        "kept": self.kept}}]
+
+    def _capture_streams(self, entry, args):
+        self.captured_with = args
+        return _Entry(lambda: "multi-stream replay")
+
+
+@pytest.mark.parametrize("kept,force,want,note", [
+    ("single", True, "multi-stream replay", "forced: measured no faster, not kept"),
+    ("single", False, "single replay", None),
+    ("multi", True, "single replay", None),  # the kept entry already replays the multi-stream graph
+])
+def test_force_captures_the_plan_the_runner_did_not_keep(monkeypatch, kept, force, want, note):
+    import fxopt.testing
+
+    runner = _FakeRunner(kept)
+
+    def compile_with_fxopt(model, options, graphs):
+        graphs.append(type("Report", (), {"executor_details": {"cudagraph_runner": runner}})())
+        return lambda x: runner(x, "weight")
+
+    monkeypatch.setattr(fxopt.testing, "compile_with_fxopt", compile_with_fxopt)
+    replay, decision, got_note = T._way(None, "input", {"streams": 4}, force)
+    assert replay() == want and got_note == note and decision["streams"]["kept"] == kept
+    assert type(runner) is _FakeRunner  # the recording class is taken off again
+    assert runner.captured_with == (("input", "weight") if want.startswith("multi") else None)
+    label = T._label("up to 4 streams", [T.Kernel("fx_a", 0, 0.0, 2.0)], decision, got_note)
+    assert "one stream 300.0 µs, 3 streams 310.0 µs, kept " + kept in label
+    assert (note in label) if note else "[" not in label
