@@ -273,6 +273,8 @@ def test_variants_are_timed_beside_fxopt_not_as_peers(capsys, tmp_path):
     assert r["status"] == "ok" and r["best_peer"] == "eager" and r["peers"] == ["eager"]
     v = r["variants"]["fxopt-no-fusion"]
     assert v["status"] == "ok" and v["over_fxopt"] == pytest.approx(r["fxopt_ms"] / v["ms"])
+    md = open(os.path.join(out, "zoo.md")).read()
+    assert "| model | cell | fxopt ms | fxopt-no-fusion |" in md and "| test/tiny_b | fp32-b1 |" in md
 
 
 def test_skip_measured_leaves_out_cells_earlier_runs_measured(tmp_path, monkeypatch):

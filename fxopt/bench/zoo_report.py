@@ -100,6 +100,17 @@ def render_zoo_markdown(doc: Dict[str, Any]) -> str:
             r.get("best_peer") or "–", _fmt(r.get("best_peer_ms")), _fmt(r.get("fxopt_ms")),
             _x(r.get("speedup")) if r.get("status") == "ok" else r.get("status", "?"), _accuracy(r),
             _short(note, 70)]) + " |")
+    varied = [r for r in recs if r.get("variants")]
+    if varied:  # --variants: fxopt's variants timed in the same rows
+        names = sorted({b for r in varied for b in r["variants"]})
+        lines += ["", "Variants (`--variants`): ms, and fxopt's ms over the variant's (> 1: the variant is faster).", "",
+                  "| model | cell | fxopt ms | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
+        for r in varied:
+            cells = []
+            for b in names:
+                v = r["variants"].get(b) or {}
+                cells.append(f"{_fmt(v.get('ms'))} ({_x(v.get('over_fxopt'))})" if v.get("ms") else v.get("status", "–"))
+            lines.append(f"| {r['model']} | {r['cell']} | {_fmt(r.get('fxopt_ms'))} | " + " | ".join(cells) + " |")
     if doc.get("left"):
         lines += ["", "Not measured yet: " + ", ".join(doc["left"])]
     lines += ["", "Per-backend times, errors and kernel counts: results.md.", ""]
