@@ -304,25 +304,25 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
 
     runner = CpuRunner(runnable, baseline, placeholder_indices(gm, ctx.param_placeholders),
                        decisions_cache=decisions_cache(ctx, runnable, baseline, "cpu"), onnxruntime=ort,
-                       onnxruntime_1t=ort1, rounds=PACKAGE_ROUNDS if ctx.package else 3,
+                       onnxruntime_1t=ort1, rounds=3, steady=bool(ctx.package),
                        openvino=ov, check_dtype=compute_dtype(ctx.unoptimized or gm))
     # the runner's decisions() say, per signature, which graph runs and the times
     return Lowered(fn=runner, executor=EXECUTOR, cudagraphs="off (CPU)", cpu_runner=runner,
                    baseline_check=baseline is not None, details=details)
 
 
-#: timing rounds per signature while packaging (a package's weights are fixed): its decisions stand
-#: for every later load, so they get twice the rounds of a compile's (on a loaded 2-vCPU host a
-#: package of seedcnn2 b64 bf16 chose the oneDNN graph at 1.61 ms where OpenVINO alone ran 0.93)
-PACKAGE_ROUNDS = 6
 
 #: a burst of calls per way and round lasts about this long (at least BURST_MIN calls, at most BURST_MAX)
 BURST_MS, BURST_MIN, BURST_MAX = 5.0, 3, 20
 #: a way this many times slower than the fastest after a round is timed no more
 OUT_OF_RACE = 3.0
+#: steady bursts (packages): calls not counted, then calls timed, each about this long (at most
+#: STEADY_MAX calls each)
+STEADY_WARM_MS, STEADY_MS, STEADY_MAX = 20.0, 20.0, 50
 
 
-def burst_medians(fns: dict, first_ms: dict, rounds: int, close: float, max_rounds: Optional[int] = None) -> tuple:
+def burst_medians(fns: dict, first_ms: dict, rounds: int, close: float, max_rounds: Optional[int] = None,
+                  steady: bool = False) -> tuple:
     """({key: median ms per call}, rounds run) of the functions ``fns``, timed in rounds in which
     each runs a burst of consecutive calls (about ``BURST_MS``; ``first_ms``: one call's time, for the
     burst's size). The first call of a burst is not counted: it pays for the previous way's threads
@@ -332,11 +332,22 @@ def burst_medians(fns: dict, first_ms: dict, rounds: int, close: float, max_roun
     no more (its median so far stands): it cannot win, and on a loaded host the oneDNN graphs'
     calls can take 100x their time. Where the two fastest are within ``close`` (relative) after
     ``rounds`` rounds, as many rounds again (up to ``max_rounds``, default twice ``rounds``): a close
-    call on a loaded host gets more samples."""
+    call on a loaded host gets more samples. ``steady`` (packages): each burst first runs about
+    ``STEADY_WARM_MS`` of calls it does not count, then times about ``STEADY_MS``: one discarded call
+    is not enough where a runtime's workers, woken from sleep, take several calls to run at the
+    speed a stream of calls gets (seedcnn b64 float32 on a loaded 2-vCPU host: ONNX Runtime 0.97-1.87
+    ms in a loop of its own, 1.96-2.65 in 5 ms bursts beside OpenVINO, which then won at 1.25-2.06)."""
     from fxopt.autotune import wall_times
 
-    sizes = {k: 1 + max(BURST_MIN - 1, min(BURST_MAX - 1, math.ceil(BURST_MS / max(first_ms.get(k, 1.0), 1e-3))))
-             for k in fns}
+    def calls(ms: float, k: str, low: int, high: int) -> int:
+        return max(low, min(high, math.ceil(ms / max(first_ms.get(k, 1.0), 1e-3))))
+
+    if steady:
+        skip = {k: calls(STEADY_WARM_MS, k, 2, STEADY_MAX) for k in fns}
+        sizes = {k: skip[k] + calls(STEADY_MS, k, BURST_MIN, STEADY_MAX) for k in fns}
+    else:
+        skip = {k: 1 for k in fns}
+        sizes = {k: 1 + calls(BURST_MS, k, BURST_MIN - 1, BURST_MAX - 1) for k in fns}
     times: dict = {k: [] for k in fns}
     active = set(fns)
     max_rounds = max_rounds or 2 * rounds
@@ -344,7 +355,7 @@ def burst_medians(fns: dict, first_ms: dict, rounds: int, close: float, max_roun
     while done < target:
         for k, fn in fns.items():
             if k in active:
-                times[k] += wall_times(fn, sizes[k])[1:]
+                times[k] += wall_times(fn, sizes[k])[skip[k]:]
         done += 1
         medians = {k: statistics.median(ts) for k, ts in times.items()}
         best = min(medians.values())
@@ -366,7 +377,8 @@ class CpuRunner:
     def __init__(self, fn: Callable, baseline: Optional[Callable], static_indices: Sequence[int],
                  decisions_cache: Optional[tuple] = None, margin: float = 0.03, rounds: int = 3, close: float = 0.1,
                  max_timed: int = 8, onnxruntime: Optional[Callable] = None, openvino: Optional[Callable] = None,
-                 check_dtype: torch.dtype = torch.float32, onnxruntime_1t: Optional[Callable] = None):
+                 check_dtype: torch.dtype = torch.float32, onnxruntime_1t: Optional[Callable] = None,
+                 steady: bool = False):
         """fn / baseline: the optimized and unoptimized graphs (same arguments); onnxruntime: the
         optimized graph in ONNX Runtime (same arguments), or None; static_indices: the parameter
         inputs (not part of the signature); decisions_cache: (AutotuneCache, device, code hash) or
@@ -377,11 +389,13 @@ class CpuRunner:
         outputs (the baseline graph's, else the optimized graph's) within the tolerance of
         ``check_dtype`` (the lowest precision the graph computes in), or they are left out.
         onnxruntime_1t: the ONNX Runtime way with one intra-op thread (no hand-off), or None.
-        rounds / close: see :func:`burst_medians`."""
+        rounds / close / steady: see :func:`burst_medians` (steady: a package's decisions, which stand
+        for every later load, timed in bursts long enough for each way to run as a stream of calls does)."""
         self.fn, self.baseline, self.onnxruntime, self.openvino = fn, baseline, onnxruntime, openvino
         self.onnxruntime_1t = onnxruntime_1t
         self.check_dtype = check_dtype
         self.margin, self.rounds, self.max_timed, self.close = margin, rounds, max_timed, close
+        self.steady = steady
         self.static = set(static_indices)
         self._dynamic: Optional[list] = None  # the indices of the other arguments, from the first call
         self.decisions_cache = decisions_cache
@@ -412,10 +426,12 @@ class CpuRunner:
         if self.decisions_cache is None:
             return None
         # decisions timed by burst_medians and chosen by _choose (those of single alternating calls, which a
-        # loaded host could get wrong, are not reused; nor those before OpenVINO got dense weights, "ov2")
+        # loaded host could get wrong, are not reused; nor those before OpenVINO got dense weights, "ov2");
+        # a package's steady bursts are kept apart from a compile's short ones
         from fxopt.choices import cpu_runner_key
 
-        return cpu_runner_key("bursts-ties2-ov2-ortrun", self.decisions_cache[2], self.ways, sig)
+        kind = "steady-bursts-ov2-ortrun" if self.steady else "bursts-ties2-ov2-ortrun"
+        return cpu_runner_key(kind, self.decisions_cache[2], self.ways, sig)
 
     def _decide(self, sig, args):
         if len(self.ways) == 1:
@@ -480,9 +496,9 @@ class CpuRunner:
                 if name == "optimized graph":
                     raise
                 failed[name] = f"{type(e).__name__}: {str(e)[:200]}"
-        timings, rounds = burst_medians(fns, first_ms, self.rounds, self.close)
+        timings, rounds = burst_medians(fns, first_ms, self.rounds, self.close, steady=self.steady)
         return {"runs": self._choose(timings), **timings, "rounds": rounds, "threads": torch.get_num_threads(),
-                **({"failed": failed} if failed else {})}
+                **({"steady": True} if self.steady else {}), **({"failed": failed} if failed else {})}
 
     def _choose(self, timings: dict) -> str:
         """The way that runs: the baseline graph where it beats the optimized graph by more than

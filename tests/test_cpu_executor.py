@@ -370,6 +370,39 @@ def test_burst_medians_leave_out_the_call_after_a_switch_and_extend_close_calls(
     assert len(calls) == cpu.BURST_MIN and medians["b_ms"] > 10 * medians["a_ms"]  # out of the race after one round
 
 
+def test_steady_bursts_time_a_way_as_a_stream_of_its_calls_runs():
+    """Packages' steady bursts: a way slow for its first several calls after another way ran (a
+    runtime's workers waking) but faster in a stream of its calls wins there, where one discarded
+    call per burst ranks it behind a way that is steady but slower; a package's runner times that way
+    and keeps its decisions apart from a compile's."""
+    last, count = [None], [0]
+
+    def busy(ms):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < ms / 1e3:
+            pass
+
+    def waking(name, ms, slow_ms, slow_calls):
+        def fn():
+            count[0] = count[0] + 1 if last[0] == name else 1
+            busy(slow_ms if count[0] <= slow_calls else ms)
+            last[0] = name
+
+        return fn
+
+    fns = {"a_ms": waking("a", 0.1, 0.6, 12), "b_ms": waking("b", 0.15, 0.15, 0)}
+    first = {"a_ms": 0.1, "b_ms": 0.15}
+    short, _ = cpu.burst_medians(fns, first, rounds=2, close=0.1)
+    steady, _ = cpu.burst_medians(fns, first, rounds=2, close=0.1, steady=True)
+    assert short["a_ms"] > short["b_ms"] and steady["a_ms"] < steady["b_ms"], (short, steady)
+    assert steady["a_ms"] == pytest.approx(0.1, rel=0.5)
+    runner = cpu.CpuRunner(lambda *a: None, None, [], decisions_cache=(None, None, "code"), steady=True)
+    compile_runner = cpu.CpuRunner(lambda *a: None, None, [], decisions_cache=(None, None, "code"))
+    sig = ((torch.Size([1]), (1,), torch.float32),)
+    assert runner._cache_key(sig).startswith("cpu_runner|steady-bursts")
+    assert compile_runner._cache_key(sig) != runner._cache_key(sig)
+
+
 @pytest.mark.parametrize("out_buffer_bytes", [None, 0])
 def test_onnxruntime_io_binding_gives_fresh_outputs_and_reads_inputs_at_the_call(monkeypatch, out_buffer_bytes):
     """The CPU session's IO binding is kept across calls: inputs bound again only where they moved,

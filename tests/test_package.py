@@ -517,9 +517,7 @@ def test_cpu_package_specialises_each_batch_with_the_runners_ways(tmp_path):
             assert rel(module(x), model(x)) < RTOL
     runs = {b: d["runner"][0] for b, d in module.decisions().items()}
     assert sorted(runs) == ["1", "2", "3"] and runs["2"]["cached"] and runs["1"]["cached"]
-    from fxopt.backends.cpu import PACKAGE_ROUNDS  # measured while packaging, with more rounds
-
-    assert runs["2"]["rounds"] >= PACKAGE_ROUNDS
+    assert runs["2"]["steady"] and runs["1"]["steady"]  # measured while packaging, in steady bursts
     assert runs["3"]["not_measured"] and runs["3"]["runs"] in (runs["1"]["runs"], runs["2"]["runs"])
     assert module.lowerings[2].details["onednn"]["convs"] == 2  # the stored (meta) values lower as real ones
     runner = module.lowerings[2].fn.openvino
