@@ -26,9 +26,9 @@ RESULT_SUFFIXES = (".png", ".jpg", ".svg", ".webp")
 #: behind its judge (2.903 MB then, superseded results removed); to 2.985 MB for the bilinear index maps,
 #: the generated-constant folding and their tests, and the zoo's last screens (2.97 MB); to 3.0 MB for the kernels'
 #: extents as arguments, the symbolic-size tests and the serving loop's results (2.996 MB); to 3.01 MB for channel
-#: padding, the fixed-weights option and their results (3.008 MB); to 3.06 MB for the stream timeline diagnostic, its
-#: picture and the streams' results (3.056 MB); the aim stays lower
-TRACKED_MAX_BYTES = 3_060_000
+#: padding, the fixed-weights option and their results (3.008 MB); to 3.07 MB for the stream timeline diagnostic, its
+#: picture, the streams' results and the packages' steady bursts (3.064 MB); the aim stays lower
+TRACKED_MAX_BYTES = 3_070_000
 #: lines of any ``.py`` file under the package directories
 SOURCE_MAX_LINES = 600
 PACKAGE_DIRS = ("fxopt", "passes", "backends")
