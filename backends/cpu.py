@@ -311,7 +311,6 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
                    baseline_check=baseline is not None, details=details)
 
 
-
 #: a burst of calls per way and round lasts about this long (at least BURST_MIN calls, at most BURST_MAX)
 BURST_MS, BURST_MIN, BURST_MAX = 5.0, 3, 20
 #: a way this many times slower than the fastest after a round is timed no more
