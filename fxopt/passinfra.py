@@ -59,7 +59,8 @@ class PassContext:
     #: executors that bake them into a compiled model (ONNX Runtime, OpenVINO), CUDA-graph runners
     #: and folded constants need not watch them for changes per call
     fixed_weights: bool = False
-    #: lowering a package (its decisions stand for every later load: measured longer)
+    #: lowering a package (its decisions stand for every later load: the cpu executor times its ways
+    #: in steady bursts, ``backends/cpu.burst_medians``)
     package: bool = False
     #: placeholder name -> qualified module attribute ("layer1.0.conv1.weight")
     param_qualnames: dict[str, str] = field(default_factory=dict)

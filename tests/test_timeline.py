@@ -82,7 +82,7 @@ def test_picture_written(tmp_path, suffix, magic):
         assert "a title" in text and "up to 4 streams" in text and "stream 1" in text
 
 
-def test_needs_a_cuda_device(capsys, monkeypatch):
+def test_needs_a_cuda_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         main(["diagnose", "timeline", "seedcnn", "--device", "cpu"])
