@@ -429,7 +429,7 @@ class CpuRunner:
         # a package's steady bursts are kept apart from a compile's short ones
         from fxopt.choices import cpu_runner_key
 
-        kind = "steady-bursts-ov2-ortrun" if self.steady else "bursts-ties2-ov2-ortrun"
+        kind = "steady-bursts-ov2-ortshort" if self.steady else "bursts-ties2-ov2-ortshort"
         return cpu_runner_key(kind, self.decisions_cache[2], self.ways, sig)
 
     def _decide(self, sig, args):

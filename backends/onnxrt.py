@@ -43,6 +43,8 @@ from fxopt.weights import ParamChanges, weights_key
 MAX_SESSIONS = 8
 #: CPU outputs up to this many bytes in all are written into buffers bound once and copied out
 CPU_OUT_BUFFER_BYTES = 1 << 18
+#: microseconds the CPU EP's workers spin after each operator before sleeping (``cpu_candidate``)
+CPU_SPIN_US = 10
 _WARNED: set = set()
 
 
@@ -154,10 +156,13 @@ def _why_not(gm: fx.GraphModule, ctx, strict: bool) -> Optional[str]:
 def cpu_candidate(gm: fx.GraphModule, ctx, threads: Optional[int] = None, exports: Optional[dict] = None):
     """(the optimized CPU inference graph in ONNX Runtime sessions, None) as one more way for the
     cpu executor's runner to time per signature, or (None, why not). Its workers spin between the
-    operators of a run and stop when the run returns (``session.force_spinning_stop``): a pool left
-    spinning after a run slows the process's next CPU work (measured up to 2x), one that never spins
-    hands each operator to sleeping workers (seedcnn batch 64, ONNX Runtime 1.31.1 alone on 2 vCPUs:
-    1.24 ms a run against 1.02 ms spinning within runs only, a 64x64 matmul after each run no slower). Export failures raise (the runner
+    operators of a run and for ``CPU_SPIN_US`` after each (``session.intra_op.spin_duration_us``):
+    a pool left spinning at ORT's default slows the process's next CPU work (2 EPYC vCPUs, ONNX
+    Runtime 1.31.1, a 4x 128x128 matmul after each seedcnn batch-1 run: 105 -> 320-395 us), one
+    stopped when a run returns (``session.force_spinning_stop``) wakes its workers at the next run
+    (seedcnn batch 1: 38 us a run against 28 spinning), one that never spins hands each operator
+    to sleeping workers (seedcnn batch 64: 1.24 ms against 1.02). A short spin keeps both: 28-30 us
+    a run, the matmul after it 109-122 us. Export failures raise (the runner
     then leaves it out). ``threads``: its intra-op threads (default torch's thread count; 1: the
     calling thread alone, no hand-off to a worker, which at a small graph's batch 1 can be the
     faster). ``exports``: a dict shared with the other thread count's candidate, so that a signature's
@@ -166,7 +171,7 @@ def cpu_candidate(gm: fx.GraphModule, ctx, threads: Optional[int] = None, export
     if why:
         return None, why
     return OrtRunner(gm, ctx.param_placeholders, ctx.param_qualnames, "CPUExecutionProvider", False,
-                     spin="run", fallback=False, threads=threads, watch=not ctx.fixed_weights, exports=exports), None
+                     spin="short", fallback=False, threads=threads, watch=not ctx.fixed_weights, exports=exports), None
 
 
 def _matches(v, a) -> bool:
@@ -227,8 +232,8 @@ class _Session:
             if not spin:  # idle workers sleep: the process's other CPU work keeps its cores
                 opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
                 opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
-            elif spin == "run":  # workers spin between a run's operators, and stop when it returns
-                opts.add_session_config_entry("session.force_spinning_stop", "1")
+            elif spin == "short":  # workers spin between a run's operators and briefly after it
+                opts.add_session_config_entry("session.intra_op.spin_duration_us", str(CPU_SPIN_US))
             providers = [provider]
         else:
             # ORT enqueues its kernels on torch's current stream: ordered with the torch work that
@@ -274,14 +279,14 @@ class _Session:
         return b
 
     def run(self, inputs: list) -> list:
-        if not self.cuda:
-            inputs = [t.detach().contiguous() for t in inputs]
+        if not self.cuda:  # read through their addresses: no autograd, no detached copies per call
+            inputs = [t if t.is_contiguous() else t.contiguous() for t in inputs]
             if self._cpu_lock.acquire(blocking=False):  # another thread inside: the numpy way
                 try:
                     return self._run_cpu_bound(inputs)
                 finally:
                     self._cpu_lock.release()
-            feeds = {n: t.numpy() for n, t in zip(self.in_names, inputs)}
+            feeds = {n: t.detach().numpy() for n, t in zip(self.in_names, inputs)}
             return [torch.from_numpy(o) for o in self.sess.run(self.out_names, feeds)]
         current = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):  # the stream ORT was given
@@ -352,7 +357,7 @@ class OrtRunner:
     def __init__(self, gm, param_placeholders, qualnames, provider, cuda_graph, max_sessions=MAX_SESSIONS,
                  nhwc=False, spin=True, fallback=True, threads=None, watch=True, exports=None):
         """spin: ORT's CPU workers spin between runs (True, its default), never (False), or within a
-        run only ("run"); fallback: signatures ONNX
+        run and ``CPU_SPIN_US`` after it ("short"); fallback: signatures ONNX
         export refuses run on the torch executor (with a warning) instead of raising; watch: whether
         the weights may change between calls (False: a package's, fixed); exports: signature ->
         (``export_signature``'s result, the weights it holds), a dict shared with runners of the same

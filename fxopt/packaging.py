@@ -186,6 +186,7 @@ class PackagedModule(torch.nn.Module):
         self._input_at = [order.index(s["placeholder"]) for s in self.input_specs]
         self._weight_names = set(weights)
         self.out_spec = pytree.treespec_loads(manifest["out_spec"]) if manifest.get("out_spec") else None
+        self._one_output = self.out_spec is not None and self.out_spec.is_leaf()  # the model returns a tensor
         self.executor = resolve_executor(options.executor, device.type, "inference")
         self.lowerings: dict = {}  # batch size (None: every size) -> what the executor made (fxopt.lowered)
         self.check_vals = False  # packaging sets it: stored values checked against propagation
@@ -274,6 +275,8 @@ class PackagedModule(torch.nn.Module):
                 out = runner(*args)
         else:
             out = runner(*args)
+        if self._one_output:
+            return out[0]
         out = list(out)
         return pytree.tree_unflatten(out, self.out_spec) if self.out_spec is not None else tuple(out)
 

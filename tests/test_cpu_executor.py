@@ -281,7 +281,7 @@ def test_fixed_weights_onnxruntime_session_bound_once_per_signature():
     x, w, b = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3), torch.randn(4)
     gm = make_fx(f)(x, w, b)
     params = {n.name for n in gm.graph.nodes if n.op == "placeholder"} - {"x_1"}
-    ort = OrtRunner(gm, params, {}, "CPUExecutionProvider", False, max_sessions=1, spin="run", fallback=False,
+    ort = OrtRunner(gm, params, {}, "CPUExecutionProvider", False, max_sessions=1, spin="short", fallback=False,
                     watch=False)
     def slow(*args):
         time.sleep(0.02)
@@ -298,7 +298,7 @@ def test_fixed_weights_onnxruntime_session_bound_once_per_signature():
     builds = ort.builds
     torch.testing.assert_close(runner(x, w, b)[0], f(x, w, b)[0], rtol=1e-5, atol=1e-5)
     assert ort.builds == builds + 1  # batch 2's session built again through the full path
-    watched = OrtRunner(gm, params, {}, "CPUExecutionProvider", False, spin="run", fallback=False)
+    watched = OrtRunner(gm, params, {}, "CPUExecutionProvider", False, spin="short", fallback=False)
     assert watched.bound([x, w, b]) is None
 
 
@@ -430,9 +430,9 @@ def test_onnxruntime_io_binding_gives_fresh_outputs_and_reads_inputs_at_the_call
     assert runs in ("onnxruntime", "onnxruntime 1 thread"), runner.decisions()
     (session,) = runner.ways[runs].sessions.values()
     assert session._cpu_binding is not None and (session._out_bufs is None) == (out_buffer_bytes == 0)
-    # its workers spin between a run's operators and stop when the run returns
+    # its workers spin between a run's operators and briefly after it (not ORT's default, unbounded)
     opts = session.sess.get_session_options()
-    assert opts.get_session_config_entry("session.force_spinning_stop") == "1"
+    assert opts.get_session_config_entry("session.intra_op.spin_duration_us") == str(onnxrt.CPU_SPIN_US)
     with pytest.raises(Exception):  # not set: ORT's default, spinning
         opts.get_session_config_entry("session.intra_op.allow_spinning")
 
