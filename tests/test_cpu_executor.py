@@ -503,3 +503,32 @@ def test_onnxruntime_candidates_export_each_signature_once_and_again_after_a_wei
             out = way(*calls[-1])
             torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out, m(x))
         assert len(exported) == 2 and ort.builds == ort1.builds == 2
+
+
+class _BoundWay:
+    """An ONNX Runtime-like way: 20 ms a call through its own dispatch, 2 ms through ``bound``."""
+
+    def __init__(self):
+        self.bound_calls = 0
+
+    def __call__(self, *args):
+        time.sleep(0.02)
+        return "same"
+
+    def bound(self, args):
+        def run(*a):
+            self.bound_calls += 1
+            time.sleep(0.002)
+            return "same"
+        return run
+
+
+def test_runner_times_a_way_through_the_call_it_would_run():
+    """A way with a call bound once per signature (``OrtRunner.bound``) is timed through that call,
+    which is what runs once it is chosen, not through its per-call dispatch."""
+    way = _BoundWay()
+    runner = cpu.CpuRunner(_slow(8, "same"), None, static_indices=[], margin=0.1, rounds=2, onnxruntime=way)
+    assert runner(torch.ones(1)) == "same"
+    decision = runner.decisions()[0]
+    assert decision["runs"] == "onnxruntime" and decision["onnxruntime_ms"] < 8, decision
+    assert way.bound_calls > 2
