@@ -259,7 +259,9 @@ class Report:
                 if "optimized_ms" in d:
                     times = ", ".join(f"{name} {d[key]:.3f} ms" for name, key in
                                       (("optimized", "optimized_ms"), ("unoptimized", "baseline_ms"),
-                                       ("ONNX Runtime", "onnxruntime_ms")) if key in d)
+                                       ("ONNX Runtime", "onnxruntime_ms"),
+                                       ("ONNX Runtime 1 thread", "onnxruntime_1t_ms"),
+                                       ("OpenVINO", "openvino_ms")) if key in d)
                     lines.append(f"  runs the {d['runs']}: {times} ({d.get('threads')} threads"
                                  f"{', cached' if d.get('cached') else ''})")
                 else:

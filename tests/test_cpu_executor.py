@@ -2,6 +2,7 @@
 faster of the optimized and the unoptimized graph (fxopt.backends.cpu)."""
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -264,6 +265,21 @@ def test_report_names_the_graph_that_runs():
     r = fxopt.explain(_randomized(Block()), torch.randn(2, 3, 12, 12))
     (d,) = r.graphs[0].executor_details["cpu_runner"].decisions()
     assert d["runs"] in cpu.CpuRunner.KEYS and d["threads"] == torch.get_num_threads()
+
+
+def test_report_shows_every_way_it_timed():
+    """The CPU table of ``fxopt explain`` gives the time of every way the runner timed (ONNX
+    Runtime with one thread and OpenVINO too, where installed) beside the one that runs."""
+    r = fxopt.explain(_randomized(Block()), torch.randn(2, 3, 12, 12),
+                      options={"cpu_openvino": True, "autotune_cache": False})
+    (d,) = r.graphs[0].executor_details["cpu_runner"].decisions()
+    names = {"optimized_ms": "optimized", "baseline_ms": "unoptimized", "onnxruntime_ms": "ONNX Runtime",
+             "onnxruntime_1t_ms": "ONNX Runtime 1 thread", "openvino_ms": "OpenVINO"}
+    line = next(ln for ln in r.cpu_table().splitlines() if ln.strip().startswith("runs the"))
+    for key, name in names.items():
+        shown = re.search(rf"{re.escape(name)} (\d+\.\d{{3}}) ms", line)
+        assert (shown is not None) == (key in d), (key, line)
+        assert shown is None or shown.group(1) == f"{d[key]:.3f}", (key, line)
 
 
 def test_fixed_weights_onnxruntime_session_bound_once_per_signature():
