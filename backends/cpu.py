@@ -421,15 +421,21 @@ class CpuRunner:
             return fn(*args)
         return self._decide(sig, args)
 
+    def direct(self, args) -> Optional[Callable]:
+        """The call chosen for the signature of ``args`` (None before its first call), for a caller
+        that dispatches on its inputs' kind itself (``fxopt.packaging.PackagedModule``)."""
+        return self._chosen.get(self._signature(args))
+
     def _cache_key(self, sig) -> Optional[str]:
         if self.decisions_cache is None:
             return None
         # decisions timed by burst_medians and chosen by _choose (those of single alternating calls, which a
-        # loaded host could get wrong, are not reused; nor those before OpenVINO got dense weights, "ov2");
-        # a package's steady bursts are kept apart from a compile's short ones
+        # loaded host could get wrong, are not reused; nor those before OpenVINO got dense weights, "ov2", or
+        # before ONNX Runtime's workers spun 40 us after a run, "ortspin40"); a package's steady bursts are
+        # kept apart from a compile's short ones
         from fxopt.choices import cpu_runner_key
 
-        kind = "steady-bursts-ov2-ortshort" if self.steady else "bursts-ties2-ov2-ortshort"
+        kind = "steady-bursts-ov2-ortspin40" if self.steady else "bursts-ties2-ov2-ortspin40"
         return cpu_runner_key(kind, self.decisions_cache[2], self.ways, sig)
 
     def _decide(self, sig, args):

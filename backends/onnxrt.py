@@ -44,7 +44,7 @@ MAX_SESSIONS = 8
 #: CPU outputs up to this many bytes in all are written into buffers bound once and copied out
 CPU_OUT_BUFFER_BYTES = 1 << 18
 #: microseconds the CPU EP's workers spin after each operator before sleeping (``cpu_candidate``)
-CPU_SPIN_US = 10
+CPU_SPIN_US = 40
 _WARNED: set = set()
 
 
@@ -158,11 +158,13 @@ def cpu_candidate(gm: fx.GraphModule, ctx, threads: Optional[int] = None, export
     cpu executor's runner to time per signature, or (None, why not). Its workers spin between the
     operators of a run and for ``CPU_SPIN_US`` after each (``session.intra_op.spin_duration_us``):
     a pool left spinning at ORT's default slows the process's next CPU work (2 EPYC vCPUs, ONNX
-    Runtime 1.31.1, a 4x 128x128 matmul after each seedcnn batch-1 run: 105 -> 320-395 us), one
-    stopped when a run returns (``session.force_spinning_stop``) wakes its workers at the next run
-    (seedcnn batch 1: 38 us a run against 28 spinning), one that never spins hands each operator
-    to sleeping workers (seedcnn batch 64: 1.24 ms against 1.02). A short spin keeps both: 28-30 us
-    a run, the matmul after it 109-122 us. Export failures raise (the runner
+    Runtime 1.31.1, a 128x128 matmul of 26 us after each seedcnn batch-1 run: 147-153 us the pair),
+    one stopped when a run returns (``session.force_spinning_stop``) wakes its workers at the next
+    run (seedcnn batch 1: 38 us a run against 28 spinning), one that never spins hands each
+    operator to sleeping workers (seedcnn batch 64: 1.24 ms against 1.02). The spin must outlast
+    the caller's own work between two calls: at 10 us a run 3-20 us after the previous one took
+    37-46 us (a package's call spends 4-10 us of Python around the run), at 40 us 28 (the pair with
+    the matmul 88-95 us, 73-81 at 10 us). Export failures raise (the runner
     then leaves it out). ``threads``: its intra-op threads (default torch's thread count; 1: the
     calling thread alone, no hand-off to a worker, which at a small graph's batch 1 can be the
     faster). ``exports``: a dict shared with the other thread count's candidate, so that a signature's

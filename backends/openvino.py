@@ -20,6 +20,7 @@ the outputs against the reference before it may choose this way.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Optional
 
@@ -167,6 +168,28 @@ class OvRunner:
             self.models.move_to_end(sig)
         self._last = (sig, req)  # one attribute: concurrent callers never see a pair of two calls
         return req
+
+    def bound(self, args):
+        """A call for the signature of ``args`` alone, for a caller that dispatches on signatures itself
+        (``backends/cpu.CpuRunner``): the compiled model looked up once, not at every call (no weight
+        check, no signature per call). Only where no weight is watched (a package's, fixed); it holds
+        the request weakly: once evicted, its calls take ``__call__``. None elsewhere."""
+        if self._params_changed.indices:
+            return None
+        ref = weakref.ref(self.request(args))
+        positions = [i for i in self.user if isinstance(args[i], torch.Tensor)]
+        restride, out_vals, out_type = self.restride, self.out_vals, self.out_type
+
+        def run(*a):
+            req = ref()
+            if req is None:  # evicted (more signatures than ``max_models``)
+                return self(*a)
+            outs = req.run([t if t.is_contiguous() else t.contiguous() for t in map(a.__getitem__, positions)])
+            if restride:
+                outs = [_restride(t, v) for t, v in zip(outs, out_vals)]
+            return out_type(outs) if out_type is not None else outs[0]
+
+        return run
 
     def __call__(self, *args):
         req = self.request(args)

@@ -169,6 +169,14 @@ def _freeze(gm: fx.GraphModule, weights: dict) -> dict:
 #: executor's kernels are generated for static shapes; the cpu executor's alternatives (ONNX Runtime,
 #: OpenVINO, prepacked oneDNN convolutions) are built and timed per input signature
 _PER_BATCH = ("cuda", "cpu")
+#: kinds of inputs (shapes, strides, dtypes, devices) whose chosen call a package remembers
+MAX_DIRECT = 64
+
+
+def _input_key(inputs: Sequence) -> tuple:
+    """What a package's checks and its runner's choice depend on: each input's shape, strides, dtype
+    and device (None for a non-tensor, which the checks refuse)."""
+    return tuple((x.shape, x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor) else None for x in inputs)
 
 
 class PackagedModule(torch.nn.Module):
@@ -192,6 +200,7 @@ class PackagedModule(torch.nn.Module):
         self.check_vals = False  # packaging sets it: stored values checked against propagation
         self.timings: dict = {}
         self._last_checked: Optional[tuple] = None  # (the inputs' shapes, dtypes, devices; their batch)
+        self._direct: dict = {}  # _input_key -> the call its runner chose for such inputs (checked ones)
 
     def extra_repr(self) -> str:
         b = self.manifest["batch"]
@@ -263,18 +272,28 @@ class PackagedModule(torch.nn.Module):
         return lowered.fn
 
     def forward(self, *inputs):
-        batch = self._check(inputs)
-        key = batch if self.executor in _PER_BATCH else None
-        lowered = self.lowerings.get(key) or self.lowerings.get(None)
+        key = _input_key(inputs)
+        runner = self._direct.get(key)
         args = list(self._template)
         for at, x in zip(self._input_at, inputs):
             args[at] = x
-        runner = lowered.fn if lowered is not None else self._lower(batch, args)
+        first = runner is None
+        if first:  # inputs of a kind not seen yet: checked, and the lowering of their batch size
+            batch = self._check(inputs)
+            lowered = self.lowerings.get(batch if self.executor in _PER_BATCH else None) or self.lowerings.get(None)
+            runner = lowered.fn if lowered is not None else self._lower(batch, args)
         if torch.is_grad_enabled():
             with torch.no_grad():
                 out = runner(*args)
         else:
             out = runner(*args)
+        if first and len(self._direct) < MAX_DIRECT:
+            # a runner that dispatches on its inputs (the cpu executor's) names the way it chose for
+            # them: later calls with inputs of this kind go straight to it
+            direct = getattr(runner, "direct", None)
+            way = direct(args) if direct is not None else None
+            if way is not None:
+                self._direct[key] = way
         if self._one_output:
             return out[0]
         out = list(out)

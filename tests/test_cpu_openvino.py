@@ -290,3 +290,38 @@ def test_openvino_inputs_taking_turns_strided_or_requiring_grad(slow_torch_graph
     for g in graphs[2:]:  # symbolic sizes: declined up front (no export that fails at the first call)
         assert g.executor_details["openvino_candidate"].startswith("none (symbolic sizes"), g.executor_details
         assert "failed" not in g.executor_details["cpu_runner"].decisions()[0]
+
+
+@needs_ov
+def test_fixed_weights_openvino_request_bound_once_per_signature():
+    """Where no weight is watched (a package's), the runner keeps, per signature, a call bound to
+    OpenVINO's request of that signature; evicted (more signatures than the models kept), the bound
+    call takes the full path and compiles again; a strided input is read as eager reads it. Watched
+    weights: no bound call."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w, b):
+        return (F.conv2d(x, w, b, padding=1).relu(),)
+
+    x, w, b = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3), torch.randn(4)
+    gm = make_fx(f)(x, w, b)
+    ov = ovb.OvRunner(gm, [1, 2], "f32", max_models=1, watch=False)
+
+    def slow(*args):
+        time.sleep(0.02)
+        return f(*args)
+
+    runner = cpu.CpuRunner(slow, None, static_indices=[1, 2], rounds=3, openvino=ov)
+    torch.testing.assert_close(runner(x, w, b)[0], f(x, w, b)[0], rtol=1e-5, atol=1e-5)
+    (d,) = runner.decisions()
+    assert d["runs"] == "openvino"
+    (bound,) = runner._chosen.values()
+    assert bound is not ov and bound.__qualname__.startswith("OvRunner.bound")
+    xs = torch.randn(3, 8, 2, 8).permute(2, 0, 1, 3)  # (2, 3, 8, 8), not contiguous
+    torch.testing.assert_close(bound(xs, w, b)[0], f(xs, w, b)[0], rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(3, 3, 8, 8)
+    torch.testing.assert_close(runner(x3, w, b)[0], f(x3, w, b)[0], rtol=1e-5, atol=1e-5)  # evicts batch 2's
+    builds = ov.builds
+    torch.testing.assert_close(runner(x, w, b)[0], f(x, w, b)[0], rtol=1e-5, atol=1e-5)
+    assert ov.builds == builds + 1  # batch 2's model compiled again through the full path
+    assert ovb.OvRunner(gm, [1, 2], "f32").bound([x, w, b]) is None

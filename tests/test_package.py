@@ -545,3 +545,37 @@ def test_cpu_package_checks_the_way_it_did_not_measure(tmp_path, monkeypatch):
         assert rel(module(x), model(x)) < RTOL
     (d,) = module.decisions()["5"]["runner"]
     assert d["runs"] == "optimized graph" and "relative error" in d["failed"]["openvino"], d
+
+
+def test_inputs_of_a_kind_seen_go_straight_to_the_way_chosen(tmp_path, monkeypatch):
+    """After the first call with inputs of one kind (shapes, strides, dtype, device), later calls
+    with such inputs run the way the cpu runner chose for them without its dispatch or the checks;
+    inputs of another kind (new strides, another batch) go through both, and bad inputs still get
+    the checks' errors. Eager's values throughout."""
+    from fxopt.backends import cpu
+
+    model = make_net()
+    fxopt.package(model, (torch.randn(2, 3, 16, 16),), tmp_path / "net.fxopt")
+    module = fxopt.load(tmp_path / "net.fxopt")
+    dispatched = []
+    call = cpu.CpuRunner.__call__
+    monkeypatch.setattr(cpu.CpuRunner, "__call__", lambda self, *a: dispatched.append(1) or call(self, *a))
+    with torch.no_grad():
+        x = torch.randn(2, 3, 16, 16)
+        assert rel(module(x), model(x)) < RTOL and len(dispatched) == 1 and len(module._direct) == 1
+        for _ in range(3):
+            x = torch.randn(2, 3, 16, 16)
+            assert rel(module(x), model(x)) < RTOL
+        assert len(dispatched) == 1
+        xc = torch.randn(2, 3, 16, 16).contiguous(memory_format=torch.channels_last)
+        x3 = torch.randn(3, 3, 16, 16)
+        for x in (xc, x3, xc, x3):
+            assert rel(module(x), model(x)) < RTOL
+        assert len(dispatched) == 3 and len(module._direct) == 3
+    with pytest.raises(ValueError, match="float32"):
+        module(torch.randn(2, 3, 16, 16, dtype=torch.float64))
+    with pytest.raises(TypeError, match="1 input"):
+        module(torch.randn(2, 3, 16, 16), torch.randn(2, 3, 16, 16))
+    x = torch.randn(2, 3, 16, 16, requires_grad=True)  # grad mode on: the way runs without autograd
+    out = module(x)
+    assert not out.requires_grad and rel(out, model(x).detach()) < RTOL
