@@ -421,7 +421,7 @@ class CpuRunner:
             return fn(*args)
         return self._decide(sig, args)
 
-    def direct(self, args) -> Optional[Callable]:
+    def chosen_call(self, args) -> Optional[Callable]:
         """The call chosen for the signature of ``args`` (None before its first call), for a caller
         that dispatches on its inputs' kind itself (``fxopt.packaging.PackagedModule``)."""
         return self._chosen.get(self._signature(args))

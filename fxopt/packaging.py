@@ -290,8 +290,8 @@ class PackagedModule(torch.nn.Module):
         if first and len(self._direct) < MAX_DIRECT:
             # a runner that dispatches on its inputs (the cpu executor's) names the way it chose for
             # them: later calls with inputs of this kind go straight to it
-            direct = getattr(runner, "direct", None)
-            way = direct(args) if direct is not None else None
+            chosen_call = getattr(runner, "chosen_call", None)
+            way = chosen_call(args) if chosen_call is not None else None
             if way is not None:
                 self._direct[key] = way
         if self._one_output:
