@@ -407,11 +407,12 @@ class OrtRunner:
         """A call for the signature of ``args`` alone, for a caller that dispatches on signatures
         itself (``backends/cpu.CpuRunner``): the session looked up once, not at every call (a
         package's seedcnn at batch 1 spent 6 us a call above its session's run in ``__call__``).
-        Only where no weight is watched (a package's, fixed) and the session runs on the CPU; it
-        holds the session weakly: once evicted, its calls take ``__call__``. None elsewhere."""
+        Watched weights are checked at every call: once one changed, the sessions are dropped and
+        the calls take ``__call__``, which builds them again. Only where the session runs on the
+        CPU; it holds the session weakly: once evicted, its calls take ``__call__``. None elsewhere."""
         from fxopt.onnx_common import OnnxExportError
 
-        if self._params_changed.indices or self.provider != "CPUExecutionProvider":
+        if self.provider != "CPUExecutionProvider":
             return None
         try:
             ref = weakref.ref(self.entry(args))
@@ -419,10 +420,13 @@ class OrtRunner:
             return None
         positions = [i for i in self.user if isinstance(args[i], torch.Tensor)]
         restride, out_type = ref().restride, self.out_type
+        changed = self._params_changed if self._params_changed.indices else None
 
         def run(*a):
+            if changed is not None and changed(a):  # every session holds stale initializers
+                self.sessions.clear()
             entry = ref()
-            if entry is None:  # evicted (more signatures than ``max_sessions``)
+            if entry is None:  # evicted (more signatures than ``max_sessions``), or stale
                 return self(*a)
             outs = entry.run([a[i] for i in positions])
             if restride:

@@ -171,18 +171,21 @@ class OvRunner:
 
     def bound(self, args):
         """A call for the signature of ``args`` alone, for a caller that dispatches on signatures itself
-        (``backends/cpu.CpuRunner``): the compiled model looked up once, not at every call (no weight
-        check, no signature per call). Only where no weight is watched (a package's, fixed); it holds
-        the request weakly: once evicted, its calls take ``__call__``. None elsewhere."""
-        if self._params_changed.indices:
-            return None
+        (``backends/cpu.CpuRunner``): the compiled model looked up once, not at every call (no
+        signature per call). Watched weights are checked at every call: once one changed, the compiled
+        models are dropped and the calls take ``__call__``, which compiles them again. It holds the
+        request weakly: once evicted, its calls take ``__call__``."""
         ref = weakref.ref(self.request(args))
         positions = [i for i in self.user if isinstance(args[i], torch.Tensor)]
         restride, out_vals, out_type = self.restride, self.out_vals, self.out_type
+        changed = self._params_changed if self._params_changed.indices else None
 
         def run(*a):
+            if changed is not None and changed(a):  # every compiled model holds stale constants
+                self.models.clear()
+                self._last = None
             req = ref()
-            if req is None:  # evicted (more signatures than ``max_models``)
+            if req is None:  # evicted (more signatures than ``max_models``), or stale
                 return self(*a)
             outs = req.run([t if t.is_contiguous() else t.contiguous() for t in map(a.__getitem__, positions)])
             if restride:

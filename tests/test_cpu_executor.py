@@ -285,7 +285,8 @@ def test_report_shows_every_way_it_timed():
 def test_fixed_weights_onnxruntime_session_bound_once_per_signature():
     """Where no weight is watched (a package's), the runner keeps, per signature, a call bound to ONNX
     Runtime's session of that signature; evicted (more signatures than the sessions kept), the bound
-    call takes the full path and builds it again. Watched weights: no bound call. Eager's values."""
+    call takes the full path and builds it again. Watched weights: a bound call that checks them.
+    Eager's values."""
     pytest.importorskip("onnxruntime")
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -314,8 +315,26 @@ def test_fixed_weights_onnxruntime_session_bound_once_per_signature():
     builds = ort.builds
     torch.testing.assert_close(runner(x, w, b)[0], f(x, w, b)[0], rtol=1e-5, atol=1e-5)
     assert ort.builds == builds + 1  # batch 2's session built again through the full path
-    watched = OrtRunner(gm, params, {}, "CPUExecutionProvider", False, spin="short", fallback=False)
-    assert watched.bound([x, w, b]) is None
+    check_watched_bound_call(OrtRunner(gm, params, {}, "CPUExecutionProvider", False, spin="short", fallback=False),
+                             f, x, w, b)
+
+
+def check_watched_bound_call(way, f, x, w, b):
+    """A way's bound call with watched weights: eager's values before and after an in-place weight
+    change and a replaced weight, each change built into the way once, none in between."""
+    w, b = w.clone(), b.clone()
+    call = way.bound([x, w, b])
+    torch.testing.assert_close(call(x, w, b)[0], f(x, w, b)[0], rtol=1e-5, atol=1e-5)
+    builds = way.builds
+    call(x, w, b)
+    assert way.builds == builds
+    w.mul_(-0.5)
+    torch.testing.assert_close(call(x, w, b)[0], f(x, w, b)[0], rtol=1e-5, atol=1e-5)
+    call(x, w, b)
+    assert way.builds == builds + 1
+    b2 = torch.randn_like(b)
+    torch.testing.assert_close(call(x, w, b2)[0], f(x, w, b2)[0], rtol=1e-5, atol=1e-5)
+    assert way.builds == builds + 2
 
 
 def test_runner_times_onnxruntime_too_and_leaves_it_out_where_it_fails():

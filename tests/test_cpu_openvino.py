@@ -16,7 +16,7 @@ from fxopt.backends import cpu
 from fxopt.backends import openvino as ovb
 from fxopt.testing import SeedCNN
 from fxopt.tolerances import relative_error, tolerance
-from test_cpu_executor import check_fresh_outputs_and_reread_inputs
+from test_cpu_executor import check_fresh_outputs_and_reread_inputs, check_watched_bound_call
 
 pytestmark = pytest.mark.skipif(cpu.onednn_available() is not None, reason=str(cpu.onednn_available()))
 needs_ov = pytest.mark.skipif(ovb.why_unavailable() is not None, reason=str(ovb.why_unavailable()))
@@ -297,7 +297,7 @@ def test_fixed_weights_openvino_request_bound_once_per_signature():
     """Where no weight is watched (a package's), the runner keeps, per signature, a call bound to
     OpenVINO's request of that signature; evicted (more signatures than the models kept), the bound
     call takes the full path and compiles again; a strided input is read as eager reads it. Watched
-    weights: no bound call."""
+    weights: a bound call that checks them."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def f(x, w, b):
@@ -324,4 +324,4 @@ def test_fixed_weights_openvino_request_bound_once_per_signature():
     builds = ov.builds
     torch.testing.assert_close(runner(x, w, b)[0], f(x, w, b)[0], rtol=1e-5, atol=1e-5)
     assert ov.builds == builds + 1  # batch 2's model compiled again through the full path
-    assert ovb.OvRunner(gm, [1, 2], "f32").bound([x, w, b]) is None
+    check_watched_bound_call(ovb.OvRunner(gm, [1, 2], "f32"), f, x, w, b)
