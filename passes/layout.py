@@ -234,11 +234,13 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     n_conv = to_channels_last(gm, cache)
     restored = restore_formats(gm, ctx, cache)
     gm.recompile()
-    ctx.refresh_meta(gm)
+    # the metadata propagated, a view the new formats would refuse (a permute of an NHWC value that
+    # eager had NCHW, viewed flat by a linear layer: CPU fuzz e64f6c30d5) reading a contiguous copy
+    kept = views_in_eagers_format(gm, ctx)
     dropped = drop_redundant(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    kept = views_in_eagers_format(gm, ctx)
+    kept += views_in_eagers_format(gm, ctx)
     ctx.note(f"{n_conv} convolutions in channels_last; {restored} conversions back to NCHW; {dropped} redundant dropped"
              + (f"; {kept} kept before views" if kept else ""))
     return PassResult(gm, n_conv > 0)

@@ -176,6 +176,42 @@ def test_torch_executor_keeps_nchw_and_no_onednn():
     assert any("keeps NCHW on CPU" in p.summary for p in g.passes if p.name == "layout")
 
 
+class _PermutedHead(nn.Module):
+    """CPU fuzz e64f6c30d5 (seed 191): convolutions on a channels_last input, then a channels-last
+    permute that a linear layer views flat."""
+
+    def __init__(self):
+        super().__init__()
+        self.c0, self.c1 = nn.Conv2d(2, 2, 1, bias=False), nn.Conv2d(2, 2, 1, bias=False)
+        self.bn, self.fc0, self.fc1 = nn.BatchNorm2d(2), nn.Linear(2, 1), nn.Linear(1, 2, bias=False)
+
+    def forward(self, x):
+        x = x - x.mean((1,), keepdim=True)
+        x = torch.abs(self.c0(x))
+        x = torch.abs(self.bn(self.c1(x)) + x)
+        return self.fc1(F.gelu(self.fc0(x.permute(0, 2, 3, 1)))).permute(0, 3, 1, 2)
+
+
+def test_a_view_the_new_formats_would_refuse_reads_a_contiguous_copy():
+    """The layout pass propagates its formats before it drops redundant conversions; a view that
+    their strides would refuse reads a contiguous copy instead of failing the pass (the model ran
+    unoptimized, with a warning). Eager's values and strides."""
+    import warnings
+
+    m = _PermutedHead().eval()
+    x = torch.randn(2, 2, 2, 1).contiguous(memory_format=torch.channels_last)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxopt.FxoptFallbackWarning)
+        r = fxopt.explain(m, x, options={"executor": "cpu", "cpu_onnxruntime": False, "autotune_cache": False})
+        compiled = torch.compile(m, backend="fxopt", options={"cpu_onnxruntime": False, "autotune_cache": False})
+        with torch.no_grad():
+            got, want = compiled(x), m(x)
+    (layout,) = [p for g in r.graphs for p in g.passes if p.name == "layout"]
+    assert layout.changed and "kept before views" in layout.summary, layout.summary
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got.stride() == want.stride()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_model_matches_eager_and_sees_weight_updates(dtype):
     if cpu.dtype_unsupported(dtype):

@@ -18,6 +18,7 @@ import copy
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from fxopt.tolerances import tolerance
 
@@ -140,7 +141,7 @@ def check_regions(gm: fx.GraphModule, inputs: list, rtol: float, atol: float, co
         ir.evaluate(k, ins, outs)
         module = reference_module(gm, region)
         ref = module(*ins)
-        planned = wide = None
+        planned = wide = exact = None
         for i, (o, r, b) in enumerate(zip(outs, ref, k.outputs)):
             try:
                 torch.testing.assert_close(o, r, rtol=rtol, atol=atol, equal_nan=True,
@@ -155,8 +156,19 @@ def check_regions(gm: fx.GraphModule, inputs: list, rtol: float, atol: float, co
                 wide = _float32_reference(module, ins) if wide is None else wide
                 if o.dtype == torch.float32 or wide is None:
                     raise
-                torch.testing.assert_close(o, wide[i].to(o.dtype), rtol=rtol, atol=atol, equal_nan=True,
-                                           msg=lambda m, n=region.name: f"region {n} ({region.ops}), float32 ops: {m}")
+                try:
+                    torch.testing.assert_close(o, wide[i].to(o.dtype), rtol=rtol, atol=atol, equal_nan=True,
+                                               msg=lambda m, n=region.name: f"region {n} ({region.ops}), float32 ops: {m}")
+                except AssertionError:
+                    # ill-conditioned both ways (an InstanceNorm over four close values: eager's float16 CPU
+                    # kernel off by 0.004, the float32 ops by 0.007, as they skip the rounding of the value
+                    # it normalizes): the kernel must match the ops each computed exactly and rounded
+                    exact = _rounded_reference(module, ins) if exact is None else exact
+                    if exact is None:
+                        raise
+                    torch.testing.assert_close(o, exact[i].to(o.dtype), rtol=rtol, atol=atol, equal_nan=True,
+                                               msg=lambda m, n=region.name: f"region {n} ({region.ops}), each op in "
+                                                                            f"float64 rounded to its dtype: {m}")
             if not _same_strides(o, r.stride()):
                 # where torch's own metadata for these ops differs from its kernels on this device
                 # (CPU group_norm keeps channels_last, its metadata and CUDA kernel do not), the
@@ -178,6 +190,34 @@ def _float32_reference(module, inputs: list):
     try:
         return list(module(*wide))
     except Exception:  # noqa: BLE001 - an op that needs its 16-bit dtype: no float32 reference
+        return None
+
+
+class _RoundedOps(fx.Interpreter):
+    """Runs each op of a module in float64 on its inputs and rounds its result to the dtype the op
+    gives on them: eager's roundings between ops, none inside one."""
+
+    def run_node(self, n: fx.Node):
+        if n.op not in ("call_function", "call_method"):
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        narrow = getattr(self, n.op)(n.target, args, kwargs)
+        wide_args, wide_kwargs = pytree.tree_map(_float64, (args, kwargs))
+        wide = getattr(self, n.op)(n.target, wide_args, wide_kwargs)
+        return pytree.tree_map(lambda w, t: w.to(t.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                               and isinstance(w, torch.Tensor) else t, wide, narrow)
+
+
+def _float64(a):
+    return a.double() if isinstance(a, torch.Tensor) and a.dtype in (torch.float16, torch.bfloat16, torch.float32) else a
+
+
+def _rounded_reference(module: fx.GraphModule, inputs: list):
+    """The region's ops each computed in float64 and rounded to its dtype (:class:`_RoundedOps`), or
+    None where an op does not run so."""
+    try:
+        return list(_RoundedOps(module).run(*inputs))
+    except Exception:  # noqa: BLE001 - an op without a float64 kernel here
         return None
 
 
