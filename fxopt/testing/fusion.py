@@ -153,22 +153,26 @@ def check_regions(gm: fx.GraphModule, inputs: list, rtol: float, atol: float, co
                 # kernel must match the same ops run in float32. That reference is fed the region's
                 # 16-bit inputs, so it cannot see a rounding the kernel leaves out between a stored
                 # value and its recomputation (tests/test_fp16_rounding.py checks that bitwise)
-                wide = _float32_reference(module, ins) if wide is None else wide
-                if o.dtype == torch.float32 or wide is None:
-                    raise
-                try:
-                    torch.testing.assert_close(o, wide[i].to(o.dtype), rtol=rtol, atol=atol, equal_nan=True,
-                                               msg=lambda m, n=region.name: f"region {n} ({region.ops}), float32 ops: {m}")
-                except AssertionError:
-                    # ill-conditioned both ways (an InstanceNorm over four close values: eager's float16 CPU
-                    # kernel off by 0.004, the float32 ops by 0.007, as they skip the rounding of the value
-                    # it normalizes): the kernel must match the ops each computed exactly and rounded
+                if o.dtype != torch.float32:
+                    wide = _float32_reference(module, ins) if wide is None else wide
+                if o.dtype == torch.float32 or wide is None or not _close(o, wide[i].to(o.dtype), rtol, atol):
+                    # ill-conditioned both ways (an InstanceNorm over four close values: eager's float16
+                    # CPU kernel off by 0.004, the float32 ops by 0.007, as they skip the rounding of the
+                    # value it normalizes; in float32 eager's kernel 1.8e-5 off): the kernel must match
+                    # the ops each computed exactly and rounded to its dtype
                     exact = _rounded_reference(module, ins) if exact is None else exact
                     if exact is None:
                         raise
-                    torch.testing.assert_close(o, exact[i].to(o.dtype), rtol=rtol, atol=atol, equal_nan=True,
-                                               msg=lambda m, n=region.name: f"region {n} ({region.ops}), each op in "
-                                                                            f"float64 rounded to its dtype: {m}")
+                    if o.dtype == torch.float32:  # float32 roundings alone exceed the tolerance: no worse than
+                        # twice eager's error against the exact ops (the fuzzer's judgement of a whole model)
+                        err, eager_err = ((t.double() - exact[i].double()).abs().max().item() for t in (o, r))
+                        assert _close(o, exact[i], rtol, atol) or err <= 2 * eager_err + atol, (
+                            f"region {region.name} ({region.ops}): its error against the ops each computed in "
+                            f"float64 {err:.3g}, eager's {eager_err:.3g}")
+                    else:
+                        torch.testing.assert_close(o, exact[i].to(o.dtype), rtol=rtol, atol=atol, equal_nan=True,
+                                                   msg=lambda m, n=region.name: f"region {n} ({region.ops}), each op "
+                                                                                f"in float64 rounded to its dtype: {m}")
             if not _same_strides(o, r.stride()):
                 # where torch's own metadata for these ops differs from its kernels on this device
                 # (CPU group_norm keeps channels_last, its metadata and CUDA kernel do not), the
@@ -180,6 +184,14 @@ def check_regions(gm: fx.GraphModule, inputs: list, rtol: float, atol: float, co
             _compile(k)
         REGIONS_CHECKED += 1
     return sched
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
+    try:
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, equal_nan=True)
+    except AssertionError:
+        return False
+    return True
 
 
 def _float32_reference(module, inputs: list):
