@@ -293,11 +293,14 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
         if ort is not None and torch.get_num_threads() > 1:
             ort1 = cpu_candidate(gm, ctx, threads=1, exports=exports)[0]
     details["onnxruntime_candidate"] = "timed per signature" if ort is not None else f"none ({why})"
-    ov, why = None, "option cpu_openvino=False"
+    ov, ov1, why = None, None, "option cpu_openvino=False"
     if ctx.options.cpu_openvino:
         from fxopt.backends import openvino
 
-        ov, why = openvino.cpu_candidate(gm, ctx)
+        conversions: dict = {}  # one export and conversion per signature for both thread counts
+        ov, why = openvino.cpu_candidate(gm, ctx, conversions=conversions)
+        if ov is not None and torch.get_num_threads() > 1:
+            ov1 = openvino.cpu_candidate(gm, ctx, threads=1, conversions=conversions)[0]
     details["openvino_candidate"] = (f"timed per signature (inference precision {ov.precision})" if ov is not None
                                      else f"none ({why})")
     from fxopt.backends.openvino import compute_dtype
@@ -305,7 +308,7 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
     runner = CpuRunner(runnable, baseline, placeholder_indices(gm, ctx.param_placeholders),
                        decisions_cache=decisions_cache(ctx, runnable, baseline, "cpu"), onnxruntime=ort,
                        onnxruntime_1t=ort1, rounds=3, steady=bool(ctx.package),
-                       openvino=ov, check_dtype=compute_dtype(ctx.unoptimized or gm))
+                       openvino=ov, openvino_1t=ov1, check_dtype=compute_dtype(ctx.unoptimized or gm))
     # the runner's decisions() say, per signature, which graph runs and the times
     return Lowered(fn=runner, executor=EXECUTOR, cudagraphs="off (CPU)", cpu_runner=runner,
                    baseline_check=baseline is not None, details=details)
@@ -371,13 +374,14 @@ class CpuRunner:
 
     #: the ways a signature can run: decision name -> timing key
     KEYS = {"optimized graph": "optimized_ms", "baseline graph": "baseline_ms", "onnxruntime": "onnxruntime_ms",
-            "onnxruntime 1 thread": "onnxruntime_1t_ms", "openvino": "openvino_ms"}
+            "onnxruntime 1 thread": "onnxruntime_1t_ms", "openvino": "openvino_ms",
+            "openvino 1 thread": "openvino_1t_ms"}
 
     def __init__(self, fn: Callable, baseline: Optional[Callable], static_indices: Sequence[int],
                  decisions_cache: Optional[tuple] = None, margin: float = 0.03, rounds: int = 3, close: float = 0.1,
                  max_timed: int = 8, onnxruntime: Optional[Callable] = None, openvino: Optional[Callable] = None,
                  check_dtype: torch.dtype = torch.float32, onnxruntime_1t: Optional[Callable] = None,
-                 steady: bool = False):
+                 steady: bool = False, openvino_1t: Optional[Callable] = None):
         """fn / baseline: the optimized and unoptimized graphs (same arguments); onnxruntime: the
         optimized graph in ONNX Runtime (same arguments), or None; static_indices: the parameter
         inputs (not part of the signature); decisions_cache: (AutotuneCache, device, code hash) or
@@ -387,11 +391,11 @@ class CpuRunner:
         OpenVINO (same arguments), or None. ONNX Runtime and OpenVINO must first give the reference's
         outputs (the baseline graph's, else the optimized graph's) within the tolerance of
         ``check_dtype`` (the lowest precision the graph computes in), or they are left out.
-        onnxruntime_1t: the ONNX Runtime way with one intra-op thread (no hand-off), or None.
+        onnxruntime_1t / openvino_1t: the ONNX Runtime / OpenVINO way with one thread (no hand-off), or None.
         rounds / close / steady: see :func:`burst_medians` (steady: a package's decisions, which stand
         for every later load, timed in bursts long enough for each way to run as a stream of calls does)."""
         self.fn, self.baseline, self.onnxruntime, self.openvino = fn, baseline, onnxruntime, openvino
-        self.onnxruntime_1t = onnxruntime_1t
+        self.onnxruntime_1t, self.openvino_1t = onnxruntime_1t, openvino_1t
         self.check_dtype = check_dtype
         self.margin, self.rounds, self.max_timed, self.close = margin, rounds, max_timed, close
         self.steady = steady
@@ -405,7 +409,8 @@ class CpuRunner:
     def ways(self) -> dict:
         """The ways a signature can run, by decision name (the optimized graph first)."""
         ways = {"optimized graph": self.fn, "baseline graph": self.baseline, "onnxruntime": self.onnxruntime,
-                "onnxruntime 1 thread": self.onnxruntime_1t, "openvino": self.openvino}
+                "onnxruntime 1 thread": self.onnxruntime_1t, "openvino": self.openvino,
+                "openvino 1 thread": self.openvino_1t}
         return {k: v for k, v in ways.items() if v is not None}
 
     def _signature(self, args) -> tuple:
@@ -431,11 +436,11 @@ class CpuRunner:
             return None
         # decisions timed by burst_medians and chosen by _choose (those of single alternating calls, which a
         # loaded host could get wrong, are not reused; nor those before OpenVINO got dense weights, "ov2", or
-        # before ONNX Runtime's workers spun 40 us after a run, "ortspin40"); a package's steady bursts are
-        # kept apart from a compile's short ones
+        # before ONNX Runtime's workers spun 40 us after a run, "ortspin40", or before OpenVINO had a way with
+        # one thread, "ov1t"); a package's steady bursts are kept apart from a compile's short ones
         from fxopt.choices import cpu_runner_key
 
-        kind = "steady-bursts-ov2-ortspin40" if self.steady else "bursts-ties2-ov2-ortspin40"
+        kind = "steady-bursts-ov2-ortspin40-ov1t" if self.steady else "bursts-ties2-ov2-ortspin40-ov1t"
         return cpu_runner_key(kind, self.decisions_cache[2], self.ways, sig)
 
     def _decide(self, sig, args):
@@ -510,7 +515,7 @@ class CpuRunner:
     def _choose(self, timings: dict) -> str:
         """The way that runs: the baseline graph where it beats the optimized graph by more than
         ``margin`` (and ONNX Runtime with one thread where it beats ONNX Runtime with all by more
-        than ``margin``); then ONNX Runtime / OpenVINO where faster by more than ``margin`` than that
+        than ``margin``, OpenVINO's the same); then ONNX Runtime / OpenVINO where faster by more than ``margin`` than that
         one, or, with more than one thread, where no slower than it by more than ``margin``: their
         thread pools let the calling thread take the work of a worker that another process holds
         off its core, where the torch graphs' OpenMP regions wait for it (on a loaded 2-core host
@@ -518,12 +523,13 @@ class CpuRunner:
         runs, ms = "optimized graph", timings["optimized_ms"]
         if timings.get("baseline_ms", math.inf) < ms * (1.0 - self.margin):
             runs, ms = "baseline graph", timings["baseline_ms"]
-        runtimes = {n: timings[self.KEYS[n]] for n in ("onnxruntime", "onnxruntime 1 thread", "openvino")
-                    if self.KEYS[n] in timings}
-        if "onnxruntime" in runtimes and runtimes.get("onnxruntime 1 thread", 0.0) >= \
-                runtimes["onnxruntime"] * (1.0 - self.margin):
-            # one thread must win by the margin: a tie on a loaded host turns 2x slower when it is quiet
-            del runtimes["onnxruntime 1 thread"]
+        runtimes = {n: timings[self.KEYS[n]] for n in ("onnxruntime", "onnxruntime 1 thread", "openvino",
+                                                        "openvino 1 thread") if self.KEYS[n] in timings}
+        for many in ("onnxruntime", "openvino"):
+            one = f"{many} 1 thread"
+            if many in runtimes and runtimes.get(one, 0.0) >= runtimes[many] * (1.0 - self.margin):
+                # one thread must win by the margin: a tie on a loaded host turns 2x slower when it is quiet
+                del runtimes[one]
         best = min(runtimes, key=runtimes.get, default=None)
         slack = (1.0 + self.margin) if torch.get_num_threads() > 1 else (1.0 - self.margin)
         if best is not None and runtimes[best] < ms * slack:

@@ -8,8 +8,10 @@ fxopt[openvino]``): without it, or where it refuses a graph, the cpu executor ru
 What runs: the graph as AOTAutograd handed it (``ctx.unoptimized``: aten ops, the module's exact
 semantics; the optimized graph where there is none), its parameters bound as constants, traced
 and converted by ``openvino.convert_model`` and compiled for the CPU plugin per input signature
-(``PERFORMANCE_HINT=LATENCY``, ``INFERENCE_NUM_THREADS`` = torch's thread count). When a parameter
-changes in place (its version counter moves) or is replaced, the compiled models are rebuilt.
+(``PERFORMANCE_HINT=LATENCY``, ``INFERENCE_NUM_THREADS`` = torch's thread count, and a second way with
+one thread where torch has more: at a small graph's batch 1 the calling thread alone can beat a hand-off
+to a worker). When a parameter changes in place (its version counter moves) or is replaced, the compiled
+models are rebuilt.
 
 Precision: ``INFERENCE_PRECISION_HINT=f32`` for a graph that computes in float32 (OpenVINO's
 default on a CPU with bfloat16 units is bfloat16: never used to lower a float32 model's precision);
@@ -27,7 +29,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from fxopt.weights import ParamChanges
+from fxopt.weights import ParamChanges, weights_key
 
 MAX_MODELS = 8
 #: outputs up to this many bytes in all are written into buffers shared once and copied out
@@ -110,10 +112,14 @@ class OvRunner:
     one OpenVINO compiled model per signature of the user inputs. Conversion failures raise."""
 
     def __init__(self, gm: fx.GraphModule, param_indices, precision: str, max_models: int = MAX_MODELS,
-                 watch: bool = True):
+                 watch: bool = True, threads: Optional[int] = None, conversions: Optional[dict] = None):
+        """threads: ``INFERENCE_NUM_THREADS`` (default torch's thread count); conversions: a dict shared
+        with the other thread count's runner, so that a signature's graph is exported and converted
+        once for both (signature -> (converted model, the weights it holds), taken out by the second)."""
         from fxopt.backends import torch_ref
 
         self.gm, self.fn, self.precision, self.max_models = gm, torch_ref.lower(gm), precision, max_models
+        self.threads, self.conversions = threads, conversions
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.n_args = len(placeholders)
         self.params = sorted(param_indices)
@@ -129,7 +135,7 @@ class OvRunner:
         self.builds = 0
         self._last: Optional[tuple] = None  # (signature, request) of the previous call
 
-    def _compile(self, args):
+    def _convert(self, args):
         import openvino as ov
 
         # dense copies: OpenVINO's converter read a bfloat16 constant that is a strided view (a package's
@@ -144,7 +150,22 @@ class OvRunner:
             ov_model = ov.convert_model(ep)
         # the exported program's inputs come out dynamic: this signature's shapes
         ov_model.reshape({port: ov.PartialShape(list(t.shape)) for port, t in zip(ov_model.inputs, example)})
-        cfg = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": max(1, torch.get_num_threads()),
+        return ov_model
+
+    def _compile(self, args):
+        import openvino as ov
+
+        if self.conversions is None:
+            ov_model = self._convert(args)
+        else:  # reused where its weights are the ones these args hold
+            sig = tuple((tuple(args[i].shape), args[i].dtype) if isinstance(args[i], torch.Tensor) else args[i]
+                        for i in self.user)
+            weights = weights_key(args, self.params)
+            ov_model, held = self.conversions.pop(sig, (None, None))  # the other runner's: used, let go
+            if ov_model is None or held != weights:
+                ov_model = self._convert(args)
+                self.conversions[sig] = (ov_model, weights)
+        cfg = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": self.threads or max(1, torch.get_num_threads()),
                "INFERENCE_PRECISION_HINT": self.precision}
         compiled = ov.Core().compile_model(ov_model, "CPU", cfg)
         self.builds += 1
@@ -263,10 +284,11 @@ def _symbolic(gm: fx.GraphModule) -> bool:
     return False
 
 
-def cpu_candidate(gm: fx.GraphModule, ctx):
+def cpu_candidate(gm: fx.GraphModule, ctx, threads: Optional[int] = None, conversions: Optional[dict] = None):
     """(an :class:`OvRunner` of the graph as AOTAutograd handed it, None) for the cpu executor's
     runner to time per signature, or (None, why not): openvino missing, a dtype it has no
-    candidate for, symbolic shapes or non-tensor outputs."""
+    candidate for, symbolic shapes or non-tensor outputs. ``threads`` / ``conversions``: see
+    :class:`OvRunner`."""
     why = why_unavailable()
     if why:
         return None, why
@@ -284,4 +306,4 @@ def cpu_candidate(gm: fx.GraphModule, ctx):
                            and o.meta["val"].dtype in _SHAREABLE for o in outs):
         return None, "an output that is not a tensor of a dtype OpenVINO shares"
     return OvRunner(src, placeholder_indices(src, ctx.param_placeholders), precision,
-                    watch=not ctx.fixed_weights), None
+                    watch=not ctx.fixed_weights, threads=threads, conversions=conversions), None

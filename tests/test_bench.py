@@ -353,8 +353,19 @@ def test_onnxruntime_cpu(tiny_model):
         assert c["status"] == "ok", c
         assert c["max_rel_err"] < 1e-4
         assert "CPUExecutionProvider" in c["note"]
+        assert "intra-op thread" in c["note"], c["note"]  # the setting it kept, of those timed
     c = _run_cell("onnxruntime-cudagraph", tiny_model)
     assert c["status"] == "unavailable"
+
+
+@pytest.mark.parametrize("peer", ["openvino-f32", "openvino"])
+def test_openvino_cpu_peer_keeps_its_fastest_setting(tiny_model, peer):
+    pytest.importorskip("openvino")
+    c = _run_cell(peer, tiny_model)
+    assert c["status"] == "ok", c
+    assert "pinning" in c["note"] and " thread" in c["note"], c["note"]
+    if peer == "openvino-f32":
+        assert c["max_rel_err"] < 1e-4
 
 
 def test_onnxruntime_no_cuda_ep_is_unavailable(monkeypatch, tiny_model):

@@ -524,13 +524,17 @@ def test_runner_gives_a_tie_to_onnxruntime_with_several_threads():
         torch.set_num_threads(threads)
 
 
-def test_runner_takes_onnxruntime_with_one_thread_only_where_it_wins_by_the_margin():
-    tie = cpu.CpuRunner(_slow(20, "same"), None, static_indices=[], margin=0.5, rounds=2,
-                        onnxruntime=_slow(4, "same"), onnxruntime_1t=_slow(4, "same"))
-    assert tie(torch.ones(1)) == "same" and tie.decisions()[0]["runs"] == "onnxruntime", tie.decisions()
-    win = cpu.CpuRunner(_slow(20, "same"), None, static_indices=[], margin=0.5, rounds=2,
-                        onnxruntime=_slow(12, "same"), onnxruntime_1t=_slow(2, "same"))
-    assert win(torch.ones(1)) == "same" and win.decisions()[0]["runs"] == "onnxruntime 1 thread", win.decisions()
+@pytest.mark.parametrize("engine", ["onnxruntime", "openvino"])
+def test_runner_takes_an_engine_with_one_thread_only_where_it_wins_by_the_margin(engine):
+    def runner(many_ms, one_ms):
+        return cpu.CpuRunner(_slow(20, "same"), None, static_indices=[], margin=0.5, rounds=2,
+                             **{engine: _slow(many_ms, "same"), f"{engine}_1t": _slow(one_ms, "same")})
+
+    tie = runner(4, 4)
+    assert tie(torch.ones(1)) == "same" and tie.decisions()[0]["runs"] == engine, tie.decisions()
+    win = runner(12, 2)
+    assert win(torch.ones(1)) == "same" and win.decisions()[0]["runs"] == f"{engine} 1 thread", win.decisions()
+    assert win.decisions()[0][f"{engine}_1t_ms"] < win.decisions()[0][f"{engine}_ms"]
 
 
 def check_fresh_outputs_and_reread_inputs(compiled, m, x) -> None:

@@ -105,6 +105,20 @@ def host_ms_per_call(fn: Callable, x: torch.Tensor, calls: int = 20) -> float:
 
 
 # ---- accuracy, FLOPs, peak -------------------------------------------------
+def setting_ms(fn: Callable[[], Any], budget_s: float = 1.0, most: int = 25) -> float:
+    """A peer's call timed to pick among its settings: the median of up to ``most`` single calls
+    after three warm-up calls, as many as fit in about ``budget_s`` (at least five)."""
+    for _ in range(3):
+        fn()
+    ts: List[float] = []
+    end = time.perf_counter() + budget_s
+    while len(ts) < most and (len(ts) < 5 or time.perf_counter() < end):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2] * 1e3
+
+
 def flatten_outputs(out: Any) -> List[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]
