@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-import weakref
 from collections import OrderedDict
 from typing import Optional
 
@@ -37,6 +36,7 @@ import torch
 import torch.fx as fx
 
 from fxopt.backends import torch_ref
+from fxopt.backends.engine_calls import bound_call, restride
 from fxopt.lowered import Lowered
 from fxopt.weights import ParamChanges, weights_key
 
@@ -345,14 +345,6 @@ class _Session:
         return outs
 
 
-def _restride(t: torch.Tensor, v) -> torch.Tensor:
-    """ORT's outputs are contiguous: give them the strides eager's outputs have."""
-    if isinstance(v, torch.Tensor) and not v.is_contiguous() and t.dim() == v.dim():
-        out = torch.empty_strided(t.shape, v.stride(), dtype=t.dtype, device=t.device)
-        return out.copy_(t)
-    return t
-
-
 class OrtRunner:
     """The compiled callable: the graph's flat args in (parameters included), the graph's outputs out."""
 
@@ -415,25 +407,12 @@ class OrtRunner:
         if self.provider != "CPUExecutionProvider":
             return None
         try:
-            ref = weakref.ref(self.entry(args))
+            entry = self.entry(args)
         except OnnxExportError:
             return None
         positions = [i for i in self.user if isinstance(args[i], torch.Tensor)]
-        restride, out_type = ref().restride, self.out_type
         changed = self._params_changed if self._params_changed.indices else None
-
-        def run(*a):
-            if changed is not None and changed(a):  # every session holds stale initializers
-                self.sessions.clear()
-            entry = ref()
-            if entry is None:  # evicted (more signatures than ``max_sessions``), or stale
-                return self(*a)
-            outs = entry.run([a[i] for i in positions])
-            if restride:
-                outs = [_restride(t, v) for t, v in zip(outs, entry.out_vals)]
-            return out_type(outs) if out_type is not None else outs[0]
-
-        return run
+        return bound_call(entry, positions, entry.out_vals, self.out_type, changed, self.sessions.clear, self)
 
     def __call__(self, *args):
         from fxopt.onnx_common import OnnxExportError
@@ -449,5 +428,5 @@ class OrtRunner:
             return self._torch(*args)
         outs = entry.run([args[i] for i in self.user if isinstance(args[i], torch.Tensor)])
         if entry.restride:
-            outs = [_restride(t, v) for t, v in zip(outs, entry.out_vals)]
+            outs = [restride(t, v) for t, v in zip(outs, entry.out_vals)]
         return self.out_type(outs) if self.out_type is not None else outs[0]

@@ -22,13 +22,13 @@ the outputs against the reference before it may choose this way.
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import OrderedDict
 from typing import Optional
 
 import torch
 import torch.fx as fx
 
+from fxopt.backends.engine_calls import bound_call, restride
 from fxopt.weights import ParamChanges, weights_key
 
 MAX_MODELS = 8
@@ -196,32 +196,20 @@ class OvRunner:
         signature per call). Watched weights are checked at every call: once one changed, the compiled
         models are dropped and the calls take ``__call__``, which compiles them again. It holds the
         request weakly: once evicted, its calls take ``__call__``."""
-        ref = weakref.ref(self.request(args))
         positions = [i for i in self.user if isinstance(args[i], torch.Tensor)]
-        restride, out_vals, out_type = self.restride, self.out_vals, self.out_type
         changed = self._params_changed if self._params_changed.indices else None
+        return bound_call(self.request(args), positions, self.out_vals, self.out_type, changed, self._drop, self)
 
-        def run(*a):
-            if changed is not None and changed(a):  # every compiled model holds stale constants
-                self.models.clear()
-                self._last = None
-            req = ref()
-            if req is None:  # evicted (more signatures than ``max_models``), or stale
-                return self(*a)
-            outs = req.run([t if t.is_contiguous() else t.contiguous() for t in map(a.__getitem__, positions)])
-            if restride:
-                outs = [_restride(t, v) for t, v in zip(outs, out_vals)]
-            return out_type(outs) if out_type is not None else outs[0]
-
-        return run
+    def _drop(self) -> None:
+        self.models.clear()
+        self._last = None
 
     def __call__(self, *args):
         req = self.request(args)
         # no per-call detach (an aten call): shared_tensor detaches where it binds a new input
-        outs = req.run([t if t.is_contiguous() else t.contiguous() for t in map(args.__getitem__, self.user)
-                        if isinstance(t, torch.Tensor)])
+        outs = req.run([t for t in map(args.__getitem__, self.user) if isinstance(t, torch.Tensor)])
         if self.restride:
-            outs = [_restride(t, v) for t, v in zip(outs, self.out_vals)]
+            outs = [restride(t, v) for t, v in zip(outs, self.out_vals)]
         return self.out_type(outs) if self.out_type is not None else outs[0]
 
 
@@ -247,6 +235,7 @@ class _Request:
                 self.req.set_output_tensor(k, shared_tensor(t))
 
     def run(self, inputs: list) -> list:
+        inputs = [t if t.is_contiguous() else t.contiguous() for t in inputs]
         with self.lock:
             if len(self.bound) != len(inputs):
                 self.bound = [None] * len(inputs)
@@ -263,13 +252,6 @@ class _Request:
                 self.req.set_output_tensor(k, shared_tensor(t))
             self.req.infer()
             return outs
-
-
-def _restride(t: torch.Tensor, v) -> torch.Tensor:
-    """OpenVINO's outputs are contiguous: give them the strides eager's outputs have."""
-    if isinstance(v, torch.Tensor) and not v.is_contiguous() and t.dim() == v.dim():
-        return torch.empty_strided(t.shape, v.stride(), dtype=t.dtype).copy_(t)
-    return t
 
 
 def _symbolic(gm: fx.GraphModule) -> bool:

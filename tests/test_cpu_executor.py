@@ -345,7 +345,7 @@ def test_fixed_weights_onnxruntime_session_bound_once_per_signature():
     (d,) = runner.decisions()
     assert d["runs"] == "onnxruntime"
     (bound,) = runner._chosen.values()
-    assert bound is not ort and bound.__qualname__.startswith("OrtRunner.bound")
+    assert bound is not ort and bound.__qualname__.startswith("bound_call")
     x3 = torch.randn(3, 3, 8, 8)
     torch.testing.assert_close(runner(x3, w, b)[0], f(x3, w, b)[0], rtol=1e-5, atol=1e-5)  # evicts batch 2's
     builds = ort.builds

@@ -325,7 +325,7 @@ def test_fixed_weights_openvino_request_bound_once_per_signature():
     (d,) = runner.decisions()
     assert d["runs"] == "openvino"
     (bound,) = runner._chosen.values()
-    assert bound is not ov and bound.__qualname__.startswith("OvRunner.bound")
+    assert bound is not ov and bound.__qualname__.startswith("bound_call")
     xs = torch.randn(3, 8, 2, 8).permute(2, 0, 1, 3)  # (2, 3, 8, 8), not contiguous
     torch.testing.assert_close(bound(xs, w, b)[0], f(xs, w, b)[0], rtol=1e-5, atol=1e-5)
     x3 = torch.randn(3, 3, 8, 8)

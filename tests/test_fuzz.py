@@ -637,3 +637,23 @@ def test_a_time_budget_alone_draws_until_it_is_spent():
     assert fuzz_examples(Namespace(examples=None, time_budget=60.0)) == BUDGETED_FUZZ_EXAMPLES > 10 ** 6
     assert fuzz_examples(Namespace(examples=7, time_budget=60.0)) == 7
     assert fuzz_examples(Namespace(examples=0, time_budget=None)) == 0
+
+
+@pytest.mark.parametrize("executor", ["cpu", "torch", "cuda"])
+def test_splits_of_any_width_and_concatenations_match_eager(executor):
+    """Splits of any widths with an op per piece, Res2Net's hierarchical split and concatenations
+    of producers of different kinds, in both layouts and every dtype: eager's results through the
+    executor (the cuda executor's CPU-checkable part: its kernels generated and compiled, regions'
+    IR against ATen)."""
+    seen = set()
+
+    @seed(11)
+    @settings(max_examples=8 if executor == "cuda" else 12, database=None, deadline=None)
+    @given(programs(kinds=("split_branches", "split_branches", "conv"), max_layers=3, max_batch=2, max_size=6, targets=("any",),
+                    modes=("inference",) if executor != "torch" else ("inference", "training"),
+                    executor=executor, cudagraphs=(None,)))
+    def check(p):
+        fuzz_check.run_program(p, "cpu")
+        seen.update(op for op in p.ops if op.startswith("cat:"))
+    check()
+    assert len(seen & {"cat:pieces", "cat:hierarchical", "cat:producers"}) >= 2, seen

@@ -14,7 +14,8 @@ LayerNorm over channels and over (C, H, W); max / avg / adaptive pools; softmax 
 squeeze-excite; parallel convolutions of one input summed (re-parameterizable branches); ConvNeXt's
 channel MLP on channels-last rows (linear, activation, linear, scale, residual); views
 (transpose, channel shuffle, permute round trip, strided slice); chunk / split
-+ cat, stack + softmax over it + weighted sum; constant / reflect / replicate pad; nearest /
++ cat, splits of any widths with an op per piece (kept, activation, conv of any width) concatenated in
+any order, Res2Net's hierarchical split, a concatenation of producers of different kinds, stack + softmax over it + weighted sum; constant / reflect / replicate pad; nearest /
 bilinear upsample; residual blocks; dtype round trips; flatten + linear heads. A model may return a
 second output (an intermediate, sometimes a view of it) so that aliasing and strides of several
 outputs are compared.
@@ -25,6 +26,8 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from hypothesis import strategies as st
+
+from . import graph_splits
 
 #: activations as functional source (``{x}`` is the operand)
 ACTS = {
@@ -44,8 +47,9 @@ KINDS = ("conv", "conv", "conv3", "pointwise", "reduce", "norm", "norm", "pool",
          "split_cat", "pad", "upsample", "residual", "cast")
 #: the fuzz run's kinds: also parallel convolutions summed (a graph rewrite's case, no kernel family of
 #: its own: the sanitizers' sample, which looks for families, draws ``KINDS``) and a channel MLP (a
-#: library product whose epilogue the executor may move into the next kernel)
-FUZZ_KINDS = KINDS + ("branches", "mlp")
+#: library product whose epilogue the executor may move into the next kernel) and branches reading
+#: channel slices, concatenated (``graph_splits``: the kernels they lower to are the other kinds')
+FUZZ_KINDS = KINDS + ("branches", "mlp", "split_branches")
 DTYPES = ("float32", "float16", "bfloat16")
 ALGORITHMS = (None, "direct", "winograd_2x2_3x3", "winograd_4x4_3x3", "fft", "gemm")
 
@@ -487,8 +491,8 @@ def programs(draw, dtypes=DTYPES, modes=("inference", "training"), max_layers: i
             _cast(b, dtype)
         else:
             {"pointwise": _pointwise, "reduce": _reduce, "norm": _norm, "pool": _pool, "softmax": _softmax,
-             "se": _se, "view": _view, "split_cat": _split_cat, "pad": _pad, "upsample": _upsample,
-             "residual": _residual, "branches": _branches, "mlp": _mlp}[kind](b)
+             "se": _se, "view": _view, "split_cat": _split_cat, "split_branches": graph_splits.draw, "pad": _pad,
+             "upsample": _upsample, "residual": _residual, "branches": _branches, "mlp": _mlp}[kind](b)
         if aux is None and i == 0 and draw(st.integers(0, 5)) == 0:
             aux = draw(st.sampled_from(["y", "y.transpose(2, 3)", "y[:, :1]"]))
             b.fwd.append("y = x")

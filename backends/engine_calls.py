@@ -1,0 +1,46 @@
+"""What the cpu executor's external engines (``onnxrt``: ONNX Runtime, ``openvino``: OpenVINO) share
+around a run: outputs given eager's strides, and a call bound to one input signature.
+
+Why: both engines keep one compiled object per input signature (an ONNX Runtime session, an
+OpenVINO infer request) and are called through the cpu executor's runner, which dispatches on
+signatures itself; looking the object up again at every call cost a package's seedcnn at batch 1
+6 us a call above the engine's run. ``bound_call`` holds the signature's object weakly (an evicted
+one sends the call back to the engine's full path, which builds it again) and checks watched weights
+at every call.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Optional, Sequence
+
+import torch
+
+
+def restride(t: torch.Tensor, v) -> torch.Tensor:
+    """An engine's outputs are contiguous: give ``t`` the strides eager's output ``v`` has."""
+    if isinstance(v, torch.Tensor) and not v.is_contiguous() and t.dim() == v.dim():
+        return torch.empty_strided(t.shape, v.stride(), dtype=t.dtype, device=t.device).copy_(t)
+    return t
+
+
+def bound_call(entry, positions: Sequence[int], out_vals: Sequence, out_type: Optional[type],
+               changed: Optional[Callable], on_change: Callable[[], None], full: Callable) -> Callable:
+    """A call of the graph's flat arguments for one input signature: ``entry.run`` (a list of the
+    tensors at ``positions`` -> the outputs) on ``entry``, held weakly; ``changed(args)``: whether a
+    watched weight changed (None: the weights are fixed), and then ``on_change()`` drops every
+    compiled object; ``full``: the engine's full path, taken once ``entry`` is gone."""
+    ref = weakref.ref(entry)
+    strided = any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in out_vals)
+
+    def run(*a):
+        if changed is not None and changed(a):  # every compiled object holds stale constants
+            on_change()
+        e = ref()
+        if e is None:  # evicted (more signatures than the engine keeps), or stale
+            return full(*a)
+        outs = e.run([a[i] for i in positions])
+        if strided:
+            outs = [restride(t, v) for t, v in zip(outs, out_vals)]
+        return out_type(outs) if out_type is not None else outs[0]
+
+    return run
