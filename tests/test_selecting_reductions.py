@@ -119,5 +119,28 @@ def test_option_emulate_kernels_runs_a_training_step_through_the_kernels_ir(monk
     fits = torch.randn(b.shape).as_strided(b.shape, b.strides) if len(set(b.strides)) == len(b.strides) else None
     other = torch.randn(tuple(reversed(b.shape))).permute(*reversed(range(len(b.shape))))  # other strides
     assert emu(other) == ("reference",) and declined == [1]
-    if fits is not None:
-        assert isinstance(emu(fits)[0], torch.Tensor) and declined == [1]
+    if fits is not None:  # the first call also runs the reference once, for its outputs' dtypes
+        assert isinstance(emu(fits)[0], torch.Tensor) and declined == [1, 1]
+        assert isinstance(emu(fits)[0], torch.Tensor) and declined == [1, 1]
+
+
+def test_emulated_regions_give_their_outputs_the_dtypes_of_the_cpus_kernels():
+    """An affine InstanceNorm trained in float16 under autocast: the CPU's meta function gives the
+    batch norm's statistics float16, its kernels (and its backward) float32; the emulated regions'
+    outputs take the reference's dtypes and the step gives eager's gradients (CPU fuzz fcaddfc67e:
+    "mixed dtype (CPU)" in the backward)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, groups=2, bias=False), nn.InstanceNorm2d(4, affine=True))
+    x = torch.randn(1, 4, 3, 3).contiguous(memory_format=torch.channels_last)
+    mine = copy.deepcopy(model)
+    torch.compiler.reset()
+    compiled = torch.compile(mine, backend="fxopt", options={"executor": "cuda", "emulate_kernels": True})
+    with torch.autocast("cpu", dtype=torch.float16):
+        out, want = compiled(x), model(x)
+    out.float().square().sum().backward()
+    want.float().square().sum().backward()
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    for (name, a), b in zip(mine.named_parameters(), model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=5e-2, atol=5e-2, msg=name)

@@ -33,11 +33,16 @@ class RegionReference:
 class EmulatedRegion:
     """The region's kernel IR, evaluated with torch on its inputs' device; returns its outputs. As the
     generated kernel does, it declines inputs that are not laid out as the kernel was planned for
-    (``buffer_fits``): ``reference`` runs then."""
+    (``buffer_fits``): ``reference`` runs then. On the CPU its outputs take the dtypes the reference's
+    have (the first call runs both): a graph traced on the CPU gives a batch norm of float16 input and
+    float32 weights statistics of float16 (the CPU's meta function), the CPU's kernels float32 (as
+    CUDA's meta and kernels do), and the CPU's backward refuses float16 statistics with float32
+    weights ("mixed dtype (CPU)"; CPU fuzz fcaddfc67e, an affine InstanceNorm trained in float16)."""
 
     def __init__(self, region: Region, reference):
         self.kernel, self.reference = region.kernel, reference
         self.__name__ = f"emu_{region.name}"
+        self._dtypes = None  # the reference's output dtypes (CPU)
 
     def __call__(self, *inputs):
         import torch
@@ -52,6 +57,10 @@ class EmulatedRegion:
         device = inputs[0].device if inputs else torch.device("cpu")
         outs = [torch.empty_strided(b.shape, b.strides, dtype=b.dtype, device=device) for b in self.kernel.outputs]
         ir.evaluate(self.kernel, list(inputs), outs)
+        if device.type == "cpu":
+            if self._dtypes is None:
+                self._dtypes = [getattr(t, "dtype", None) for t in self.reference(*inputs)]
+            outs = [o.to(d) if d is not None and d != o.dtype else o for o, d in zip(outs, self._dtypes)]
         return tuple(outs)
 
 
