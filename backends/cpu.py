@@ -42,6 +42,7 @@ listed by ``decisions()``.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import statistics
@@ -51,6 +52,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from fxopt.backends.engine_calls import SharedBuilds
 from fxopt.lowered import Lowered
 from fxopt.ops import apply_activation, fused_conv_ref
 
@@ -285,10 +287,12 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
     runnable = lower_pools(lower_onednn(torch_ref.lower(gm), details), details)
     baseline = unoptimized_baseline(gm, ctx)
     ort, ort1, why = None, None, "option cpu_onnxruntime=False"
+    shared: list = []  # each engine's builds shared by its two thread counts while a signature is decided
     if ctx.options.cpu_onnxruntime:
         from fxopt.backends.onnxrt import cpu_candidate
 
-        exports: dict = {}  # one ONNX export per signature for both thread counts
+        exports = SharedBuilds()  # one ONNX export per signature for both thread counts
+        shared.append(exports)
         ort, why = cpu_candidate(gm, ctx, exports=exports)
         if ort is not None and torch.get_num_threads() > 1:
             ort1 = cpu_candidate(gm, ctx, threads=1, exports=exports)[0]
@@ -297,7 +301,8 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
     if ctx.options.cpu_openvino:
         from fxopt.backends import openvino
 
-        conversions: dict = {}  # one export and conversion per signature for both thread counts
+        conversions = SharedBuilds()  # one export and conversion per signature for both thread counts
+        shared.append(conversions)
         ov, why = openvino.cpu_candidate(gm, ctx, conversions=conversions)
         if ov is not None and torch.get_num_threads() > 1:
             ov1 = openvino.cpu_candidate(gm, ctx, threads=1, conversions=conversions)[0]
@@ -308,7 +313,8 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
     runner = CpuRunner(runnable, baseline, placeholder_indices(gm, ctx.param_placeholders),
                        decisions_cache=decisions_cache(ctx, runnable, baseline, "cpu"), onnxruntime=ort,
                        onnxruntime_1t=ort1, rounds=3, steady=bool(ctx.package),
-                       openvino=ov, openvino_1t=ov1, check_dtype=compute_dtype(ctx.unoptimized or gm))
+                       openvino=ov, openvino_1t=ov1, check_dtype=compute_dtype(ctx.unoptimized or gm),
+                       shared_builds=shared)
     # the runner's decisions() say, per signature, which graph runs and the times
     return Lowered(fn=runner, executor=EXECUTOR, cudagraphs="off (CPU)", cpu_runner=runner,
                    baseline_check=baseline is not None, details=details)
@@ -381,7 +387,7 @@ class CpuRunner:
                  decisions_cache: Optional[tuple] = None, margin: float = 0.03, rounds: int = 3, close: float = 0.1,
                  max_timed: int = 8, onnxruntime: Optional[Callable] = None, openvino: Optional[Callable] = None,
                  check_dtype: torch.dtype = torch.float32, onnxruntime_1t: Optional[Callable] = None,
-                 steady: bool = False, openvino_1t: Optional[Callable] = None):
+                 steady: bool = False, openvino_1t: Optional[Callable] = None, shared_builds: Sequence = ()):
         """fn / baseline: the optimized and unoptimized graphs (same arguments); onnxruntime: the
         optimized graph in ONNX Runtime (same arguments), or None; static_indices: the parameter
         inputs (not part of the signature); decisions_cache: (AutotuneCache, device, code hash) or
@@ -393,12 +399,15 @@ class CpuRunner:
         ``check_dtype`` (the lowest precision the graph computes in), or they are left out.
         onnxruntime_1t / openvino_1t: the ONNX Runtime / OpenVINO way with one thread (no hand-off), or None.
         rounds / close / steady: see :func:`burst_medians` (steady: a package's decisions, which stand
-        for every later load, timed in bursts long enough for each way to run as a stream of calls does)."""
+        for every later load, timed in bursts long enough for each way to run as a stream of calls does).
+        shared_builds: ``engine_calls.SharedBuilds`` of the engines' ways, open while a signature is
+        decided (its ways built, timed, checked) and emptied after."""
         self.fn, self.baseline, self.onnxruntime, self.openvino = fn, baseline, onnxruntime, openvino
         self.onnxruntime_1t, self.openvino_1t = onnxruntime_1t, openvino_1t
         self.check_dtype = check_dtype
         self.margin, self.rounds, self.max_timed, self.close = margin, rounds, max_timed, close
         self.steady = steady
+        self.shared_builds = list(shared_builds)
         self.static = set(static_indices)
         self._dynamic: Optional[list] = None  # the indices of the other arguments, from the first call
         self.decisions_cache = decisions_cache
@@ -444,6 +453,12 @@ class CpuRunner:
         return cpu_runner_key(kind, self.decisions_cache[2], self.ways, sig)
 
     def _decide(self, sig, args):
+        with contextlib.ExitStack() as stack:
+            for shared in self.shared_builds:
+                stack.enter_context(shared.deciding())
+            return self._decide_open(sig, args)
+
+    def _decide_open(self, sig, args):
         if len(self.ways) == 1:
             self._chosen[sig] = self.fn
             self._decisions[sig] = {"runs": "optimized graph", "why": "no alternative"}

@@ -1,5 +1,6 @@
 """What the cpu executor's external engines (``onnxrt``: ONNX Runtime, ``openvino``: OpenVINO) share
-around a run: outputs given eager's strides, and a call bound to one input signature.
+around a run: outputs given eager's strides, a call bound to one input signature, and a signature's
+build (an ONNX export, an OpenVINO conversion) shared by an engine's two thread counts.
 
 Why: both engines keep one compiled object per input signature (an ONNX Runtime session, an
 OpenVINO infer request) and are called through the cpu executor's runner, which dispatches on
@@ -10,8 +11,9 @@ at every call.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -44,3 +46,37 @@ def bound_call(entry, positions: Sequence[int], out_vals: Sequence, out_type: Op
         return out_type(outs) if out_type is not None else outs[0]
 
     return run
+
+
+class SharedBuilds:
+    """A signature's build (an ONNX export, an OpenVINO conversion: each holds a copy of every weight,
+    a ResNet-50's 100 MB) shared by an engine's all-threads and one-thread ways while the cpu
+    executor's runner decides that signature (``deciding``), and let go after it: a build outside
+    a decision (after a weight changed, or an eviction) is its way's alone, never kept."""
+
+    def __init__(self):
+        self._open = False
+        self._builds: dict = {}
+
+    def get(self, sig, weights, build: Callable[[], Any]):
+        """The build of ``sig`` for ``weights`` (``fxopt.weights.weights_key``): the other way's
+        where it built it with the same weights in this decision, else ``build()``."""
+        held = self._builds.get(sig)
+        if held is not None and held[1] == weights:
+            return held[0]
+        value = build()
+        if self._open:
+            self._builds[sig] = (value, weights)
+        return value
+
+    @contextlib.contextmanager
+    def deciding(self):
+        self._open = True
+        try:
+            yield
+        finally:
+            self._open = False
+            self._builds.clear()
+
+    def __len__(self) -> int:
+        return len(self._builds)

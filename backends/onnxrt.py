@@ -153,7 +153,7 @@ def _why_not(gm: fx.GraphModule, ctx, strict: bool) -> Optional[str]:
     return f"dtype without an onnxruntime binding here: {odd}" if odd else None
 
 
-def cpu_candidate(gm: fx.GraphModule, ctx, threads: Optional[int] = None, exports: Optional[dict] = None):
+def cpu_candidate(gm: fx.GraphModule, ctx, threads: Optional[int] = None, exports=None):
     """(the optimized CPU inference graph in ONNX Runtime sessions, None) as one more way for the
     cpu executor's runner to time per signature, or (None, why not). Its workers spin between the
     operators of a run and for ``CPU_SPIN_US`` after each (``session.intra_op.spin_duration_us``):
@@ -167,8 +167,9 @@ def cpu_candidate(gm: fx.GraphModule, ctx, threads: Optional[int] = None, export
     the matmul 88-95 us, 73-81 at 10 us). Export failures raise (the runner
     then leaves it out). ``threads``: its intra-op threads (default torch's thread count; 1: the
     calling thread alone, no hand-off to a worker, which at a small graph's batch 1 can be the
-    faster). ``exports``: a dict shared with the other thread count's candidate, so that a signature's
-    graph is exported to ONNX once for both (vgg11_bn at 64x64: 2.7 s an export)."""
+    faster). ``exports``: an ``engine_calls.SharedBuilds`` shared with the other thread count's
+    candidate, so that a signature's graph is exported to ONNX once for both while the cpu executor's
+    runner decides it (vgg11_bn at 64x64: 2.7 s an export)."""
     why = _why_not(gm, ctx, strict=False)
     if why:
         return None, why
@@ -353,9 +354,9 @@ class OrtRunner:
         """spin: ORT's CPU workers spin between runs (True, its default), never (False), or within a
         run and ``CPU_SPIN_US`` after it ("short"); fallback: signatures ONNX
         export refuses run on the torch executor (with a warning) instead of raising; watch: whether
-        the weights may change between calls (False: a package's, fixed); exports: signature ->
-        (``export_signature``'s result, the weights it holds), a dict shared with runners of the same
-        graph (or None): an export is reused only with the same weight tensors, unchanged."""
+        the weights may change between calls (False: a package's, fixed); exports: an
+        ``engine_calls.SharedBuilds`` shared with runners of the same graph (or None): an export is
+        reused only with the same weight tensors, unchanged, within one decision of the runner."""
         self.gm, self.provider, self.cuda_graph, self.max_sessions = gm, provider, cuda_graph, max_sessions
         self.nhwc, self.spin, self.fallback, self.threads = nhwc, spin, fallback, threads
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -379,12 +380,9 @@ class OrtRunner:
         entry = self.sessions.get(sig)
         if entry is None:
             export = None
-            if self.exports is not None:  # reused where its weights are the ones these args hold
-                weights = weights_key(args, self.params)
-                export, held = self.exports.get(sig, (None, None))
-                if export is None or held != weights:
-                    export = export_signature(self.gm, list(args), self.params)
-                    self.exports[sig] = (export, weights)
+            if self.exports is not None:  # the other thread count's, where it exported these weights
+                export = self.exports.get(sig, weights_key(args, self.params),
+                                          lambda: export_signature(self.gm, list(args), self.params))
             entry = _Session(self.gm, list(args), self.params, self.provider, self.cuda_graph, self.nhwc, self.spin,
                              self.threads, export)
             self.builds += 1

@@ -113,9 +113,9 @@ class OvRunner:
 
     def __init__(self, gm: fx.GraphModule, param_indices, precision: str, max_models: int = MAX_MODELS,
                  watch: bool = True, threads: Optional[int] = None, conversions: Optional[dict] = None):
-        """threads: ``INFERENCE_NUM_THREADS`` (default torch's thread count); conversions: a dict shared
-        with the other thread count's runner, so that a signature's graph is exported and converted
-        once for both (signature -> (converted model, the weights it holds), taken out by the second)."""
+        """threads: ``INFERENCE_NUM_THREADS`` (default torch's thread count); conversions: an
+        ``engine_calls.SharedBuilds`` shared with the other thread count's runner, so that a signature's
+        graph is exported and converted once for both while the cpu executor's runner decides it."""
         from fxopt.backends import torch_ref
 
         self.gm, self.fn, self.precision, self.max_models = gm, torch_ref.lower(gm), precision, max_models
@@ -157,14 +157,10 @@ class OvRunner:
 
         if self.conversions is None:
             ov_model = self._convert(args)
-        else:  # reused where its weights are the ones these args hold
+        else:  # the other thread count's, where it converted these weights in this decision
             sig = tuple((tuple(args[i].shape), args[i].dtype) if isinstance(args[i], torch.Tensor) else args[i]
                         for i in self.user)
-            weights = weights_key(args, self.params)
-            ov_model, held = self.conversions.pop(sig, (None, None))  # the other runner's: used, let go
-            if ov_model is None or held != weights:
-                ov_model = self._convert(args)
-                self.conversions[sig] = (ov_model, weights)
+            ov_model = self.conversions.get(sig, weights_key(args, self.params), lambda: self._convert(args))
         cfg = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": self.threads or max(1, torch.get_num_threads()),
                "INFERENCE_PRECISION_HINT": self.precision}
         compiled = ov.Core().compile_model(ov_model, "CPU", cfg)
@@ -266,7 +262,7 @@ def _symbolic(gm: fx.GraphModule) -> bool:
     return False
 
 
-def cpu_candidate(gm: fx.GraphModule, ctx, threads: Optional[int] = None, conversions: Optional[dict] = None):
+def cpu_candidate(gm: fx.GraphModule, ctx, threads: Optional[int] = None, conversions=None):
     """(an :class:`OvRunner` of the graph as AOTAutograd handed it, None) for the cpu executor's
     runner to time per signature, or (None, why not): openvino missing, a dtype it has no
     candidate for, symbolic shapes or non-tensor outputs. ``threads`` / ``conversions``: see

@@ -553,8 +553,9 @@ def check_fresh_outputs_and_reread_inputs(compiled, m, x) -> None:
 
 
 def test_onnxruntime_candidates_export_each_signature_once_and_again_after_a_weight_change(monkeypatch):
-    """The all-threads and one-thread ONNX Runtime candidates share one ONNX export per signature;
-    a weight change (a compile's weights may change) empties it, and both then run the new weights."""
+    """The all-threads and one-thread ONNX Runtime candidates share one ONNX export per signature
+    while the runner decides it, and keep none after (an export holds a copy of every weight); a
+    weight change (a compile's weights may change) rebuilds each session, with the new weights."""
     from fxopt import onnx_graph
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # two threads: the one-thread candidate too
@@ -573,11 +574,12 @@ def test_onnxruntime_candidates_export_each_signature_once_and_again_after_a_wei
         runner = graphs[0].executor_details["cpu_runner"]
         ort, ort1 = runner.ways["onnxruntime"], runner.ways["onnxruntime 1 thread"]
         assert ort.exports is ort1.exports and len(exported) == 1 and ort.builds == ort1.builds == 1
+        assert len(ort.exports) == 0  # let go once the signature was decided
         next(m.parameters()).mul_(0.5)  # both candidates must see it
         for way in (ort, ort1):
             out = way(*calls[-1])
             torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out, m(x))
-        assert len(exported) == 2 and ort.builds == ort1.builds == 2
+        assert len(exported) == 3 and ort.builds == ort1.builds == 2 and len(ort.exports) == 0
 
 
 class _BoundWay:
@@ -607,3 +609,23 @@ def test_runner_times_a_way_through_the_call_it_would_run():
     decision = runner.decisions()[0]
     assert decision["runs"] == "onnxruntime" and decision["onnxruntime_ms"] < 8, decision
     assert way.bound_calls > 2
+
+
+def test_shared_builds_are_kept_only_while_a_signature_is_decided():
+    from fxopt.backends.engine_calls import SharedBuilds
+
+    shared, built = SharedBuilds(), []
+
+    def build(v):
+        return lambda: built.append(v) or v
+
+    assert shared.get("s", (1,), build("a")) == "a" and len(shared) == 0  # outside a decision: not kept
+    with shared.deciding():
+        assert shared.get("s", (1,), build("b")) == "b" and shared.get("s", (1,), build("c")) == "b"
+        assert shared.get("s", (2,), build("d")) == "d"  # other weights: built again
+        assert len(shared) == 1
+    assert len(shared) == 0 and built == ["a", "b", "d"]
+    with pytest.raises(ValueError), shared.deciding():
+        shared.get("s", (1,), build("e"))
+        raise ValueError("a way failed")
+    assert len(shared) == 0

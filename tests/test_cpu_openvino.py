@@ -339,7 +339,8 @@ def test_fixed_weights_openvino_request_bound_once_per_signature():
 @needs_ov
 def test_openvino_ways_share_one_conversion_per_signature(slow_torch_graphs, monkeypatch):
     """With more than one torch thread the runner times OpenVINO with them and with one thread: the
-    graph is exported and converted once for both, each compiles its own model."""
+    graph is exported and converted once for both, each compiles its own model, and the conversion
+    (a copy of every weight) is let go once the signature is decided."""
     if torch.get_num_threads() < 2:
         pytest.skip("one torch thread: no second OpenVINO way")
     calls = []
@@ -357,5 +358,6 @@ def test_openvino_ways_share_one_conversion_per_signature(slow_torch_graphs, mon
     runner = g.executor_details["cpu_runner"]
     assert len(calls) == 1 and runner.openvino.builds == 1 and runner.openvino_1t.builds == 1, calls
     assert runner.openvino_1t.threads == 1 and runner.openvino.threads is None
+    assert len(runner.openvino.conversions) == 0  # let go once the signature was decided
     with torch.no_grad():
         torch.testing.assert_close(out, m(x), rtol=1e-4, atol=1e-5)
