@@ -657,3 +657,22 @@ def test_splits_of_any_width_and_concatenations_match_eager(executor):
         seen.update(op for op in p.ops if op.startswith("cat:"))
     check()
     assert len(seen & {"cat:pieces", "cat:hierarchical", "cat:producers"}) >= 2, seen
+
+
+def test_region_strides_are_judged_against_the_kernels_planned_inputs():
+    """A concatenation's layout follows its inputs' strides, those of size-1 dimensions included: a
+    one-channel conv output planned channels_last (its metadata) but produced with contiguous strides
+    (the same memory) made the check's metadata contiguous where the kernel, planned channels_last,
+    wrote channels_last (CPU fuzz 38252fbc90). The check now plans with the kernel's input strides."""
+    prog = Program(render(["self.m0 = nn.Conv2d(1, 1, 3, padding=1, bias=False)", "self.m1 = nn.Linear(2, 1)",
+                           "self.m2 = nn.Linear(1, 2, bias=False)", "self.m3 = nn.Linear(4, 1)",
+                           "self.m4 = nn.Linear(1, 1)"],
+                          ["x = x - x.mean((1,), keepdim=True)", "p0, p1 = torch.split(x, [1, 1], dim=1)",
+                           "p1 = torch.abs(self.m0(p1))", "x = torch.cat([p0, p1], 1)", "y = x",
+                           "x = F.max_pool2d(x, 1, 1, 0, ceil_mode=False)",
+                           "x = (self.m2(F.gelu(self.m1(x.permute(0, 2, 3, 1))))).permute(0, 3, 1, 2)",
+                           "x = self.m4(F.gelu(self.m3(torch.flatten(x, 1))))"], "x, y"),
+                   (1, 2, 1, 2), "float32", "channels_last", "inference", 0,
+                   {"conv_algorithm": "winograd_2x2_3x3", "executor": "cuda", "autotune_cache": False},
+                   ["38252fbc90"])
+    assert fuzz_check.run_program(prog, "cpu")
