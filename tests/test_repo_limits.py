@@ -27,10 +27,10 @@ RESULT_SUFFIXES = (".png", ".jpg", ".svg", ".webp")
 #: the generated-constant folding and their tests, and the zoo's last screens (2.97 MB); to 3.0 MB for the kernels'
 #: extents as arguments, the symbolic-size tests and the serving loop's results (2.996 MB); to 3.01 MB for channel
 #: padding, the fixed-weights option and their results (3.008 MB); to 3.07 MB for the stream timeline diagnostic, its
-#: picture, the streams' results and the packages' steady bursts (3.064 MB); to 3.085 MB for the fuzzer's split and
-#: concatenation structures, OpenVINO's one-thread way, the engines' shared calls and the CPU suite on AMX (3.081 MB); the
-#: aim stays lower
-TRACKED_MAX_BYTES = 3_085_000
+#: picture, the streams' results and the packages' steady bursts (3.064 MB); to 3.09 MB for the fuzzer's split and
+#: concatenation structures, OpenVINO's one-thread way, the engines' shared calls and builds, two fuzz failures' tests and
+#: the CPU suite on AMX (3.089 MB); the aim stays lower
+TRACKED_MAX_BYTES = 3_090_000
 #: lines of any ``.py`` file under the package directories
 SOURCE_MAX_LINES = 600
 PACKAGE_DIRS = ("fxopt", "passes", "backends")
