@@ -530,8 +530,8 @@ class CpuRunner:
     def _choose(self, timings: dict) -> str:
         """The way that runs: the baseline graph where it beats the optimized graph by more than
         ``margin`` (and ONNX Runtime with one thread where it beats ONNX Runtime with all by more
-        than ``margin``, OpenVINO's the same); then ONNX Runtime / OpenVINO where faster by more than ``margin`` than that
-        one, or, with more than one thread, where no slower than it by more than ``margin``: their
+        than ``margin``, OpenVINO's the same); then ONNX Runtime / OpenVINO where faster by more than
+        ``margin`` than that one, or, with more than one thread, where no slower than it by more than ``margin``: their
         thread pools let the calling thread take the work of a worker that another process holds
         off its core, where the torch graphs' OpenMP regions wait for it (on a loaded 2-core host
         measured 1.7 ms -> 10-70 ms per call for a tie of 1.69 ms at the first call)."""

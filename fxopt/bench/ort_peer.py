@@ -108,7 +108,7 @@ def onnxruntime_peer(cuda_graph: bool) -> PrepareFn:
         ep = sess.get_providers()[0]
         note = f"{ep}{' + CUDA graph' if cuda_graph else ''}; {exporter}"
         if device != "cuda":
-            note += f"; {f'{threads} intra-op thread' if threads else 'default intra-op threads'}{'s' if threads > 1 else ''}"
+            note += f"; {threads} intra-op thread{'s' if threads > 1 else ''}" if threads else "; default intra-op threads"
         return Prepared(fn, xb, tracks_memory=False, note=note)
 
     return prepare

@@ -15,8 +15,9 @@ squeeze-excite; parallel convolutions of one input summed (re-parameterizable br
 channel MLP on channels-last rows (linear, activation, linear, scale, residual); views
 (transpose, channel shuffle, permute round trip, strided slice); chunk / split
 + cat, splits of any widths with an op per piece (kept, activation, conv of any width) concatenated in
-any order, Res2Net's hierarchical split, a concatenation of producers of different kinds, stack + softmax over it + weighted sum; constant / reflect / replicate pad; nearest /
-bilinear upsample; residual blocks; dtype round trips; flatten + linear heads. A model may return a
+any order, Res2Net's hierarchical split, a concatenation of producers of different kinds
+(``graph_splits``), stack + softmax over it + weighted sum; constant / reflect / replicate pad;
+nearest / bilinear upsample; residual blocks; dtype round trips; flatten + linear heads. A model may return a
 second output (an intermediate, sometimes a view of it) so that aliasing and strides of several
 outputs are compared.
 """
