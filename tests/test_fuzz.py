@@ -676,3 +676,20 @@ def test_region_strides_are_judged_against_the_kernels_planned_inputs():
                    {"conv_algorithm": "winograd_2x2_3x3", "executor": "cuda", "autotune_cache": False},
                    ["38252fbc90"])
     assert fuzz_check.run_program(prog, "cpu")
+
+
+def test_an_emulated_normalization_of_equal_values_is_judged_at_the_inputs_scale():
+    """Rows of equal values (a hardtanh of integers, reflect-padded, gated) normalized: the IR gives 0,
+    the emulated C the float64 rounding of the mean times rsqrt(eps), 1.8e-14 (CPU fuzz a257513b80);
+    with every result 0 the tolerance scales with the largest input instead."""
+    prog = Program(render(["self.m0 = nn.LayerNorm(1, elementwise_affine=False)",
+                           "self.m1 = nn.Conv2d(1, 2, 1, stride=1, padding=0, dilation=1, groups=1, bias=False)",
+                           "self.m2 = nn.Conv2d(2, 1, 1)", "self.m3 = nn.Conv2d(1, 2, 1)",
+                           "self.m4 = nn.InstanceNorm2d(2, affine=False)"],
+                          ["x = self.m0(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)",
+                           "x = F.hardtanh(self.m1(x), -0.5, 0.5)", "x = F.pad(x, (0, 0, 1, 1), mode='reflect')",
+                           "x = x * torch.sigmoid(self.m3(F.hardswish(self.m2(x.mean((2, 3), keepdim=True)))))",
+                           "x = self.m4(x)"], "x"),
+                   (1, 1, 2, 2), "float32", "contiguous", "inference", 0,
+                   {"executor": "cuda", "autotune_cache": False}, ["a257513b80"])
+    assert fuzz_check.run_program(prog, "cpu")
