@@ -338,9 +338,8 @@ def test_fixed_weights_openvino_request_bound_once_per_signature():
 
 @needs_ov
 def test_openvino_ways_share_one_conversion_per_signature(slow_torch_graphs, monkeypatch):
-    """With more than one torch thread the runner times OpenVINO with them and with one thread: the
-    graph is exported and converted once for both, each compiles its own model, and the conversion
-    (a copy of every weight) is let go once the signature is decided."""
+    """OpenVINO timed with torch's threads and with one: one export and conversion for both, each
+    compiling its own model; the conversion let go once the signature is decided."""
     if torch.get_num_threads() < 2:
         pytest.skip("one torch thread: no second OpenVINO way")
     calls = []

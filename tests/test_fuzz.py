@@ -641,10 +641,8 @@ def test_a_time_budget_alone_draws_until_it_is_spent():
 
 @pytest.mark.parametrize("executor", ["cpu", "torch", "cuda"])
 def test_splits_of_any_width_and_concatenations_match_eager(executor):
-    """Splits of any widths with an op per piece, Res2Net's hierarchical split and concatenations
-    of producers of different kinds, in both layouts and every dtype: eager's results through the
-    executor (the cuda executor's CPU-checkable part: its kernels generated and compiled, regions'
-    IR against ATen)."""
+    """graph_splits' structures, both layouts, every dtype: eager's results through the executor (the
+    cuda executor's CPU-checkable part: kernels generated and compiled, regions' IR against ATen)."""
     seen = set()
 
     @seed(11)
@@ -660,10 +658,8 @@ def test_splits_of_any_width_and_concatenations_match_eager(executor):
 
 
 def test_region_strides_are_judged_against_the_kernels_planned_inputs():
-    """A concatenation's layout follows its inputs' strides, those of size-1 dimensions included: a
-    one-channel conv output planned channels_last (its metadata) but produced with contiguous strides
-    (the same memory) made the check's metadata contiguous where the kernel, planned channels_last,
-    wrote channels_last (CPU fuzz 38252fbc90). The check now plans with the kernel's input strides."""
+    """CPU fuzz 38252fbc90: a concatenation's layout follows its inputs' strides of size-1 dimensions;
+    the check plans with the kernel's input strides (fusion._planned_input)."""
     prog = Program(render(["self.m0 = nn.Conv2d(1, 1, 3, padding=1, bias=False)", "self.m1 = nn.Linear(2, 1)",
                            "self.m2 = nn.Linear(1, 2, bias=False)", "self.m3 = nn.Linear(4, 1)",
                            "self.m4 = nn.Linear(1, 1)"],
@@ -679,9 +675,8 @@ def test_region_strides_are_judged_against_the_kernels_planned_inputs():
 
 
 def test_an_emulated_normalization_of_equal_values_is_judged_at_the_inputs_scale():
-    """Rows of equal values (a hardtanh of integers, reflect-padded, gated) normalized: the IR gives 0,
-    the emulated C the float64 rounding of the mean times rsqrt(eps), 1.8e-14 (CPU fuzz a257513b80);
-    with every result 0 the tolerance scales with the largest input instead."""
+    """CPU fuzz a257513b80: rows of equal values normalized, 0 in the IR, 1.8e-14 emulated; every
+    result 0, the tolerance scales with the largest input."""
     prog = Program(render(["self.m0 = nn.LayerNorm(1, elementwise_affine=False)",
                            "self.m1 = nn.Conv2d(1, 2, 1, stride=1, padding=0, dilation=1, groups=1, bias=False)",
                            "self.m2 = nn.Conv2d(2, 1, 1)", "self.m3 = nn.Conv2d(1, 2, 1)",

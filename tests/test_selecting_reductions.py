@@ -125,10 +125,8 @@ def test_option_emulate_kernels_runs_a_training_step_through_the_kernels_ir(monk
 
 
 def test_emulated_regions_give_their_outputs_the_dtypes_of_the_cpus_kernels():
-    """An affine InstanceNorm trained in float16 under autocast: the CPU's meta function gives the
-    batch norm's statistics float16, its kernels (and its backward) float32; the emulated regions'
-    outputs take the reference's dtypes and the step gives eager's gradients (CPU fuzz fcaddfc67e:
-    "mixed dtype (CPU)" in the backward)."""
+    """CPU fuzz fcaddfc67e: an affine InstanceNorm trained in float16; the CPU's meta gives its
+    statistics float16, its kernels float32: emulated outputs take the reference's dtypes."""
     import copy
 
     torch.manual_seed(0)
