@@ -25,6 +25,11 @@ def restride(t: torch.Tensor, v) -> torch.Tensor:
     return t
 
 
+def any_strided(out_vals: Sequence) -> bool:
+    """Whether an output eager gives is not contiguous (an engine's must then be restrided)."""
+    return any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in out_vals)
+
+
 def bound_call(entry, positions: Sequence[int], out_vals: Sequence, out_type: Optional[type],
                changed: Optional[Callable], on_change: Callable[[], None], full: Callable) -> Callable:
     """A call of the graph's flat arguments for one input signature: ``entry.run`` (a list of the
@@ -32,7 +37,7 @@ def bound_call(entry, positions: Sequence[int], out_vals: Sequence, out_type: Op
     watched weight changed (None: the weights are fixed), and then ``on_change()`` drops every
     compiled object; ``full``: the engine's full path, taken once ``entry`` is gone."""
     ref = weakref.ref(entry)
-    strided = any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in out_vals)
+    strided = any_strided(out_vals)
 
     def run(*a):
         if changed is not None and changed(a):  # every compiled object holds stale constants

@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from fxopt.backends import torch_ref
-from fxopt.backends.engine_calls import bound_call, restride
+from fxopt.backends.engine_calls import any_strided, bound_call, restride
 from fxopt.lowered import Lowered
 from fxopt.weights import ParamChanges, weights_key
 
@@ -225,7 +225,7 @@ class _Session:
         if export is None:
             export = export_signature(gm, args, params)
         data, self.out_vals = export
-        self.restride = any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in self.out_vals)
+        self.restride = any_strided(self.out_vals)
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         self.device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"),

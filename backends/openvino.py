@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from fxopt.backends.engine_calls import bound_call, restride
+from fxopt.backends.engine_calls import any_strided, bound_call, restride
 from fxopt.weights import ParamChanges, weights_key
 
 MAX_MODELS = 8
@@ -128,7 +128,7 @@ class OvRunner:
         self.out_type = type(out) if isinstance(out, (list, tuple)) else None
         self.out_vals = [o.meta.get("val") if isinstance(o, fx.Node) else None
                          for o in (out if isinstance(out, (list, tuple)) else [out])]
-        self.restride = any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in self.out_vals)
+        self.restride = any_strided(self.out_vals)
         self.models: OrderedDict = OrderedDict()
         # whether a weight changed since the last call (``watch`` False: the weights are fixed)
         self._params_changed = ParamChanges(self.params if watch else [])

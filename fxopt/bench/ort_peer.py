@@ -1,7 +1,7 @@
 """The ONNX Runtime peer of the benchmark harness: the model exported by ``torch.onnx.export`` in an
 ONNX Runtime session (CUDA EP or CPU EP), its input and outputs bound in place (IO binding), with or
-without the CUDA EP's CUDA graph. On the CPU it counts at its best setting: sessions with the process's
-thread count and with one intra-op thread (at a small model's batch 1 the calling thread alone can beat
+without the CUDA EP's CUDA graph. On the CPU it counts at its best setting: sessions with ORT's default,
+the process's and one intra-op thread (at a small model's batch 1 the calling thread alone can beat
 a hand-off to a worker) are each timed briefly and the faster kept (the note says which)."""
 from __future__ import annotations
 
