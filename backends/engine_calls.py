@@ -3,11 +3,9 @@ around a run: outputs given eager's strides, a call bound to one input signature
 build (an ONNX export, an OpenVINO conversion) shared by an engine's two thread counts.
 
 Why: both engines keep one compiled object per input signature (an ONNX Runtime session, an
-OpenVINO infer request) and are called through the cpu executor's runner, which dispatches on
-signatures itself; looking the object up again at every call cost a package's seedcnn at batch 1
-6 us a call above the engine's run. ``bound_call`` holds the signature's object weakly (an evicted
-one sends the call back to the engine's full path, which builds it again) and checks watched weights
-at every call.
+OpenVINO infer request), called through the cpu executor's runner, which dispatches on signatures
+itself (a look-up per call cost a package's seedcnn at batch 1 6 us). ``bound_call`` holds the
+object weakly (evicted: the engine's full path builds it again) and checks watched weights per call.
 """
 from __future__ import annotations
 
