@@ -352,8 +352,10 @@ def test_cudnn_batchnorm_relu_is_as_accurate_as_pytorchs_unfused_kernels(with_ad
     against float64 autograd: cuDNN is at least as close (it adds before rounding to 16 bits, so
     fewer ReLU masks flip near 0), and leaves its inputs as they were."""
     from fxopt.backends.cuda.kernels.batchnorm_train import probe
+    from fxopt.backends.cuda_entry import register_kernels
     from fxopt.ops import batch_norm_relu, batch_norm_relu_backward
 
+    register_kernels()  # as building a cuda target does (this test may run before any is built)
     shape = (8, 64, 14, 14)
     reserve, why = probe(shape, dtype, with_add)
     assert reserve is not None, why

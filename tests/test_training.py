@@ -27,6 +27,25 @@ def _examples(n):
     return settings(max_examples=n if current <= 25 else current)
 
 
+def test_an_ill_conditioned_gradient_is_judged_against_float64_as_the_fuzzer_judges_it():
+    """A gradient off eager's by more than the tolerance passes where eager's own error against the
+    float64 step is as large (a 16-bit BatchNorm backward over few values), fails where it is not."""
+    from fxopt.testing.strategies import _as_close_as_eager, _Float64Step
+
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.BatchNorm2d(3)), torch.randn(2, 2, 5, 5)
+    w = torch.randn(2, 3, 3, 3)
+    step = _Float64Step(model, [x])
+    exact = step.grads(w)["0.weight"]
+    assert exact.dtype == torch.float64 and step.grads(w)[0].shape == x.shape
+    assert model[0].weight.dtype == torch.float32  # the model itself untouched
+    off = exact.float() + 0.5  # eager 0.5 away from float64 everywhere
+    _as_close_as_eager(exact.float() - 0.9, off, lambda: exact, 1e-2, 1e-3, "w")  # 0.9 <= 2 * 0.5
+    with pytest.raises(AssertionError, match="error against float64 1.5, eager's 0.5"):
+        _as_close_as_eager(exact.float() - 1.5, off, lambda: exact, 1e-2, 1e-3, "w")
+    _as_close_as_eager(off + 1e-4, off, lambda: 1 / 0, 1e-2, 1e-3, "w")  # within the tolerance: no reference run
+
+
 # ---- generated graphs: loss, every parameter's gradient, buffers ----------------------------------
 @_examples(20)
 @given(cnn_cases(dtypes=(torch.float32,), ndims=(1, 2), training=True, min_batch=2, max_layers=4,
@@ -431,7 +450,7 @@ def test_bench_train_on_gpu_profiles_the_step(tmp_path):
 @given(cnn_cases(dtypes=(torch.float32,), ndims=(2,), training=True, min_batch=2, max_layers=4))
 def test_training_under_float16_autocast_on_gpu(case):
     """Generated training graphs on CUDA under float16 autocast: loss, gradients and buffers within
-    float16's tolerance of eager's."""
+    float16's tolerance of eager's (a gradient beyond it no further from float64 than twice eager's)."""
     case.model.cuda()
     case.inputs = tuple(t.cuda() for t in case.inputs)
     check_equivalence(case, autocast=torch.float16)

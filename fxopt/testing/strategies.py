@@ -317,10 +317,43 @@ def check_equivalence(case: CNNCase, options=None, rtol=None, atol=None, autocas
     return graphs
 
 
+class _Float64Step:
+    """The model's forward and backward in float64 (a copy of the model and inputs taken now), run
+    on the first call of ``grads``: every parameter's gradient by name, the inputs' by position."""
+
+    def __init__(self, model: nn.Module, inputs):
+        self.model = copy.deepcopy(model).double()
+        self.inputs = [t.detach().double().requires_grad_(True) for t in inputs]
+        self._grads = None
+
+    def grads(self, w: torch.Tensor) -> dict:
+        if self._grads is None:
+            (self.model(*self.inputs).double() * w.double()).sum().backward()
+            self._grads = {**{n: p.grad for n, p in self.model.named_parameters()},
+                           **{i: t.grad for i, t in enumerate(self.inputs)}}
+        return self._grads
+
+
+def _as_close_as_eager(got: torch.Tensor, want: torch.Tensor, exact, rtol: float, atol: float, what: str) -> None:
+    """``got`` within the tolerance of eager's ``want``, or (an ill-conditioned gradient: a BatchNorm
+    backward over few values cancels, and 16-bit rounding moves the result by more than its
+    tolerance in eager as well) no further from the float64 result ``exact()`` than twice eager's
+    error plus ``atol``: the fuzzer's judgement (``fxopt.fuzz.check.compare``)."""
+    try:
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+    except AssertionError:
+        ref = exact().to(got.device)
+        err, eager_err = ((t.detach().double() - ref).abs().max().item() for t in (got, want))
+        if not err <= 2 * eager_err + atol:
+            raise AssertionError(f"{what}: error against float64 {err:.3g}, eager's {eager_err:.3g} "
+                                 f"(up to twice eager's + {atol} allowed)") from None
+
+
 def _check_training_step(eager: nn.Module, model: nn.Module, compiled, inputs, rtol, atol, autocast) -> None:
     """One forward + backward of `eager` and of `compiled` (which trains `model`, a copy of it)."""
     device = inputs[0].device.type
     amp = torch.autocast(device, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    exact = _Float64Step(eager, inputs)  # a copy taken before eager's step changes the buffers
     inputs_e = [t.detach().clone().requires_grad_(True) for t in inputs]
     inputs_c = [t.detach().clone().requires_grad_(True) for t in inputs]
     with amp:
@@ -338,9 +371,9 @@ def _check_training_step(eager: nn.Module, model: nn.Module, compiled, inputs, r
         g_e, g_c = p_e.grad, grads_c[name].grad
         assert (g_c is None) == (g_e is None), f"{name}: gradient {g_c is not None} vs eager {g_e is not None}"
         if g_e is not None:
-            torch.testing.assert_close(g_c, g_e, rtol=rtol * 10, atol=atol * 10, msg=lambda m: f"{name}.grad: {m}")
-    for t_c, t_e in zip(inputs_c, inputs_e):
-        torch.testing.assert_close(t_c.grad, t_e.grad, rtol=rtol * 10, atol=atol * 10, msg=lambda m: f"input.grad: {m}")
+            _as_close_as_eager(g_c, g_e, lambda name=name: exact.grads(w)[name], rtol * 10, atol * 10, f"{name}.grad")
+    for i, (t_c, t_e) in enumerate(zip(inputs_c, inputs_e)):
+        _as_close_as_eager(t_c.grad, t_e.grad, lambda i=i: exact.grads(w)[i], rtol * 10, atol * 10, "input.grad")
     buffers_c = dict(model.named_buffers())
     for name, b_e in eager.named_buffers():
         torch.testing.assert_close(buffers_c[name], b_e, rtol=rtol, atol=atol, msg=lambda m: f"buffer {name}: {m}")
