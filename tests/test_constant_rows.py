@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fxopt.backends.cuda.compiler import compile_ptx, nvrtc_available
+from fxopt.backends.cuda.kernels.region import generate_kernel
 from fxopt.testing.fusion import evaluate_regions
 
 
@@ -49,3 +51,28 @@ def test_a_constant_row_normalizes_to_exactly_zero(kind, c, value):
         main = outs[0]  # the normalized values (var: the variance itself)
         assert main.abs().max().item() == 0.0, (ops, main.abs().max().item())
 
+
+
+class GatedNorm(nn.Module):
+    """A product normalized over one channel: ``x * y - mean(x * y)`` is 0 exactly, the product
+    recomputed after its sum (GPU fuzz 696d585eed: a gate, LayerNorm over one channel)."""
+
+    def forward(self, x):
+        g = x * x.mean((1,), keepdim=True)
+        return nn.functional.layer_norm(g.permute(0, 2, 3, 1), (g.shape[1],)).permute(0, 3, 1, 2)
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="needs NVRTC")
+def test_a_recomputed_product_is_rounded_as_written_no_fused_multiply_add():
+    """The generated code rounds each sum, difference and product as the IR does: no product is
+    contracted into an FMA with the sum it feeds or with its difference from its own mean (the
+    contracted form subtracted a rounded mean from an unrounded product: 1 ulp, scaled by
+    ``rsqrt(eps)``, 1.8e-5 on the GPU where eager and the IR give 0)."""
+    found = [(r, got) for r, got, _ in evaluate_regions(GatedNorm(), (torch.randn(2, 1, 3, 4),), {"executor": "cuda"})
+             if "aten.native_layer_norm.default" in r.ops]
+    assert found, "no generated normalization"
+    for region, (normalized, *_) in found:
+        assert normalized.abs().max().item() == 0.0  # the IR: exactly 0
+        ks = generate_kernel(region.kernel)
+        ptx = compile_ptx(ks.source, ks.name)
+        assert "mul.rn.f32" in ptx and "fma.rn.f32" not in ptx, ks.source

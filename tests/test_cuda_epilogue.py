@@ -64,7 +64,7 @@ def test_an_expression_that_is_no_chain_goes_through_the_emitter():
     e = ir.op("mul", ir.op("add", ir.ACC, ir.RES), ir.BIAS)  # the residual first, then a product
     assert ir.epilogue_parts(ir.op("add", ir.op("add", ir.ACC, ir.RES), ir.BIAS)) is None
     assert epilogue_code(e, "", "b", "r").splitlines() == [
-        "const float t0 = (acc + r);", "const float t1 = (t0 * b);", "acc = t1;"]
+        "const float t0 = __fadd_rn(acc, r);", "const float t1 = __fmul_rn(t0, b);", "acc = t1;"]
 
 
 def test_the_scheduler_and_the_templates_build_the_same_expression():

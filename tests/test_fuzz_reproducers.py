@@ -152,6 +152,13 @@ GPU_REPRODUCERS = {  # GPU fuzz seeds 41 / 51 (2026-11-27): shape, dtype, fmt, m
         ["x = x * torch.sigmoid(self.m1(F.silu(self.m0(x.mean((2, 3), keepdim=True)))))",
         "x = F.avg_pool2d(x, 3, 1, 1, ceil_mode=False, count_include_pad=True)", "x = F.mish(self.m2(x))",
         "x = x + 0.1 * x.amin((3,), keepdim=True)"], "x", 533, {"conv_algorithm": "winograd_2x2_3x3"}),
+    # GPU fuzz 2026-12-05 (seed 90): a product minus its own mean, contracted into an FMA (test_constant_rows)
+    "696d585eed": ((1, 1, 2, 8), "float32", "contiguous", "inference", [
+        "self.m0 = nn.LayerNorm(1, elementwise_affine=False)", "self.m1 = nn.Linear(16, 1)", "self.m2 = nn.Linear(1, 1)"],
+        ["x = x * torch.sigmoid(x.mean((1,), keepdim=True))",
+         "x = self.m0(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)", "y = x",
+         "x = self.m2(F.gelu(self.m1(torch.flatten(x, 1))))"], "x, y", 2753,
+        {"conv_algorithm": "gemm", "cudagraphs": False}),
 }
 
 

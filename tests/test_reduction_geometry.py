@@ -100,7 +100,7 @@ def test_the_emulator_sees_a_missed_and_a_double_counted_chunk():
     ks = next(ks for name, ks in _row_sources(model, x) if name == "fx_red_mean" and ks.meta["geometry"]["vec"] == 4)
     import dataclasses
 
-    twice = ks.source.replace("acc_acc = ok0_ ? (acc_acc + t0) : acc_acc;", "acc_acc = (acc_acc + t0);")
+    twice = ks.source.replace("acc_acc = ok0_ ? __fadd_rn(acc_acc, t0) : acc_acc;", "acc_acc = __fadd_rn(acc_acc, t0);")
     missed = ks.source.replace("const bool ok0_ = lane_ + 0 < 3;", "const bool ok0_ = lane_ + 0 < 2;")
     assert twice != ks.source and missed != ks.source
     for src, what in ((twice, "counted twice"), (missed, "8 elements of in0 combined")):
@@ -177,9 +177,9 @@ def test_the_emulator_sees_a_wrong_per_channel_shift():
 
     ks = next(ks for ks in _layer_norm_sources(8, (1, 2)) if ks.meta["geometry"]["vec"] == 2)
     src = ks.source
-    assert "acc_m2 = (acc_m2 + t11);" in src and "in1[(r0_0)]" in src
-    cases = [(src.replace("acc_m2 = (acc_m2 + t11);", ""), "acc_m2: 8 elements of in0 combined for a row of 16"),
-             (src.replace("acc_m2 = (acc_m2 + t11);", "acc_m2 = (acc_m2 + t11);\n    acc_m2 = (acc_m2 + t11);"),
+    assert "acc_m2 = __fadd_rn(acc_m2, t11);" in src and "in1[(r0_0)]" in src
+    cases = [(src.replace("acc_m2 = __fadd_rn(acc_m2, t11);", ""), "acc_m2: 8 elements of in0 combined for a row of 16"),
+             (src.replace("acc_m2 = __fadd_rn(acc_m2, t11);", "acc_m2 = __fadd_rn(acc_m2, t11);\n    acc_m2 = __fadd_rn(acc_m2, t11);"),
               "acc_m2: 24 elements of in0 .* counted twice"),
              (src.replace("in1[(r0_0)]", "in1[(7 - r0_0)]"), "elements of no single position"),
              (src.replace("in1[(r0_0)]", "in1[(0)]"), "0 elements of in1 combined for a row of 16 that reads 16")]

@@ -42,7 +42,8 @@ _FUNCS = {"fx_to_f32": "_f", "fx_from": "_f", "_round_fx_half": "_round_fx_half"
           "__ldcg": "_ldcg", "fx_div": "_div", "fx_clamp": "np.clip", "expf": "np.exp", "fx_exp": "np.exp",
           "logf": "np.log", "sqrtf": "np.sqrt", "fabsf": "np.abs", "tanhf": "np.tanh", "log1pf": "np.log1p",
           "expm1f": "np.expm1", "powf": "np.power", "rintf": "np.rint", "floorf": "np.floor", "ceilf": "np.ceil",
-          "sinf": "np.sin", "cosf": "np.cos", "rsqrtf": "_rsqrt", "erff": "_erf"}
+          "sinf": "np.sin", "cosf": "np.cos", "rsqrtf": "_rsqrt", "erff": "_erf",
+          "__fadd_rn": "np.add", "__fsub_rn": "np.subtract", "__fmul_rn": "np.multiply"}
 
 
 def _expr(text: str, pointers: set) -> str:

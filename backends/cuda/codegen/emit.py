@@ -14,7 +14,13 @@ from fxopt.backends.cuda.ir import (BoolConst, Cast, Const, FloorDiv, InRange, I
 
 from fxopt.backends.cuda.codegen.c import c_unary, ctype, lit
 
-_BINARY_C = {"add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})", "div": "({a} / {b})",
+#: sums, differences and products rounded as written (the ``_rn`` intrinsics are never contracted
+#: into a fused multiply-add): a value the kernel recomputes is then the same wherever it is used,
+#: as the IR's float32 semantics (``ir.evaluate``) and eager's stored values have it. Contracted,
+#: ``x * s - mean(x * s)`` over one value was an unrounded product minus its rounding, 1 ulp,
+#: scaled by ``rsqrt(eps)`` to 1.8e-5 where eager gives 0 (GPU fuzz 696d585eed).
+_BINARY_C = {"add": "__fadd_rn({a}, {b})", "sub": "__fsub_rn({a}, {b})", "mul": "__fmul_rn({a}, {b})",
+             "div": "({a} / {b})",
              "maximum": "fx_max_nan({a}, {b})", "fmax_nan": "fx_max_nan({a}, {b})",
              "minimum": "fx_min_nan({a}, {b})", "pow": "powf({a}, {b})",
              "lt": "({a} < {b})", "le": "({a} <= {b})", "gt": "({a} > {b})", "ge": "({a} >= {b})",
@@ -27,7 +33,7 @@ HELPERS = """FX_INLINE float fx_max_nan(float a, float b) { return (a > b || a !
 FX_INLINE float fx_min_nan(float a, float b) { return (a < b || a != a) ? a : b; }
 """
 REDUCE_INIT = {"sum": "0.f", "max": "(-__int_as_float(0x7f800000))", "min": "__int_as_float(0x7f800000)"}
-REDUCE_COMBINE = {"sum": "({a} + {b})", "max": "fx_max_nan({a}, {b})", "min": "fx_min_nan({a}, {b})"}
+REDUCE_COMBINE = {"sum": "__fadd_rn({a}, {b})", "max": "fx_max_nan({a}, {b})", "min": "fx_min_nan({a}, {b})"}
 
 
 def _unary(name: str, a: str, params: tuple) -> str:
