@@ -496,3 +496,16 @@ def test_longest_kernels_shown_only_where_fxopt_is_slower():
     assert RP._top_kernel_lines(winning) == []
     no_profile = {"cells": [{k: v for k, v in c.items() if k != "top_kernels"} for c in losing["cells"]]}
     assert RP._top_kernel_lines(no_profile) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_few_group_conv_rows_name_the_kept_candidate_and_the_kernels(monkeypatch):
+    from fxopt.bench import convs
+
+    monkeypatch.setattr(convs, "FEW_GROUPS", [(2, 32, 14)])
+    rows = convs.few_group_rows(iters=3)
+    assert [r["case"] for r in rows] == ["g2x32 @14 b1", "g2x32 @14 b32"]
+    for r in rows:
+        assert r["rel_error"] < 1e-2 and r["eager_cudnn_ms"] > 0 and r["fxopt_ms"] > 0
+        assert r["choice"] != "?" and r["kernels"]["eager"] and r["kernels"]["fxopt"]

@@ -4,6 +4,9 @@
    with ``conv_algorithm="auto"``; prints the algorithm auto chose and the speed-up.
 2. Winograd vs cuDNN on the 3x3 layers of VGG-16 and ResNet-18 (fp32 and fp16, batch 1 and 32):
    the algorithm implementations timed directly, no graph around them.
+3. Grouped 3x3 convolutions with few, wide groups (2-8 groups of 32-256 channels; ResNeXt's,
+   ResNeSt's radix convs, DPN's), fp16 channels_last + ReLU at batch 1 and 32: eager cuDNN vs
+   fxopt, with the candidates fxopt measured for the conv and the one it kept.
 
 Timings: CUDA events, warm-up, median of `--iters` runs, inputs rotated between 3 tensors.
 """
@@ -67,6 +70,51 @@ def large_kernel_rows(iters: int) -> list[dict]:
     return rows
 
 
+FEW_GROUPS = [(2, 64, 56), (4, 64, 28), (8, 32, 28), (2, 128, 28), (4, 128, 14), (8, 64, 14), (2, 256, 14),
+              (32, 8, 28)]  # (groups, channels per group, side); the last: ResNeXt's 32x8 for comparison
+
+
+def few_group_rows(iters: int) -> list[dict]:
+    from fxopt.testing import compile_with_fxopt
+
+    rows = []
+    for groups, width, side in FEW_GROUPS:
+        for batch in (1, 32):
+            torch.compiler.reset()
+            c = groups * width
+            model = nn.Sequential(nn.Conv2d(c, c, 3, padding=1, groups=groups), nn.ReLU())
+            model = model.cuda().half().eval().to(memory_format=torch.channels_last)
+            xs = [torch.randn(batch, c, side, side, device="cuda", dtype=torch.float16)
+                  .contiguous(memory_format=torch.channels_last) for _ in range(3)]
+            graphs: list = []
+            compiled = compile_with_fxopt(model, {"autotune_cache": False}, graphs)
+            with torch.no_grad():
+                ref = model(xs[0]).float()
+                out = compiled(xs[0]).float()
+                err = ((out - ref).abs().max() / ref.abs().max()).item()
+                t_eager = time_ms(model, xs, iters=iters)
+                t_fx = time_ms(compiled, xs, iters=iters)
+                kernels = {k: _kernels_per_call(f, xs[0]) for k, f in (("eager", model), ("fxopt", compiled))}
+            choices = {k: v for g in graphs for k, v in g.executor_details.get("node_choices", {}).items()}
+            conv = next((v for k, v in choices.items() if "conv" in k), {})
+            rows.append({"case": f"g{groups}x{width} @{side} b{batch}", "eager_cudnn_ms": t_eager, "fxopt_ms": t_fx,
+                         "speedup": t_eager / t_fx, "choice": conv.get("choice", "?"),
+                         "candidates": conv.get("ms", {}), "rel_error": err,
+                         "kernels": kernels})
+    return rows
+
+
+def _kernels_per_call(fn, x) -> list:
+    """The names of the GPU kernels one call of ``fn(x)`` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(x)
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.startswith(("Memcpy", "Memset"))]
+
+
 def winograd_rows(iters: int) -> list[dict]:
     from fxopt.conv_algorithms import ConvSig, get_algorithm
 
@@ -98,22 +146,28 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default=None, help="write JSON here")
     p.add_argument("--skip-winograd", action="store_true")
+    p.add_argument("--only", choices=("large", "winograd", "few-groups"), default=None, help="one section")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
     torch.backends.cudnn.benchmark = True
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "cudnn": torch.backends.cudnn.version(), "large": large_kernel_rows(args.iters)}
-    if not args.skip_winograd:
+              "cudnn": torch.backends.cudnn.version()}
+    want = (lambda s: args.only in (None, s))
+    if want("large"):
+        result["large"] = large_kernel_rows(args.iters)
+    if want("winograd") and not args.skip_winograd:
         result["winograd"] = winograd_rows(args.iters)
+    if want("few-groups"):
+        result["few_groups"] = few_group_rows(args.iters)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     print(f"\n{result['device']} torch {result['torch']} cuDNN {result['cudnn']}")
     print("| case | cuDNN ms | fxopt ms | speed-up | auto chose | rel err |\n|---|---|---|---|---|---|")
-    for r in result["large"]:
+    for r in result.get("large", []):
         print(f"| {r['case']} | {r['eager_cudnn_ms']:.3f} | {r['fxopt_ms']:.3f} | {r['speedup']:.2f}x | "
               f"{r['algorithm']} | {r['rel_error']:.1e} |")
     if "winograd" in result:
@@ -122,6 +176,13 @@ def main(argv=None) -> int:
             print(f"| {r['net']} | {r['dtype']} | {r['batch']} | {r['layer']} | {r['direct_ms']:.3f} | "
                   f"{r['winograd_2x2_3x3_ms']:.3f} ({r['winograd_2x2_3x3_err']:.0e}) | "
                   f"{r['winograd_4x4_3x3_ms']:.3f} ({r['winograd_4x4_3x3_err']:.0e}) |")
+    if "few_groups" in result:
+        print("\n| grouped 3x3, fp16 CL + ReLU | cuDNN ms | fxopt ms | speed-up | kept | measured ms | kernels a call "
+              "eager / fxopt | rel err |\n|---|---|---|---|---|---|---|---|")
+        for r in result["few_groups"]:
+            cands = ", ".join(f"{k} {v:.3f}" for k, v in r["candidates"].items() if isinstance(v, (int, float)))
+            print(f"| {r['case']} | {r['eager_cudnn_ms']:.3f} | {r['fxopt_ms']:.3f} | {r['speedup']:.2f}x | "
+                  f"{r['choice']} | {cands} | {len(r['kernels']['eager'])} / {len(r['kernels']['fxopt'])} | {r['rel_error']:.1e} |")
     return 0
 
 
