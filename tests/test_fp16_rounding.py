@@ -179,6 +179,55 @@ def test_an_ill_conditioned_region_is_judged_by_its_ops_rounded_as_eager_rounds(
             pass
 
 
+class _GatedSigmoidInstanceNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(4, 4, 3, padding=1), nn.InstanceNorm2d(4)
+
+    def forward(self, x):
+        return self.norm(torch.sigmoid(self.conv(x * torch.sigmoid(x.mean((1,), keepdim=True)))))
+
+
+def test_a_rounding_boundary_scaled_by_a_normalization_is_judged_by_the_ops_in_float32():
+    """CPU fuzz 3711c98f78: a sigmoid of a conv (with its bias, in the region's float32) lands within
+    float32's error of a float16 rounding boundary and rounds the other way than in float64; the
+    InstanceNorm over 55 values near 1 scales that ulp to 0.0035, beyond the tolerance. The region
+    check takes the ops each computed in float32 and rounded (the kernel's arithmetic, the same
+    roundings) where the float64 ones differ, and refuses a kernel off by as much either way."""
+    from fxopt.testing import CNNCase
+    from fxopt.testing.fusion import check_fusion
+
+    torch.manual_seed(0)
+    model = _GatedSigmoidInstanceNorm().half().eval()
+    x = torch.randn([1, 4, 5, 11], generator=torch.Generator().manual_seed(1)).half()
+    case = lambda: CNNCase(model, (x,), torch.float16, False, ["gate", "conv-sigmoid", "instancenorm"])  # noqa: E731
+    regions = [r for sched in check_fusion(case(), {"autotune_cache": False}) for r in sched.regions]
+    assert any("_native_batch_norm_legit" in str(r.ops) for r in regions), [r.ops for r in regions]
+
+
+def test_the_float32_reference_rounds_every_op_as_the_float64_one_does(monkeypatch):
+    """Off by 0.0035 where the float64 and float32 references agree: refused (the kernel above is
+    accepted for matching the float32 one, not for a wider tolerance)."""
+    from fxopt.testing import CNNCase
+    from fxopt.testing.fusion import check_fusion
+
+    torch.manual_seed(0)
+    model = _GatedSigmoidInstanceNorm().half().eval()
+    x = torch.randn([1, 4, 5, 11], generator=torch.Generator().manual_seed(1)).half()
+    evaluate = ir.evaluate
+
+    def off(k, ins, outs):
+        evaluate(k, ins, outs)
+        for o in outs:
+            if o.dtype == torch.float16 and o.numel() == 220:
+                o.view(-1)[7] += 0.004 + 0.011 * o.view(-1)[7].abs()
+
+    monkeypatch.setattr(ir, "evaluate", off)
+    with pytest.raises(AssertionError, match="rounded to its dtype"):
+        for _ in check_fusion(CNNCase(model, (x,), torch.float16, False, []), {"autotune_cache": False}):
+            pass
+
+
 class _PooledHardsigmoidNorm(nn.Module):
     def __init__(self):
         super().__init__()

@@ -141,7 +141,7 @@ def check_regions(gm: fx.GraphModule, inputs: list, rtol: float, atol: float, co
         ir.evaluate(k, ins, outs)
         module = reference_module(gm, region)
         ref = module(*ins)
-        planned = wide = exact = None
+        planned = wide = exact = as32 = None
         for i, (o, r, b) in enumerate(zip(outs, ref, k.outputs)):
             try:
                 torch.testing.assert_close(o, r, rtol=rtol, atol=atol, equal_nan=True,
@@ -169,10 +169,17 @@ def check_regions(gm: fx.GraphModule, inputs: list, rtol: float, atol: float, co
                         assert _close(o, exact[i], rtol, atol) or err <= 2 * eager_err + atol, (
                             f"region {region.name} ({region.ops}): its error against the ops each computed in "
                             f"float64 {err:.3g}, eager's {eager_err:.3g}")
-                    else:
-                        torch.testing.assert_close(o, exact[i].to(o.dtype), rtol=rtol, atol=atol, equal_nan=True,
-                                                   msg=lambda m, n=region.name: f"region {n} ({region.ops}), each op "
-                                                                                f"in float64 rounded to its dtype: {m}")
+                    elif not _close(o, exact[i].to(o.dtype), rtol, atol):
+                        # a float32 result on a 16-bit rounding boundary rounds one way in float64, the
+                        # other in the kernel's float32, and a normalization of close values scales
+                        # that ulp beyond the tolerance (CPU fuzz 3711c98f78: a sigmoid's 1 ulp, an
+                        # InstanceNorm over 55 values near 1, 0.0035): the ops each in float32, rounded
+                        as32 = _rounded_reference(module, ins, torch.float32) if as32 is None else as32
+                        if as32 is None or not _close(o, as32[i].to(o.dtype), rtol, atol):
+                            torch.testing.assert_close(
+                                o, exact[i].to(o.dtype), rtol=rtol, atol=atol, equal_nan=True,
+                                msg=lambda m, n=region.name: f"region {n} ({region.ops}), each op in float64 (and "
+                                                             f"in float32) rounded to its dtype: {m}")
             if not _same_strides(o, r.stride()):
                 # where torch's own metadata for these ops differs from its kernels on this device
                 # (CPU group_norm keeps channels_last, its metadata and CUDA kernel do not), the
@@ -211,29 +218,33 @@ def _float32_reference(module, inputs: list):
 
 
 class _RoundedOps(fx.Interpreter):
-    """Runs each op of a module in float64 on its inputs and rounds its result to the dtype the op
-    gives on them: eager's roundings between ops, none inside one."""
+    """Runs each op of a module in float64 (or ``wide``) on its inputs and rounds its result to the
+    dtype the op gives on them: eager's roundings between ops, none inside one."""
+
+    def __init__(self, module, wide: torch.dtype = torch.float64):
+        super().__init__(module)
+        self.wide = wide
 
     def run_node(self, n: fx.Node):
         if n.op not in ("call_function", "call_method"):
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         narrow = getattr(self, n.op)(n.target, args, kwargs)
-        wide_args, wide_kwargs = pytree.tree_map(_float64, (args, kwargs))
+        widen = (lambda a: a.to(self.wide) if isinstance(a, torch.Tensor) and a.dtype in _FLOATS else a)
+        wide_args, wide_kwargs = pytree.tree_map(widen, (args, kwargs))
         wide = getattr(self, n.op)(n.target, wide_args, wide_kwargs)
         return pytree.tree_map(lambda w, t: w.to(t.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
                                and isinstance(w, torch.Tensor) else t, wide, narrow)
 
 
-def _float64(a):
-    return a.double() if isinstance(a, torch.Tensor) and a.dtype in (torch.float16, torch.bfloat16, torch.float32) else a
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _rounded_reference(module: fx.GraphModule, inputs: list):
-    """The region's ops each computed in float64 and rounded to its dtype (:class:`_RoundedOps`), or
-    None where an op does not run so."""
+def _rounded_reference(module: fx.GraphModule, inputs: list, wide: torch.dtype = torch.float64):
+    """The region's ops each computed in float64 (or ``wide``) and rounded to its dtype
+    (:class:`_RoundedOps`), or None where an op does not run so."""
     try:
-        return list(_RoundedOps(module).run(*inputs))
+        return list(_RoundedOps(module, wide).run(*inputs))
     except Exception:  # noqa: BLE001 - an op without a float64 kernel here
         return None
 
