@@ -189,6 +189,28 @@ def test_cast_program_passes_and_its_float64_reference_runs():
     assert calls == [1]
 
 
+def test_a_value_pytorchs_compiled_graph_gets_as_wrong_is_an_upstream_divergence(monkeypatch):
+    """fxopt far from float64 where eager is not: a failure, unless PyTorch's own compiled graph is
+    as far (CPU fuzz 28da4626d8: bfloat16 ``aten.convolution_backward`` left taps unwritten); then
+    the program is recorded as upstream and passes."""
+    exact = torch.zeros(3, dtype=torch.float64)
+    eager, garbage = torch.tensor([0.01, 0.0, 0.0]), torch.tensor([3e33, 0.0, 0.0])
+    with pytest.raises(fuzz_check.UpstreamMismatch):
+        fuzz_check.compare("g", garbage, eager, exact, 1e-2, 1e-1, peer=torch.tensor([1e29, 0.0, 0.0]))
+    with pytest.raises(fuzz_check.Mismatch) as e:
+        fuzz_check.compare("g", garbage, eager, exact, 1e-2, 1e-1, peer=eager)
+    assert type(e.value) is fuzz_check.Mismatch  # the peer right: fxopt's own
+    prog = _program(["x = self.m0(x)"], ["self.m0 = nn.Conv2d(1, 2, 1)"], (1, 1, 2, 2), mode="training")
+
+    def upstream(program, device, eager, mine, compiled, x, *a, **k):
+        compiled(x)  # fxopt compiles the graph, then the step's judgement finds PyTorch's as wrong
+        raise fuzz_check.UpstreamMismatch("m0.weight.grad[0]: ...")
+    monkeypatch.setattr(fuzz_check, "_training_step", upstream)
+    outcome: dict = {}
+    graphs = fuzz_check.run_program(prog, "cpu", outcome=outcome)
+    assert outcome["upstream"].startswith("PyTorch's compiled graph") and len(graphs) == 1
+
+
 def test_eager_error_is_a_pass_when_fxopt_raises_the_same_type():
     prog = _program(["x = self.m0(x)"], ["self.m0 = nn.BatchNorm2d(1)"], (1, 1, 1, 1), mode="training")
     outcome = {}
