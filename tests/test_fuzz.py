@@ -200,6 +200,8 @@ def test_a_value_pytorchs_compiled_graph_gets_as_wrong_is_an_upstream_divergence
     with pytest.raises(fuzz_check.Mismatch) as e:
         fuzz_check.compare("g", garbage, eager, exact, 1e-2, 1e-1, peer=eager)
     assert type(e.value) is fuzz_check.Mismatch  # the peer right: fxopt's own
+    with pytest.raises(fuzz_check.UpstreamMismatch):  # eager itself 10x beyond the rounding spread
+        fuzz_check.compare("y", garbage, torch.tensor([10.4, 0.0, 0.0]), exact, 1e-2, 2e-2, spread64=exact + 0.0066)
     prog = _program(["x = self.m0(x)"], ["self.m0 = nn.Conv2d(1, 2, 1)"], (1, 1, 2, 2), mode="training")
 
     def upstream(program, device, eager, mine, compiled, x, *a, **k):
@@ -208,7 +210,7 @@ def test_a_value_pytorchs_compiled_graph_gets_as_wrong_is_an_upstream_divergence
     monkeypatch.setattr(fuzz_check, "_training_step", upstream)
     outcome: dict = {}
     graphs = fuzz_check.run_program(prog, "cpu", outcome=outcome)
-    assert outcome["upstream"].startswith("PyTorch's compiled graph") and len(graphs) == 1
+    assert outcome["upstream"].startswith("PyTorch's kernels") and len(graphs) == 1
 
 
 def test_eager_error_is_a_pass_when_fxopt_raises_the_same_type():
