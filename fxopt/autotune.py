@@ -165,6 +165,11 @@ class AutotuneCache:
             entry = _PENDING.get(self.path, {}).get(device, {}).get(key)
         return entry
 
+    def keys(self, device: str) -> list:
+        """Every key held for ``device`` (those put by another instance and not written yet too)."""
+        held = list(self._load()["entries"].get(device, {}))
+        return held + [k for k in (_PENDING.get(self.path, {}).get(device, {}) if self.path else {}) if k not in held]
+
     def put(self, device: str, key: str, entry: dict) -> None:
         self._load()["entries"].setdefault(device, {})[key] = entry
         if not self.path:

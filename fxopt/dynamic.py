@@ -20,8 +20,9 @@ after its recompile limit runs new sizes eagerly. So a symbolic inference graph 
    runs on is dropped (its CUDA graphs released) and lowered again if it comes back.
 4. Buckets (``fxopt.dynamic_buckets``): every symbolic size falls in a power-of-two bucket (batch
    5..8, side 129..256). The choices the first lowering in a bucket measured are reused by every
-   later lowering in it (nothing measured at a second size of a bucket; with the sides bucketed
-   too, the image phase of a serving loop over sides 192/224/256 compiled in 28.8 s where each
+   later lowering in it, and the first takes what the user's cache holds for another batch of its
+   bucket, the static graph of Dynamo's first size's (nothing measured at a second size of a
+   bucket; with the sides bucketed too, the image phase of a serving loop over sides 192/224/256 compiled in 28.8 s where each
    side measuring its own took 34.7 and 43.3 s, H200, BENCHMARKS.md). Where the graph is
    batch-independent (``fxopt.batch_independence``; option ``dynamic_padding``), a new batch size does not wait for a
    lowering: it runs on the smallest lowered larger batch, padded, its outputs' first rows
@@ -331,7 +332,8 @@ class SizeDispatcher:
         bid = self._bucket_id(key)
         first = bid not in self.buckets
         if first:
-            self.buckets[bid] = BucketChoices(self.user_cache)
+            batch = key[self.batch_pos] if self.batch_pos is not None else None
+            self.buckets[bid] = BucketChoices(self.user_cache, batch if isinstance(batch, int) else None)
         choices = self.buckets[bid] if first else self.buckets[bid].replayer()
         t0 = time.perf_counter()
         low, note = self.lower_at(list(args), key, choices)
@@ -497,7 +499,8 @@ def summary_lines(info: dict) -> list[str]:
         if rec["lowered"]:
             ch = rec.get("choices", {})
             line += (f"; lowered {rec['lowered']}x ({secs} s){'' if rec.get('live') else ' (evicted)'}; choices "
-                     f"{ch.get('measured', 0)} measured, {ch.get('cached', 0)} cached, {ch.get('reused', 0)} reused")
+                     f"{ch.get('measured', 0)} measured, {ch.get('cached', 0)} cached, {ch.get('reused', 0)} reused"
+                     + (f", {ch['from_sibling']} from another batch of the bucket" if ch.get("from_sibling") else ""))
         if rec.get("padded_calls"):
             line += f"; {rec['padded_calls']} calls padded to batch {', '.join(map(str, rec['padded_from']))}"
         if rec.get("chunked_calls"):

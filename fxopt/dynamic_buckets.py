@@ -11,7 +11,9 @@ size is bucketed so, an image's sides as well: 192, 224 and 256 share one).
   *signature* (numbers and hashes blanked) finds the bucket's entry: nothing is measured at a second
   size of a bucket. A key without such an entry goes to the user's cache and is measured there as
   before. The first lowering's keys are recorded exact, so the user's cache serves it in a later
-  process.
+  process. The first lowering itself takes what the user's cache holds for another batch of its
+  bucket (``sibling_batch``: the static graph Dynamo compiled for the first size, or a lowering of an
+  earlier process) before measuring: the bucket's choices, measured at another of its sizes.
 - ``Padding``: a batch-independent graph (``fxopt.batch_independence``) run at a larger lowered
   size: the batch copied into a buffer of that size (rows past it zero, or finite values of an
   earlier call), the lowered graph run, the batched outputs' first rows returned: a view where the
@@ -51,15 +53,33 @@ def signature(key: str) -> str:
     return _NUM.sub("N", _HASH.sub("H", key))
 
 
-class BucketChoices(AutotuneCache):
-    """The autotuning cache of one bucket's lowerings (module docstring). ``inner``: the user's cache.
-    The first lowering records (``replaying`` False); ``replayer()`` gives a later lowering's view."""
+def sibling_batch(key: str, other: str, batch: int) -> Optional[int]:
+    """The batch ``other`` names where it is ``key`` at another batch of the same bucket: every number
+    of ``key`` that differs in ``other`` is ``batch`` there and one same ``B`` here, ``bucket(B) ==
+    bucket(batch)`` (hashes of generated sources may differ); else None."""
+    if signature(key) != signature(other):
+        return None
+    found = None
+    for a, b in zip(_NUM.findall(_HASH.sub("H", key)), _NUM.findall(_HASH.sub("H", other))):
+        if a == b:
+            continue
+        if int(a) != batch or (found is not None and int(b) != found) or bucket(int(b)) != bucket(batch):
+            return None
+        found = int(b)
+    return found
 
-    def __init__(self, inner: AutotuneCache):
+
+class BucketChoices(AutotuneCache):
+    """The autotuning cache of one bucket's lowerings (module docstring). ``inner``: the user's cache;
+    ``batch``: the first lowering's batch, to take what ``inner`` holds at another batch of the bucket
+    (None: not looked for). The first lowering records; ``replayer()`` gives a later lowering's view."""
+
+    def __init__(self, inner: AutotuneCache, batch: Optional[int] = None):
         super().__init__(None)
-        self.inner = inner
+        self.inner, self.batch = inner, batch
         self.recorded: dict = collections.defaultdict(list)  # (device, signature) -> [entry, ...] in order
-        self.counts = {"measured": 0, "cached": 0, "reused": 0}
+        self.counts = {"measured": 0, "cached": 0, "reused": 0, "from_sibling": 0}
+        self._by_signature: dict = {}  # device -> {signature: [inner's keys]}, built at the first miss
 
     def __deepcopy__(self, memo):  # options are copied with dataclasses.asdict: one cache
         return self
@@ -68,8 +88,31 @@ class BucketChoices(AutotuneCache):
         entry = self.inner.get(device, key)
         if entry is not None:
             self.counts["cached"] += 1
+        else:
+            entry = self._sibling(device, key)
+        if entry is not None:
             self.recorded[(device, signature(key))].append(copy.deepcopy(entry))
         return entry
+
+    def _sibling(self, device: str, key: str) -> Optional[dict]:
+        """What the user's cache holds for ``key`` at the nearest other batch of this bucket."""
+        if self.batch is None or bucket(self.batch) == 1:
+            return None
+        if device not in self._by_signature:
+            index = self._by_signature[device] = collections.defaultdict(list)
+            for k in self.inner.keys(device):
+                index[signature(k)].append(k)
+        near = []
+        for k in self._by_signature[device].get(signature(key), ()):
+            b = sibling_batch(key, k, self.batch)
+            if b is not None:
+                near.append((abs(b - self.batch), -b, k))
+        if not near:
+            return None
+        entry = self.inner.get(device, min(near)[2])
+        if entry is not None:
+            self.counts["from_sibling"] += 1
+        return copy.deepcopy(entry)
 
     def put(self, device: str, key: str, entry: dict) -> None:
         self.counts["measured"] += 1

@@ -227,6 +227,50 @@ def test_lru_bound_with_padding():
     assert sum(r.get("live") is True for r in info["specializations"].values()) <= 2
 
 
+def test_a_buckets_first_lowering_takes_the_choices_held_for_another_of_its_batches():
+    """The user's cache holds choices measured at batch 50 (the static graph Dynamo compiled for the
+    first size, or an earlier process): the first lowering of bucket 64 at batch 41 takes them
+    rather than measuring; a key at batch 20 (bucket 32), or differing in another number, is not
+    taken; the bucket's later lowerings replay what it took."""
+    from fxopt.autotune import AutotuneCache
+    from fxopt.dynamic_buckets import BucketChoices, sibling_batch
+
+    key = "node|graphed=True|fused_conv|['(41, 64, 56, 56)|channels_last|torch.float16']|{}"
+    at = lambda b, h="0123456789abcdef": key.replace("(41,", f"({b},").format(h)  # noqa: E731
+    assert sibling_batch(at(41), at(50, "fedcba9876543210"), 41) == 50
+    assert sibling_batch(at(41), at(20), 41) is None  # another bucket
+    assert sibling_batch(at(41), at(50).replace("64, 56", "32, 56"), 41) is None  # another conv
+    user = AutotuneCache(None)
+    user.put("cuda", at(44), {"choice": "generated_t1"})
+    user.put("cuda", at(33), {"choice": "cudnn"})
+    user.put("cuda", at(20), {"choice": "winograd"})
+    first = BucketChoices(user, batch=41)
+    assert first.get("cuda", at(41))["choice"] == "generated_t1"  # 44 is nearer than 33
+    assert first.counts["from_sibling"] == 1 and user.get("cuda", at(41)) is None  # the user's cache as it was
+    assert first.replayer().get("cuda", at(45))["choice"] == "generated_t1"
+    assert BucketChoices(user, batch=12).get("cuda", at(12)) is None  # bucket 16 holds nothing
+    assert BucketChoices(user).get("cuda", at(41)) is None  # no batch: nothing looked for
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_static_graphs_choices_seed_the_symbolic_graphs_bucket(tmp_path):
+    """Dynamo compiles batch 5 as a static graph, then a symbolic one at batch 6: bucket 8's first
+    lowering takes the static graph's per-node choices from the user's cache (the CPU's runner keys
+    name the symbolic graph's size arguments, so this is the cuda executor's)."""
+    torch.manual_seed(0)
+    model = SmallResNet().cuda().eval()
+    backend = Counting(dynamic_padding=False, autotune_cache=str(tmp_path / "a.json"))
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for b in (5, 6, 7):
+            x = torch.randn(b, 3, 32, 32, device="cuda")
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-3, atol=1e-3)
+    first = [v for v in backend.dynamic()["specializations"].values()
+             if v["choices_from"] == "measured here (first of its bucket)"]
+    assert first and first[0]["choices"]["from_sibling"] >= 1, first
+
+
 def test_bucket_and_signature():
     assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 33, 64)] == [1, 2, 4, 4, 8, 8, 16, 64, 64]
     a = "node|graphed=True|fused_conv|['(5, 64, 56, 56)|channels_last|torch.float16']|['a', 'b']"

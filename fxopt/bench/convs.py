@@ -182,7 +182,8 @@ def main(argv=None) -> int:
         for r in result["few_groups"]:
             cands = ", ".join(f"{k} {v:.3f}" for k, v in r["candidates"].items() if isinstance(v, (int, float)))
             print(f"| {r['case']} | {r['eager_cudnn_ms']:.3f} | {r['fxopt_ms']:.3f} | {r['speedup']:.2f}x | "
-                  f"{r['choice']} | {cands} | {len(r['kernels']['eager'])} / {len(r['kernels']['fxopt'])} | {r['rel_error']:.1e} |")
+                  f"{r['choice']} | {cands} | {len(r['kernels']['eager'])} / {len(r['kernels']['fxopt'])} | "
+                  f"{r['rel_error']:.1e} |")
     return 0
 
 
