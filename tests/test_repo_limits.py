@@ -29,8 +29,9 @@ RESULT_SUFFIXES = (".png", ".jpg", ".svg", ".webp")
 #: padding, the fixed-weights option and their results (3.008 MB); to 3.07 MB for the stream timeline diagnostic, its
 #: picture, the streams' results and the packages' steady bursts (3.064 MB); to 3.09 MB for the fuzzer's split and
 #: concatenation structures, OpenVINO's one-thread way, the engines' shared calls and builds, two fuzz failures' tests and
-#: the CPU suite on AMX (3.089 MB); the aim stays lower
-TRACKED_MAX_BYTES = 3_090_000
+#: the CPU suite on AMX (3.089 MB); to 3.12 MB for the fuzzer's upstream and float32-rounding judges, the training
+#: check's float64 judge, the bucket seeding, the few-group conv bench and their tests (3.117 MB); the aim stays lower
+TRACKED_MAX_BYTES = 3_120_000
 #: lines of any ``.py`` file under the package directories
 SOURCE_MAX_LINES = 600
 PACKAGE_DIRS = ("fxopt", "passes", "backends")
