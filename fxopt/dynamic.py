@@ -22,8 +22,8 @@ after its recompile limit runs new sizes eagerly. So a symbolic inference graph 
    5..8, side 129..256). The choices the first lowering in a bucket measured are reused by every
    later lowering in it, and the first takes what the user's cache holds for another batch of its
    bucket, the static graph of Dynamo's first size's (nothing measured at a second size of a
-   bucket; with the sides bucketed too, the image phase of a serving loop over sides 192/224/256 compiled in 28.8 s where each
-   side measuring its own took 34.7 and 43.3 s, H200, BENCHMARKS.md). Where the graph is
+   bucket; with the sides bucketed too, the image phase of a serving loop over sides 192/224/256
+   compiled in 28.8 s where each side measuring its own took 34.7 and 43.3 s, H200, BENCHMARKS.md). Where the graph is
    batch-independent (``fxopt.batch_independence``; option ``dynamic_padding``), a new batch size does not wait for a
    lowering: it runs on the smallest lowered larger batch, padded, its outputs' first rows
    returned; larger than every lowered batch, it runs in chunks of lowered batches (the largest

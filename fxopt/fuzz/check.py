@@ -93,7 +93,8 @@ class Mismatch(AssertionError):
 
 class UpstreamMismatch(Mismatch):
     """fxopt's value fails the judgement and so does PyTorch's own compiled graph's (``aot_eager``),
-    by as much: the graph every backend is handed computes it wrong (module docstring)."""
+    or eager's own is ``EAGER_WRONG`` times the rounding spread off: PyTorch's kernels compute it
+    wrong (module docstring)."""
 
 
 class _Overflow(TorchDispatchMode):
