@@ -508,4 +508,5 @@ def test_few_group_conv_rows_name_the_kept_candidate_and_the_kernels(monkeypatch
     assert [r["case"] for r in rows] == ["g2x32 @14 b1", "g2x32 @14 b32"]
     for r in rows:
         assert r["rel_error"] < 1e-2 and r["eager_cudnn_ms"] > 0 and r["fxopt_ms"] > 0
-        assert r["choice"] != "?" and r["kernels"]["eager"] and r["kernels"]["fxopt"]
+        assert r["choice"] != "?" and all(r["kernels"][k] for k in ("eager", "eager_default", "fxopt"))
+        assert r["eager_default_ms"] > 0

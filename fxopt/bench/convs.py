@@ -5,8 +5,9 @@
 2. Winograd vs cuDNN on the 3x3 layers of VGG-16 and ResNet-18 (fp32 and fp16, batch 1 and 32):
    the algorithm implementations timed directly, no graph around them.
 3. Grouped 3x3 convolutions with few, wide groups (2-8 groups of 32-256 channels; ResNeXt's,
-   ResNeSt's radix convs, DPN's), fp16 channels_last + ReLU at batch 1 and 32: eager cuDNN vs
-   fxopt, with the candidates fxopt measured for the conv and the one it kept.
+   ResNeSt's radix convs, DPN's), fp16 channels_last + ReLU at batch 1 and 32: eager cuDNN (its
+   search on, and PyTorch's default without it) vs fxopt, with the candidates fxopt measured for the
+   conv and the one it kept, and the kernels one call launches.
 
 Timings: CUDA events, warm-up, median of `--iters` runs, inputs rotated between 3 tensors.
 """
@@ -95,9 +96,13 @@ def few_group_rows(iters: int) -> list[dict]:
                 t_eager = time_ms(model, xs, iters=iters)
                 t_fx = time_ms(compiled, xs, iters=iters)
                 kernels = {k: _kernels_per_call(f, xs[0]) for k, f in (("eager", model), ("fxopt", compiled))}
+                with torch.backends.cudnn.flags(enabled=True, benchmark=False):  # PyTorch's default setting
+                    t_default = time_ms(model, xs, iters=iters)
+                    kernels["eager_default"] = _kernels_per_call(model, xs[0])
             choices = {k: v for g in graphs for k, v in g.executor_details.get("node_choices", {}).items()}
             conv = next((v for k, v in choices.items() if "conv" in k), {})
-            rows.append({"case": f"g{groups}x{width} @{side} b{batch}", "eager_cudnn_ms": t_eager, "fxopt_ms": t_fx,
+            rows.append({"case": f"g{groups}x{width} @{side} b{batch}", "eager_cudnn_ms": t_eager,
+                         "eager_default_ms": t_default, "fxopt_ms": t_fx,
                          "speedup": t_eager / t_fx, "choice": conv.get("choice", "?"),
                          "candidates": conv.get("ms", {}), "rel_error": err,
                          "kernels": kernels})
@@ -177,13 +182,14 @@ def main(argv=None) -> int:
                   f"{r['winograd_2x2_3x3_ms']:.3f} ({r['winograd_2x2_3x3_err']:.0e}) | "
                   f"{r['winograd_4x4_3x3_ms']:.3f} ({r['winograd_4x4_3x3_err']:.0e}) |")
     if "few_groups" in result:
-        print("\n| grouped 3x3, fp16 CL + ReLU | cuDNN ms | fxopt ms | speed-up | kept | measured ms | kernels a call "
-              "eager / fxopt | rel err |\n|---|---|---|---|---|---|---|---|")
+        print("\n| grouped 3x3, fp16 CL + ReLU | cuDNN ms (default) | fxopt ms | speed-up | kept | measured ms | "
+              "kernels a call eager (default) / fxopt | rel err |\n|---|---|---|---|---|---|---|---|")
         for r in result["few_groups"]:
             cands = ", ".join(f"{k} {v:.3f}" for k, v in r["candidates"].items() if isinstance(v, (int, float)))
-            print(f"| {r['case']} | {r['eager_cudnn_ms']:.3f} | {r['fxopt_ms']:.3f} | {r['speedup']:.2f}x | "
-                  f"{r['choice']} | {cands} | {len(r['kernels']['eager'])} / {len(r['kernels']['fxopt'])} | "
-                  f"{r['rel_error']:.1e} |")
+            k = r["kernels"]
+            print(f"| {r['case']} | {r['eager_cudnn_ms']:.3f} ({r['eager_default_ms']:.3f}) | {r['fxopt_ms']:.3f} | "
+                  f"{r['speedup']:.2f}x | {r['choice']} | {cands} | {len(k['eager'])} ({len(k['eager_default'])}) / "
+                  f"{len(k['fxopt'])} | {r['rel_error']:.1e} |")
     return 0
 
 
