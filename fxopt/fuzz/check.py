@@ -279,7 +279,7 @@ def run_program(program: Program, device: str, graphs: list | None = None, outco
 
     model, x = build(program, device)
     if device == "cpu" and program.options.get("executor") == "cuda" and not program.options.get("emulate_kernels"):
-        return check_cuda_on_cpu(program, model, x)
+        return check_cuda_on_cpu(program, model, x, outcome)
     eager, mine, spare = model, copy.deepcopy(model), copy.deepcopy(model)
     ref, peer = Reference64(model, x, program), CompiledPeer(model, x, program, device)
     graphs = [] if graphs is None else graphs
@@ -487,8 +487,9 @@ def _eager_raises(program: Program, model, x) -> bool:
     return False
 
 
-def check_cuda_on_cpu(program: Program, model, x) -> list:
-    """The cuda executor's CPU-checkable part for ``program`` (see the module's docstring)."""
+def check_cuda_on_cpu(program: Program, model, x, outcome: dict | None = None) -> list:
+    """The cuda executor's CPU-checkable part for ``program`` (see the module's docstring); the
+    emulated runs' outcome (an upstream divergence, eager's error) goes to ``outcome``."""
     import fxopt
     from fxopt.testing import CNNCase
     from fxopt.testing.fusion import check_fusion
@@ -502,7 +503,7 @@ def check_cuda_on_cpu(program: Program, model, x) -> list:
     training = program.mode == "training"
     emulated = Program.from_json({**program.to_json(), "options": {**options, "emulate_kernels": True}})
     if _eager_raises(program, model, x):  # bad input: judged by the whole run (fxopt must raise the same)
-        return run_program(emulated, "cpu")
+        return run_program(emulated, "cpu", outcome=outcome)
     xg = x.detach().requires_grad_(training)  # a training graph of parameter-free layers still has a backward
     report = fxopt.explain(model, xg, options=options, training=training)
     for g in report.graphs:
@@ -512,7 +513,7 @@ def check_cuda_on_cpu(program: Program, model, x) -> list:
     if bad:
         raise Mismatch(f"kernels that did not compile: {bad[:3]}")
     if training:  # the step run with every region's kernel IR in its reference's place, judged as on a GPU
-        run_program(emulated, "cpu")
+        run_program(emulated, "cpu", outcome=outcome)
     if not training:
         case = CNNCase(copy.deepcopy(model), (x,), getattr(torch, program.dtype), False, program.layers)
         check_options = {k: v for k, v in options.items() if k not in ("executor", "fast_math")}
