@@ -72,6 +72,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxopt.eager_formats import same_strides
+from fxopt.tolerances import max_error
 
 from .graphs import Program
 from .references import CompiledPeer, Reference64, Samples
@@ -209,13 +210,6 @@ def _alias_pattern(outs: list, x: torch.Tensor) -> list:
            [(i, "input") for i, k in enumerate(keys) if k and k == key(x)]
 
 
-def _err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.detach().to(a.device)  # the float64 references run on the CPU
-    d = (a.detach().double() - ref.double()).abs()
-    d = torch.where(torch.isnan(a.detach().double()) & torch.isnan(ref.double()), 0.0, d)
-    return float(d.nan_to_num(float("inf")).max()) if d.numel() else 0.0
-
-
 def compare(what: str, got, want, ref64, rtol: float, atol: float, check_strides: bool = True,
             spread64=None, peer=None) -> None:
     """Raise Mismatch unless ``got`` matches ``want`` (see the module's docstring); ``ref64``: the
@@ -240,20 +234,20 @@ def compare(what: str, got, want, ref64, rtol: float, atol: float, check_strides
             if ref64 is None:
                 raise Mismatch(f"{name}: {e}") from None
             c = _flat(ref64() if callable(ref64) else ref64)[i]  # the float64 reference, run only now
-            err_c, err_e = _err(a, c), _err(b, c)
+            err_c, err_e = max_error(a, c), max_error(b, c)
             if err_c <= 2 * err_e + atol:
                 continue
             spread = err_p = None
             if spread64 is not None:  # how far rounding moves it (the operands; every op's result)
                 res = spread64() if callable(spread64) else spread64
-                errs = [_err(r, c) for r in (_flat(s)[i] for s in (res if isinstance(res, Samples) else [res]))
+                errs = [max_error(r, c) for r in (_flat(s)[i] for s in (res if isinstance(res, Samples) else [res]))
                         if isinstance(r, torch.Tensor)]
                 spread = max(errs) if errs else None
                 if spread is not None and err_c <= 2 * spread + atol:
                     continue
             if peer is not None:  # how far PyTorch's own compiled graph lies from it
                 r = _flat(peer() if callable(peer) else peer)[i]
-                err_p = _err(r, c) if isinstance(r, torch.Tensor) else None
+                err_p = max_error(r, c) if isinstance(r, torch.Tensor) else None
                 if err_p is not None and err_c <= 2 * err_p + atol:
                     continue
             noise = max(v for v in (err_e, spread, err_p) if v is not None)

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from fxopt.tolerances import tolerance
+from fxopt.tolerances import max_error, tolerance
 
 #: regions checked by check_fusion in this process
 REGIONS_CHECKED = 0
@@ -165,7 +165,7 @@ def check_regions(gm: fx.GraphModule, inputs: list, rtol: float, atol: float, co
                         raise
                     if o.dtype == torch.float32:  # float32 roundings alone exceed the tolerance: no worse than
                         # twice eager's error against the exact ops (the fuzzer's judgement of a whole model)
-                        err, eager_err = ((t.double() - exact[i].double()).abs().max().item() for t in (o, r))
+                        err, eager_err = (max_error(t, exact[i]) for t in (o, r))
                         assert _close(o, exact[i], rtol, atol) or err <= 2 * eager_err + atol, (
                             f"region {region.name} ({region.ops}): its error against the ops each computed in "
                             f"float64 {err:.3g}, eager's {eager_err:.3g}")

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from hypothesis import strategies as st
 
-from fxopt.tolerances import tolerance
+from fxopt.tolerances import max_error, tolerance
 
 ACTIVATIONS = {
     "relu": lambda: nn.ReLU(), "relu_inplace": lambda: nn.ReLU(inplace=True), "relu6": lambda: nn.ReLU6(),
@@ -338,12 +338,11 @@ def _as_close_as_eager(got: torch.Tensor, want: torch.Tensor, exact, rtol: float
     """``got`` within the tolerance of eager's ``want``, or (an ill-conditioned gradient: a BatchNorm
     backward over few values cancels, and 16-bit rounding moves the result by more than its
     tolerance in eager as well) no further from the float64 result ``exact()`` than twice eager's
-    error plus ``atol``: the fuzzer's judgement (``fxopt.fuzz.check.compare``)."""
+    error plus ``atol``: the fuzzer's judgement (``fxopt.tolerances.max_error``)."""
     try:
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
     except AssertionError:
-        ref = exact().to(got.device)
-        err, eager_err = ((t.detach().double() - ref).abs().max().item() for t in (got, want))
+        err, eager_err = (max_error(t, exact()) for t in (got, want))
         if not err <= 2 * eager_err + atol:
             raise AssertionError(f"{what}: error against float64 {err:.3g}, eager's {eager_err:.3g} "
                                  f"(up to twice eager's + {atol} allowed)") from None
