@@ -336,7 +336,9 @@ def with_eager_strides(fn, values: list):
     its fake one does not: ATen chooses a result's format from its input's strides, size-1
     dimensions included, and those of fxopt's fused kernels need not be the fake ones (GPU fuzz
     be7f1a0376: an upsampling after a fused convolution of [1, 2, 1, 1] came out channels_last).
-    An output that shares memory with another or with an input keeps its strides (aliasing first).
+    An output that shares memory with an input keeps its strides; one that other outputs are views
+    of is copied with them (``_relayout``: each view rebuilt on the copy, aliasing kept), or kept as
+    it is where a view does not map onto the copy or would not get eager's strides.
     Static sizes only; ``fn`` itself where nothing can be compared."""
     want = [(tuple(v.shape), tuple(v.stride())) if isinstance(v, torch.Tensor)
             and dense_order(tuple(v.shape), tuple(v.stride())) is not None else None for v in values]
@@ -349,20 +351,73 @@ def with_eager_strides(fn, values: list):
             return outs
         fixed = None
         for i, (o, w) in enumerate(zip(outs, want)):
-            if w is None or not isinstance(o, torch.Tensor):
+            if w is None or not isinstance(o, torch.Tensor) or (fixed is not None and fixed[i] is not outs[i]):
                 continue
             strides = o.stride()
             if (strides == w[1] or o.shape != w[0] or same_strides(w[0], strides, w[1])
-                    or _shares_memory(o, outs, args)):
+                    or _shares_memory(o, (), args)):
+                continue
+            ptr = o.untyped_storage().data_ptr()
+            views = [j for j, v in enumerate(outs) if j != i and isinstance(v, torch.Tensor)
+                     and v.untyped_storage().data_ptr() == ptr]
+            copies = _relayout(o, w[1], [outs[j] for j in views])
+            if copies is None or not all(want[j] is None or same_strides(want[j][0], c.stride(), want[j][1])
+                                         for j, c in zip(views, copies[1:])):
                 continue
             fixed = list(outs) if fixed is None else fixed
-            fixed[i] = torch.empty_strided(w[0], w[1], dtype=o.dtype, device=o.device).copy_(o)
+            for j, c in zip([i, *views], copies):
+                fixed[j] = c
         if fixed is None:
             return outs
         return tuple(fixed) if isinstance(outs, tuple) else fixed
 
     call.__wrapped__ = fn
     return call
+
+
+def _relayout(t: torch.Tensor, strides, views: list):
+    """[``t`` copied into the dense ``strides``, each of ``views`` (tensors on ``t``'s storage) as
+    the same view of the copy], or None: ``t`` does not cover its whole storage, or a view does not
+    map (a dtype view, a step that crosses ``t``'s dimensions)."""
+    if views and (t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size()
+                  or dense_order(tuple(t.shape), t.stride()) is None):
+        return None
+    mapped = [_mapped_view(t, strides, v) for v in views]
+    if any(m is None for m in mapped):
+        return None
+    new = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+    return [new] + [new.as_strided(v.shape, s, off) for v, (s, off) in zip(views, mapped)]
+
+
+def _mapped_view(t: torch.Tensor, strides, v: torch.Tensor):
+    """(strides, storage offset) of view ``v`` of dense ``t`` once ``t``'s elements are laid out with
+    ``strides``, or None where a step of ``v`` is not a whole step of one of ``t``'s dimensions."""
+    if v.dtype != t.dtype:
+        return None
+    dims = sorted((d for d in range(t.dim()) if t.shape[d] > 1), key=lambda d: -t.stride(d))
+    at = {d: (v.storage_offset() // t.stride(d)) % t.shape[d] for d in dims}  # t's index of v's first element
+    room = dict(at)
+    ones = {t.stride(d): strides[d] for d in range(t.dim()) if t.shape[d] == 1}
+    out = []
+    for size, s in zip(v.shape, v.stride()):
+        if size == 1 and s in ones:  # a size-1 dimension of t's (its stride as eager's layout has it)
+            out.append(ones[s])
+            continue
+        k = next((d for d in dims if t.stride(d) <= s), None)
+        if s == 0 or k is None:  # broadcast; or a size-1 step inside one element
+            if size > 1 and s != 0:
+                return None
+            out.append(0 if s == 0 else 1)
+            continue
+        step, rest = divmod(s, t.stride(k))
+        if rest:
+            return None
+        if size > 1:
+            room[k] += step * (size - 1)
+            if room[k] >= t.shape[k]:
+                return None
+        out.append(step * strides[k])
+    return out, sum(at[d] * strides[d] for d in dims)
 
 
 def _shares_memory(t: torch.Tensor, outs, args) -> bool:

@@ -343,15 +343,49 @@ def test_dense_order_and_the_run_time_copy_into_eagers_strides():
     assert dense_order((2, 3), (0, 1)) is None and dense_order((2, 3), (4, 1)) is None  # expanded; gaps
     want = torch.empty(1, 2, 4, 4)  # eager's: contiguous
     cl = torch.randn(1, 2, 4, 4).contiguous(memory_format=CL)  # what a kernel gave instead
-    fn = with_eager_strides(lambda x: (cl, x, cl[:, :1]), [want, want, None])
+    fn = with_eager_strides(lambda x: (cl, x, x[:, :1]), [want, want, None])
     a, b, c = fn(x := torch.randn(1, 2, 4, 4))
-    assert b is x and c.stride() == cl[:, :1].stride()  # an input handed back, an unknown: untouched
-    # the first output shares memory with the third: aliasing before strides
-    assert a is cl
+    assert b is x and c.stride() == x[:, :1].stride()  # an input handed back, an unknown: untouched
+    assert a.stride() == want.stride() and torch.equal(a, cl)
+    # an output the third is a view of: both moved, the view rebuilt on the copy (aliasing kept)
+    fn = with_eager_strides(lambda: (cl, cl[:, :1]), [want, None])
+    a, c = fn()
+    assert a.stride() == want.stride() and torch.equal(a, cl) and torch.equal(c, cl[:, :1])
+    assert c.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
     fn = with_eager_strides(lambda: (cl,), [want])
     (a,) = fn()
     assert a.stride() == want.stride() and torch.equal(a, cl)
     assert with_eager_strides(len, [None]) is len  # nothing to compare: the function itself
+
+
+def test_outputs_that_are_views_of_each_other_get_eagers_strides_together():
+    """A split of a channels_last [1, 3, 1, 2] whose first piece a Winograd conv wrote contiguous, the
+    pieces concatenated, the result returned with its transpose: ATen's cat took the contiguous
+    format, eager's channels_last (strides (6, 2, 2, 1) against (6, 1, 6, 3)). The output and its
+    view are now copied together; views that cannot be rebuilt on the copy keep the old layout."""
+    from fxopt.eager_formats import with_eager_strides
+
+    want = torch.empty(1, 3, 1, 2).contiguous(memory_format=CL)
+    x = torch.randn(1, 3, 1, 2)
+    a, b = with_eager_strides(lambda: (x, x.transpose(2, 3)), [want, want.transpose(2, 3)])()
+    assert a.stride() == want.stride() and b.stride() == want.transpose(2, 3).stride()  # size-1 dims too
+    assert torch.equal(a, x) and torch.equal(b, x.transpose(2, 3))
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+    def views(t):
+        return (t, t[:, 1:3], t[1], t.permute(0, 2, 3, 1), t[:, :, ::2], t[:, 2:3].expand(2, 4, 3, 5))
+
+    x, want = torch.randn(2, 4, 3, 5), torch.empty(2, 4, 3, 5).contiguous(memory_format=CL)
+    outs = with_eager_strides(lambda: views(x), list(views(want)))()
+    for o, ref, w in zip(outs, views(x), views(want)):
+        assert torch.equal(o, ref) and o.stride() == w.stride() and o.storage_offset() == w.storage_offset()
+    # a view that is not one of x's layouts' (a flattening reshape) cannot move: all stay as they are
+    flat = x.view(-1)
+    a, f = with_eager_strides(lambda: (x, flat), [want, None])()
+    assert a is x and f is flat
+    # a view eager would lay out otherwise than the moved copy gives: nothing moves
+    a, t = with_eager_strides(lambda: (x, x.transpose(1, 2)), [want, torch.empty(2, 3, 4, 5)])()
+    assert a is x
 
 
 def test_eagers_output_layouts_are_measured_where_running_the_graph_is_harmless():
@@ -387,3 +421,18 @@ def test_eagers_output_layouts_are_measured_where_running_the_graph_is_harmless(
     with FakeTensorMode() as mode:  # fake inputs: nothing to run
         fake = mode.from_tensor(x)
     assert measured_output_values(gm, [fake]) is None
+
+
+def test_a_concatenation_returned_with_its_transpose_has_eagers_strides_end_to_end():
+    """The case above through the whole backend (the fuzzer's check: values and strides of every output)."""
+    from fxopt.fuzz import Program
+    from fxopt.fuzz.check import run_program
+
+    source = ("import torch\nimport torch.nn as nn\n\n\nclass Model(nn.Module):\n    def __init__(self):\n"
+              "        super().__init__()\n        self.m0 = nn.Conv2d(1, 1, 3, padding=1)\n\n"
+              "    def forward(self, x):\n        p0, p1, p2 = torch.split(x, [1, 1, 1], dim=1)\n"
+              "        x = torch.cat([self.m0(p0), p1, p2], 1)\n        return x, x.transpose(2, 3)\n")
+    for algorithm in ("winograd_2x2_3x3", "auto"):
+        p = Program(source=source, shape=(1, 3, 1, 2), dtype="float32", fmt="channels_last", mode="inference",
+                    seed=0, options={"conv_algorithm": algorithm, "executor": "torch"}, layers=[], ops=[])
+        run_program(p, "cpu", outcome={})  # raises Mismatch on a stride or value that differs from eager's
