@@ -492,6 +492,8 @@ def summary_lines(info: dict) -> list[str]:
                                  if info.get("chunking_declined") else "")
                               if info.get("padding") and not info.get("padding_declined")
                               else f"off ({info.get('padding_declined', 'not asked')})")]
+    if info.get("specialised_by"):
+        lines.append("  values per size: " + "; ".join(f"{g}: {how}" for g, how in info["specialised_by"].items()))
     for size, rec in info.get("specializations", {}).items():
         secs = ", ".join(f"{s:.3f}" for s in rec["seconds"])
         how = rec.get("runs", "specialized")

@@ -15,10 +15,11 @@ import torch
 import torch.fx as fx
 
 
-def symbolic_vals(gm: fx.GraphModule, batch: Optional[str]) -> Optional[dict]:
+def symbolic_vals(gm: fx.GraphModule, batch) -> Optional[dict]:
     """Per node of ``gm`` (FakeTensor values, batch symbolic or not) its value as
     ``fxopt.serialize`` writes one, sizes as expressions of the batch (``batch``: the symbol's
-    name); None when some node's value cannot be written so."""
+    name; a tuple of names: of those symbols, ``_val_json``); None when some node's value cannot be
+    written so."""
     from fxopt.serialize import _val_json
 
     out = {}
@@ -62,12 +63,13 @@ def _exported_vals(gm: fx.GraphModule, inputs: dict, weights: dict, dynamic: boo
     return symbolic_vals(copy, str(b.node.expr) if isinstance(b, torch.SymInt) else None)
 
 
-def _same_val(a, b) -> bool:
+def _same_val(a, b, offsets: bool = True) -> bool:
     if isinstance(a, tuple) or isinstance(b, tuple):
         return (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
-                and all(map(_same_val, a, b)))
+                and all(_same_val(x, y, offsets) for x, y in zip(a, b)))
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+        return (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+                and (not offsets or a.storage_offset() == b.storage_offset()))
     return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
 
 
@@ -76,30 +78,46 @@ def _vals_agree(stored: fx.GraphModule, propagated: fx.GraphModule) -> bool:
     every batch it runs)."""
     mine = {n.name: n.meta.get("val") for n in stored.graph.nodes}
     # a size (an int) propagation may leave unrecorded (torch 2.11 does): the tensors using it agree
-    return all(_same_val(mine.get(n.name), n.meta.get("val")) for n in propagated.graph.nodes
+    # (an input's offset into its storage is its caller's: a loaded package's weights share one)
+    return all(_same_val(mine.get(n.name), n.meta.get("val"), n.op != "placeholder") for n in propagated.graph.nodes
                if n.op in ("placeholder", "call_function", "call_module")
                and not (n.meta.get("val") is None and isinstance(mine.get(n.name), int)))
 
 
-def _specialise(gm: fx.GraphModule, args: list, vals: Optional[dict] = None,
-                batch: Optional[int] = None) -> fx.GraphModule:
-    """A copy of ``gm`` whose nodes carry their values at these (static) shapes in ``meta["val"]``:
-    from the package's ``vals`` (``symbolic_vals``) as meta tensors where given (no propagation:
-    FakeTensorMode imports Dynamo, seconds of a fresh process's first call), else by FakeTensor
-    propagation."""
+def from_vals(gm: fx.GraphModule, vals: dict, batch, fake: bool = False) -> fx.GraphModule:
+    """A copy of ``gm`` whose nodes carry the values ``vals`` (``symbolic_vals``) take at ``batch``
+    (``serialize.eval_size``), as meta tensors (``fake``: FakeTensors on their devices); raises
+    KeyError / ValueError / TypeError / RuntimeError where a value cannot be rebuilt."""
     from fxopt.pipeline import copy_graph_module
     from fxopt.serialize import _val_from_json
 
+    mode = None
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    at = {name: _val_from_json(v, mode, batch) for name, v in vals.items()}
     static = copy_graph_module(gm)
+    for n in static.graph.nodes:
+        if n.op in ("placeholder", "call_function", "call_module"):
+            n.meta["val"] = at[n.name]
+    return static
+
+
+def _specialise(gm: fx.GraphModule, args: list, vals: Optional[dict] = None,
+                batch: Optional[int] = None, fake: bool = False) -> fx.GraphModule:
+    """A copy of ``gm`` whose nodes carry their values at these (static) shapes in ``meta["val"]``:
+    from the package's ``vals`` (``symbolic_vals``) as meta tensors where given (no propagation:
+    FakeTensorMode imports Dynamo, seconds of a fresh process's first call; ``fake``: as FakeTensors),
+    else by FakeTensor propagation."""
+    from fxopt.pipeline import copy_graph_module
+
     if vals is not None:
         try:
-            at = {name: _val_from_json(v, None, batch) for name, v in vals.items()}
-            for n in static.graph.nodes:
-                if n.op in ("placeholder", "call_function", "call_module"):
-                    n.meta["val"] = at[n.name]
-            return static
+            return from_vals(gm, vals, batch, fake)
         except (KeyError, ValueError, TypeError, RuntimeError):
-            static = copy_graph_module(gm)
+            pass
+    static = copy_graph_module(gm)
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -142,13 +160,14 @@ def _fold_sizes(gm: fx.GraphModule) -> int:
 
 
 def specialise_at(gm: fx.GraphModule, args: list, vals: Optional[dict] = None,
-                  batch: Optional[int] = None) -> tuple[fx.GraphModule, dict]:
+                  batch: Optional[int] = None, fake: bool = False) -> tuple[fx.GraphModule, dict]:
     """A graph optimized with symbolic sizes, made static at the sizes of ``args``: one mechanism for
     a package's batch (``fxopt.packaging``) and for ``torch.compile``'s dynamic shapes
     (``fxopt.dynamic``). Every node's value at these sizes (``_specialise``), the size inputs and
     size arithmetic folded into ints (``_fold_sizes``), and the layout clones these sizes show to be
-    copies removed (``_drop_noop_layout_clones``). Returns (graph, counts)."""
-    static = _specialise(gm, args, vals, batch)
+    copies removed (``_drop_noop_layout_clones``). ``fake``: the stored ``vals`` rebuilt as FakeTensors
+    on their devices (which the executor's measurements read), not meta tensors. Returns (graph, counts)."""
+    static = _specialise(gm, args, vals, batch, fake)
     sizes = _fold_sizes(static)
     return static, {"sizes_folded": sizes, "layout_clones_removed": _drop_noop_layout_clones(static)}
 

@@ -25,9 +25,12 @@ raises ``GraphFormatError`` when writing: the caller then does not store the gra
 from __future__ import annotations
 
 import ast
+import contextlib
+import functools
 import importlib
 import math
 import operator
+import re
 from typing import Any, Optional
 
 import torch
@@ -151,22 +154,26 @@ def _unmeta(meta: dict) -> dict:
     return out
 
 
-def _val_json(v, batch: Optional[str] = None) -> Any:
+def _val_json(v, batch=None) -> Any:
     """A node's value as JSON: a tensor's shape, strides, dtype, device and requires_grad (or a tuple
     of them, or an int), enough to rebuild it; else None. Sizes are ints, or with ``batch`` (the name
-    of the batch's symbol) expressions of ``B`` where they depend on it and on nothing else."""
+    of the batch's symbol) expressions of ``B`` where they depend on it and on nothing else; with a
+    tuple of symbol names, expressions of ``B0``, ``B1``, ... (those symbols in that order)."""
+    names = {batch: "B"} if isinstance(batch, str) else {b: f"B{i}" for i, b in enumerate(batch or ())}
+
     def size(d):
         if isinstance(d, int):
             return d
         free = {str(f) for f in d.node.expr.free_symbols} if isinstance(d, torch.SymInt) else None
-        if batch is None or free is None or free - {batch}:
+        if not names or free is None or free - set(names):
             raise ValueError(d)
-        return str(d.node.expr).replace(batch, "B")
+        return re.sub(r"\b[A-Za-z_]\w*\b", lambda m: names.get(m.group(0), m.group(0)), str(d.node.expr))
 
     try:
         if isinstance(v, torch.Tensor):
+            offset = size(v.storage_offset())  # a view into its storage: where it starts (else left out)
             return [[size(d) for d in v.shape], [size(s) for s in v.stride()], str(v.dtype).replace("torch.", ""),
-                    str(v.device), bool(v.requires_grad)]
+                    str(v.device), bool(v.requires_grad)] + ([offset] if offset != 0 else [])
         if isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool):
             return {"i": size(v)}
     except ValueError:
@@ -178,24 +185,37 @@ def _val_json(v, batch: Optional[str] = None) -> Any:
 
 
 _SIZE_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-             ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+             ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: lambda a, b: _small_power(a, b)}
 _SIZE_CALLS = {"FloorDiv": operator.floordiv, "Mod": operator.mod, "PythonMod": operator.mod,
                "Max": max, "Min": min}
 
 
-def eval_size(e, batch: Optional[int]) -> int:
+def _small_power(a: int, b: int) -> int:
+    if not 0 <= b <= 8:  # a size is a product of a few sizes (a file's expression must not run away)
+        raise ValueError(f"size exponent {b}")
+    return a ** b
+
+
+@functools.lru_cache(maxsize=8192)
+def _parsed(e: str) -> ast.Expression:
+    return ast.parse(e, mode="eval")
+
+
+def eval_size(e, batch) -> int:
     """A size ``_val_json`` wrote, at this batch: an int, or an expression of ``B`` with integers,
-    + - * // %, and sympy's FloorDiv/Mod/Max/Min; anything else raises ValueError."""
+    + - * // % **, and sympy's FloorDiv/Mod/Max/Min; anything else raises ValueError. ``batch``: B's
+    value, or a dict of the values of ``B0``, ``B1``, ... (``_val_json`` with several symbols)."""
     if isinstance(e, int):
         return e
+    values = batch if isinstance(batch, dict) else {"B": batch} if batch is not None else {}
 
     def ev(t):
         if isinstance(t, ast.Expression):
             return ev(t.body)
         if isinstance(t, ast.Constant) and type(t.value) is int:
             return t.value
-        if isinstance(t, ast.Name) and t.id == "B" and batch is not None:
-            return batch
+        if isinstance(t, ast.Name) and t.id in values:
+            return values[t.id]
         if isinstance(t, ast.BinOp) and type(t.op) in _SIZE_OPS:
             return _SIZE_OPS[type(t.op)](ev(t.left), ev(t.right))
         if isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.USub):
@@ -205,7 +225,7 @@ def eval_size(e, batch: Optional[int]) -> int:
         raise ValueError(f"size expression {e!r}")
 
     try:
-        return int(ev(ast.parse(str(e), mode="eval")))
+        return int(ev(_parsed(str(e))))
     except (SyntaxError, ArithmeticError, RecursionError) as exc:
         raise ValueError(f"size expression {e!r}") from exc
 
@@ -215,13 +235,16 @@ def _val_from_json(v, mode, batch: Optional[int] = None):
     meta tensor (an int, a tuple of them)."""
     if isinstance(v, dict):
         return eval_size(v["i"], batch) if "i" in v else tuple(_val_from_json(t, mode, batch) for t in v["t"])
-    shape, stride, dtype, device, grad = v
+    shape, stride, dtype, device, grad, *offset = v
     shape, stride = [eval_size(d, batch) for d in shape], [eval_size(s, batch) for s in stride]
-    if mode is None:
-        t = torch.empty_strided(shape, stride, dtype=_DTYPES[dtype], device="meta")
-    else:
-        with mode:
-            t = torch.empty_strided(shape, stride, dtype=_DTYPES[dtype], device=torch.device(device))
+    offset = eval_size(offset[0], batch) if offset else 0
+    with contextlib.nullcontext() if mode is None else mode:
+        dev = "meta" if mode is None else torch.device(device)
+        if offset:  # a view at that offset of a storage holding it
+            span = 0 if 0 in shape else 1 + sum((n - 1) * abs(st) for n, st in zip(shape, stride))
+            t = torch.empty(offset + span, dtype=_DTYPES[dtype], device=dev).as_strided(shape, stride, offset)
+        else:
+            t = torch.empty_strided(shape, stride, dtype=_DTYPES[dtype], device=dev)
     return t.requires_grad_(grad) if grad else t
 
 

@@ -177,3 +177,60 @@ def test_symbolic_height_and_width_keep_every_pass_for_the_cuda_target():
     assert len(report.executor_details["dynamic"]["symbolic"]) == 2  # the batch; height and width (equal: one)
     assert report.conv_algorithms and {c.how for c in report.conv_algorithms.values()} == {"symbolic sizes"}
     assert all(c.algorithm == "direct" for c in report.conv_algorithms.values())
+
+
+def test_sizes_after_the_first_take_their_values_from_stored_expressions(monkeypatch):
+    """Every size is specialised from the symbolic graph's values (expressions of the batch, the
+    height and width) evaluated at that size, not by FakeTensor propagation; the first size checks
+    them against propagation. The values equal propagation's at every size."""
+    from fxopt import package_batch
+
+    calls = []
+    real = package_batch.specialise_at
+
+    def spy(gm, args, vals=None, batch=None, fake=False):
+        static, counts = real(gm, args, vals, batch, fake)
+        calls.append(vals is not None)
+        if vals is not None:  # the same values propagation gives at these sizes
+            assert package_batch._vals_agree(static, real(gm, args)[0])
+        return static, counts
+
+    monkeypatch.setattr(package_batch, "specialise_at", spy)
+    torch.manual_seed(0)
+    model, backend = SmallResNet().eval(), Counting(executor="torch", dynamic_padding=False)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    _check(compiled, model, [(2, 32), (3, 40), (5, 24), (4, 32)])
+    assert calls == [False, False] + [True] * 6  # unoptimized and optimized graph, per size
+    info = backend.dynamic()
+    assert set(info["specialised_by"]) == {"unoptimized", "optimized"}
+    assert all(how.startswith("stored values") for how in info["specialised_by"].values())
+    assert any("values per size: " in line for line in fxopt.dynamic.summary_lines(info))
+
+
+def test_size_expressions_of_several_symbols():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from fxopt.serialize import _val_from_json, _val_json, eval_size
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    x = mode.from_tensor(torch.empty(2, 3, 5, 7), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC, DimDynamic.DYNAMIC, DimDynamic.DYNAMIC]))
+    names = tuple(str(d.node.expr) for d in (x.shape[0], x.shape[2], x.shape[3]))
+    with mode:
+        y = x.reshape(x.shape[0], -1).contiguous()
+    v = _val_json(y, names)
+    assert v is not None and _val_json(y, names[0]) is None  # one symbol named: the others cannot be written
+    t = _val_from_json(v, None, {"B0": 4, "B1": 6, "B2": 9})
+    assert t.shape == (4, 3 * 6 * 9) and t.stride() == (3 * 6 * 9, 1) and t.device.type == "meta"
+    z = _val_json(x, names)
+    assert z[1][0] in ("3*B1*B2", "3*B2*B1")
+    with mode:
+        piece = y[:, 2:]  # a view at an offset: the offset is kept (as an expression too)
+    p = _val_json(piece, names)
+    assert len(p) == 6 and _val_from_json(p, None, {"B0": 4, "B1": 6, "B2": 9}).storage_offset() == 2
+    assert eval_size("3*B1**2", {"B1": 5}) == 75 and eval_size("B*2", 3) == 6
+    with pytest.raises(ValueError):
+        eval_size("B**99", 2)  # an exponent no size has
+    with pytest.raises(ValueError):
+        eval_size("B0 + C", {"B0": 1})

@@ -252,7 +252,8 @@ def test_size_expressions_evaluate_or_refuse():
     assert eval_size(7, 3) == 7 and eval_size("B", 3) == 3
     assert eval_size("64*B + 2", 3) == 194 and eval_size("FloorDiv(B, 2)", 5) == 2
     assert eval_size("Max(1, B - 4)", 3) == 1 and eval_size("Mod(B, 4)", 6) == 2
-    for bad in ("s0", "B**2", "__import__('os')", "B.real", "1.5*B", "True*B", "B +", "FloorDiv(B, 0)"):
+    assert eval_size("B**2", 3) == 9  # a square image's side squared
+    for bad in ("s0", "B**9", "__import__('os')", "B.real", "1.5*B", "True*B", "B +", "FloorDiv(B, 0)"):
         with pytest.raises(ValueError):
             eval_size(bad, 3)
     with pytest.raises(ValueError):  # a static graph's values name no batch
