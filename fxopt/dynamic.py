@@ -13,7 +13,8 @@ after its recompile limit runs new sizes eagerly. So a symbolic inference graph 
 3. ``SizeDispatcher`` is what Dynamo calls. At the first call of a concrete size (the values of the
    private symbols, read from the arguments) it checks the guards the passes added against that size,
    makes the optimized graph static at it with the mechanism a package uses for a batch size
-   (``fxopt.package_batch.specialise_at``) and lowers it with the executor (its kernels, measured
+   (``fxopt.package_batch.specialise_at``: every node's value evaluated from the expressions the
+   symbolic graph holds, checked once against FakeTensor propagation at the first size) and lowers it with the executor (its kernels, measured
    choices and CUDA-graph runner); the result is cached per size. A size where a guard fails gets
    the passes run again at that size (the reason is recorded); it still never runs eagerly.
    At most ``max_specializations`` sizes stay lowered: the least called one that no padded size
