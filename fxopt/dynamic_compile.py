@@ -160,8 +160,8 @@ def _lowering(compiler, ctx, before: fx.GraphModule, optimized: fx.GraphModule, 
     def lower_at(args: list, key: tuple, choices=None):
         why = shapes.failed_guard(key)
         note = None
-        with torch.no_grad():
-            base = specialised(before, "unoptimized", args, key)
+        with torch.no_grad():  # (values stored as expressions hold where no guard of the passes fails)
+            base = specialised(before, "unoptimized", args, key) if why is None else specialise_at(before, args)[0]
         if why is None:
             with torch.no_grad():
                 static = specialised(optimized, "optimized", args, key)

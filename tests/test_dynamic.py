@@ -234,3 +234,31 @@ def test_size_expressions_of_several_symbols():
         eval_size("B**99", 2)  # an exponent no size has
     with pytest.raises(ValueError):
         eval_size("B0 + C", {"B0": 1})
+
+
+def test_a_size_that_breaks_a_guard_of_the_passes_runs_them_again_from_propagated_values(monkeypatch):
+    """A pass that reads the batch as an int (here: the wrapper, after the pipeline) pins the symbol to
+    the traced size in fxopt's shape environment; every other size then runs the passes again, from
+    the unoptimized graph specialised by FakeTensor propagation (the stored expressions hold only where
+    no such guard fails) and gives eager's results."""
+    real = fxopt.pipeline.run_pipeline
+    pinned = []
+
+    def pinning(gm, ctx, dump_prefix=""):
+        out = real(gm, ctx, dump_prefix=dump_prefix)
+        if not pinned:
+            v = next(n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"
+                     and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 4
+                     and isinstance(n.meta["val"].shape[0], torch.SymInt))
+            pinned.append(int(v.shape[0]))  # a guard: the batch is what it was traced at
+        return out
+
+    monkeypatch.setattr(fxopt.pipeline, "run_pipeline", pinning)
+    torch.manual_seed(0)
+    model, backend = SmallResNet().eval(), Counting(executor="torch", dynamic_padding=False)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    _check(compiled, model, [(2, 32), (3, 32), (5, 32), (2, 32)])
+    info = backend.dynamic()
+    assert pinned == [2] and info["pipeline_runs"] == 3  # once symbolic, again at 3 and at 5
+    notes = [rec.get("note") or "" for rec in info["specializations"].values()]
+    assert sum("passes ran again" in n for n in notes) == 2
