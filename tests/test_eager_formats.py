@@ -1,5 +1,6 @@
 """fxopt/eager_formats.py on the GPU fuzzer's failing programs (Dynamo on fake CUDA tensors)."""
 import contextlib
+import math
 
 import pytest
 import torch
@@ -436,3 +437,85 @@ def test_a_concatenation_returned_with_its_transpose_has_eagers_strides_end_to_e
         p = Program(source=source, shape=(1, 3, 1, 2), dtype="float32", fmt="channels_last", mode="inference",
                     seed=0, options={"conv_algorithm": algorithm, "executor": "torch"}, layers=[], ops=[])
         run_program(p, "cpu", outcome={})  # raises Mismatch on a stride or value that differs from eager's
+
+
+def _draw_view(draw, t):
+    """A chain of up to three view ops on ``t`` (the same chain replays on another tensor)."""
+    from hypothesis import strategies as st
+
+    ops = []
+    shape = list(t.shape)
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["slice", "select", "permute", "transpose", "unsqueeze", "expand"]))
+        d = draw(st.integers(0, len(shape) - 1))
+        if kind == "slice" and shape[d] > 1:
+            start = draw(st.integers(0, shape[d] - 1))
+            step = draw(st.integers(1, 2))
+            ops.append(lambda v, d=d, s=start, k=step: v.narrow(d, s, v.shape[d] - s)[(slice(None),) * d + (slice(None, None, k),)])
+            shape[d] = len(range(start, shape[d], step))
+        elif kind == "select" and len(shape) > 1:
+            i = draw(st.integers(0, shape[d] - 1))
+            ops.append(lambda v, d=d, i=i: v.select(d, i))
+            shape.pop(d)
+        elif kind == "permute":
+            order = draw(st.permutations(range(len(shape))))
+            ops.append(lambda v, o=tuple(order): v.permute(o))
+            shape = [shape[o] for o in order]
+        elif kind == "transpose" and len(shape) > 1:
+            e = draw(st.integers(0, len(shape) - 1))
+            ops.append(lambda v, d=d, e=e: v.transpose(d, e))
+            shape[d], shape[e] = shape[e], shape[d]
+        elif kind == "unsqueeze":
+            ops.append(lambda v, d=d: v.unsqueeze(d))
+            shape.insert(d, 1)
+        elif kind == "expand" and 1 in shape:
+            k = shape.index(1)
+            n = draw(st.integers(1, 3))
+            ops.append(lambda v, k=k, n=n: v.expand(*[n if j == k else -1 for j in range(v.dim())]))
+            shape[k] = n
+
+    def apply(v):
+        for op in ops:
+            v = op(v)
+        return v
+    return apply
+
+
+@pytest.mark.parametrize("seed", [0])
+def test_property_outputs_and_their_views_moved_together_keep_values_aliasing_and_get_eagers_strides(seed):
+    """Hypothesis: an output in one dense layout, views of it (slices, selects, permutes, expands)
+    returned beside it, eager's layout another: every output keeps its values; where the outputs
+    move they share one storage again and each has the strides eager's layout gives that view;
+    where they do not, they are the very tensors the graph gave."""
+    from hypothesis import given, settings, strategies as st
+
+    from fxopt.eager_formats import with_eager_strides
+
+    @settings(max_examples=60, deadline=None)
+    @given(data=st.data())
+    def check(data):
+        shape = data.draw(st.lists(st.integers(1, 4), min_size=2, max_size=4))
+        mine, theirs = (data.draw(st.permutations(range(len(shape)))) for _ in range(2))
+
+        def laid_out(order, fill):
+            base = torch.arange(math.prod(shape), dtype=torch.float32) if fill else torch.empty(math.prod(shape))
+            return base.view([shape[d] for d in order]).permute([list(order).index(d) for d in range(len(shape))])
+
+        t, want = laid_out(mine, True), laid_out(theirs, False)
+        chains = [_draw_view(data.draw, t) for _ in range(data.draw(st.integers(0, 3)))]
+        outs = with_eager_strides(lambda: (t, *[c(t) for c in chains]), [want] + [c(want) for c in chains])()
+        refs = [t] + [c(t) for c in chains]
+        wants = [want] + [c(want) for c in chains]
+        for o, r in zip(outs, refs):
+            assert torch.equal(o, r)
+        moved = outs[0] is not t
+        if moved:
+            ptr = outs[0].untyped_storage().data_ptr()
+            for o, w in zip(outs, wants):
+                assert o.untyped_storage().data_ptr() == ptr
+                assert same_strides(o.shape, o.stride(), w.stride()), (o.stride(), w.stride())
+        else:
+            assert all(o.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for o in outs)
+            assert same_strides(t.shape, t.stride(), want.stride()) or len(outs) > 1
+
+    check()
