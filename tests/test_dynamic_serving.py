@@ -271,6 +271,27 @@ def test_the_static_graphs_choices_seed_the_symbolic_graphs_bucket(tmp_path):
     assert first and first[0]["choices"]["from_sibling"] >= 1, first
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sizes_specialised_from_stored_values_measure_and_run_on_the_gpu(tmp_path):
+    """After the symbolic graph's first size, every size's values come from the stored expressions as
+    FakeTensors on the GPU: a bucket's first lowering measures its candidates on them (batch 12: bucket
+    16), a later one reuses them (batch 3: bucket 4 measured; 7: bucket 8's), all equal to eager."""
+    torch.manual_seed(0)
+    model = SmallResNet().cuda().eval().half()
+    backend = Counting(dynamic_padding=False, autotune_cache=str(tmp_path / "a.json"))
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for b in (6, 12, 3, 7):
+            x = torch.randn(b, 3, 32, 32, device="cuda").half().contiguous(memory_format=torch.channels_last)
+            torch.testing.assert_close(compiled(x), model(x), rtol=2e-2, atol=2e-2)
+    info = backend.dynamic()
+    assert all(how.startswith("stored values") for how in info["specialised_by"].values()), info["specialised_by"]
+    measured = [v for v in info["specializations"].values()
+                if v.get("choices_from") == "measured here (first of its bucket)"]
+    assert len(measured) >= 2, info["specializations"]
+
+
 def test_bucket_and_signature():
     assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 33, 64)] == [1, 2, 4, 4, 8, 8, 16, 64, 64]
     a = "node|graphed=True|fused_conv|['(5, 64, 56, 56)|channels_last|torch.float16']|['a', 'b']"
