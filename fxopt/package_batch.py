@@ -64,8 +64,8 @@ def _exported_vals(gm: fx.GraphModule, inputs: dict, weights: dict, dynamic: boo
 
 
 def _same_val(a, b, offsets: bool = True) -> bool:
-    if isinstance(a, tuple) or isinstance(b, tuple):
-        return (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):  # (propagation gives a split's list)
+        return (isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b)
                 and all(_same_val(x, y, offsets) for x, y in zip(a, b)))
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype

@@ -246,6 +246,43 @@ def test_stored_values_stand_for_propagation_at_every_batch(tmp_path):
         assert _vals_agree(stored, _specialise(module.graph, args))
 
 
+class _Split(nn.Module):
+    """A channel split whose pieces are views at offsets into their input, each through a conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(5, 4, 1)
+
+    def forward(self, x):
+        y = torch.relu(nn.functional.conv2d(x, torch.ones(8, 3, 1, 1) * 0.1))
+        p, q = torch.split(y, [3, 5], dim=1)
+        return torch.cat([self.a(p), self.b(q)], 1), q
+
+
+def test_stored_values_keep_the_offsets_of_views(tmp_path):
+    """A value that is a view at an offset into its storage (the second piece of a split, returned) is
+    stored with its offset (an expression of the batch) and rebuilt with it at every batch."""
+    from fxopt.package_batch import _specialise, _vals_agree
+
+    torch.manual_seed(0)
+    model = _Split().eval()
+    fxopt.package(model, (torch.randn(1, 3, 8, 8),), tmp_path / "s.fxopt", options={"executor": "cuda"})
+    module = fxopt.load(tmp_path / "s.fxopt")
+    vals = module.manifest["vals"]
+    assert vals is not None and any(isinstance(v, list) and len(v) == 6 for v in vals.values()), vals
+    for batch in (1, 2, 5):
+        args = list(module._template)
+        args[module._input_at[0]] = torch.randn(batch, 3, 8, 8)
+        stored = _specialise(module.graph, args, vals, batch)
+        assert _vals_agree(stored, _specialise(module.graph, args))
+        assert any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].storage_offset() > 0
+                   for n in stored.graph.nodes)
+    x = torch.randn(3, 3, 8, 8)
+    with torch.no_grad():
+        for got, want in zip(module(x), model(x)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_size_expressions_evaluate_or_refuse():
     from fxopt.serialize import eval_size
 
