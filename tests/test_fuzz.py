@@ -614,6 +614,41 @@ def test_compare_takes_the_largest_spread_of_the_samples():
         compare("w.grad", torch.tensor([9.0, 2.0]), eager, lambda: exact, 1e-3, 1e-2, spread64=lambda: samples)
 
 
+def test_compare_takes_eagers_error_at_nearby_inputs_and_only_then():
+    """Where fxopt's error is beyond twice eager's at the program's input, eager's largest error at inputs
+    a few ulps away (``EagerNearby``) decides: within twice that, it passes; a value further off still
+    fails, and the nearby runs are not made where eager's own error already covers fxopt's."""
+    from fxopt.fuzz.check import Mismatch, compare
+
+    exact = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    eager, mine = torch.tensor([1.001, 2.0]), torch.tensor([1.05, 2.0])
+    compare("output", mine, eager, lambda: exact, 1e-3, 1e-4, nearby=lambda: [0.03])  # 0.05 <= 2 * 0.03
+    with pytest.raises(Mismatch):
+        compare("output", mine, eager, lambda: exact, 1e-3, 1e-4, nearby=lambda: [0.02])
+    calls = []
+    compare("output", torch.tensor([1.0015, 2.0]), eager, lambda: exact, 1e-4, 1e-4, nearby=lambda: calls.append(1))
+    assert not calls
+
+
+def test_eager_nearby_samples_eagers_noise_at_a_cancellation():
+    """CPU fuzz 88d430b4dc's model: at the program's input eager's error is one sample of noise; the
+    nearby inputs give eager's errors against float64 at each (the output's and every gradient's)."""
+    from fxopt.fuzz.references import EagerNearby
+    from test_fuzz_reproducers import gpu_reproducer
+
+    prog = gpu_reproducer("88d430b4dc")
+    model, x = fuzz_check.build(prog, "cpu")
+    nearby = EagerNearby(model, x, prog)
+    out_errs = nearby.errors()
+    assert len(out_errs) == 2 and out_errs[0] > 1e-4 and out_errs[1] < 1e-6  # the normalized one; y is benign
+    ws = [torch.randn(o.shape, generator=torch.Generator().manual_seed(2)) for o in model(x)]
+    loss = lambda outs, ref=False: sum(((o.double() if ref else o.float()) * (w.double() if ref else w)).sum()  # noqa: E731
+                                       for o, w in zip(outs, ws))
+    assert nearby.grad_error("m0.weight", loss)[0] > 1e-3 and nearby.grad_error("input", loss)
+    assert nearby.grad_error("no such parameter", loss) == [] and len(nearby.loss_error(loss)) == 1
+    assert torch.equal(x, fuzz_check.build(prog, "cpu")[1])  # its copies: the program's input untouched
+
+
 def test_a_sum_that_cancels_is_judged_against_pytorchs_compiled_graph_too():
     """CPU fuzz (seed 7): a conv's bias gradient before a training BatchNorm, exactly 0, comes out
     0.344 from fxopt against eager's 0.046 and the rounded problem's 3e-14 (bfloat16): fxopt's is

@@ -159,6 +159,14 @@ GPU_REPRODUCERS = {  # GPU fuzz seeds 41 / 51 (2026-11-27): shape, dtype, fmt, m
          "x = self.m0(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)", "y = x",
          "x = self.m2(F.gelu(self.m1(torch.flatten(x, 1))))"], "x, y", 2753,
         {"conv_algorithm": "gemm", "cudagraphs": False}),
+    # CPU fuzz 2026-12-05 (seed 197, emulated kernels): two equal values' float32 noise scaled by 1 / sqrt(eps);
+    # judged against eager's error at nearby inputs (references.EagerNearby)
+    "88d430b4dc": ((1, 8, 1, 2), "float32", "contiguous", "training", [
+        "self.m0 = nn.Linear(8, 1)", "self.m1 = nn.Linear(1, 8, bias=True)", "self.m2 = nn.InstanceNorm2d(8, affine=False)",
+        "self.m3 = nn.GroupNorm(1, 8, affine=False)", "self.m4 = nn.BatchNorm2d(8)", _BN.format(4)],
+        ["x = (self.m1(F.gelu(self.m0(x.permute(0, 2, 3, 1))))).permute(0, 3, 1, 2)", "y = x", "x = self.m2(x)",
+         "x = self.m3(x)", "a, c = torch.chunk(x, 2, dim=1)", "x = torch.cat([torch.abs(a), c], 1)",
+         "x = self.m4(x)"], "x, y"),
 }
 
 

@@ -1,7 +1,7 @@
 """The references a fuzz program's values are judged against (``check.compare``): the model in
 float64 (``Reference64``), the rounding spread of a training step (float64 runs of the rounded
 problem and with every op's result perturbed, ``Spread`` of ``Samples``), and PyTorch's own compiled
-graph (``CompiledPeer``). How they decide: ``docs/NUMERICS.md``, "How the fuzzer judges a difference".
+graph (``CompiledPeer``), eager's error at nearby inputs (``EagerNearby``). How they decide: ``docs/NUMERICS.md``, "How the fuzzer judges a difference".
 """
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from .graphs import Program
 
 #: runs of the float64 model with every op's operands and result perturbed, per program
 PERTURBED_SAMPLES = 4
+
+#: eager runs at inputs a few units of the last place from the program's (``EagerNearby``)
+NEARBY_SAMPLES = 4
 
 #: the branch-flip run flips an element whose distance from a kink is at most this many times the
 #: largest distance any perturbed run moved it
@@ -250,6 +253,97 @@ class CompiledPeer:
             self._loss = loss_fn(self.out())
             self._loss.backward()
         return self.x.grad if name == "input" else dict(self.model.named_parameters())[name].grad
+
+
+class EagerNearby:
+    """Eager's own error at inputs a few units of the last place from the program's (each element
+    times ``1 + d``, ``|d|`` up to 4 units of the input dtype's roundoff; ``NEARBY_SAMPLES`` of them),
+    each against the model in float64 at that input, lazily: per output (``errors``), and for a
+    training step the loss's and each gradient's (``loss_error``, ``grad_error``), the largest.
+    Where a value cancels (a normalization over two values equal in exact arithmetic, a sum of
+    terms whose result is 0 but not the last thing computed), eager's error is rounding noise whose
+    size one input says little of: CPU fuzz 88d430b4dc (float32 training): InstanceNorm over two
+    values, GroupNorm (a mean of +-pairs, 0 exactly), ``abs`` of half the channels, a training
+    BatchNorm over the two values, which scales their float32 difference by ``1 / sqrt(eps)``;
+    eager 3.6e-4 from float64 at the program's input (5.3e-4 at the nearby ones), fxopt 9.0e-4; the
+    first layer's weight gradient eager 2.3e-4 there, 1.2e-4 to 0.051 nearby, fxopt 2.7e-3; the
+    float64 runs that perturb each op's operands by float32's roundoff moved the output 2e-5 to
+    4e-5. Copies of the model and input are taken now (before eager's step changes them)."""
+
+    def __init__(self, model, x, program: Program):
+        self.model, self.x, self.program = copy.deepcopy(model), x.detach().clone(), program
+        self._out: list | None = None
+        self._step: dict | None = None
+
+    def _inputs(self):
+        u = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}.get(self.x.dtype, 2.0 ** -24)
+        gen = torch.Generator().manual_seed(self.program.seed * 13 + 5)
+        channels_last = (self.x.dim() == 4 and not self.x.is_contiguous()
+                         and self.x.is_contiguous(memory_format=torch.channels_last))
+        for _ in range(NEARBY_SAMPLES):
+            d = (torch.rand(self.x.shape, generator=gen, dtype=torch.float64) * 2 - 1) * 4 * u
+            xk = (self.x.double().cpu() * (1 + d)).to(self.x.dtype).to(self.x.device)
+            yield xk.contiguous(memory_format=torch.channels_last) if channels_last else xk
+
+    def _amp(self):
+        dtype = getattr(torch, self.program.dtype)
+        return (torch.autocast(self.x.device.type, dtype=dtype)
+                if self.program.mode == "training" and dtype != torch.float32 else contextlib.nullcontext())
+
+    def errors(self) -> list:
+        from fxopt.tolerances import max_error
+
+        if self._out is None:
+            worst: list = []
+            for xk in self._inputs():
+                with torch.no_grad():
+                    with self._amp():
+                        got = _flat(copy.deepcopy(self.model)(xk))
+                    exact = _flat(copy.deepcopy(self.model).double().cpu()(xk.double().cpu()))
+                errs = [max_error(g, e) if isinstance(g, torch.Tensor) and isinstance(e, torch.Tensor) else 0.0
+                        for g, e in zip(got, exact)]
+                worst = errs if not worst else [max(a, b) for a, b in zip(worst, errs)]
+            self._out = worst
+        return self._out
+
+    def _steps(self, loss_fn) -> dict:
+        """The loss's and every gradient's largest error over the nearby inputs (``loss_fn(outs,
+        ref)``: the training check's loss, in float64 with ``ref``)."""
+        from fxopt.tolerances import max_error
+
+        if self._step is None:
+            worst: dict = {}
+            for xk in self._inputs():
+                m, m64 = copy.deepcopy(self.model), copy.deepcopy(self.model).double().cpu()
+                xg, x64 = xk.detach().requires_grad_(True), xk.detach().double().cpu().requires_grad_(True)
+                with self._amp():
+                    out = m(xg)
+                loss, loss64 = loss_fn(out), loss_fn(m64(x64), True)
+                loss.backward()
+                loss64.backward()
+                errs = {"loss": max_error(loss.detach(), loss64.detach())}
+                grads64 = dict(m64.named_parameters())
+                for name, p in m.named_parameters():
+                    if p.grad is not None and grads64[name].grad is not None:
+                        errs[name] = max_error(p.grad, grads64[name].grad)
+                if xg.grad is not None and x64.grad is not None:
+                    errs["input"] = max_error(xg.grad, x64.grad)
+                for k, v in errs.items():
+                    worst[k] = max(v, worst.get(k, 0.0))
+            self._step = worst
+        return self._step
+
+    def loss_error(self, loss_fn) -> list:
+        return [self._steps(loss_fn).get("loss", 0.0)]
+
+    def grad_error(self, name: str, loss_fn) -> list:
+        """[the largest error of gradient ``name`` ("input": the input's)], or [] where none was had."""
+        e = self._steps(loss_fn).get(name)
+        return [] if e is None else [e]
+
+
+def _flat(out) -> list:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
 def _rounded(model, dtype: torch.dtype):
