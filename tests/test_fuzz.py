@@ -638,7 +638,8 @@ def test_eager_nearby_samples_eagers_noise_at_a_cancellation():
 
     prog = gpu_reproducer("88d430b4dc")
     model, x = fuzz_check.build(prog, "cpu")
-    nearby = EagerNearby(model, x, prog)
+    nearby = EagerNearby(copy.deepcopy(model), x.clone(), prog)
+    state = {k: v.clone() for k, v in nearby.model.state_dict().items()}
     out_errs = nearby.errors()
     assert len(out_errs) == 2 and out_errs[0] > 1e-4 and out_errs[1] < 1e-6  # the normalized one; y is benign
     ws = [torch.randn(o.shape, generator=torch.Generator().manual_seed(2)) for o in model(x)]
@@ -646,7 +647,8 @@ def test_eager_nearby_samples_eagers_noise_at_a_cancellation():
                                        for o, w in zip(outs, ws))
     assert nearby.grad_error("m0.weight", loss)[0] > 1e-3 and nearby.grad_error("input", loss)
     assert nearby.grad_error("no such parameter", loss) == [] and len(nearby.loss_error(loss)) == 1
-    assert torch.equal(x, fuzz_check.build(prog, "cpu")[1])  # its copies: the program's input untouched
+    assert torch.equal(nearby.x, x)  # each run on a copy of its own: what it was given untouched
+    assert all(torch.equal(v, state[k]) for k, v in nearby.model.state_dict().items())  # (BatchNorm's stats too)
 
 
 def test_a_sum_that_cancels_is_judged_against_pytorchs_compiled_graph_too():

@@ -77,7 +77,7 @@ from fxopt.eager_formats import same_strides
 from fxopt.tolerances import max_error
 
 from .graphs import Program
-from .references import CompiledPeer, EagerNearby, Reference64, Samples
+from .references import CompiledPeer, EagerNearby, Reference64, Samples, _flat
 
 
 #: the SGD step's learning rate (momentum 0.9: the first step moves a parameter by LR * its gradient)
@@ -167,10 +167,6 @@ def build(program: Program, device: str):
         model.train()
     fmt = torch.channels_last if program.fmt == "channels_last" else torch.contiguous_format
     return model.to(device), x.to(device).contiguous(memory_format=fmt)
-
-
-def _flat(out) -> list:
-    return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
 def tolerance_for(program: Program, device: str, graphs: list) -> tuple:
@@ -284,7 +280,7 @@ def run_program(program: Program, device: str, graphs: list | None = None, outco
         return check_cuda_on_cpu(program, model, x, outcome)
     eager, mine, spare = model, copy.deepcopy(model), copy.deepcopy(model)
     ref, peer = Reference64(model, x, program), CompiledPeer(model, x, program, device)
-    nearby = EagerNearby(model, x, program)
+    nearby = EagerNearby(ref.source_model, ref.source_x, program)  # (copies nothing changes)
     graphs = [] if graphs is None else graphs
     compiled = compile_with_fxopt(mine, program.options, graphs)
     try:

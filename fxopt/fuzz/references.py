@@ -268,10 +268,11 @@ class EagerNearby:
     eager 3.6e-4 from float64 at the program's input (5.3e-4 at the nearby ones), fxopt 9.0e-4; the
     first layer's weight gradient eager 2.3e-4 there, 1.2e-4 to 0.051 nearby, fxopt 2.7e-3; the
     float64 runs that perturb each op's operands by float32's roundoff moved the output 2e-5 to
-    4e-5. Copies of the model and input are taken now (before eager's step changes them)."""
+    4e-5. ``model`` and ``x``: copies nothing changes (``Reference64``'s ``source_model`` and
+    ``source_x``, taken before eager's step); each run works on a copy of its own."""
 
     def __init__(self, model, x, program: Program):
-        self.model, self.x, self.program = copy.deepcopy(model), x.detach().clone(), program
+        self.model, self.x, self.program = model, x, program
         self._out: list | None = None
         self._step: dict | None = None
 
@@ -343,6 +344,7 @@ class EagerNearby:
 
 
 def _flat(out) -> list:
+    """A program's outputs as a list, one level (``check`` indexes outputs so)."""
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
