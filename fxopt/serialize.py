@@ -184,16 +184,16 @@ def _val_json(v, batch=None) -> Any:
     return None
 
 
-_SIZE_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-             ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: lambda a, b: _small_power(a, b)}
-_SIZE_CALLS = {"FloorDiv": operator.floordiv, "Mod": operator.mod, "PythonMod": operator.mod,
-               "Max": max, "Min": min}
-
-
 def _small_power(a: int, b: int) -> int:
     if not 0 <= b <= 8:  # a size is a product of a few sizes (a file's expression must not run away)
         raise ValueError(f"size exponent {b}")
     return a ** b
+
+
+_SIZE_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+             ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: _small_power}
+_SIZE_CALLS = {"FloorDiv": operator.floordiv, "Mod": operator.mod, "PythonMod": operator.mod,
+               "Max": max, "Min": min}
 
 
 @functools.lru_cache(maxsize=8192)

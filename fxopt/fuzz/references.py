@@ -258,7 +258,7 @@ class CompiledPeer:
 class EagerNearby:
     """Eager's own error at inputs a few units of the last place from the program's (each element
     times ``1 + d``, ``|d|`` up to 4 units of the input dtype's roundoff; ``NEARBY_SAMPLES`` of them),
-    each against the model in float64 at that input, lazily: per output (``errors``), and for a
+    each against the model in float64 at that input (a ``Reference64`` there), lazily: per output (``errors``), and for a
     training step the loss's and each gradient's (``loss_error``, ``grad_error``), the largest.
     Where a value cancels (a normalization over two values equal in exact arithmetic, a sum of
     terms whose result is 0 but not the last thing computed), eager's error is rounding noise whose
@@ -277,14 +277,13 @@ class EagerNearby:
         self._step: dict | None = None
 
     def _inputs(self):
+        """(eager's input, the float64 reference there), ``NEARBY_SAMPLES`` times."""
         u = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}.get(self.x.dtype, 2.0 ** -24)
         gen = torch.Generator().manual_seed(self.program.seed * 13 + 5)
-        channels_last = (self.x.dim() == 4 and not self.x.is_contiguous()
-                         and self.x.is_contiguous(memory_format=torch.channels_last))
         for _ in range(NEARBY_SAMPLES):
             d = (torch.rand(self.x.shape, generator=gen, dtype=torch.float64) * 2 - 1) * 4 * u
-            xk = (self.x.double().cpu() * (1 + d)).to(self.x.dtype).to(self.x.device)
-            yield xk.contiguous(memory_format=torch.channels_last) if channels_last else xk
+            xk = torch.empty_like(self.x).copy_(self.x.double().cpu() * (1 + d))  # the input's layout kept
+            yield xk, Reference64(self.model, xk, self.program, rounding=self.x.dtype)  # (rounding: no spread)
 
     def _amp(self):
         dtype = getattr(torch, self.program.dtype)
@@ -296,13 +295,11 @@ class EagerNearby:
 
         if self._out is None:
             worst: list = []
-            for xk in self._inputs():
-                with torch.no_grad():
-                    with self._amp():
-                        got = _flat(copy.deepcopy(self.model)(xk))
-                    exact = _flat(copy.deepcopy(self.model).double().cpu()(xk.double().cpu()))
+            for xk, ref in self._inputs():
+                with torch.no_grad(), self._amp():
+                    got = _flat(copy.deepcopy(self.model)(xk))
                 errs = [max_error(g, e) if isinstance(g, torch.Tensor) and isinstance(e, torch.Tensor) else 0.0
-                        for g, e in zip(got, exact)]
+                        for g, e in zip(got, _flat(ref.out()))]
                 worst = errs if not worst else [max(a, b) for a, b in zip(worst, errs)]
             self._out = worst
         return self._out
@@ -314,21 +311,17 @@ class EagerNearby:
 
         if self._step is None:
             worst: dict = {}
-            for xk in self._inputs():
-                m, m64 = copy.deepcopy(self.model), copy.deepcopy(self.model).double().cpu()
-                xg, x64 = xk.detach().requires_grad_(True), xk.detach().double().cpu().requires_grad_(True)
+            for xk, ref in self._inputs():
+                m, xg = copy.deepcopy(self.model), xk.detach().requires_grad_(True)
                 with self._amp():
-                    out = m(xg)
-                loss, loss64 = loss_fn(out), loss_fn(m64(x64), True)
+                    loss = loss_fn(m(xg))
                 loss.backward()
-                loss64.backward()
-                errs = {"loss": max_error(loss.detach(), loss64.detach())}
-                grads64 = dict(m64.named_parameters())
-                for name, p in m.named_parameters():
-                    if p.grad is not None and grads64[name].grad is not None:
-                        errs[name] = max_error(p.grad, grads64[name].grad)
-                if xg.grad is not None and x64.grad is not None:
-                    errs["input"] = max_error(xg.grad, x64.grad)
+                errs = {"loss": max_error(loss.detach(), ref.loss(loss_fn).detach())}
+                names = [n for n, p in m.named_parameters() if p.grad is not None] + ["input"] * (xg.grad is not None)
+                for name in names:
+                    g, g64 = xg.grad if name == "input" else dict(m.named_parameters())[name].grad, ref.grad(name, loss_fn)
+                    if g64 is not None:
+                        errs[name] = max_error(g, g64)
                 for k, v in errs.items():
                     worst[k] = max(v, worst.get(k, 0.0))
             self._step = worst
