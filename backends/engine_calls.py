@@ -5,7 +5,9 @@ build (an ONNX export, an OpenVINO conversion) shared by an engine's two thread 
 Why: both engines keep one compiled object per input signature (an ONNX Runtime session, an
 OpenVINO infer request), called through the cpu executor's runner, which dispatches on signatures
 itself (a look-up per call cost a package's seedcnn at batch 1 6 us). ``bound_call`` holds the
-object weakly (evicted: the engine's full path builds it again) and checks watched weights per call.
+object weakly (evicted: the engine's full path builds it again) and checks watched weights per call;
+where the weights are fixed, its ``fixed`` call skips every check a package already made on the
+inputs' shapes, strides, dtypes and devices (the engine's run compares addresses alone).
 """
 from __future__ import annotations
 
@@ -48,6 +50,19 @@ def bound_call(entry, positions: Sequence[int], out_vals: Sequence, out_type: Op
             outs = [restride(t, v) for t, v in zip(outs, out_vals)]
         return out_type(outs) if out_type is not None else outs[0]
 
+    run.positions = positions
+    if changed is None and out_type is not None:
+        def fixed(tensors: list) -> Optional[list]:
+            """The outputs for ``tensors`` (those at ``positions``), each of this signature's shape,
+            dtype and device and dense: only their addresses are looked at. None once ``entry`` is
+            gone (the caller takes ``run``)."""
+            e = ref()
+            if e is None:
+                return None
+            outs = e.run_fixed(tensors)
+            return [restride(t, v) for t, v in zip(outs, out_vals)] if strided else outs
+
+        run.fixed = fixed  # for a caller that checked its inputs' kind itself (a package)
     return run
 
 

@@ -201,6 +201,9 @@ class PackagedModule(torch.nn.Module):
         self.timings: dict = {}
         self._last_checked: Optional[tuple] = None  # (the inputs' shapes, dtypes, devices; their batch)
         self._direct: dict = {}  # _input_key -> the call its runner chose for such inputs (checked ones)
+        # _input_key -> (an engine's ``fixed`` call, the inputs it takes): the chosen way where it is
+        # an external engine's with fixed weights reading dense inputs of the package's alone
+        self._fixed: dict = {}
 
     def extra_repr(self) -> str:
         b = self.manifest["batch"]
@@ -273,6 +276,12 @@ class PackagedModule(torch.nn.Module):
 
     def forward(self, *inputs):
         key = _input_key(inputs)
+        fixed = self._fixed.get(key)
+        if fixed is not None:  # checked inputs straight to an engine: no arguments list, no grad mode
+            outs = fixed[0]([inputs[j] for j in fixed[1]])
+            if outs is not None:
+                return self._result(outs)
+            del self._fixed[key]  # the engine let its compiled object go: the runner's way
         runner = self._direct.get(key)
         args = list(self._template)
         for at, x in zip(self._input_at, inputs):
@@ -294,6 +303,20 @@ class PackagedModule(torch.nn.Module):
             way = chosen_call(args) if chosen_call is not None else None
             if way is not None:
                 self._direct[key] = way
+                self._fixed_call(key, way, inputs)
+        return self._result(out)
+
+    def _fixed_call(self, key, way, inputs) -> None:
+        """Remember ``way``'s ``fixed`` call for inputs of ``key`` where it has one (an external
+        engine's, weights fixed) and reads dense inputs of the package alone."""
+        fixed, positions = getattr(way, "fixed", None), getattr(way, "positions", None)
+        if fixed is None or positions is None or not all(p in self._input_at for p in positions):
+            return
+        pick = [self._input_at.index(p) for p in positions]
+        if all(inputs[j].is_contiguous() for j in pick):  # dense at these shapes and strides: always
+            self._fixed[key] = (fixed, pick)
+
+    def _result(self, out):
         if self._one_output:
             return out[0]
         out = list(out)
