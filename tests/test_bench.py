@@ -402,9 +402,12 @@ def test_quick_cpu_end_to_end(tmp_path, capsys):
     data = json.loads((tmp_path / "results.json").read_text())
     assert rc == 0, data["checks"]
     assert {c["model"] for c in data["cells"]} == {"seedcnn", "seedcnn2"}
+    ways = {"optimized graph", "baseline graph", "onnxruntime", "onnxruntime 1 thread", "openvino", "openvino 1 thread"}
     for c in data["cells"]:
         assert c["status"] == "ok", c
         assert c["max_rel_err"] <= 1e-4 and c["n"] == 10 and math.isfinite(c["median_ms"])
+        if c["backend"] == "fxopt":  # the way the cpu executor's runner chose for the compiled graph
+            assert c["ran"] and set(c["ran"].split(", ")) <= ways, c
     assert all(ch["ok"] for ch in data["checks"]) and data["checks"]
     assert data["meta"]["versions"]["torch"] == torch.__version__
     assert "CPU smoke run — not a performance result" in out

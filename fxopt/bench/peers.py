@@ -11,6 +11,7 @@ inductor config there).
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
@@ -97,13 +98,28 @@ def _fxopt_backend():
 
 def _fxopt(extra: Dict[str, Any]) -> PrepareFn:
     def prepare(model, x, device, dtype, options) -> Prepared:
+        from fxopt.backend import fxopt_backend
+
         opts = dict(options or {})
         opts.update(extra)
-        backend = _fxopt_backend()
-        note = "" if backend == "fxopt" else "fxopt not registered: used fxopt.backend.fxopt_backend"
-        return Prepared(torch.compile(model, backend=backend, options=opts), x, note=note)
+        note = "" if _fxopt_backend() == "fxopt" else "fxopt not registered: used fxopt.backend.fxopt_backend"
+        reports: list = []  # the graphs' reports (the entry "fxopt" is this function without them)
+        compiled = torch.compile(model, backend=functools.partial(fxopt_backend, _sink=reports), options=opts)
+        return Prepared(compiled, x, note=note, ran=lambda: compiled_ran(reports))
 
     return prepare
+
+
+def compiled_ran(reports: list) -> str:
+    """The cpu executor's ways that run the compiled graphs' input signatures ("" elsewhere)."""
+    ways = set()
+    try:
+        for r in reports:
+            runner = getattr(getattr(r, "lowered", None), "cpu_runner", None)
+            ways.update(d.get("runs") for d in (runner.decisions() if runner is not None else []))
+    except Exception:  # noqa: BLE001 - a diagnostic, never a reason to fail a cell
+        return ""
+    return ", ".join(sorted(w for w in ways if w))
 
 
 def _torch_compile_floor(backend: str) -> PrepareFn:

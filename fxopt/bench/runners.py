@@ -110,7 +110,7 @@ def start_cell(backend: str, base_model: nn.Module, x_cpu: torch.Tensor, ref: Op
             _sync(device)
             cell["first_call_s"] = time.perf_counter() - t0
             cell["note"] = live.prepared.note
-            ran = _package_ran(live.prepared.fn)
+            ran = live.prepared.ran() if live.prepared.ran is not None else _package_ran(live.prepared.fn)
             if ran:
                 cell["ran"] = ran
             if ref is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, ContextManager, Dict
+from typing import Any, Callable, ContextManager, Dict, Optional
 
 import torch
 from torch import nn
@@ -23,6 +23,8 @@ class Prepared:
     inputs: torch.Tensor
     tracks_memory: bool = True  # torch's caching allocator sees its memory
     note: str = ""
+    #: what ran after the first call (the cpu executor's way per graph), or None
+    ran: Optional[Callable[[], str]] = None
 
 
 PrepareFn = Callable[[nn.Module, torch.Tensor, str, torch.dtype, Dict[str, Any]], Prepared]
