@@ -1,7 +1,6 @@
 """fxopt fuzz on the CPU: a few deterministic graphs through the cpu and torch executors and the
 cuda executor's CPU-checkable part, shrinking to a reproducer that runs, shards and their merge,
 shards as processes at once (--jobs), coverage, the sanitizers' sample reaching every family."""
-import copy
 import json
 import subprocess
 import sys
@@ -162,14 +161,8 @@ def test_time_budget_ends_the_run(tmp_path, monkeypatch):
     assert 0 < s["ran"] < 100000 and not s["failures"] and s["seconds"] < 30
 
 
-def _program(forward: list, init: list, shape, mode="inference", dtype="float32") -> Program:
-    from fxopt.fuzz.graphs import render
-
-    return Program(render(init, forward, "x"), shape, dtype, "contiguous", mode, 3, {"executor": "torch"}, ["t"])
-
-
 def test_cast_program_passes_and_its_float64_reference_runs():
-    prog = _program(["x = x.to(torch.float16).to(x.dtype) * 2.0", "x = self.m0(torch.flatten(x, 1))"],
+    prog = Program.of(["x = x.to(torch.float16).to(x.dtype) * 2.0", "x = self.m0(torch.flatten(x, 1))"],
                     ["self.m0 = nn.Linear(6, 2)"], (2, 1, 2, 3))
     assert fuzz_check.run_program(prog, "cpu")
     model, x = fuzz_check.build(prog, "cpu")
@@ -202,7 +195,7 @@ def test_a_value_pytorchs_compiled_graph_gets_as_wrong_is_an_upstream_divergence
     assert type(e.value) is fuzz_check.Mismatch  # the peer right: fxopt's own
     with pytest.raises(fuzz_check.UpstreamMismatch):  # eager itself 10x beyond the rounding spread
         fuzz_check.compare("y", garbage, torch.tensor([10.4, 0.0, 0.0]), exact, 1e-2, 2e-2, spread64=exact + 0.0066)
-    prog = _program(["x = self.m0(x)"], ["self.m0 = nn.Conv2d(1, 2, 1)"], (1, 1, 2, 2), mode="training")
+    prog = Program.of(["x = self.m0(x)"], ["self.m0 = nn.Conv2d(1, 2, 1)"], (1, 1, 2, 2), mode="training")
 
     def upstream(program, device, eager, mine, compiled, x, *a, **k):
         compiled(x)  # fxopt compiles the graph, then the step's judgement finds PyTorch's as wrong
@@ -214,7 +207,7 @@ def test_a_value_pytorchs_compiled_graph_gets_as_wrong_is_an_upstream_divergence
 
 
 def test_eager_error_is_a_pass_when_fxopt_raises_the_same_type():
-    prog = _program(["x = self.m0(x)"], ["self.m0 = nn.BatchNorm2d(1)"], (1, 1, 1, 1), mode="training")
+    prog = Program.of(["x = self.m0(x)"], ["self.m0 = nn.BatchNorm2d(1)"], (1, 1, 1, 1), mode="training")
     outcome = {}
     fuzz_check.run_program(prog, "cpu", outcome=outcome)
     assert outcome == {"eager_error": "ValueError"}
@@ -322,7 +315,7 @@ def test_sanitizer_sample_runs_the_programs_after_one_that_ends_cuda_in_a_new_pr
     import fxopt.fuzz.check as check
     import fxopt.fuzz.sample as sample
 
-    prog = _program(["x = torch.abs(x)"], [], (1, 1, 1, 2)).to_json()
+    prog = Program.of(["x = torch.abs(x)"], [], (1, 1, 1, 2)).to_json()
     path = tmp_path / "sample.json"
     path.write_text(json.dumps([{"program": prog, "families": ["pointwise:region"], "shared": True}] * 3))
     ran, spawned = [], []
@@ -372,105 +365,6 @@ def test_sanitizer_sample_selects_every_family():
     assert not [f for f in FAMILIES if f not in racecheck and f not in NOT_LAUNCHED]
 
 
-def test_parameters_after_the_step_are_judged_against_float64_like_the_gradients():
-    """Where fxopt's parameters after the SGD step differ from eager's by more than the tolerance,
-    the step float64 takes decides (before - LR * float64 gradient), as for the gradients."""
-    from fxopt.fuzz.check import LR, Mismatch, compare
-
-    before = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
-    grad64 = torch.tensor([0.5, 0.25, -1.0], dtype=torch.float64)
-    exact = before - LR * grad64
-    eager = (exact + torch.tensor([3e-3, 0.0, 0.0], dtype=torch.float64)).float()  # eager's own rounding
-    close = (exact + torch.tensor([4e-3, 0.0, 0.0], dtype=torch.float64)).float()
-    wrong = (exact + torch.tensor([0.05, 0.0, 0.0], dtype=torch.float64)).float()
-    compare("p after the step", close, eager, lambda: exact, 1e-5, 1e-5)
-    with pytest.raises(Mismatch, match="error vs float64"):
-        compare("p after the step", wrong, eager, lambda: exact, 1e-5, 1e-5)
-    with pytest.raises(Mismatch):
-        compare("p after the step", close, eager, None, 1e-5, 1e-5)  # no reference: eager's tolerance decides
-
-
-def test_buffers_after_a_training_step_are_judged_against_float64_like_the_outputs():
-    """A training BatchNorm's running mean, where it differs from eager's by more than the tolerance,
-    is judged against the float64 model's after its forward (GPU fuzz 6e11ef613c: a mean that cancels,
-    of a float32 convolution that eager ran in TF32)."""
-    prog = _program(["x = self.m1(self.m0(x))"], ["self.m0 = nn.Conv2d(2, 3, 1)", "self.m1 = nn.BatchNorm2d(3)"],
-                    (4, 2, 3, 3), mode="training")
-    assert fuzz_check.run_program(prog, "cpu")
-    model, x = fuzz_check.build(prog, "cpu")
-    ref = fuzz_refs.Reference64(model, x, prog)
-    mean64 = ref.buffer("m1.running_mean")
-    assert mean64.dtype == torch.float64
-    with torch.no_grad():
-        conv = torch.nn.functional.conv2d(x.double(), model.m0.weight.double(), model.m0.bias.double())
-    exact = 0.1 * conv.mean((0, 2, 3))  # momentum 0.1 from zeros
-    torch.testing.assert_close(mean64, exact)
-    eager = (exact + 2e-4).float()  # eager's own error
-    close = (exact - 3e-4).float()
-    fuzz_check.compare("buffer m1.running_mean", close, eager, lambda: mean64, 1e-5, 1e-5, check_strides=False)
-    with pytest.raises(fuzz_check.Mismatch, match="error vs float64"):
-        fuzz_check.compare("buffer m1.running_mean", (exact + 5e-2).float(), eager, lambda: mean64, 1e-5, 1e-5)
-
-
-def test_a_float32_program_through_a_16_bit_cast_is_judged_at_that_dtypes_tolerance():
-    """A value rounded to bfloat16 on the way carries bfloat16's error: one float32 ulp before the
-    cast moves it to the other bfloat16 neighbour (GPU fuzz 83a54d233f, 1 of 4096 elements)."""
-    from fxopt.tolerances import tolerance
-
-    plain = _program(["x = x * 2.0"], [], (1, 2, 2, 2))
-    through = _program(["x = x.to(torch.bfloat16).to(x.dtype) * 2.0"], [], (1, 2, 2, 2))
-    through.layers = ["batchnorm", "cast(bfloat16)", "batchnorm"]
-    assert fuzz_check.tolerance_for(plain, "cuda", []) == (1e-3, tolerance(torch.float32)[1])
-    assert fuzz_check.tolerance_for(through, "cuda", []) == tolerance(torch.bfloat16)
-    through.layers = ["cast(float32)"]  # a float16 program's round trip through float32 rounds nothing
-    assert fuzz_check.tolerance_for(through, "cpu", []) == tolerance(torch.float32)
-
-
-def test_output_strides_as_the_traced_graph_records_them_are_an_upstream_divergence():
-    """fxopt's output with the strides of the traced graph's metadata where eager's kernels gave
-    others (a size-1 dimension's stride FakeTensor keeps: GPU fuzz 92ad9b98c3) is upstream; strides
-    unlike both are fxopt's own."""
-    import types
-
-    import torch.fx as fx
-
-    from fxopt.fuzz.check import _strides_as_traced
-
-    def graph(strides):
-        g = fx.Graph()
-        x = g.placeholder("x")
-        y = g.call_function(torch.ops.aten.abs.default, (x,))
-        y.meta["val"] = torch.empty_strided((1, 8, 1, 2), strides)
-        g.output((y,))
-        return [types.SimpleNamespace(kind="inference", before=fx.GraphModule(torch.nn.Module(), g))]
-    eager = torch.empty_strided((1, 8, 1, 2), (16, 2, 2, 1))
-    mine = torch.empty_strided((1, 8, 1, 2), (16, 1, 16, 8))
-    assert _strides_as_traced(graph((16, 1, 16, 8)), (mine,), (eager,))
-    assert not _strides_as_traced(graph((16, 2, 2, 1)), (mine,), (eager,))  # metadata as eager: fxopt's
-    assert not _strides_as_traced(graph((16, 1, 16, 8)), (eager,), (eager,))  # nothing differs
-    assert not _strides_as_traced(graph((16, 1, 16, 8)) * 2, (mine,), (eager,))  # several graphs: not judged
-
-
-def test_a_dtype_difference_pytorchs_own_compiled_graph_shares_is_recorded_as_upstream():
-    """fxopt's output dtype unlike eager's, but as torch.compile(backend="aot_eager") gives it: an
-    upstream divergence (recorded, not a failure); a dtype aot_eager does not give is not."""
-    from types import SimpleNamespace
-
-    from fxopt.fuzz.check import _upstream
-
-    model, x = torch.nn.Conv2d(2, 2, 1).eval(), torch.randn(1, 2, 3, 3)
-    program = SimpleNamespace(mode="inference", dtype="float32")
-    with torch.no_grad():
-        same = model(x)  # float32, as aot_eager gives it
-    eager_like = same.double()  # stands for an eager result of another dtype
-    outcome = {}
-    assert _upstream(program, "cpu", copy.deepcopy(model), x, same, eager_like, outcome)
-    assert outcome == {"upstream": "output dtype"}
-    outcome = {}
-    assert not _upstream(program, "cpu", copy.deepcopy(model), x, same.half(), eager_like, outcome)
-    assert not _upstream(program, "cpu", copy.deepcopy(model), x, same, same, outcome) and not outcome
-
-
 def test_every_program_has_an_op():  # fuzz 41f274c6f9: "y = x; x = x" is no graph for Dynamo
     @seed(0)
     @settings(max_examples=150, database=None, deadline=None)
@@ -479,213 +373,6 @@ def test_every_program_has_an_op():  # fuzz 41f274c6f9: "y = x; x = x" is no gra
         lines = {ln.strip() for ln in p.source.split("def forward", 1)[1].splitlines()[1:]}
         assert lines - {"", "y = x", "x = x", "return x", "return x, y"}, p.source
     draw()
-
-
-def test_rounding_spread_judges_values_that_rounding_the_operands_moves():
-    """fuzz 6df02bf9b4: a weight gradient through abs() of values near zero flips sign when the
-    operands are rounded to 16 bits; eager happened to keep the signs (error 0.0112 against float64),
-    fxopt's equals the rounded problem's (4.04). The rounded problem's distance from float64 (the
-    spread) bounds it; a value off by more than twice that spread still fails."""
-    from fxopt.fuzz.check import Mismatch, compare
-
-    exact = torch.tensor([1.0, 2.0], dtype=torch.float64)
-    eager = torch.tensor([1.0112, 2.0])
-    mine = torch.tensor([5.04, 2.0])
-    rounded = torch.tensor([5.04, 2.0], dtype=torch.float64)  # what the rounded operands give
-    with pytest.raises(Mismatch, match="error vs float64 4.04, eager's 0.0112 "):
-        compare("w.grad", mine, eager, lambda: exact, 1e-3, 1e-2)  # no spread: eager's error decides
-    compare("w.grad", mine, eager, lambda: exact, 1e-3, 1e-2, spread64=lambda: rounded)
-    with pytest.raises(Mismatch, match="rounding's 4.04"):
-        compare("w.grad", torch.tensor([13.0, 2.0]), eager, lambda: exact, 1e-3, 1e-2, spread64=lambda: rounded)
-    calls = []
-    compare("w.grad", eager + 0.001, eager, lambda: exact, 1e-3, 1e-2, spread64=lambda: calls.append(1))
-    assert not calls  # computed only where eager's error does not already cover fxopt's
-
-
-def test_training_reference_has_a_rounded_problem_under_16_bit_autocast():
-    prog = _program(["x = torch.abs(self.m0(x))"], ["self.m0 = nn.Conv2d(2, 2, 1)"], (1, 2, 2, 2), mode="training",
-                    dtype="float16")
-    model, x = fuzz_check.build(prog, "cpu")
-    ref = fuzz_refs.Reference64(model, x, prog)
-    spread = ref.rounded
-    assert spread is not None and len(spread.refs) == 1 + fuzz_refs.PERTURBED_SAMPLES
-    rr = spread.refs[0]  # the operands rounded, nothing else
-    assert rr.rounded is None and rr.perturb == 0.0
-    w, wr = model.m0.weight, rr.model.m0.weight
-    assert wr.dtype == w.dtype and torch.equal(wr, w.to(torch.float16).to(w.dtype)) and not torch.equal(wr, w)
-    assert torch.equal(rr.x, x.to(torch.float16).to(x.dtype))
-    loss = lambda outs, ref=False: outs.double().sum()  # noqa: E731
-    g, gr = ref.grad("m0.weight", loss), spread.grad("m0.weight", loss)
-    assert isinstance(gr, fuzz_refs.Samples) and len(gr) == len(spread.refs) + 1  # and the branch-flip run
-    assert all(t.dtype == torch.float64 and t.shape == g.shape for t in gr)
-    f32 = _program(["x = self.m0(x)"], ["self.m0 = nn.Conv2d(2, 2, 1)"], (1, 2, 2, 2), mode="training")
-    assert fuzz_refs.Reference64(model, x, f32).rounded is None  # float32 on the CPU: nothing rounds
-
-
-def test_rounding_every_op_moves_a_gradient_through_abs_near_its_kink():
-    """The perturbed float64 runs (every op's result times 1 + d, |d| <= the unit roundoff) flip
-    the branch of ``abs`` at a value within rounding of 0, as any implementation's rounding may:
-    the gradient's spread then covers a flip, where the exact reference alone does not."""
-    x = torch.tensor([[1e-4, 0.5, -0.7, 2.0]], dtype=torch.float64, requires_grad=True)
-    grads = []
-    for k in range(8):
-        x.grad = None
-        with fuzz_refs.RoundEveryOp(2.0 ** -8, k):
-            y = torch.abs(x * 3.0 - 3e-4)  # 0 exactly, up to rounding
-        y.sum().backward()
-        grads.append(x.grad.clone())
-        far = torch.tensor([3.0, -3.0, 3.0], dtype=torch.float64)  # far from the kink: scaled by rounding only
-        torch.testing.assert_close(x.grad[0, 1:], far, rtol=4 * 2.0 ** -8, atol=0)
-    assert {float(torch.sign(g[0, 0])) for g in grads} == {1.0, -1.0}  # both branches among the samples
-    z = torch.ones(3, dtype=torch.float64)
-    with fuzz_refs.RoundEveryOp(2.0 ** -8, 0):
-        w = z.add_(1.0)  # in place: untouched
-    assert w is z and torch.equal(z, torch.full((3,), 2.0, dtype=torch.float64))
-
-
-def test_rounding_the_operands_of_a_sum_moves_a_cancelling_result_by_the_terms_scale():
-    """A difference of nearly equal terms rounds at the terms' scale (each operand within the unit
-    roundoff), not at its result's: the perturbed runs move it so."""
-    a = torch.full((4096,), 1.0, dtype=torch.float64)
-    b = a - 1e-6
-    with fuzz_refs.RoundEveryOp(2.0 ** -11, 0):
-        d = torch.sub(a, b)
-    moved = (d - 1e-6).abs().max().item()
-    assert 2.0 ** -13 < moved <= 2 * 2.0 ** -11 + 1e-9  # at the terms' scale: ~ u * 1, not u * 1e-6
-
-
-def test_the_branch_flip_run_flips_every_element_the_perturbed_runs_bring_near_a_kink():
-    """GPU fuzz 736f3d759a (fp16 training): one element of 504 lay within rounding of abs's kink; fxopt's
-    weight gradient took the other branch there (2.96 from float64, eager 0.054), one perturbed run in
-    12 did. The flip run finds it whatever the draws: every element within FLIP_BAND times the runs'
-    largest movement of a kink takes the other branch; the others keep theirs."""
-    prog = _program(["x = torch.abs(self.m0(x))"], ["self.m0 = nn.Conv2d(2, 2, 1, bias=False)"], (1, 2, 1, 2),
-                    mode="training", dtype="float16")
-    model, x = fuzz_check.build(prog, "cpu")
-    with torch.no_grad():  # output [0, 0, 0, 0] = 0.7 - (0.7 - 1e-5): within rounding of 0; the others far from it
-        model.m0.weight.copy_(torch.tensor([[1.0, -1.0], [1.0, 1.0]]).view(2, 2, 1, 1))
-        x.copy_(torch.tensor([[0.7, 0.5], [0.7 - 1e-5, 2.0]]).view(1, 2, 1, 2))
-    ref = fuzz_refs.Reference64(model, x, prog)
-    loss = lambda outs, ref=False: outs.double().sum()  # noqa: E731
-    exact = ref.grad("input", loss)
-    flip = ref.rounded.flipped()
-    assert flip is not None and flip.flip is not None and len(flip.flip) == len(ref.kinks) == 1
-    arg = ref.kinks[0]
-    near = arg.abs() <= flip.flip[0]
-    assert near.view(-1).tolist() == [True, False, False, False], arg  # the cancelling element only
-    g = flip.grad("input", loss)
-    torch.testing.assert_close(exact[0, :, 0, 0], torch.tensor([2.0, 0.0], dtype=torch.float64))
-    torch.testing.assert_close(g[0, :, 0, 0], torch.tensor([0.0, 2.0], dtype=torch.float64))  # the other branch
-    torch.testing.assert_close(g[0, :, 0, 1], exact[0, :, 0, 1])  # far from the kink: unchanged
-    # a program without a piecewise op has no flip run
-    prog2 = _program(["x = torch.tanh(self.m0(x))"], ["self.m0 = nn.Conv2d(4, 4, 1)"], (1, 4, 3, 3), mode="training",
-                     dtype="float16")
-    model2, x2 = fuzz_check.build(prog2, "cpu")
-    ref2 = fuzz_refs.Reference64(model2, x2, prog2)
-    ref2.out()
-    assert ref2.rounded.flipped() is None
-
-
-def test_a_16_bit_inference_program_has_a_rounding_spread():
-    """GPU fuzz 95116b2fe4 (fp16 inference): a LayerNorm over 2 channels amplifies the rounding before it
-    (fxopt 0.035 from float64, eager 0.009); the perturbed runs show how far rounding moves it. float32 on
-    the CPU rounds nothing: no spread."""
-    prog = _program(["x = torch.abs(self.m0(x))"], ["self.m0 = nn.Conv2d(2, 2, 1)"], (1, 2, 2, 2), dtype="float16")
-    model, x = fuzz_check.build(prog, "cpu")
-    ref = fuzz_refs.Reference64(model, x, prog)
-    assert ref.rounded is not None and len(ref.rounded.refs) == fuzz_refs.PERTURBED_SAMPLES
-    assert all(r.perturb == 2.0 ** -11 for r in ref.rounded.refs)
-    outs = ref.rounded.out()
-    assert isinstance(outs, fuzz_refs.Samples) and all(o.dtype == torch.float64 for o in outs)
-    f32 = _program(["x = self.m0(x)"], ["self.m0 = nn.Conv2d(2, 2, 1)"], (1, 2, 2, 2))
-    assert fuzz_refs.Reference64(model.float(), x.float(), f32).rounded is None
-
-
-def test_compare_takes_the_largest_spread_of_the_samples():
-    from fxopt.fuzz.check import Mismatch, compare
-    from fxopt.fuzz.references import Samples
-
-    exact = torch.tensor([1.0, 2.0], dtype=torch.float64)
-    eager = torch.tensor([1.01, 2.0])
-    mine = torch.tensor([4.0, 2.0])
-    samples = Samples([exact.clone(), torch.tensor([3.5, 2.0], dtype=torch.float64)])
-    compare("w.grad", mine, eager, lambda: exact, 1e-3, 1e-2, spread64=lambda: samples)  # 3.0 <= 2 * 2.5
-    with pytest.raises(Mismatch, match="rounding's 2.5"):
-        compare("w.grad", torch.tensor([9.0, 2.0]), eager, lambda: exact, 1e-3, 1e-2, spread64=lambda: samples)
-
-
-def test_compare_takes_eagers_error_at_nearby_inputs_and_only_then():
-    """Where fxopt's error is beyond twice eager's at the program's input, eager's largest error at inputs
-    a few ulps away (``EagerNearby``) decides: within twice that, it passes; a value further off still
-    fails, and the nearby runs are not made where eager's own error already covers fxopt's."""
-    from fxopt.fuzz.check import Mismatch, compare
-
-    exact = torch.tensor([1.0, 2.0], dtype=torch.float64)
-    eager, mine = torch.tensor([1.001, 2.0]), torch.tensor([1.05, 2.0])
-    compare("output", mine, eager, lambda: exact, 1e-3, 1e-4, nearby=lambda: [0.03])  # 0.05 <= 2 * 0.03
-    with pytest.raises(Mismatch):
-        compare("output", mine, eager, lambda: exact, 1e-3, 1e-4, nearby=lambda: [0.02])
-    calls = []
-    compare("output", torch.tensor([1.0015, 2.0]), eager, lambda: exact, 1e-4, 1e-4, nearby=lambda: calls.append(1))
-    assert not calls
-
-
-def test_eager_nearby_samples_eagers_noise_at_a_cancellation():
-    """CPU fuzz 88d430b4dc's model: at the program's input eager's error is one sample of noise; the
-    nearby inputs give eager's errors against float64 at each (the output's and every gradient's)."""
-    from fxopt.fuzz.references import EagerNearby
-    from test_fuzz_reproducers import gpu_reproducer
-
-    prog = gpu_reproducer("88d430b4dc")
-    model, x = fuzz_check.build(prog, "cpu")
-    nearby = EagerNearby(copy.deepcopy(model), x.clone(), prog)
-    state = {k: v.clone() for k, v in nearby.model.state_dict().items()}
-    out_errs = nearby.errors()
-    assert len(out_errs) == 2 and out_errs[0] > 1e-4 and out_errs[1] < 1e-6  # the normalized one; y is benign
-    ws = [torch.randn(o.shape, generator=torch.Generator().manual_seed(2)) for o in model(x)]
-    loss = lambda outs, ref=False: sum(((o.double() if ref else o.float()) * (w.double() if ref else w)).sum()  # noqa: E731
-                                       for o, w in zip(outs, ws))
-    assert nearby.grad_error("m0.weight", loss)[0] > 1e-3 and nearby.grad_error("input", loss)
-    assert nearby.grad_error("no such parameter", loss) == [] and len(nearby.loss_error(loss)) == 1
-    assert torch.equal(nearby.x, x)  # each run on a copy of its own: what it was given untouched
-    assert all(torch.equal(v, state[k]) for k, v in nearby.model.state_dict().items())  # (BatchNorm's stats too)
-
-
-def test_a_sum_that_cancels_is_judged_against_pytorchs_compiled_graph_too():
-    """CPU fuzz (seed 7): a conv's bias gradient before a training BatchNorm, exactly 0, comes out
-    0.344 from fxopt against eager's 0.046 and the rounded problem's 3e-14 (bfloat16): fxopt's is
-    AOTAutograd's own rounding (torch.compile(backend="aot_eager") gives it), eager's kernels round
-    otherwise. Judged also against that compiled graph's error; a value off by more still fails."""
-    from fxopt.fuzz.check import Mismatch, compare
-    from fxopt.fuzz.references import CompiledPeer
-
-    exact, eager = torch.zeros(3, dtype=torch.float64), torch.tensor([-0.04, 0.044, 0.046])
-    mine = torch.tensor([-0.011, 0.080, 0.344])
-    compare("b.grad", mine, eager, lambda: exact, 0.5, 0.1, spread64=lambda: exact + 3e-14)  # 0 exactly: 8x
-    mine = torch.tensor([-0.011, 0.080, 0.6])  # beyond 8x eager's: the compiled graph's error decides
-    with pytest.raises(Mismatch, match="error vs float64 0.6, eager's 0.046"):
-        compare("b.grad", mine, eager, lambda: exact, 0.5, 0.1, spread64=lambda: exact + 3e-14)
-    compare("b.grad", mine, eager, lambda: exact, 0.5, 0.1, spread64=lambda: exact, peer=lambda: mine.clone())
-    with pytest.raises(Mismatch, match="PyTorch's compiled graph's 0.05"):
-        compare("b.grad", mine, eager, lambda: exact, 0.5, 0.1, peer=lambda: eager + 0.004)
-    prog = Program(render(["self.m0 = nn.Conv2d(16, 3, 3, stride=1, padding=1, dilation=1, groups=1, bias=True)",
-                           "self.m1 = nn.BatchNorm2d(3)", "_random_stats(self.m1)", "self.m2 = nn.BatchNorm2d(3)",
-                           "_random_stats(self.m2)"],
-                          ["x = F.gelu(self.m1(self.m0(x)), approximate='tanh')",
-                           "x = x.to(torch.float16).to(x.dtype) * 2.0", "x = self.m2(x)",
-                           "x = x.to(torch.float16).to(x.dtype) * 2.0"], "x"),
-                   (8, 16, 1, 3), "bfloat16", "channels_last", "training", 2,
-                   {"autotune_cache": False, "conv_algorithm": "winograd_2x2_3x3", "executor": "torch"}, ["74dd6704d3"])
-    assert fuzz_check.run_program(prog, "cpu")
-    model, x = fuzz_check.build(prog, "cpu")
-    peer, mine_ = CompiledPeer(model, x, prog, "cpu"), copy.deepcopy(model)
-    loss = lambda out: (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum()  # noqa: E731
-    from fxopt.testing import compile_with_fxopt
-
-    compiled = compile_with_fxopt(mine_, prog.options)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss(compiled(x.detach().clone().requires_grad_(True))).backward()
-    torch.testing.assert_close(mine_.m0.bias.grad, peer.grad("m0.bias", loss), rtol=0, atol=1e-3)
 
 
 def test_a_time_budget_alone_draws_until_it_is_spent():

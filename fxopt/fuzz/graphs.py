@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 from hypothesis import strategies as st
 
@@ -76,6 +77,14 @@ class Program:
     @classmethod
     def from_json(cls, d: dict) -> "Program":
         return cls(**{**d, "shape": tuple(d["shape"])})
+
+    @classmethod
+    def of(cls, forward: list, init: list, shape, mode: str = "inference", dtype: str = "float32",
+           options: Optional[dict] = None) -> "Program":
+        """A program written by hand: ``forward`` lines on ``x``, ``init`` lines making the modules
+        (``self.m0 = nn.Conv2d(...)``), the input's shape; the torch executor unless ``options``."""
+        return cls(render(init, forward, "x"), tuple(shape), dtype, "contiguous", mode, 3,
+                   dict(options) if options is not None else {"executor": "torch"}, ["hand-written"])
 
     def __repr__(self) -> str:  # what hypothesis prints for a failing example
         return (f"Program({self.target}: {self.dtype}, {self.fmt}, {self.mode}, input {self.shape}, seed {self.seed}, "
