@@ -84,13 +84,25 @@ def _check_fixed_calls(model, module, way: str):
 
 
 @pytest.mark.skipif(why_no_onnxruntime() is not None, reason="onnxruntime not installed")
-def test_onnxruntime_way_takes_the_fixed_call_with_eagers_values(tmp_path, monkeypatch):
+@pytest.mark.parametrize("buffered", [True, False])
+def test_onnxruntime_way_takes_the_fixed_call_with_eagers_values(tmp_path, monkeypatch, buffered):
+    """``buffered``: outputs written into buffers bound once and copied out (small ones), or into
+    new tensors bound at every call (large ones: the threshold set to 0 here)."""
+    import fxopt.backends.onnxrt as ortb
+
+    if not buffered:
+        monkeypatch.setattr(ortb, "CPU_OUT_BUFFER_BYTES", 0)
     model, module = _engine_package(tmp_path, monkeypatch, "onnxruntime")
     _check_fixed_calls(model, module, "onnxruntime")
 
 
 @pytest.mark.skipif(why_no_openvino() is not None, reason="openvino not installed")
-def test_openvino_way_takes_the_fixed_call_with_eagers_values(tmp_path, monkeypatch):
+@pytest.mark.parametrize("buffered", [True, False])
+def test_openvino_way_takes_the_fixed_call_with_eagers_values(tmp_path, monkeypatch, buffered):
+    import fxopt.backends.openvino as ovb
+
+    if not buffered:
+        monkeypatch.setattr(ovb, "OUT_BUFFER_BYTES", 0)
     model, module = _engine_package(tmp_path, monkeypatch, "openvino", {"cpu_openvino": True})
     _check_fixed_calls(model, module, "openvino")
 
