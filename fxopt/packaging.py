@@ -281,7 +281,7 @@ class PackagedModule(torch.nn.Module):
             outs = fixed[0]([inputs[j] for j in fixed[1]])
             if outs is not None:
                 return self._result(outs)
-            del self._fixed[key]  # the engine let its compiled object go: the runner's way
+            self._fixed.pop(key, None)  # the engine let its compiled object go: the runner's way
         runner = self._direct.get(key)
         args = list(self._template)
         for at, x in zip(self._input_at, inputs):
