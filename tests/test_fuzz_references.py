@@ -13,8 +13,7 @@ from fxopt.fuzz.graphs import Program, render
 
 def _bias_before_bn(dtype: str, batch: int = 16) -> Program:
     init = ["self.m0 = nn.Conv2d(3, 4, 1)", "self.m1 = nn.BatchNorm2d(4)"]
-    return Program(render(init, ["x = torch.tanh(self.m1(self.m0(x)))"], "x"), (batch, 3, 6, 5), dtype,
-                   "contiguous", "training", 11, {"executor": "torch"}, ["t"])
+    return Program.of(["x = torch.tanh(self.m1(self.m0(x)))"], init, (batch, 3, 6, 5), "training", dtype, seed=11)
 
 
 def _loss(outs, ref=False):

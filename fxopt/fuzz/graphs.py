@@ -80,10 +80,10 @@ class Program:
 
     @classmethod
     def of(cls, forward: list, init: list, shape, mode: str = "inference", dtype: str = "float32",
-           options: Optional[dict] = None) -> "Program":
+           options: Optional[dict] = None, seed: int = 3, fmt: str = "contiguous") -> "Program":
         """A program written by hand: ``forward`` lines on ``x``, ``init`` lines making the modules
         (``self.m0 = nn.Conv2d(...)``), the input's shape; the torch executor unless ``options``."""
-        return cls(render(init, forward, "x"), tuple(shape), dtype, "contiguous", mode, 3,
+        return cls(render(init, forward, "x"), tuple(shape), dtype, fmt, mode, seed,
                    dict(options) if options is not None else {"executor": "torch"}, ["hand-written"])
 
     def __repr__(self) -> str:  # what hypothesis prints for a failing example
