@@ -322,6 +322,8 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
 
 #: a burst of calls per way and round lasts about this long (at least BURST_MIN calls, at most BURST_MAX)
 BURST_MS, BURST_MIN, BURST_MAX = 5.0, 3, 20
+#: a compile's burst first runs about this long of calls it does not count (at least two)
+BURST_WARM_MS = 10.0
 #: a way this many times slower than the fastest after a round is timed no more
 OUT_OF_RACE = 3.0
 #: steady bursts (packages): calls not counted, then calls timed, each about this long (at most
@@ -332,19 +334,22 @@ STEADY_WARM_MS, STEADY_MS, STEADY_MAX = 20.0, 20.0, 50
 def burst_medians(fns: dict, first_ms: dict, rounds: int, close: float, max_rounds: Optional[int] = None,
                   steady: bool = False) -> tuple:
     """({key: median ms per call}, rounds run) of the functions ``fns``, timed in rounds in which
-    each runs a burst of consecutive calls (about ``BURST_MS``; ``first_ms``: one call's time, for the
-    burst's size). The first call of a burst is not counted: it pays for the previous way's threads
-    (a oneDNN / OpenMP pool still spinning while ONNX Runtime's or OpenVINO's starts, and the
-    reverse: measured up to 10x one call on a loaded 2-core host), which a steady stream of calls of
-    one way never sees. A way ``OUT_OF_RACE`` times slower than the fastest after a round is timed
-    no more (its median so far stands): it cannot win, and on a loaded host the oneDNN graphs'
-    calls can take 100x their time. Where the two fastest are within ``close`` (relative) after
-    ``rounds`` rounds, as many rounds again (up to ``max_rounds``, default twice ``rounds``): a close
-    call on a loaded host gets more samples. ``steady`` (packages): each burst first runs about
-    ``STEADY_WARM_MS`` of calls it does not count, then times about ``STEADY_MS``: one discarded call
-    is not enough where a runtime's workers, woken from sleep, take several calls to run at the
-    speed a stream of calls gets (seedcnn b64 float32 on a loaded 2-vCPU host: ONNX Runtime 0.97-1.87
-    ms in a loop of its own, 1.96-2.65 in 5 ms bursts beside OpenVINO, which then won at 1.25-2.06)."""
+    each runs a burst of consecutive calls (``first_ms``: one call's time, for the burst's size). The
+    first ``BURST_WARM_MS`` of a burst (at least two calls) are not counted, then about ``BURST_MS``
+    is timed: a burst's first calls pay for the previous way's threads (a oneDNN / OpenMP pool still
+    spinning while ONNX Runtime's or OpenVINO's starts, and the reverse: measured up to 10x one call
+    on a loaded 2-core host) and wake the way's own workers, which a steady stream of calls of one
+    way never sees (seedcnn2 b64 float32, 2 vCPUs, ONNX Runtime 1.07-1.11 ms in a loop of its own,
+    OpenVINO 1.23-1.25: with one call left out, ONNX Runtime measured 1.46-2.15 and OpenVINO won in
+    each of 4 compiles; 5 ms left out, in 2 of 6 fresh compiles; 10 ms, in none of 6). A way
+    ``OUT_OF_RACE`` times slower than the fastest after a round is timed no more (its median so far
+    stands): it cannot win, and on a loaded host the oneDNN graphs' calls can take 100x their time.
+    Where the two fastest are within ``close`` (relative) after ``rounds`` rounds, as many rounds
+    again (up to ``max_rounds``, default twice ``rounds``): a close call on a loaded host gets more
+    samples. ``steady`` (packages, measured once for every later process): each burst first runs
+    about ``STEADY_WARM_MS`` of calls it does not count, then times about ``STEADY_MS`` (seedcnn b64
+    float32 on a loaded 2-vCPU host: ONNX Runtime 0.97-1.87 ms in a loop of its own, 1.96-2.65 in 5
+    ms bursts beside OpenVINO with one call left out, which then won at 1.25-2.06)."""
     from fxopt.autotune import wall_times
 
     def calls(ms: float, k: str, low: int, high: int) -> int:
@@ -353,9 +358,9 @@ def burst_medians(fns: dict, first_ms: dict, rounds: int, close: float, max_roun
     if steady:
         skip = {k: calls(STEADY_WARM_MS, k, 2, STEADY_MAX) for k in fns}
         sizes = {k: skip[k] + calls(STEADY_MS, k, BURST_MIN, STEADY_MAX) for k in fns}
-    else:
-        skip = {k: 1 for k in fns}
-        sizes = {k: 1 + calls(BURST_MS, k, BURST_MIN - 1, BURST_MAX - 1) for k in fns}
+    else:  # about BURST_WARM_MS of calls not counted (at least two), then about BURST_MS timed
+        skip = {k: calls(BURST_WARM_MS, k, 2, BURST_MAX) for k in fns}
+        sizes = {k: skip[k] + calls(BURST_MS, k, BURST_MIN - 1, BURST_MAX - 1) for k in fns}
     times: dict = {k: [] for k in fns}
     active = set(fns)
     max_rounds = max_rounds or 2 * rounds
@@ -446,10 +451,11 @@ class CpuRunner:
         # decisions timed by burst_medians and chosen by _choose (those of single alternating calls, which a
         # loaded host could get wrong, are not reused; nor those before OpenVINO got dense weights, "ov2", or
         # before ONNX Runtime's workers spun 40 us after a run, "ortspin40", or before OpenVINO had a way with
-        # one thread, "ov1t"); a package's steady bursts are kept apart from a compile's short ones
+        # one thread, "ov1t", or before a compile's bursts left out BURST_WARM_MS of each way's calls, "warm10"); a
+        # package's steady bursts are kept apart from a compile's short ones
         from fxopt.choices import cpu_runner_key
 
-        kind = "steady-bursts-ov2-ortspin40-ov1t" if self.steady else "bursts-ties2-ov2-ortspin40-ov1t"
+        kind = "steady-bursts-ov2-ortspin40-ov1t" if self.steady else "bursts-ties2-ov2-ortspin40-ov1t-warm10"
         return cpu_runner_key(kind, self.decisions_cache[2], self.ways, sig)
 
     def _decide(self, sig, args):
