@@ -213,9 +213,11 @@ class FxoptCompiler:
         return ctx
 
     def compile(self, gm: fx.GraphModule, fake_args: list, kind: str) -> Callable:
-        from fxopt.backends import lower
+        from fxopt.backends import lower, resolve_executor
 
-        if kind == "inference" and self.options.dynamic_shapes:
+        # training graphs too where generated kernels need concrete sizes (the cuda executor's)
+        if self.options.dynamic_shapes and (kind == "inference" or resolve_executor(
+                self.options.executor, self.device_type, kind) == "cuda"):
             from fxopt.dynamic import has_symbols
 
             if has_symbols(fake_args):  # one pipeline run, lowered per size (fxopt.dynamic)

@@ -4,7 +4,11 @@ Dynamo hands a backend a graph with symbolic sizes after it saw a second size (a
 under ``torch.compile(dynamic=True)`` or for dimensions marked with ``torch._dynamo.mark_dynamic``.
 Every size a pass or an executor reads as an int adds a guard to Dynamo's shape environment, and a
 guard such as ``Eq(s0, 2)`` specializes the graph back: Dynamo recompiles at every new size, and
-after its recompile limit runs new sizes eagerly. So a symbolic inference graph takes another path:
+after its recompile limit runs new sizes eagerly. So a symbolic inference graph takes another path,
+and so do a symbolic forward and backward for the cuda executor, whose kernels need concrete sizes
+(an epoch's smaller last batch, after which Dynamo serves every batch with its newest graph, the
+symbolic one: without this, no generated kernel ran there). A training graph is never padded; its
+backward's CUDA-graph runners read what the forward's runner of their size lent (``SizeRunners``):
 
 1. ``PrivateShapes``: the graph's fake inputs rebuilt in a shape environment of fxopt's own, one
    private symbol per Dynamo symbol (the same hints), and the graph re-propagated there. What the
@@ -469,6 +473,30 @@ class _Chunked(_Served):
         d.info["chunked_calls"] += 1
         self._runs(f"chunked into {self.rec['chunked_as']}")
         return joined.result()
+
+
+class SizeRunners:
+    """The CUDA-graph runners of a symbolic forward graph's specializations, as its backward's
+    ``TrainingLink`` reads a forward runner (``backends/cuda/runtime/cudagraph_training.py``): the
+    storages they hand out and lend, and their captures, over every size lowered now. A size
+    evicted since its forward ran is not among them: its backward copies what it reads."""
+
+    def __init__(self, dispatcher: "SizeDispatcher"):
+        self.dispatcher = dispatcher
+
+    def _runners(self) -> list:
+        runners = (getattr(low, "cudagraph_runner", None) for low in self.dispatcher.cache.values())
+        return [r for r in runners if r is not None]
+
+    @property
+    def graphs(self) -> dict:
+        return {(i, k): e for i, r in enumerate(self._runners()) for k, e in r.graphs.items()}
+
+    def handed_storages(self) -> set:
+        return set().union(*(r.handed_storages() for r in self._runners()))
+
+    def lent_storages(self) -> set:
+        return set().union(*(r.lent_storages() for r in self._runners()))
 
 
 def release(lowered) -> None:

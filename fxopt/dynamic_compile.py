@@ -63,6 +63,8 @@ def _compile(compiler, gm: fx.GraphModule, fake_args: list, kind: str, t0: float
         compiler.dynamic_fallback = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         return None
     ctx = compiler._context(sym_gm, shapes.fakes, kind)
+    if kind != "inference":  # the backward's runners read what the forward's lend, size by size
+        compiler._link_training(ctx, sym_gm, kind)
     before = pipeline.copy_graph_module(sym_gm)
     with cudnn_choosing(compiler.options.cudnn_search):
         optimized, records, fallback = pipeline.run_pipeline(sym_gm, ctx, dump_prefix=f"{kind}_")
@@ -70,7 +72,7 @@ def _compile(compiler, gm: fx.GraphModule, fake_args: list, kind: str, t0: float
     info = {"symbolic": list(shapes.dims), "guards": shapes.guards(), "pipeline_runs": 1,
             "pipeline_s": round(time.perf_counter() - t0, 4)}
     lower_at = _lowering(compiler, ctx, before, optimized, shapes, kind, info)
-    padding, batch_pos = _padding(compiler.options, before, shapes, info)
+    padding, batch_pos = _padding(compiler.options, before, shapes, info, kind)
     dispatcher = SizeDispatcher(shapes, lower_at, compiler.options.max_specializations, info, padding=padding,
                                 specialize_after=compiler.options.specialize_after,
                                 user_cache=_user_cache(compiler.options), batch_pos=batch_pos)
@@ -83,6 +85,13 @@ def _compile(compiler, gm: fx.GraphModule, fake_args: list, kind: str, t0: float
         compile_ms=(time.perf_counter() - t0) * 1e3, lowered=lowered)
     report.executor_details["compile_cache"] = "off (symbolic graph)"
     report.dispatcher = dispatcher
+    if kind != "inference":
+        from fxopt.dynamic import SizeRunners
+        from fxopt.training import training_details
+
+        report.training = training_details(before, kind, compiler.partitioner)
+        if kind == "forward":
+            compiler.forward_runner = SizeRunners(dispatcher)
     return compiler.finish(gm, dispatcher, report, kind)
 
 
@@ -93,8 +102,9 @@ def _user_cache(options):
     return AutotuneCache.for_option(options.autotune_cache)
 
 
-def _padding(options, before: fx.GraphModule, shapes: PrivateShapes, info: dict):
-    """``(Padding or None, index of the batch in a size key or None)``; the report says why not."""
+def _padding(options, before: fx.GraphModule, shapes: PrivateShapes, info: dict, kind: str = "inference"):
+    """``(Padding or None, index of the batch in a size key or None)``; the report says why not.
+    Never for a training graph (padded samples would enter BatchNorm's statistics and the gradients)."""
     from fxopt import batch_independence
     from fxopt.dynamic_buckets import Padding
 
@@ -102,6 +112,9 @@ def _padding(options, before: fx.GraphModule, shapes: PrivateShapes, info: dict)
     dim0 = [str(a.shape[0].node.expr) for a in shapes.fakes
             if isinstance(a, torch.Tensor) and a.dim() and isinstance(a.shape[0], torch.SymInt)]
     batch_pos = next((names.index(n) for n in dim0 if n in names), None)  # the buckets' dimension
+    if kind != "inference":
+        info["padding_declined"] = "a training graph: every size lowered at its first call"
+        return None, batch_pos
     if not options.dynamic_padding:
         info["padding_declined"] = "option dynamic_padding is off"
         return None, batch_pos
@@ -174,6 +187,8 @@ def _lowering(compiler, ctx, before: fx.GraphModule, optimized: fx.GraphModule, 
                                       kind)
             finally:
                 compiler.example_inputs = saved
+            c.training_link = ctx.training_link
+            c.param_placeholders |= ctx.param_placeholders
             with cudnn_choosing(compiler.options.cudnn_search):
                 static, _, fb = pipeline.run_pipeline(pipeline.copy_graph_module(base), c)
             c.unoptimized = base if fb is None else None
