@@ -7,9 +7,12 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from hypothesis import given
 
 from fxopt.dynamic import SizeRunners
+from fxopt.testing.strategies import _check_training_step, cnn_cases, compile_with_fxopt, tolerance
 from test_cudagraphs_training_cpu import _sim_training
+from test_properties import _examples
 
 BATCHES = (4, 4, 3, 4, 3, 2)
 
@@ -89,6 +92,26 @@ def test_inference_graphs_stay_padded_and_cpu_training_stays_on_the_torch_execut
     runs symbolic sizes as they are) take the symbolic path of before."""
     reports = _train_like_eager({"autotune_cache": False})
     assert not [r for r in reports if r.executor.endswith("(per size)")]
+
+
+@_examples(8)
+@given(cnn_cases(dtypes=(torch.float32,), ndims=(2,), training=True, min_batch=2))
+def test_random_cnns_train_like_eager_at_a_second_batch_and_back(case):
+    """Random training CNNs, kernels emulated: a step at the drawn batch, one at a batch one larger
+    (Dynamo's symbolic graph), one at the first again (served by that graph), each against eager."""
+    eager, model = case.model, copy.deepcopy(case.model)
+    graphs: list = []
+    compiled = compile_with_fxopt(model, {"executor": "cuda", "emulate_kernels": True, "autotune_cache": False},
+                                  graphs)
+    x = case.inputs[0]
+    rtol, atol = tolerance(case.dtype)
+    for b in (x.shape[0], x.shape[0] + 1, x.shape[0]):
+        for m in (eager, model):
+            m.zero_grad(set_to_none=True)
+        _check_training_step(eager, model, compiled, [torch.randn(b, *x.shape[1:], dtype=x.dtype)], rtol, atol, None)
+    assert all(g.fallback is None for g in graphs)
+    assert {g.kind for g in graphs if g.executor.endswith("(per size)")} == {"forward", "backward"}, \
+        [(g.kind, g.executor, g.executor_details.get("dynamic")) for g in graphs]
 
 
 @pytest.mark.gpu
