@@ -343,6 +343,21 @@ def test_serving_bench_cpu(tmp_path):
     assert "| seedcnn2 | fxopt | batch |" in md and "served as" in md
 
 
+def test_serving_bench_runs_each_backend_in_a_process_of_its_own(tmp_path):
+    import os
+
+    from fxopt.bench import serving
+
+    rc = serving.main(["--models", "seedcnn,seedcnn2", "--device", "cpu", "--calls", "4", "--max-batch", "3",
+                       "--phases", "batch", "--sample", "2", "--iters", "1", "--backends", "fxopt",
+                       "--out", str(tmp_path)])
+    assert rc == 0
+    results = json.loads((tmp_path / "serving.json").read_text())["results"]
+    assert [r["model"] for r in results] == ["seedcnn", "seedcnn2"] and all(r["batch"]["calls"] == 4 for r in results)
+    pids = {r["process"] for r in results}
+    assert len(pids) == 2 and os.getpid() not in pids
+
+
 def test_serving_bench_image_phase_cpu():
     from fxopt.bench import serving
 

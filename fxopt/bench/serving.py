@@ -17,7 +17,9 @@ image size, ``--image-sample`` at the other image sizes), the median latency of 
 (each size warmed first, so fxopt's exact specialization has taken over) against the same backend
 compiled statically for that size (``automatic_dynamic_shapes`` off: one static graph per size).
 ``--time-budget`` bounds a run: a backend's loop stops at its share (the JSON says so), static
-comparisons are skipped when none is left. Writes ``serving.json`` and ``serving.md`` into ``--out``.
+comparisons are skipped when none is left. Each model and backend runs in a process of its own
+(``--no-isolate``: all in this one, the first paying the others' lazy imports and CUDA start-up).
+Writes ``serving.json`` and ``serving.md`` into ``--out``.
 """
 from __future__ import annotations
 
@@ -279,7 +281,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run (shared by backends)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out")
+    p.add_argument("--no-isolate", dest="isolate", action="store_false",
+                   help="run every backend in this process (default: each model and backend in a process of "
+                   "its own, as a user's first compile runs: the first in a shared process would pay the lazy "
+                   "imports of Dynamo, AOTAutograd and sympy and the CUDA libraries' start-up for the rest)")
     return p
+
+
+def _isolated(argv: Sequence[str], model_name: str, name: str, budget: float) -> dict:
+    """One model and backend run by a child process of this module (``--no-isolate``); its result."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        args = [*argv, "--models", model_name, "--backends", name, "--out", out, "--no-isolate"]
+        if budget != float("inf"):
+            args += ["--time-budget", str(max(1.0, budget))]
+        proc = subprocess.run([sys.executable, "-m", "fxopt.bench.serving", *args], capture_output=True, text=True)
+        try:
+            with open(os.path.join(out, "serving.json")) as f:
+                return json.load(f)["results"][0]
+        except (OSError, ValueError, KeyError, IndexError):
+            return {"backend": name, "error": f"the child process failed (rc {proc.returncode}): "
+                    f"{proc.stderr.strip().splitlines()[-1][:300] if proc.stderr.strip() else ''}"}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -304,6 +328,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     oblivious = (torch.fx.experimental._config.patch(backed_size_oblivious=True) if a.size_oblivious
                  else contextlib.nullcontext())
     for j, (model_name, name) in enumerate(jobs):
+        if a.isolate and len(jobs) > 1:
+            r = _isolated(list(sys.argv[1:] if argv is None else argv), model_name, name,
+                          (budget - (time.perf_counter() - t_start)) / (len(jobs) - j))
+            r["model"] = model_name
+            r["seconds"] = round(time.perf_counter() - t_start, 1)
+            results.append(r)
+            print(json.dumps(r, default=str), flush=True)
+            continue
         model, chw = build_model(model_name, seed=a.seed)
         model = model.to(device=device, dtype=dtype).eval()
         side = chw[1]
@@ -329,6 +361,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             r = {"backend": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         r["model"] = model_name
         r["seconds"] = round(time.perf_counter() - t_start, 1)
+        r["process"] = os.getpid()
         results.append(r)
         print(json.dumps(r, default=str), flush=True)
     os.makedirs(a.out, exist_ok=True)
