@@ -6,9 +6,12 @@ Every size a pass or an executor reads as an int adds a guard to Dynamo's shape 
 guard such as ``Eq(s0, 2)`` specializes the graph back: Dynamo recompiles at every new size, and
 after its recompile limit runs new sizes eagerly. So a symbolic inference graph takes another path,
 and so do a symbolic forward and backward for the cuda executor, whose kernels need concrete sizes
-(an epoch's smaller last batch, after which Dynamo serves every batch with its newest graph, the
-symbolic one: without this, no generated kernel ran there). A training graph is never padded; its
-backward's CUDA-graph runners read what the forward's runner of their size lent (``SizeRunners``):
+(``dynamic=True``, ``mark_dynamic``, or a torch whose automatic dynamic makes an epoch's smaller last
+batch a symbolic graph, which then serves every batch: lowered symbolically, fewer ops fused, e.g. a
+resnet18 backward under ``dynamic=True`` 22 regions against 31-32 static, H200). A training graph
+is never padded; its backward's CUDA-graph runners read what the forward's runner of their size
+lent (``SizeRunners``); a backward whose sizes are expressions of symbols is lowered symbolically,
+as before (the end of this docstring). The path:
 
 1. ``PrivateShapes``: the graph's fake inputs rebuilt in a shape environment of fxopt's own, one
    private symbol per Dynamo symbol (the same hints), and the graph re-propagated there. What the
