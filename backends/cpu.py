@@ -340,8 +340,8 @@ def burst_medians(fns: dict, first_ms: dict, rounds: int, close: float, max_roun
     spinning while ONNX Runtime's or OpenVINO's starts, and the reverse: measured up to 10x one call
     on a loaded 2-core host) and wake the way's own workers, which a steady stream of calls of one
     way never sees (seedcnn2 b64 float32, 2 vCPUs, ONNX Runtime 1.07-1.11 ms in a loop of its own,
-    OpenVINO 1.23-1.25: with one call left out, ONNX Runtime measured 1.46-2.15 and OpenVINO won in
-    each of 4 compiles; 5 ms left out, in 2 of 6 fresh compiles; 10 ms, in none of 6). A way
+    OpenVINO 1.23-1.25: one call left out, OpenVINO won in 6 of 6 fresh compiles; 5 ms, in 2 of 6;
+    10 ms, in 0 of 6, and in 2 of 6 in a busier hour, when one call left out still gave 6 of 6). A way
     ``OUT_OF_RACE`` times slower than the fastest after a round is timed no more (its median so far
     stands): it cannot win, and on a loaded host the oneDNN graphs' calls can take 100x their time.
     Where the two fastest are within ``close`` (relative) after ``rounds`` rounds, as many rounds
