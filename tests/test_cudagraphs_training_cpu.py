@@ -48,6 +48,18 @@ def test_a_flat_output_list_with_other_values_is_handed_out_each_way_by_position
     assert type(out) is list and [t.data_ptr() for t in out] == [h.data_ptr(), logits.data_ptr()]
 
 
+def step_alike(pairs, x) -> list:
+    """One step of each (model or its compiled call, optimizer) on ``x``, loss the output's mean
+    square; their outputs."""
+    outs = []
+    for m, o in pairs:
+        o.zero_grad(set_to_none=True)
+        outs.append(m(x))
+        outs[-1].square().mean().backward()
+        o.step()
+    return outs
+
+
 def _sim_training(monkeypatch):
     """torch.compile training through fxopt on the CPU with the CUDA-graph runners simulated
     (captures recompute on replay): the graphs lower as the torch executor lowers CUDA graphs
@@ -84,12 +96,7 @@ def test_training_forward_and_backward_replay_linked_and_match_eager(monkeypatch
     held = []
     for step in range(4):
         x = torch.randn(4, 3, 6, 6)  # a new batch at a new address every step
-        outs = []
-        for m, o in ((compiled, opt), (ref, ref_opt)):
-            o.zero_grad(set_to_none=True)
-            outs.append(m(x))
-            outs[-1].square().mean().backward()
-            o.step()
+        outs = step_alike(((compiled, opt), (ref, ref_opt)), x)
         torch.testing.assert_close(outs[0], outs[1])
         held.append(outs[0])  # the caller keeps its outputs across later steps
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):

@@ -11,7 +11,7 @@ from hypothesis import given
 
 from fxopt.dynamic import SizeRunners
 from fxopt.testing.strategies import _check_training_step, cnn_cases, compile_with_fxopt, tolerance
-from test_cudagraphs_training_cpu import _sim_training
+from test_cudagraphs_training_cpu import _sim_training, step_alike
 from test_properties import _examples
 
 BATCHES = (4, 4, 3, 4, 3, 2)
@@ -37,12 +37,7 @@ def _train_like_eager(options: dict, device: str = "cpu", dtype=torch.float32, t
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
     for b in BATCHES:
         x = torch.randn(b, 3, 8, 8, device=device, dtype=dtype)
-        outs = []
-        for m, o in ((compiled, opt), (ref, ref_opt)):
-            o.zero_grad(set_to_none=True)
-            outs.append(m(x))
-            outs[-1].square().mean().backward()
-            o.step()
+        outs = step_alike(((compiled, opt), (ref, ref_opt)), x)
         torch.testing.assert_close(outs[0], outs[1], rtol=tol, atol=tol)
         for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values()):
             torch.testing.assert_close(p, q, rtol=tol, atol=tol, msg=name)
