@@ -95,15 +95,51 @@ class FoldedConstants(torch.nn.Module):
                 self._fake = (key, tuple(outputs))
 
     def _fake_forward(self, tensors):
-        """Fake outputs depend only on the inputs' metadata: reuse them while it is unchanged."""
+        """Fake outputs depend only on the inputs' metadata: reuse them while it is unchanged. Under
+        another fake mode (each size a symbolic graph is lowered at propagates in a mode of its own)
+        the same metadata gives the same outputs, made anew in that mode (``_in_mode``) instead of
+        tracing the weight-only graph again (0.1 s for resnet18's, per size)."""
         from fxopt.fakeprop import fake_inputs_key
 
         key = fake_inputs_key(tensors)
         if key is not None and key == self._fake[0]:
             return self._fake[1]
+        if key is not None and self._fake[0] is not None and key[1] == self._fake[0][1]:
+            out = _in_mode(self._fake[1], _fake_mode_of(tensors))
+            if out is not None:
+                self._fake = (key, out)
+                return out
         out = self.graph_module(*tensors)
         self._fake = (key, out)
         return out
+
+
+def _fake_mode_of(tensors):
+    """The fake mode of ``tensors`` (all of one mode), else the one tracing now."""
+    if tensors:
+        return getattr(tensors[0], "fake_mode", None)
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+
+
+def _in_mode(outputs, mode):
+    """``outputs`` (fake tensors with static sizes, each its own fresh storage) as new fake tensors
+    of ``mode`` with the same metadata, or None where one is not such a tensor."""
+    if mode is None or not isinstance(outputs, (tuple, list)):
+        return None
+    made = []
+    for o in outputs:
+        if not isinstance(o, FakeTensor) or o.storage_offset() != 0 or \
+                not all(type(d) is int for d in (*o.shape, *o.stride())):
+            return None
+        if o.fake_mode is mode:
+            made.append(o)
+            continue
+        with mode:
+            made.append(torch.empty_strided(tuple(o.shape), o.stride(), dtype=o.dtype, device=o.device,
+                                            requires_grad=o.requires_grad))
+    if len({id(o.untyped_storage()) for o in outputs}) != len(outputs):
+        return None  # outputs sharing a storage (views of one value): traced again
+    return type(outputs)(made)
 
 
 def _fake_mode_active() -> bool:

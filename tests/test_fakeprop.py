@@ -153,6 +153,49 @@ def test_folded_constants_reuse_the_recorded_fake_results():
     assert Boom.calls == 1 and tuple(other[0].shape) == (5, 3)
 
 
+def test_folded_constants_under_another_fake_mode_are_made_in_that_mode_without_tracing():
+    """Each size of a symbolic graph propagates in a fake mode of its own: the weight-only graph is
+    traced once; the same metadata under another mode gives that mode's fake tensors of the same
+    shape, strides and dtype. Outputs sharing a storage are traced again."""
+    from fxopt.passes.fold_constants import FoldedConstants
+
+    class Count(torch.nn.Module):
+        calls = 0
+
+        def forward(self, w, b):
+            Count.calls += 1
+            return (w.t().contiguous() * 2, b.to(torch.float16))
+
+    folded = FoldedConstants(Count(), ["w", "b"])
+    first = FakeTensorMode()
+    with first:
+        a = folded(first.from_tensor(torch.randn(4, 3)), first.from_tensor(torch.randn(4)))
+    assert Count.calls == 1
+    second = FakeTensorMode()
+    with second:
+        b = folded(second.from_tensor(torch.randn(4, 3)), second.from_tensor(torch.randn(4)))
+        assert Count.calls == 1 and all(t.fake_mode is second for t in b)
+        assert [(t.shape, t.stride(), t.dtype) for t in a] == [(t.shape, t.stride(), t.dtype) for t in b]
+        (b[0] + 1).sum()  # usable in its mode
+        other = folded(second.from_tensor(torch.randn(5, 3)), second.from_tensor(torch.randn(4)))
+    assert Count.calls == 2 and tuple(other[0].shape) == (3, 5)
+
+    class Views(torch.nn.Module):
+        calls = 0
+
+        def forward(self, w):
+            Views.calls += 1
+            y = w * 2
+            return (y, y.view(-1))
+
+    folded = FoldedConstants(Views(), ["w"])
+    for _ in range(2):
+        mode = FakeTensorMode()
+        with mode:
+            folded(mode.from_tensor(torch.randn(4, 3)))
+    assert Views.calls == 2
+
+
 def test_placeholders_keep_their_value_for_the_same_input_object():
     gm = _traced()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
