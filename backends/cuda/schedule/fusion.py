@@ -33,6 +33,8 @@ How (``schedule``):
    what is contiguous, e.g. a spatial mean of a channels_last tensor).
 5. The kernels that each store one piece of the same split from the same inputs (for library
    convolutions) become one kernel with one output per piece (``copies.merge_pieces``).
+6. A pointwise kernel reading a stored value at the indices where another pointwise kernel stores
+   it is computed in that kernel, from the value in registers (``consumers.merge_consumers``).
 
 Produces ``Region``s: the IR kernel, the graph nodes it reads and writes, the nodes it covers
 (for the reference implementation and the report). ``rewrite.py`` replaces each region by one
@@ -43,6 +45,7 @@ with the reason in ``Schedule.unfused``.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass, field
 from typing import Optional
@@ -50,13 +53,14 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from fxopt.backends.cuda.ir import PointwiseKernel
 from fxopt.backends.cuda.kernels.common import meta
 from .build import Builder, pointwise_kernel, reduction_kernel
 from .index_rules import TARGETS as INDEX_TARGETS, constant_nodes, decline_reason
 from .loops import arrange
 from .lowering import container_items, is_view, target_name, value_rule, view_root
 from .movement_rules import MULTI_VIEWS
-from . import copies
+from . import consumers, copies
 from .reduction_rules import reduction_rule
 from .values import Decline
 
@@ -72,6 +76,8 @@ class Region:
     outputs: list
     covered: list
     ops: list = field(default_factory=list)
+    #: a pointwise kernel as built, before ``arrange`` ordered and merged its loops (``consumers.py``)
+    raw: object = field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -408,6 +414,7 @@ def schedule(gm: fx.GraphModule, skip: set = frozenset(), max_rounds: int = 50, 
                     k, outs = reduction_kernel(f"fx_red_{n.name}", n, b)
                 else:
                     k, outs = pointwise_kernel(f"fx_pw_{n.name}", n, b), [n]
+                raw = dataclasses.replace(k) if isinstance(k, PointwiseKernel) else None
                 arrange(k)
             except Exception as e:  # noqa: BLE001 - a rule's failure only costs its node's fusion
                 if strict and not isinstance(e, (Decline, ValueError)):
@@ -416,7 +423,7 @@ def schedule(gm: fx.GraphModule, skip: set = frozenset(), max_rounds: int = 50, 
                                   else f"{type(e).__name__}: {e}")
                 continue
             covered = list(dict.fromkeys(b.covered))
-            regions.append(Region(k, b.inputs, outs, covered, _ops_of(covered)))
+            regions.append(Region(k, b.inputs, outs, covered, _ops_of(covered), raw=raw))
         if not failed:
             break
         for node, reason in failed.items():  # these run as PyTorch runs them; decide again
@@ -424,6 +431,7 @@ def schedule(gm: fx.GraphModule, skip: set = frozenset(), max_rounds: int = 50, 
     else:
         return Schedule([], {"*": "the scheduler did not settle"})
     regions = copies.merge_pieces(regions, Region)
+    regions = consumers.merge_consumers(regions, Region)
     for r in regions:
         r.kernel.ops = r.ops
     unfused = {n.name: w for n, w in classes.why.items() if classes.cls[n] == "library"}
