@@ -167,6 +167,13 @@ GPU_REPRODUCERS = {  # GPU fuzz seeds 41 / 51 (2026-11-27): shape, dtype, fmt, m
         ["x = (self.m1(F.gelu(self.m0(x.permute(0, 2, 3, 1))))).permute(0, 3, 1, 2)", "y = x", "x = self.m2(x)",
          "x = self.m3(x)", "a, c = torch.chunk(x, 2, dim=1)", "x = torch.cat([torch.abs(a), c], 1)",
          "x = self.m4(x)"], "x, y"),
+    # CPU fuzz 2026-12-05 (seed 203, emulated kernels): a reader of two outputs of a kernel it was merged
+    # into read one of them back; and a merged kernel moved past its first output's readers (test_consumers)
+    "96e3afdf1f": ((1, 1, 1, 1), "float32", "contiguous", "training", [
+        "self.m0 = nn.Linear(1, 1)", "self.m1 = nn.Linear(1, 1)"],
+        ["x = F.pad(x, (0, 0, 0, 0), mode='constant', value=0.0)", "x = torch.abs(x)", "x = torch.abs(x)",
+         "x = F.interpolate(x, size=(1, 1), mode='bilinear', align_corners=False)",
+         "x = self.m1(F.gelu(self.m0(torch.flatten(x, 1))))"], "x"),
 }
 
 

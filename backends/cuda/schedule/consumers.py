@@ -18,8 +18,9 @@ loads of ``v`` replaced by ``P``'s stored expression rounded to ``v``'s dtype (t
 would have read). ``v`` keeps its buffer: its other readers still read it. Each merged output's
 ``meta["fxopt_merged"]`` says where it is computed.
 
-Illegal: an input of ``C`` (other than ``v``) that depends on an output of ``P`` (a squeeze-excite
-gate pooled from ``v``: all of ``v`` must exist before ``C`` runs); loop nests split at
+Illegal: an input of ``C`` (other than ``v``) computed after ``P``'s first output in the graph (the
+merged kernel would run after it, past readers of ``P``'s outputs; it includes every input made
+from ``v``, a squeeze-excite gate pooled from ``v``, which needs all of ``v`` before ``C`` runs); loop nests split at
 concatenation or padding boundaries (``PointwiseKernel.parts``); reductions (a different loop
 structure). ``ENABLED`` switches the merge off to measure what it saves.
 """
@@ -42,57 +43,51 @@ def _eligible(r) -> bool:
     return isinstance(r.kernel, PointwiseKernel) and r.raw is not None and not r.kernel.parts
 
 
-def _descendants(nodes) -> set:
-    """Every node that reads (transitively) one of ``nodes``."""
-    seen: set = set()
-    stack = list(nodes)
-    while stack:
-        for u in stack.pop().users:
-            if u not in seen:
-                seen.add(u)
-                stack.append(u)
-    return seen
-
-
-def _why_not(p, c, v: fx.Node) -> str | None:
-    """Why ``c`` cannot be computed in ``p``'s kernel (one line), or None."""
+def _why_not(p, c, pos: dict) -> str | None:
+    """Why ``c`` cannot be computed in ``p``'s kernel (one line), or None. ``pos``: each node's
+    position in the graph."""
     pk, ck = p.raw, c.raw
     if list(pk.vars) != list(ck.vars):
         return "different loop nests"
-    j = p.outputs.index(v)
-    stores = [s for s in pk.stores if s.buf == j]
-    if len(stores) != 1:
-        return f"{v.name} stored more than once"
-    i = c.inputs.index(v)
-    for s in ck.stores:
-        for e in ir.walk(s.value):
-            if isinstance(e, Load) and e.buf == i and e.offset != stores[0].offset:
-                return f"{v.name} read at another index (a view, broadcast or window)"
-    after = _descendants(p.outputs)
-    if any(n in after for n in c.inputs if n is not v):
-        return f"another input depends on {p.name}'s outputs"
+    for i, n in enumerate(c.inputs):
+        if n not in p.outputs:
+            continue
+        j = p.outputs.index(n)
+        stores = [s for s in pk.stores if s.buf == j]
+        if len(stores) != 1:
+            return f"{n.name} stored more than once"
+        for s in ck.stores:
+            for e in ir.walk(s.value):
+                if isinstance(e, Load) and e.buf == i and e.offset != stores[0].offset:
+                    return f"{n.name} read at another index (a view, broadcast or window)"
+    # the merged kernel runs after all its inputs: each other input of c must exist before p's
+    # first output does (else p's outputs would move past readers of theirs; and an input made
+    # from p's outputs, a gate pooled from v, comes after them)
+    first = min(pos[o] for o in p.outputs)
+    if any(pos[n] > first for n in c.inputs if n not in p.outputs):
+        return f"another input is computed after {p.name}'s outputs"
     return None
 
 
-def _merged(p, c, v: fx.Node, region_cls):
-    """The region computing ``p`` and ``c`` in one kernel (legality checked by ``_why_not``)."""
+def _merged(p, c, region_cls):
+    """The region computing ``p`` and ``c`` in one kernel (legality checked by ``_why_not``): ``c``'s
+    loads of ``p``'s outputs are ``p``'s stored expressions, rounded to their dtypes."""
     pk, ck = p.raw, c.raw
     inputs, bufs = list(p.inputs), list(pk.inputs)
     slot = {n: k for k, n in enumerate(inputs)}
     for n, b in zip(c.inputs, ck.inputs):
-        if n is not v and n not in slot:
+        if n not in p.outputs and n not in slot:
             slot[n] = len(inputs)
             inputs.append(n)
             bufs.append(b)
-    j = p.outputs.index(v)
-    value = next(s.value for s in pk.stores if s.buf == j)
-    value = rounded(value, pk.outputs[j].dtype, bufs)
-    i_v = c.inputs.index(v)
-    imap = {k: slot[n] for k, n in enumerate(c.inputs) if n is not v}
+    stored = {s.buf: s.value for s in pk.stores}
+    values = {k: rounded(stored[p.outputs.index(n)], pk.outputs[p.outputs.index(n)].dtype, bufs)
+              for k, n in enumerate(c.inputs) if n in p.outputs}
+    imap = {k: slot[n] for k, n in enumerate(c.inputs) if n not in p.outputs}
 
     def leaf(e):
         if isinstance(e, Load):
-            return value if e.buf == i_v else Load(imap[e.buf], e.offset)
+            return values[e.buf] if e.buf in values else Load(imap[e.buf], e.offset)
         return None
     memo: dict = {}
     base = len(pk.outputs)
@@ -103,9 +98,9 @@ def _merged(p, c, v: fx.Node, region_cls):
     arrange(kernel)
     region = region_cls(kernel, inputs, list(p.outputs) + list(c.outputs),
                         list(dict.fromkeys(p.covered + c.covered)), list(dict.fromkeys(p.ops + c.ops)), raw=raw)
+    read = ", ".join(n.name for n in c.inputs if n in p.outputs)
     for o in c.outputs:
-        o.meta["fxopt_merged"] = (f"computed by {p.name}'s kernel from {v.name} in registers "
-                                  f"(one launch; {v.name} not read back)")
+        o.meta["fxopt_merged"] = f"computed by {p.name}'s kernel from {read} in registers (one launch; not read back)"
     return region
 
 
@@ -116,16 +111,18 @@ def merge_consumers(regions: list, region_cls) -> list:
         return regions
     out = list(regions)
     producer = {o: r for r in out for o in r.outputs}
+    graph = next((o.graph for r in out for o in r.outputs), None)
+    pos = {n: i for i, n in enumerate(graph.nodes)} if graph is not None else {}
     gone: set = set()
     for c in list(regions):
         if id(c) in gone or not _eligible(c):
             continue
         for v in c.inputs:
             p = producer.get(v)
-            if p is None or p is c or not _eligible(p) or _why_not(p, c, v) is not None:
+            if p is None or p is c or not _eligible(p) or _why_not(p, c, pos) is not None:
                 continue
             try:
-                m = _merged(p, c, v, region_cls)
+                m = _merged(p, c, region_cls)
             except Exception:  # noqa: BLE001 - a merge that does not arrange leaves both kernels
                 continue
             out = [m if r is p else r for r in out if r is not c]
