@@ -6,9 +6,12 @@ Every size a pass or an executor reads as an int adds a guard to Dynamo's shape 
 guard such as ``Eq(s0, 2)`` specializes the graph back: Dynamo recompiles at every new size, and
 after its recompile limit runs new sizes eagerly. So a symbolic inference graph takes another path,
 and so do a symbolic forward and backward for the cuda executor, whose kernels need concrete sizes
-(``dynamic=True``, ``mark_dynamic``, or a torch whose automatic dynamic makes an epoch's smaller last
-batch a symbolic graph, which then serves every batch: lowered symbolically, fewer ops fused, e.g. a
-resnet18 backward under ``dynamic=True`` 22 regions against 31-32 static, H200). A training graph
+(``dynamic=True``, ``mark_dynamic``, or automatic dynamic's graph of an epoch's smaller last batch;
+lowered symbolically, fewer ops fused: a resnet18 backward under ``dynamic=True`` 22 regions against
+31-32 static, H200). On CUDA a training graph with BatchNorm is still specialized per batch: the joint
+graph's propagation after ``training_batchnorm`` asks cuDNN for its reserve-space size, from concrete
+sizes, adding ``Eq(s, n)`` to Dynamo's shape environment (open: propagate the joint graph in a shape
+environment of fxopt's own, as ``PrivateShapes`` does below). A training graph
 is never padded; its backward's CUDA-graph runners read what the forward's runner of their size
 lent (``SizeRunners``); a backward whose sizes are expressions of symbols is lowered symbolically,
 as before (the end of this docstring). The path:

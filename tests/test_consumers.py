@@ -2,6 +2,8 @@
 (backends/cuda/schedule/consumers.py), on the CPU: which regions merge, which must not (a reader
 whose other input is pooled from the value; a reader at another index), every region's IR against
 its ATen ops, the compiled model against eager, and a hypothesis property over random chains."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -16,6 +18,7 @@ from fxopt.backends.cuda.schedule.rewrite import split_conv_epilogues
 from fxopt.testing import check_fusion, compile_with_fxopt
 from fxopt.testing.fusion import capture
 from fxopt.testing.strategies import CNNCase
+from fxopt.tolerances import max_error, tolerance
 
 CL = {"layout": "channels_last"}
 ACTS = {"relu": F.relu, "silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "gelu": F.gelu}
@@ -143,8 +146,11 @@ def test_merged_kernels_on_the_gpu_match_eager(dtype, act1, act2):
     fast = compile_with_fxopt(m, {"executor": "cuda", **CL}, graphs)
     with torch.no_grad():
         got, want = fast(x), m(x)
-    tol = 2e-2 if dtype == torch.float16 else 1e-4
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        ref = copy.deepcopy(m).double()(x.double())
+    # float32 convolutions run in TF32 on CUDA, eager's too (fxopt.tolerances): judged as the fuzzer
+    # judges, against float64, by eager's own error
+    _, atol = tolerance(dtype)
+    assert max_error(got, ref) <= 2 * max_error(want, ref) + atol, (max_error(got, ref), max_error(want, ref))
     regions = graphs[0].executor_details["regions"]
     assert len(regions) == 1, regions  # the sum and the reader's activation: one kernel
     ops = next(iter(regions.values()))["ops"]
