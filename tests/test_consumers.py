@@ -98,6 +98,24 @@ def test_merging_twice_changes_nothing():
     assert [r.name for r in again] == [r.name for r in after.regions]
 
 
+def test_the_executor_merges_readers_in_inference_graphs_only():
+    """Inference graphs get the merged kernel; training graphs (forward and backward) are scheduled
+    without step 6 until the training property has passed on a GPU with it."""
+    import fxopt
+
+    m, x = _case(PreAct())
+    opts = {"executor": "cuda", "emulate_kernels": True, **CL}
+    inference = fxopt.explain(m, x, options=opts)
+    ops = [set(r["ops"]) for g in inference.graphs for r in g.executor_details["regions"].values()]
+    assert any({"aten.relu.default", "aten.silu.default"} <= o for o in ops), ops
+    training = fxopt.explain(m.train(), x.clone().requires_grad_(), options=opts, training=True)
+    assert {g.kind for g in training.graphs} == {"forward", "backward"}
+    assert not any("fxopt_merged" in n.meta for g in training.graphs for n in g.after.graph.nodes)
+    fwd = next(g for g in training.graphs if g.kind == "forward")
+    ops = [set(r["ops"]) for r in fwd.executor_details["regions"].values()]
+    assert not any({"aten.relu.default", "aten.silu.default"} <= o for o in ops), ops
+
+
 # ---------------------------------------------------------------------------- numerics
 @pytest.mark.parametrize("dtype,cl", [(torch.float32, True), (torch.float16, True), (torch.float32, False)])
 @pytest.mark.parametrize("reader", ["pointwise", "gated"])

@@ -210,16 +210,18 @@ def _fallback_call(call, reference, name):
 
 
 def fuse_regions(runnable: fx.GraphModule, info: dict, skip: set, strict: bool = False,
-                 fast_math: bool = False, tuning=None) -> list:
+                 fast_math: bool = False, tuning=None, merge_readers: bool = True) -> list:
     """Schedule ``runnable`` into regions and put one node per region in the graph (target: its
     reference, until a measurement chooses otherwise). ``fast_math``: option fast_math. ``tuning``
-    (on a GPU): measures whether a linear layer's epilogue moves into its readers' kernels."""
+    (on a GPU): measures whether a linear layer's epilogue moves into its readers' kernels.
+    ``merge_readers``: readers computed in the kernel storing their value (inference graphs only
+    until the training property has passed on a GPU with it, ``schedule/consumers.py``)."""
     def measured(node):  # the fused call against the bare product plus its epilogue (autotune-cached)
         cands = {"reference": node.target, "split": linear_then_epilogue}
         return tuning.entry(node, cands, cache_key(node, cands, tuning.graphed))
     info["linear_epilogues"] = split_linear_epilogues(runnable, skip, None if tuning is None else measured)
     split = split_conv_epilogues(runnable, skip)
-    sched = schedule(runnable, skip, strict=strict)
+    sched = schedule(runnable, skip, strict=strict, merge_readers=merge_readers)
     info["unfused"] = sched.unfused
     info["conv_epilogues_moved"] = split
     info["copies"] = copy_summary(sched.regions)  # kernels that only move data, bytes per call
@@ -254,8 +256,8 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
 
         tuning = Tuning(AutotuneCache.for_option(ctx.options.autotune_cache), device_fingerprint("cuda"),
                         ctx.options.cudagraphs is not False, ctx)
-    regions = (fuse_regions(runnable, info, skip, ctx.options.strict, ctx.options.fast_math, tuning)
-               if ctx.options.fusion else [])
+    regions = (fuse_regions(runnable, info, skip, ctx.options.strict, ctx.options.fast_math, tuning,
+                            merge_readers=ctx.mode == "inference") if ctx.options.fusion else [])
     planned = plan_nodes(runnable.graph, ctx.options)
     by_family.update((f.name, f.plan(runnable.graph)) for f in GROUPS if not f.before_fusion)
     groups = [g for f in GROUPS for g in by_family[f.name]]

@@ -22,7 +22,9 @@ Illegal: an input of ``C`` (other than ``v``) computed after ``P``'s first outpu
 merged kernel would run after it, past readers of ``P``'s outputs; it includes every input made
 from ``v``, a squeeze-excite gate pooled from ``v``, which needs all of ``v`` before ``C`` runs); loop nests split at
 concatenation or padding boundaries (``PointwiseKernel.parts``); reductions (a different loop
-structure). ``ENABLED`` switches the merge off to measure what it saves.
+structure). ``ENABLED`` switches the merge off to measure what it saves. The cuda executor merges
+in inference graphs only (``fuse_regions``' ``merge_readers``): the training property under float16
+autocast failed once on an H100 with it on, cause not found.
 """
 from __future__ import annotations
 

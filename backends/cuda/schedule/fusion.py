@@ -392,8 +392,10 @@ def _ops_of(nodes: list) -> list:
     return list(dict.fromkeys(out))
 
 
-def schedule(gm: fx.GraphModule, skip: set = frozenset(), max_rounds: int = 50, strict: bool = False) -> Schedule:
+def schedule(gm: fx.GraphModule, skip: set = frozenset(), max_rounds: int = 50, strict: bool = False,
+             merge_readers: bool = True) -> Schedule:
     """The regions of ``gm`` (see the module docstring). ``skip``: nodes left as they are.
+    ``merge_readers``: step 6 (``consumers.merge_consumers``).
     A rule that fails with anything else than ``Decline`` leaves its node to PyTorch too (with
     the error as the reason), unless ``strict``."""
     graph = gm.graph
@@ -431,7 +433,8 @@ def schedule(gm: fx.GraphModule, skip: set = frozenset(), max_rounds: int = 50, 
     else:
         return Schedule([], {"*": "the scheduler did not settle"})
     regions = copies.merge_pieces(regions, Region)
-    regions = consumers.merge_consumers(regions, Region)
+    if merge_readers:
+        regions = consumers.merge_consumers(regions, Region)
     for r in regions:
         r.kernel.ops = r.ops
     unfused = {n.name: w for n, w in classes.why.items() if classes.cls[n] == "library"}
