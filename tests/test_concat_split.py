@@ -9,15 +9,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from fxopt.backends import torch_ref
 from fxopt.backends.cuda import ir
 from fxopt.backends.cuda.compiler import nvrtc_available
 from fxopt.backends.cuda.schedule import copies
-from fxopt.backends.cuda.schedule.fusion import schedule
-from fxopt.backends.cuda.schedule.rewrite import split_conv_epilogues
 from fxopt.ops import fused_conv_ref
 from fxopt.testing import check_fusion, compile_with_fxopt
-from fxopt.testing.fusion import capture
+from fxopt.testing.fusion import scheduled
 from fxopt.testing.strategies import CNNCase
 
 CL = {"layout": "channels_last"}  # as on the GPU: the layout pass converts each conv's input
@@ -153,14 +150,7 @@ def _case(model, shape, dtype=torch.float32, cl=True):
 
 
 def _schedule(model, x, enabled=True):
-    (report, _), = capture(model, (x,), {"executor": "torch", **CL})
-    gm = torch_ref.lower(report.after)
-    split_conv_epilogues(gm)  # as the cuda executor does
-    old, copies.ENABLED = copies.ENABLED, enabled
-    try:
-        return gm, schedule(gm, strict=True)
-    finally:
-        copies.ENABLED = old
+    return scheduled(model, (x,), CL, (copies, enabled))
 
 
 def _pipeline_outputs(m, x, layout):

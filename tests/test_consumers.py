@@ -10,13 +10,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from fxopt.backends import torch_ref
 from fxopt.backends.cuda.compiler import nvrtc_available
 from fxopt.backends.cuda.schedule import consumers
-from fxopt.backends.cuda.schedule.fusion import schedule
-from fxopt.backends.cuda.schedule.rewrite import split_conv_epilogues
 from fxopt.testing import check_fusion, compile_with_fxopt
-from fxopt.testing.fusion import capture
+from fxopt.testing.fusion import scheduled
 from fxopt.testing.strategies import CNNCase
 from fxopt.tolerances import max_error, tolerance
 
@@ -54,14 +51,7 @@ def _case(model, shape=(2, 8, 6, 6), dtype=torch.float32, cl=True):
 
 
 def _schedule(model, x, enabled=True):
-    (report, _), = capture(model, (x,), {"executor": "torch", **CL})
-    gm = torch_ref.lower(report.after)
-    split_conv_epilogues(gm)  # as the cuda executor does
-    old, consumers.ENABLED = consumers.ENABLED, enabled
-    try:
-        return schedule(gm, strict=True)
-    finally:
-        consumers.ENABLED = old
+    return scheduled(model, (x,), CL, (consumers, enabled))[1]
 
 
 def _outputs(sched):

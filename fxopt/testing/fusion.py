@@ -45,6 +45,29 @@ def capture(model, inputs, options=None) -> list:
     return [(g, ex) for graphs, ex in captured for g in graphs]
 
 
+def scheduled(model, inputs, options=None, flag=None) -> tuple:
+    """(the optimized graph of ``model(*inputs)`` as the cuda executor schedules it, its ``Schedule``):
+    the pipeline with ``options`` (executor torch), convolution epilogues split off as the executor
+    does. ``flag``: (a module, a value) for its ``ENABLED`` switch during the call (``copies``,
+    ``consumers``)."""
+    from fxopt.backends import torch_ref
+    from fxopt.backends.cuda.schedule.fusion import schedule
+    from fxopt.backends.cuda.schedule.rewrite import split_conv_epilogues
+
+    (report, _), = capture(model, tuple(inputs), {"executor": "torch", **(options or {})})
+    gm = torch_ref.lower(report.after)
+    split_conv_epilogues(gm)
+    module, value = flag if flag is not None else (None, None)
+    old = getattr(module, "ENABLED", None)
+    if module is not None:
+        module.ENABLED = value
+    try:
+        return gm, schedule(gm, strict=True)
+    finally:
+        if module is not None:
+            module.ENABLED = old
+
+
 def _values(gm: fx.GraphModule, inputs: list) -> dict:
     """Every node's value on ``inputs``, laid out with the strides of its metadata where this
     device's kernel gives others (torch's CPU ``native_group_norm`` keeps channels_last where its
