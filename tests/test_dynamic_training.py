@@ -122,12 +122,14 @@ SPECIALIZED_BY_BN_RESERVE = ("the cuDNN BatchNorm reserve-space query in the joi
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.xfail(reason=SPECIALIZED_BY_BN_RESERVE, strict=False)
 def test_symbolic_training_on_the_gpu_matches_eager_at_every_size():
-    """``dynamic=True``: the forward lowered per size with CUDA graphs, its backward linked to them,
-    every step as eager's (each step is checked before the symbolic graphs are looked for)."""
+    """``dynamic=True``: every step as eager's (asserted always); then the forward lowered per size
+    with CUDA graphs, its backward linked to them. Static graphs per size with BatchNorm on CUDA are
+    the known open cause above, reported as an expected failure there and nowhere else."""
     reports = _train_like_eager({"autotune_cache": False}, device="cuda", tol=2e-4, dynamic=True)
     per_size = [r for r in reports if r.executor.endswith("(per size)")]
+    if not per_size and all(r.executor_details.get("dynamic") is None for r in reports):
+        pytest.xfail(SPECIALIZED_BY_BN_RESERVE)
     assert per_size, [(r.kind, r.executor, r.executor_details.get("dynamic")) for r in reports]
     for rep in per_size:
         for low in rep.lowered.fn.cache.values():
