@@ -181,10 +181,10 @@ class CompileCache:
     def _restore(self, gm: fx.GraphModule, ctx, fake_args: list):
         from torch._guards import detect_fake_mode
         from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
         from fxopt.autotune import ConvChoice
         from fxopt.choices import FixedChoices
+        from fxopt.fakeprop import FakeProp
         from fxopt.report import PassRecord
         from fxopt.serialize import graph_from_json, rebuild_vals
 
@@ -196,7 +196,7 @@ class CompileCache:
         placeholders = [n for n in optimized.graph.nodes if n.op == "placeholder"]
         if not rebuild_vals(optimized, entry["graph"], mode) or len(placeholders) != len(fake_args):
             with mode, torch.set_grad_enabled(ctx.mode != "inference"):
-                FakeTensorProp(optimized, mode).propagate_dont_convert_inputs(*fake_args)
+                FakeProp(optimized, mode).propagate_dont_convert_inputs(*fake_args)
         else:  # AOTAutograd's own fake inputs (same metadata: it is in the key)
             for n, v in zip(placeholders, fake_args):
                 n.meta["val"] = v

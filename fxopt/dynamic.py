@@ -8,10 +8,9 @@ after its recompile limit runs new sizes eagerly. So a symbolic inference graph 
 and so do a symbolic forward and backward for the cuda executor, whose kernels need concrete sizes
 (``dynamic=True``, ``mark_dynamic``, or automatic dynamic's graph of an epoch's smaller last batch;
 lowered symbolically, fewer ops fused: a resnet18 backward under ``dynamic=True`` 22 regions against
-31-32 static, H200). On CUDA a training graph with BatchNorm is still specialized per batch: the joint
-graph's propagation after ``training_batchnorm`` asks cuDNN for its reserve-space size, from concrete
-sizes, adding ``Eq(s, n)`` to Dynamo's shape environment (open: propagate the joint graph in a shape
-environment of fxopt's own, as ``PrivateShapes`` does below). A training graph
+31-32 static, H200). BatchNorm's cuDNN reserve-space query, which reads concrete sizes, runs with
+guards suppressed in fxopt's propagation (``fxopt.fakeprop.FakeProp``), so a training graph with
+BatchNorm stays symbolic (Dynamo's shape environment gets no ``Eq(s, n)``). A training graph
 is never padded; its backward's CUDA-graph runners read what the forward's runner of their size
 lent (``SizeRunners``); a backward whose sizes are expressions of symbols is lowered symbolically,
 as before (the end of this docstring). The path:

@@ -21,13 +21,12 @@ log = logging.getLogger("fxopt")
 
 def _private_graph(gm: fx.GraphModule, shapes: PrivateShapes) -> fx.GraphModule:
     """A copy of ``gm`` whose values are propagated from the private fake inputs."""
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
+    from fxopt.fakeprop import FakeProp
     from fxopt.pipeline import copy_graph_module
 
     copy = copy_graph_module(gm)
     with shapes.mode, torch.no_grad():
-        FakeTensorProp(copy, shapes.mode).propagate_dont_convert_inputs(*shapes.fakes)
+        FakeProp(copy, shapes.mode).propagate_dont_convert_inputs(*shapes.fakes)
     return copy
 
 

@@ -49,7 +49,51 @@ def fake_inputs_key(tensors) -> Optional[tuple]:
         return None
 
 
-class CachedFakeTensorProp(FakeTensorProp):
+#: ops whose fake kernel asks cuDNN for BatchNorm's reserve-space size (``torch._decomp``'s
+#: ``_get_batch_norm_reserve_tensor``): the reserve is output 3 of each
+_RESERVE_QUERY_OPS = (torch.ops.aten._batch_norm_with_update_functional.default,
+                      torch.ops.aten._batch_norm_with_update.default,
+                      torch.ops.aten._batch_norm_no_update.default)
+
+
+def _symbolic(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and any(not isinstance(d, int) for d in (*v.shape, *v.stride()))
+
+
+class FakeProp(FakeTensorProp):
+    """FakeTensorProp that records plain-number results (a size input propagated as an int: some torch
+    versions keep the node's earlier, symbolic value) and does not let BatchNorm's cuDNN reserve-space
+    query specialize a symbolic size.
+
+    The fake kernel of ``_batch_norm_with_update`` (what ``training_batchnorm`` gives a training
+    BatchNorm) asks cuDNN for its reserve-space size from concrete sizes: ``Eq(s0, n)`` would join
+    the shape environment and the graph would be specialized to the traced batch (Dynamo recompiles
+    at every batch). cuDNN needs no reserve space for a plain BatchNorm (its size was 0 at every
+    batch 1-64, fp16/fp32, either layout, cuDNN 9.19), so the query runs with the shape environment's
+    guards suppressed, and where the size it returns is 0 the result holds for every size. Where it
+    is not 0 (a cuDNN whose reserve may depend on the sizes), every size of the input is specialized,
+    as the query would have done."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        env = getattr(self._mode, "shape_env", None)
+        if (env is None or n.op != "call_function" or n.target not in _RESERVE_QUERY_OPS
+                or not isinstance(n.args[0], fx.Node) or not _symbolic(self.env.get(n.args[0]))):
+            result = super().run_node(n)
+            if type(result) in (int, float, bool):
+                # a size input given as an int: torch 2.11's FakeTensorProp records no value for it and
+                # would leave the graph's symbolic one (a graph made static at these sizes kept a SymInt)
+                n.meta["val"] = result
+            return result
+        with env.suppress_guards():
+            result = super().run_node(n)
+        if result[3].numel() != 0:
+            x = self.env[n.args[0]]
+            for d in (*x.shape, *x.stride()):
+                int(d)  # guards every size: the reserve's size holds for these sizes only
+        return result
+
+
+class CachedFakeTensorProp(FakeProp):
     """FakeTensorProp with a cache (node -> (key, result, meta val)) that outlives one propagation."""
 
     def __init__(self, module: fx.GraphModule, mode, cache: dict):
@@ -146,7 +190,7 @@ def propagate(gm: fx.GraphModule, inputs) -> None:
 
     mode = detect_fake_mode(inputs)
     with mode:
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+        FakeProp(gm, mode).propagate_dont_convert_inputs(*inputs)
 
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)

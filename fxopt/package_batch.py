@@ -37,8 +37,8 @@ def _exported_vals(gm: fx.GraphModule, inputs: dict, weights: dict, dynamic: boo
     that fails. (A fresh shape environment: the export's may have specialised the batch since.)"""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+    from fxopt.fakeprop import FakeProp
     from fxopt.pipeline import copy_graph_module
 
     def fake(x, batch_dim: bool):
@@ -57,7 +57,7 @@ def _exported_vals(gm: fx.GraphModule, inputs: dict, weights: dict, dynamic: boo
         b = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else None
         copy = copy_graph_module(gm)
         with torch.no_grad():
-            FakeTensorProp(copy, mode).propagate_dont_convert_inputs(*args)
+            FakeProp(copy, mode).propagate_dont_convert_inputs(*args)
     except Exception:  # noqa: BLE001 - the loader then propagates FakeTensors itself
         return None
     return symbolic_vals(copy, str(b.node.expr) if isinstance(b, torch.SymInt) else None)
@@ -119,12 +119,13 @@ def _specialise(gm: fx.GraphModule, args: list, vals: Optional[dict] = None,
             pass
     static = copy_graph_module(gm)
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from fxopt.fakeprop import FakeProp
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
     with torch.no_grad():
-        FakeTensorProp(static, mode).propagate_dont_convert_inputs(*fakes)
+        FakeProp(static, mode).propagate_dont_convert_inputs(*fakes)
     return static
 
 

@@ -32,7 +32,8 @@ Illegal (left alone, with a reason): a target without the fused kernel (``ctx.ta
 CUDA (the ``native`` backend exists for tests only);
 an input that is not 4-D float16/bfloat16 channels_last, or weight, bias and statistics that are
 not float32; a configuration the target's probe finds cuDNN declining or computing
-something else; BatchNorm's output or the sum read by anything but the next op; a ReLU whose
+something else; symbolic sizes (the reserve space, which holds the ReLU's mask, is sized by
+cuDNN per batch: probing it would specialize a dynamic graph to one batch); BatchNorm's output or the sum read by anything but the next op; a ReLU whose
 gradient is not exactly one ``threshold_backward``; a backward of another form. Values are
 cuDNN's (eager runs the same library's unfused kernels): equal within the float16 tolerance.
 """
@@ -197,7 +198,10 @@ def _reserve(m: Match, backend: str, probe) -> tuple[Optional[int], Optional[str
     if backend == "native":
         return 0, None
     xv = val(m.bn.args[0])
-    return probe(tuple(int(s) for s in xv.shape), xv.dtype, m.add is not None, xv.device.index or 0)
+    if not all(isinstance(s, int) for s in xv.shape):  # (an isinstance test adds no guard)
+        return None, ("symbolic sizes: cuDNN sizes the ReLU's mask per batch, and reading the size would "
+                      "specialize the graph to it")
+    return probe(tuple(xv.shape), xv.dtype, m.add is not None, xv.device.index or 0)
 
 
 def run(gm: fx.GraphModule, ctx: PassContext, backend: Optional[str] = None) -> PassResult:

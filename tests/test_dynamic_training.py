@@ -111,26 +111,17 @@ def test_random_cnns_train_like_eager_at_a_second_batch_and_back(case):
         [(g.kind, g.executor, g.executor_details.get("dynamic")) for g in graphs]
 
 
-#: why a training graph with BatchNorm is static per batch on CUDA (H100, torch 2.11, 2026-12-05): the
-#: joint graph's propagation after ``training_batchnorm`` runs ``_batch_norm_with_update_functional``'s
-#: decomposition, whose cuDNN reserve-space query reads concrete sizes: ``Eq(s77, 3)`` is added to
-#: Dynamo's shape environment and the graph specialized (aot_eager adds no such guard). Open: that
-#: propagation in a shape environment of fxopt's own, as a symbolic forward's is (``PrivateShapes``)
-SPECIALIZED_BY_BN_RESERVE = ("the cuDNN BatchNorm reserve-space query in the joint graph's propagation "
-                             "specializes the batch (Eq guard in Dynamo's shape environment)")
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_symbolic_training_on_the_gpu_matches_eager_at_every_size():
-    """``dynamic=True``: every step as eager's (asserted always); then the forward lowered per size
-    with CUDA graphs, its backward linked to them. Static graphs per size with BatchNorm on CUDA are
-    the known open cause above, reported as an expected failure there and nowhere else."""
+    """``dynamic=True``: every step as eager's; one forward and one backward graph for every batch
+    (BatchNorm in training runs cuDNN's kernels, whose reserve-space query in propagation does not
+    specializes the batch), the forward lowered per size with CUDA graphs, its backward linked to them."""
     reports = _train_like_eager({"autotune_cache": False}, device="cuda", tol=2e-4, dynamic=True)
     per_size = [r for r in reports if r.executor.endswith("(per size)")]
-    if not per_size and all(r.executor_details.get("dynamic") is None for r in reports):
-        pytest.xfail(SPECIALIZED_BY_BN_RESERVE)
-    assert per_size, [(r.kind, r.executor, r.executor_details.get("dynamic")) for r in reports]
+    assert sorted(r.kind for r in reports) == ["backward", "forward"], [(r.kind, r.executor) for r in reports]
+    assert {r.kind for r in per_size} == {"forward", "backward"}, \
+        [(r.kind, r.executor, r.executor_details.get("dynamic")) for r in reports]
     for rep in per_size:
         for low in rep.lowered.fn.cache.values():
             assert low.executor == "cuda" and low.cudagraphs.startswith("on"), (rep.kind, low.cudagraphs)

@@ -1,5 +1,7 @@
 """Cached FakeTensor propagation (fxopt/fakeprop.py): recomputes only what a rewrite could change,
 and always leaves the same metadata a fresh propagation would."""
+import operator
+
 import torch
 import torch.fx as fx
 from hypothesis import given, settings
@@ -212,3 +214,106 @@ def test_placeholders_keep_their_value_for_the_same_input_object():
     assert x_node.meta["val"] is not recorded and tuple(x_node.meta["val"].shape) == (2, 3, 10, 10)
     conv = next(n for n in gm.graph.nodes if n.target is aten.convolution.default)
     assert tuple(conv.meta["val"].shape) == (2, 4, 10, 10)  # downstream recomputed for the new input
+
+
+def _bn_training_graph():
+    """A training BatchNorm as ``training_batchnorm`` leaves it: forward with update, backward reading
+    the reserve."""
+    g = fx.Graph()
+    x, w, b, rm, rv, grad = (g.placeholder(n) for n in ("x", "w", "b", "rm", "rv", "grad"))
+    bn = g.call_function(aten._batch_norm_with_update_functional.default, (x, w, b, rm, rv, 0.1, 1e-5))
+    out, mean, rstd, reserve = (g.call_function(operator.getitem, (bn, i)) for i in range(4))
+    dx = g.call_function(aten.batch_norm_backward.default,
+                         (grad, x, w, None, None, mean, rstd, True, 1e-5, [True, True, True], reserve))
+    g.output((out, dx))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _symbolic_cuda_inputs(batch: int, channels: int):
+    """Fake CUDA inputs in a shape environment of their own, the batch symbolic (needs no GPU)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    sym = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * 3)
+
+    def fake(shape, name, symbolic=False):
+        t = torch.empty(shape, device="meta", dtype=torch.float16 if len(shape) == 4 else torch.float32)
+        with mode:
+            if not symbolic:
+                return mode.from_tensor(t, static_shapes=True).to("cuda")
+            return mode.from_tensor(t, symbolic_context=sym, source=ConstantSource(name)).to("cuda")
+
+    xs = (batch, channels, 5, 5)
+    inputs = [fake(xs, "x", True), *(fake((channels,), n) for n in ("w", "b", "rm", "rv")), None]
+    with mode:
+        inputs[-1] = torch.empty_like(inputs[0])
+    return env, mode, inputs
+
+
+def _eq_guards(env) -> list:
+    return [str(g.expr) for g in env.guards if str(g.expr).startswith("Eq(")]
+
+
+def test_the_batchnorm_reserve_query_does_not_specialize_a_symbolic_batch(monkeypatch):
+    """cuDNN's reserve-space query reads concrete sizes (here as cuDNN 9.19 answers it: 0 bytes,
+    whatever the batch); propagation through fxopt keeps the batch symbolic, a plain FakeTensorProp
+    specializes it."""
+    from fxopt.fakeprop import propagate
+
+    def query(x, training):
+        return int(x.shape[0]) * 0  # reads the size as an int, as the C++ query does
+    monkeypatch.setattr(torch._C, "_get_cudnn_batch_norm_reserve_space_size", query)
+    gm = _bn_training_graph()
+    env, mode, inputs = _symbolic_cuda_inputs(6, 4)
+    with mode:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    assert _eq_guards(env), "the query no longer guards: this test shows nothing"
+    env, mode, inputs = _symbolic_cuda_inputs(7, 6)
+    propagate(gm, inputs)
+    assert _eq_guards(env) == []
+    out, reserve = (n.meta["val"] for n in gm.graph.nodes if n.name in ("getitem", "getitem_3"))
+    assert not isinstance(out.shape[0], int) and reserve.shape == (0,)
+    dx = next(n for n in gm.graph.nodes if n.target is aten.batch_norm_backward.default).meta["val"][0]
+    assert dx.shape == out.shape
+
+
+def test_a_reserve_that_takes_memory_specializes_every_size_as_before(monkeypatch):
+    """A cuDNN whose reserve space is not empty: its size may hold for the traced sizes only, so they
+    are all specialized (the graph is then static, never wrong)."""
+    from fxopt.fakeprop import propagate
+
+    monkeypatch.setattr(torch._C, "_get_cudnn_batch_norm_reserve_space_size", lambda x, training: 64)
+    gm = _bn_training_graph()
+    env, mode, inputs = _symbolic_cuda_inputs(5, 10)
+    assert inputs[0].shape[0].node.expr.free_symbols
+    propagate(gm, inputs)
+    assert inputs[0].shape[0].node.expr == 5  # the batch is a constant of the shape environment now
+    reserve = next(n for n in gm.graph.nodes if n.name == "getitem_3").meta["val"]
+    assert reserve.shape == (64,)
+
+
+def test_a_graph_made_static_records_its_size_inputs_as_ints_and_folds_them():
+    """A symbolic graph's size input (Dynamo passes the batch as an int) specialized at a size: its
+    value is that int, not the symbolic one it had (which a torch version's FakeTensorProp leaves), so
+    the size folds into the ops and nothing reads the symbol (reading it would add a guard)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from fxopt.package_batch import specialise_at
+
+    g = fx.Graph()
+    s, x = g.placeholder("s"), g.placeholder("x")
+    v = g.call_function(aten.view.default, (x, [s, -1]))
+    g.output((g.call_function(aten.relu.default, (v,)),))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    env = ShapeEnv()
+    s.meta["val"] = env.create_unspecified_symint_and_symbol(4, ConstantSource("s"), DimDynamic.DYNAMIC)
+    assert not isinstance(s.meta["val"], int)
+    static, counts = specialise_at(gm, [3, torch.randn(3, 2, 2)])
+    s2, _ = (n for n in static.graph.nodes if n.op == "placeholder")
+    assert s2.meta["val"] == 3 and type(s2.meta["val"]) is int
+    view = next(n for n in static.graph.nodes if n.target is aten.view.default)
+    assert view.args[1] == [3, -1] and counts["sizes_folded"] == 1
+    assert not env.guards and not env.replacements

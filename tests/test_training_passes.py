@@ -281,6 +281,42 @@ def test_batchnorm_relu_on_a_fake_cuda_graph_asks_cudnn():
         assert not result.modified and any("cuDNN" in n for n in notes), notes
 
 
+def test_batchnorm_relu_on_a_symbolic_batch_is_left_alone_without_a_guard():
+    """cuDNN sizes the fused kernel's reserve (the ReLU's mask) per batch: on a graph whose batch is
+    symbolic the pass keeps the BatchNorm, says why, and neither asks the probe nor adds a guard
+    (one would specialize Dynamo's graph to the traced batch)."""
+    import dataclasses
+
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from fxopt.backends import target_for
+    from fxopt.passes import training_batchnorm_relu
+    from fxopt.passinfra import PassContext
+
+    gm = _fake_bn_joint(residual=False)
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    sym = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * 3)
+    x = next(n for n in gm.graph.nodes if n.name == "x")
+    meta = torch.empty(3, 8, 4, 4, device="meta", dtype=F16).to(memory_format=torch.channels_last)
+    with mode:
+        x.meta["val"] = mode.from_tensor(meta, symbolic_context=sym).to("cuda")
+    asked = []
+    target = dataclasses.replace(target_for(Options(), "cuda", "training"),
+                                 batch_norm_relu_probe=lambda *a: asked.append(a) or (0, None))
+    ctx = PassContext(options=Options(), mode="training", device_type="cuda", target=target)
+    ctx.current_pass = "training_batchnorm_relu"
+    before = gm.code
+    assert not training_batchnorm_relu.run(gm, ctx).modified and gm.code == before
+    assert asked == [] and any("symbolic sizes" in n for n in ctx.notes["training_batchnorm_relu"]), ctx.notes
+    assert not [g for g in env.guards if str(g.expr).startswith("Eq(")], env.guards
+    x.meta["val"] = torch.empty(3, 8, 4, 4, device="meta", dtype=F16).to(memory_format=torch.channels_last)
+    with FakeTensorMode() as static:
+        x.meta["val"] = static.from_tensor(x.meta["val"]).to("cuda")
+    ctx.notes.clear()
+    assert training_batchnorm_relu.run(gm, ctx).modified and len(asked) == 1  # at static sizes it asks
+
+
 def test_batchnorm_relu_without_the_targets_kernel_is_left_alone():
     """A target without the fused kernel (the generic one, or an executor without it) keeps the
     graph as it is and says why."""
