@@ -5,9 +5,11 @@ After every pass that modified the graph, the pipeline re-propagates FakeTensors
 arguments and the metadata (shape, strides, offset, dtype, device) of its tensor inputs, so a node
 whose op and arguments are unchanged and whose inputs' metadata is unchanged gets its previous
 result back instead of running the op's fake kernel again. A placeholder fed the very same fake
-input object as last time keeps its recorded value. Kept out: symbolic sizes (comparing them would
-add guards), outputs, ``call_module`` / ``get_attr`` (their target can change behind the same name),
-and results that are not plain tensors, numbers or tuples of them.
+input object as last time keeps its recorded value. Symbolic sizes are compared as the expressions
+their shape environment holds (``SymNode.expr``: reading it adds no guard, where comparing the sizes
+would), so a symbolic graph's passes recompute only what they touched too. Kept out: outputs,
+``call_module`` / ``get_attr`` (their target can change behind the same name), and results that are
+not plain tensors, numbers or tuples of them.
 """
 from __future__ import annotations
 
@@ -25,18 +27,34 @@ class _Uncacheable(Exception):
     pass
 
 
-def meta_key(v: Any) -> Any:
-    """A hashable summary of everything fake propagation reads from a value, or raise _Uncacheable."""
+def _sym_key(d: Any) -> Any:
+    """A symbolic number as its expression in its shape environment (no guard), or raise _Uncacheable."""
+    node = getattr(d, "node", None)
+    env = getattr(node, "shape_env", None)
+    if env is None:
+        raise _Uncacheable
+    return ("S", id(env), node.expr)
+
+
+def meta_key(v: Any, symbolic: bool = False) -> Any:
+    """A hashable summary of everything fake propagation reads from a value, or raise _Uncacheable.
+    ``symbolic``: symbolic sizes as their expressions (else they raise: a caller that compares the
+    key's sizes as numbers would add guards)."""
     if isinstance(v, torch.Tensor):
         dims = (*v.shape, *v.stride(), v.storage_offset())
         if not all(type(d) is int for d in dims):
-            raise _Uncacheable  # symbolic: comparing would specialize it
+            if not symbolic:
+                raise _Uncacheable  # symbolic: comparing would specialize it
+            dims = tuple(d if type(d) is int else _sym_key(d) for d in dims)
+            return ("T", dims, v.dtype, v.device, v.requires_grad)
         return ("T", tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.device, v.requires_grad)
     if isinstance(v, (tuple, list)):
-        return tuple(meta_key(x) for x in v)
+        return tuple(meta_key(x, symbolic) for x in v)
     if v is None or type(v) in (int, float, bool, str, torch.dtype, torch.device, torch.memory_format,
                                 torch.layout):
         return v
+    if symbolic and isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return _sym_key(v)
     raise _Uncacheable
 
 
@@ -109,7 +127,7 @@ class CachedFakeTensorProp(FakeProp):
         k = self._value_keys.get(a)
         if k is None:
             try:
-                k = ("N", meta_key(value_of(a)))
+                k = ("N", meta_key(value_of(a), symbolic=True))
             except _Uncacheable:
                 k = _Uncacheable
             self._value_keys[a] = k
@@ -121,7 +139,7 @@ class CachedFakeTensorProp(FakeProp):
         value_of = value_of or self.env.__getitem__
 
         def leaf(a):
-            return self._value_key(a, value_of) if isinstance(a, fx.Node) else meta_key(a)
+            return self._value_key(a, value_of) if isinstance(a, fx.Node) else meta_key(a, symbolic=True)
 
         try:
             return (n.op, n.target, map_aggregate(n.args, leaf), map_aggregate(n.kwargs, leaf))
@@ -138,7 +156,7 @@ class CachedFakeTensorProp(FakeProp):
             key = self._key(n, lambda a: a.meta["val"])
             if key is not None:
                 try:
-                    meta_key(val)
+                    meta_key(val, symbolic=True)
                 except _Uncacheable:
                     continue
                 self.cache[n] = (key, val, val)
@@ -175,7 +193,7 @@ class CachedFakeTensorProp(FakeProp):
         result = super().run_node(n)
         if key is not None:
             try:
-                meta_key(result)
+                meta_key(result, symbolic=True)
             except _Uncacheable:
                 self.cache.pop(n, None)
             else:

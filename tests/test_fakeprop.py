@@ -85,6 +85,39 @@ def test_symbolic_sizes_are_not_compared():
     assert meta_key((1, 2.0, None, torch.float16)) == (1, 2.0, None, torch.float16)
 
 
+def test_a_symbolic_graph_is_cached_by_its_size_expressions_without_guards():
+    """Symbolic sizes are keyed by their expressions: an unchanged symbolic graph is all hits, a
+    rewrite recomputes only what it touched, and no propagation after the first adds a guard."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x, w: torch.relu(torch.conv2d(x, w, padding=1)).mean(dim=(2, 3), keepdim=True) * 2)(
+        torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3))  # (no size literal: a view would specialize)
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    sym = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC] + [DimDynamic.DYNAMIC] * 2)
+    fakes = [mode.from_tensor(torch.randn(2, 3, 8, 8), source=ConstantSource("x"), symbolic_context=sym),
+             mode.from_tensor(torch.randn(4, 3, 3, 3), static_shapes=True)]
+    cache = {}
+    with mode:
+        CachedFakeTensorProp(gm, mode, cache).propagate_dont_convert_inputs(*fakes)
+        guards = len(env.guards)
+        again = CachedFakeTensorProp(gm, mode, cache)
+        again.propagate_dont_convert_inputs(*fakes)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert again.hits == len(calls) and len(env.guards) == guards
+    out = calls[-1].meta["val"]
+    assert not isinstance(out.shape[0], int)
+    relu = next(n for n in calls if n.target is aten.relu.default)
+    relu.target = aten.sigmoid.default
+    with mode:
+        third = CachedFakeTensorProp(gm, mode, cache)
+        third.propagate_dont_convert_inputs(*fakes)
+    assert third.hits == len(calls) - 1 and len(env.guards) == guards
+
+
 @settings(max_examples=10)
 @given(cnn_cases(ndims=(2,)))
 def test_pipeline_metadata_equals_a_fresh_propagation(case):
