@@ -230,6 +230,20 @@ def eval_size(e, batch) -> int:
         raise ValueError(f"size expression {e!r}") from exc
 
 
+def _fake_empty(mode, shape, stride, dtype, device: str):
+    """A FakeTensor of ``mode`` with these sizes, made as the mode makes its kernels' results: a meta
+    tensor wrapped on its device (a fifth of the cost of ``empty_strided`` under the mode, which a
+    size's lowering pays for every node of two graphs); None where that is not possible here (a
+    mode active already, a torch without the converter)."""
+    meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    if type(meta) is not torch.Tensor:
+        return None
+    try:
+        return mode.fake_tensor_converter.from_meta_and_device(mode, meta, torch.device(device))
+    except (AttributeError, TypeError):
+        return None
+
+
 def _val_from_json(v, mode, batch: Optional[int] = None):
     """The value ``_val_json`` wrote, at ``batch``: a FakeTensor of ``mode``, or with ``mode`` None a
     meta tensor (an int, a tuple of them)."""
@@ -238,6 +252,9 @@ def _val_from_json(v, mode, batch: Optional[int] = None):
     shape, stride, dtype, device, grad, *offset = v
     shape, stride = [eval_size(d, batch) for d in shape], [eval_size(s, batch) for s in stride]
     offset = eval_size(offset[0], batch) if offset else 0
+    t = _fake_empty(mode, shape, stride, _DTYPES[dtype], device) if mode is not None and not offset else None
+    if t is not None:
+        return t.requires_grad_(grad) if grad else t
     with contextlib.nullcontext() if mode is None else mode:
         dev = "meta" if mode is None else torch.device(device)
         if offset:  # a view at that offset of a storage holding it

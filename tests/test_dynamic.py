@@ -236,6 +236,32 @@ def test_size_expressions_of_several_symbols():
         eval_size("B0 + C", {"B0": 1})
 
 
+def test_stored_values_rebuild_as_the_fake_tensors_the_mode_makes():
+    """A size's stored values rebuilt as FakeTensors (the quick way: meta tensors wrapped on their
+    device) are those ``empty_strided`` under the mode makes: sizes, strides, dtype, device, grad, mode;
+    ops run on them; under an active mode, and for a view at an offset, the mode makes them itself."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from fxopt.serialize import _val_from_json
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    stored = [[["B", 64, 7, 7], [3136, 1, 448, 64], "float16", "cuda:0", False],
+              [[4, "2*B"], ["2*B", 1], "float32", "cpu", True]]
+    for v in stored:
+        quick = _val_from_json(v, mode, 3)
+        with mode:
+            slow = _val_from_json(v, mode, 3)  # a mode active: made under it
+            made = torch.empty_strided(quick.shape, quick.stride(), dtype=quick.dtype, device=quick.device)
+        for t in (quick, slow):
+            assert type(t) is FakeTensor and t.fake_mode is mode
+            assert (t.shape, t.stride(), t.dtype, t.device, t.requires_grad) == \
+                (made.shape, made.stride(), made.dtype, made.device, v[4])
+        with mode:
+            assert (quick + slow).shape == quick.shape
+    view = _val_from_json([[2, 3], [3, 1], "float32", "cpu", False, 5], mode, None)
+    assert type(view) is FakeTensor and view.storage_offset() == 5
+
+
 def test_a_size_that_breaks_a_guard_of_the_passes_runs_them_again_from_propagated_values(monkeypatch):
     """A pass that reads the batch as an int (here: the wrapper, after the pipeline) pins the symbol to
     the traced size in fxopt's shape environment; every other size then runs the passes again, from
