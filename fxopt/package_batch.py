@@ -88,7 +88,13 @@ def from_vals(gm: fx.GraphModule, vals: dict, batch, fake: bool = False) -> fx.G
     """A copy of ``gm`` whose nodes carry the values ``vals`` (``symbolic_vals``) take at ``batch``
     (``serialize.eval_size``), as meta tensors (``fake``: FakeTensors on their devices); raises
     KeyError / ValueError / TypeError / RuntimeError where a value cannot be rebuilt."""
-    from fxopt.pipeline import copy_graph_module
+    return _from_vals(gm, vals, batch, fake)[0]
+
+
+def _from_vals(gm: fx.GraphModule, vals: dict, batch, fake: bool = False, fold: bool = False):
+    """``from_vals``, and with ``fold`` the sizes folded (``_fold_graph``) before the module is made:
+    its code is generated once (each generation of a resnet18's costs about as much as rebuilding its
+    values). Returns (the module, how many sizes were folded)."""
     from fxopt.serialize import _val_from_json
 
     mode = None
@@ -97,26 +103,34 @@ def from_vals(gm: fx.GraphModule, vals: dict, batch, fake: bool = False) -> fx.G
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
     at = {name: _val_from_json(v, mode, batch) for name, v in vals.items()}
-    static = copy_graph_module(gm)
-    for n in static.graph.nodes:
+    g = fx.Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+    g._codegen = gm.graph._codegen
+    for n in g.nodes:
         if n.op in ("placeholder", "call_function", "call_module"):
             n.meta["val"] = at[n.name]
-    return static
+    folded = _fold_graph(g) if fold else 0
+    return fx.GraphModule(gm, g, class_name=type(gm).__name__), folded
 
 
 def _specialise(gm: fx.GraphModule, args: list, vals: Optional[dict] = None,
-                batch: Optional[int] = None, fake: bool = False) -> fx.GraphModule:
+                batch: Optional[int] = None, fake: bool = False, counts: Optional[dict] = None) -> fx.GraphModule:
     """A copy of ``gm`` whose nodes carry their values at these (static) shapes in ``meta["val"]``:
     from the package's ``vals`` (``symbolic_vals``) as meta tensors where given (no propagation:
     FakeTensorMode imports Dynamo, seconds of a fresh process's first call; ``fake``: as FakeTensors),
-    else by FakeTensor propagation."""
+    else by FakeTensor propagation. ``counts``: the stored values' sizes are folded too, their number
+    written to ``counts["sizes_folded"]``."""
     from fxopt.pipeline import copy_graph_module
 
     if vals is not None:
         try:
-            return from_vals(gm, vals, batch, fake)
+            static, folded = _from_vals(gm, vals, batch, fake, fold=counts is not None)
         except (KeyError, ValueError, TypeError, RuntimeError):
             pass
+        else:
+            if counts is not None:
+                counts["sizes_folded"] = folded
+            return static
     static = copy_graph_module(gm)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -140,23 +154,31 @@ def _is_size_op(target) -> bool:
 
 
 def _fold_sizes(gm: fx.GraphModule) -> int:
+    """``_fold_graph`` on ``gm``'s graph, its code generated again where that changed it."""
+    folded = _fold_graph(gm.graph)
+    if folded:
+        gm.recompile()
+    return folded
+
+
+def _fold_graph(graph: fx.Graph) -> int:
     """In a graph specialised at static sizes: every use of a size input (a ``SymInt`` placeholder:
     Dynamo passes the sizes of a symbolic graph as inputs) and of size arithmetic (``sym_size``,
     ``operator.mul`` on sizes) replaced by its int, the arithmetic erased (placeholders stay: the
-    callers' arguments). Returns how many nodes were folded."""
+    callers' arguments). Returns how many nodes were folded (a size input none reads is none)."""
     folded = 0
-    for n in list(gm.graph.nodes):
+    for n in list(graph.nodes):
         v = n.meta.get("val")
         if type(v) is not int or not (n.op == "placeholder" or (n.op == "call_function" and _is_size_op(n.target))):
+            continue
+        if n.op == "placeholder" and not n.users:
             continue
         for user in list(n.users):
             user.args = fx.node.map_arg(user.args, lambda a: v if a is n else a)
             user.kwargs = fx.node.map_arg(user.kwargs, lambda a: v if a is n else a)
         if n.op != "placeholder":
-            gm.graph.erase_node(n)
+            graph.erase_node(n)
         folded += 1
-    if folded:
-        gm.recompile()
     return folded
 
 
@@ -168,9 +190,10 @@ def specialise_at(gm: fx.GraphModule, args: list, vals: Optional[dict] = None,
     size arithmetic folded into ints (``_fold_sizes``), and the layout clones these sizes show to be
     copies removed (``_drop_noop_layout_clones``). ``fake``: the stored ``vals`` rebuilt as FakeTensors
     on their devices (which the executor's measurements read), not meta tensors. Returns (graph, counts)."""
-    static = _specialise(gm, args, vals, batch, fake)
-    sizes = _fold_sizes(static)
-    return static, {"sizes_folded": sizes, "layout_clones_removed": _drop_noop_layout_clones(static)}
+    counts = {"sizes_folded": 0}
+    static = _specialise(gm, args, vals, batch, fake, counts)
+    counts["sizes_folded"] += _fold_sizes(static)
+    return static, {**counts, "layout_clones_removed": _drop_noop_layout_clones(static)}
 
 
 _LAYOUT_FORMATS = (torch.channels_last, torch.contiguous_format)

@@ -187,12 +187,20 @@ def test_sizes_after_the_first_take_their_values_from_stored_expressions(monkeyp
 
     calls = []
     real = package_batch.specialise_at
+    codegen = []
+    generate = torch.fx.GraphModule.recompile
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", lambda self: codegen.append(1) or generate(self))
 
     def spy(gm, args, vals=None, batch=None, fake=False):
+        codegen.clear()
         static, counts = real(gm, args, vals, batch, fake)
         calls.append(vals is not None)
-        if vals is not None:  # the same values propagation gives at these sizes
-            assert package_batch._vals_agree(static, real(gm, args)[0])
+        if vals is not None:  # the same values and sizes folded as propagation gives at these sizes,
+            # the code generated once (the sizes folded before the module is made)
+            assert len(codegen) == 1, len(codegen)
+            propagated, counts_p = real(gm, args)
+            assert package_batch._vals_agree(static, propagated)
+            assert counts["sizes_folded"] == counts_p["sizes_folded"] > 0 and static.code == propagated.code
         return static, counts
 
     monkeypatch.setattr(package_batch, "specialise_at", spy)
