@@ -40,16 +40,15 @@ VIEWS_AS_RESHAPE = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.def
 
 def lower(gm: fx.GraphModule) -> fx.GraphModule:
     """A runnable copy of `gm` whose fused nodes call their implementations directly."""
-    from fxopt.pipeline import copy_graph_module
+    from fxopt.pipeline import copy_graph, module_of
 
-    runnable = copy_graph_module(gm)
-    for node in runnable.graph.nodes:
+    graph = copy_graph(gm)
+    for node in graph.nodes:
         if node.op == "call_function" and node.target in DIRECT_IMPLS:
             node.target = DIRECT_IMPLS[node.target]
         elif node.op == "call_function" and node.target in VIEWS_AS_RESHAPE:
             node.target = torch.ops.aten.reshape.default
-    runnable.recompile()
-    return runnable
+    return module_of(gm, graph)
 
 
 def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:

@@ -95,6 +95,7 @@ def _from_vals(gm: fx.GraphModule, vals: dict, batch, fake: bool = False, fold: 
     """``from_vals``, and with ``fold`` the sizes folded (``_fold_graph``) before the module is made:
     its code is generated once (each generation of a resnet18's costs about as much as rebuilding its
     values). Returns (the module, how many sizes were folded)."""
+    from fxopt.pipeline import copy_graph, module_of
     from fxopt.serialize import _val_from_json
 
     mode = None
@@ -103,14 +104,12 @@ def _from_vals(gm: fx.GraphModule, vals: dict, batch, fake: bool = False, fold: 
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
     at = {name: _val_from_json(v, mode, batch) for name, v in vals.items()}
-    g = fx.Graph()
-    g.output(g.graph_copy(gm.graph, {}))
-    g._codegen = gm.graph._codegen
+    g = copy_graph(gm)
     for n in g.nodes:
         if n.op in ("placeholder", "call_function", "call_module"):
             n.meta["val"] = at[n.name]
     folded = _fold_graph(g) if fold else 0
-    return fx.GraphModule(gm, g, class_name=type(gm).__name__), folded
+    return module_of(gm, g), folded
 
 
 def _specialise(gm: fx.GraphModule, args: list, vals: Optional[dict] = None,

@@ -90,12 +90,21 @@ class PassFailure(RuntimeError):
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A structural copy (nodes and meta, and how the graph packs its inputs and outputs) sharing
     attributes, to keep as the fallback."""
+    return module_of(gm, copy_graph(gm))
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.Graph:
+    """``gm``'s graph copied (nodes and meta, and how it packs its inputs and outputs), to change before
+    ``module_of`` makes its module: the code is generated once, not for the copy and again after."""
     g = fx.Graph()
-    out = g.graph_copy(gm.graph, {})
-    g.output(out)
+    g.output(g.graph_copy(gm.graph, {}))
     g._codegen = gm.graph._codegen
-    new = fx.GraphModule(gm, g, class_name=type(gm).__name__)
-    return new
+    return g
+
+
+def module_of(gm: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
+    """A module of ``graph`` (a ``copy_graph`` of ``gm``'s) sharing ``gm``'s attributes."""
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
 
 
 def count_nodes(gm: fx.GraphModule) -> int:
