@@ -113,23 +113,18 @@ def _from_vals(gm: fx.GraphModule, vals: dict, batch, fake: bool = False, fold: 
 
 
 def _specialise(gm: fx.GraphModule, args: list, vals: Optional[dict] = None,
-                batch: Optional[int] = None, fake: bool = False, counts: Optional[dict] = None) -> fx.GraphModule:
+                batch: Optional[int] = None, fake: bool = False) -> fx.GraphModule:
     """A copy of ``gm`` whose nodes carry their values at these (static) shapes in ``meta["val"]``:
     from the package's ``vals`` (``symbolic_vals``) as meta tensors where given (no propagation:
     FakeTensorMode imports Dynamo, seconds of a fresh process's first call; ``fake``: as FakeTensors),
-    else by FakeTensor propagation. ``counts``: the stored values' sizes are folded too, their number
-    written to ``counts["sizes_folded"]``."""
+    else by FakeTensor propagation."""
     from fxopt.pipeline import copy_graph_module
 
     if vals is not None:
         try:
-            static, folded = _from_vals(gm, vals, batch, fake, fold=counts is not None)
+            return from_vals(gm, vals, batch, fake)
         except (KeyError, ValueError, TypeError, RuntimeError):
             pass
-        else:
-            if counts is not None:
-                counts["sizes_folded"] = folded
-            return static
     static = copy_graph_module(gm)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -189,10 +184,16 @@ def specialise_at(gm: fx.GraphModule, args: list, vals: Optional[dict] = None,
     size arithmetic folded into ints (``_fold_sizes``), and the layout clones these sizes show to be
     copies removed (``_drop_noop_layout_clones``). ``fake``: the stored ``vals`` rebuilt as FakeTensors
     on their devices (which the executor's measurements read), not meta tensors. Returns (graph, counts)."""
-    counts = {"sizes_folded": 0}
-    static = _specialise(gm, args, vals, batch, fake, counts)
-    counts["sizes_folded"] += _fold_sizes(static)
-    return static, {**counts, "layout_clones_removed": _drop_noop_layout_clones(static)}
+    static, folded = None, 0
+    if vals is not None:  # the sizes folded before the module is made: its code generated once
+        try:
+            static, folded = _from_vals(gm, vals, batch, fake, fold=True)
+        except (KeyError, ValueError, TypeError, RuntimeError):
+            pass
+    if static is None:
+        static = _specialise(gm, args, None, batch, fake)
+    folded += _fold_sizes(static)
+    return static, {"sizes_folded": folded, "layout_clones_removed": _drop_noop_layout_clones(static)}
 
 
 _LAYOUT_FORMATS = (torch.channels_last, torch.contiguous_format)

@@ -33,8 +33,9 @@ CUDA (the ``native`` backend exists for tests only);
 an input that is not 4-D float16/bfloat16 channels_last, or weight, bias and statistics that are
 not float32; a configuration the target's probe finds cuDNN declining or computing
 something else; symbolic sizes (the reserve space, which holds the ReLU's mask, is sized by
-cuDNN per batch: probing it would specialize a dynamic graph to one batch); BatchNorm's output or the sum read by anything but the next op; a ReLU whose
-gradient is not exactly one ``threshold_backward``; a backward of another form. Values are
+cuDNN per batch: probing it would specialize a dynamic graph to one batch); BatchNorm's output or
+the sum read by anything but the next op; a ReLU whose gradient is not exactly one
+``threshold_backward``; a backward of another form. Values are
 cuDNN's (eager runs the same library's unfused kernels): equal within the float16 tolerance.
 """
 from __future__ import annotations
