@@ -279,7 +279,7 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
     and the unoptimized graph (and, with option ``cpu_onnxruntime``, the graph in ONNX Runtime)
     per input signature."""
     from fxopt.backends import torch_ref
-    from fxopt.backends.lowering import decisions_cache, placeholder_indices, unoptimized_baseline
+    from fxopt.backends.lowering import decisions_cache, placeholder_indices, unoptimized, unoptimized_baseline
 
     if kind != "inference" or ctx.device_type != "cpu":
         raise ValueError(f"fxopt: the cpu executor runs CPU inference graphs, not a {ctx.device_type} {kind} graph")
@@ -313,7 +313,7 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
     runner = CpuRunner(runnable, baseline, placeholder_indices(gm, ctx.param_placeholders),
                        decisions_cache=decisions_cache(ctx, runnable, baseline, "cpu"), onnxruntime=ort,
                        onnxruntime_1t=ort1, rounds=3, steady=bool(ctx.package),
-                       openvino=ov, openvino_1t=ov1, check_dtype=compute_dtype(ctx.unoptimized or gm),
+                       openvino=ov, openvino_1t=ov1, check_dtype=compute_dtype(unoptimized(ctx) or gm),
                        shared_builds=shared)
     # the runner's decisions() say, per signature, which graph runs and the times
     return Lowered(fn=runner, executor=EXECUTOR, cudagraphs="off (CPU)", cpu_runner=runner,

@@ -114,7 +114,7 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str, kernels: bool = True) -> Low
         return low
     streams = (stream_alternative(runnable, ctx.options.streams, lambda f: cudnn_choice(f, search), planned)
                if planned else None)
-    baseline = unoptimized_baseline(gm, ctx)
+    baseline = unoptimized_baseline(gm, ctx, deferred=True)  # made where a signature measures it
     refresh, folded_from = constants_refresher(runnable)
     written = [n.name for n in gm.graph.nodes if n.op == "placeholder" and written_in_place(n)]
     # fixed weights: nothing watched per call (folded constants made on the first call, kept)
@@ -128,7 +128,7 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str, kernels: bool = True) -> Low
                           [] if fixed else read_params(baseline, ctx.param_placeholders)),
         decisions_cache=decisions_cache(ctx, runnable, baseline),
         training=ctx.training_link if training else None, written=placeholder_indices(gm, written),
-        streams=streams)
+        streams=streams, inputs_move=ctx.per_size)
     low.cudagraphs = f"on (up to {ctx.options.cudagraph_max_signatures} signatures)"
     low.baseline_check = baseline is not None
     return low

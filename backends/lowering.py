@@ -45,18 +45,79 @@ def decisions_cache(ctx, runnable: fx.GraphModule, baseline, device_type: str = 
     return cache, device_fingerprint(device_type), hashlib.sha256(code.encode()).hexdigest()[:16]
 
 
-def unoptimized_baseline(gm: fx.GraphModule, ctx):
+class DeferredGraph:
+    """A graph made at its first use: the unoptimized graph at one size of a symbolic graph
+    (``fxopt.dynamic_compile``), which a size whose bucket already decided between the optimized
+    graph and the baseline never needs (its making and its runnable copy were a third of a
+    lowering's cost). ``make()`` makes it; ``like``: a graph module with the same placeholders (read
+    without making it: which parameters it reads); ``ident``: a string that names it (the runners'
+    decision keys)."""
+
+    def __init__(self, make, like: fx.GraphModule, ident: str):
+        self._make, self.like, self.ident = make, like, ident
+        self._gm = None
+
+    def get(self) -> fx.GraphModule:
+        if self._gm is None:
+            self._gm = self._make()
+        return self._gm
+
+    @property
+    def made(self) -> bool:
+        return self._gm is not None
+
+
+def unoptimized(ctx):
+    """The graph as it came in (``ctx.unoptimized``), made now where it was deferred; or None."""
+    u = ctx.unoptimized
+    return u.get() if isinstance(u, DeferredGraph) else u
+
+
+class DeferredBaseline:
+    """The runnable baseline of a ``DeferredGraph``, made at its first call. ``code`` names it and
+    ``graph`` lists its placeholders (those of ``like``) without making it."""
+
+    def __init__(self, make, source: DeferredGraph):
+        self._make, self.source = make, source
+        self._fn = None
+
+    def __call__(self, *args):
+        if self._fn is None:
+            self._fn = self._make(self.source.get())
+        return self._fn(*args)
+
+    @property
+    def made(self) -> bool:
+        return self._fn is not None
+
+    @property
+    def code(self) -> str:
+        return self.source.ident
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.source.like.graph
+
+
+def unoptimized_baseline(gm: fx.GraphModule, ctx, deferred: bool = False):
     """The graph as it came in, runnable, for a runner to compare against (None where option
     ``baseline_check`` is off or nothing changed). An inference graph's outputs are handed out in
     the layouts eager gives them, as the optimized graph's are (``output_formats``): whichever of
-    the two a signature replays, the caller sees the same strides."""
+    the two a signature replays, the caller sees the same strides. ``deferred``: where
+    ``ctx.unoptimized`` is a ``DeferredGraph``, a ``DeferredBaseline`` (made at its first call)."""
+    if not (ctx.options.baseline_check and ctx.unoptimized is not None and gm is not ctx.unoptimized):
+        return None
+    if isinstance(ctx.unoptimized, DeferredGraph) and deferred:
+        return DeferredBaseline(lambda src: _runnable_baseline(src, ctx), ctx.unoptimized)
+    return _runnable_baseline(unoptimized(ctx), ctx)
+
+
+def _runnable_baseline(src: fx.GraphModule, ctx) -> fx.GraphModule:
     from fxopt.backends import torch_ref
     from fxopt.eager_formats import restore_output_formats
 
-    if ctx.options.baseline_check and ctx.unoptimized is not None and gm is not ctx.unoptimized:
-        runnable = torch_ref.lower(ctx.unoptimized)
-        if ctx.mode == "inference" and restore_output_formats(runnable, ctx.output_formats, ctx.output_strides):
-            runnable.graph.lint()
-            runnable.recompile()
-        return runnable
-    return None
+    runnable = torch_ref.lower(src)
+    if ctx.mode == "inference" and restore_output_formats(runnable, ctx.output_formats, ctx.output_strides):
+        runnable.graph.lint()
+        runnable.recompile()
+    return runnable

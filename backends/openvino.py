@@ -276,9 +276,10 @@ def cpu_candidate(gm: fx.GraphModule, ctx, threads: Optional[int] = None, conver
     why = why_unavailable()
     if why:
         return None, why
-    from fxopt.backends.lowering import placeholder_indices
+    from fxopt.backends.lowering import placeholder_indices, unoptimized
 
-    src = ctx.unoptimized if ctx.unoptimized is not None else gm
+    src = unoptimized(ctx)
+    src = gm if src is None else src
     if _symbolic(src):  # the export would specialize nothing: it fails after export and conversion
         return None, "symbolic sizes (OpenVINO candidate: static graphs)"
     precision, why = precision_for(src)

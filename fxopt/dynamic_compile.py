@@ -142,6 +142,7 @@ def _lowering(compiler, ctx, before: fx.GraphModule, optimized: fx.GraphModule, 
     from fxopt import pipeline
     from fxopt.autotune import cudnn_choosing
     from fxopt.backends import lower
+    from fxopt.backends.lowering import DeferredGraph
     from fxopt.package_batch import _vals_agree, from_vals, specialise_at, symbolic_vals
 
     # each node's value stored once as expressions of the symbols and evaluated per size, as a
@@ -169,17 +170,29 @@ def _lowering(compiler, ctx, before: fx.GraphModule, optimized: fx.GraphModule, 
             return specialise_at(gm, args)[0]
         return specialise_at(gm, args, stored[name], at, fake=True)[0]
 
+    def deferred_base(args: list, key: tuple) -> DeferredGraph:
+        """The unoptimized graph at these sizes, made where a runner measures it (or the lowering
+        fails): the arguments kept as their shapes only (no batch held alive meanwhile)."""
+        kept = [_Described(a) if isinstance(a, torch.Tensor) else a for a in args]
+
+        def make() -> fx.GraphModule:
+            with torch.no_grad():
+                return specialised(before, "unoptimized", [_Described.made(a) for a in kept], key)
+
+        return DeferredGraph(make, like=before, ident=f"{before.code}\n# at {shapes.describe(key)}")
+
     def lower_at(args: list, key: tuple, choices=None):
         why = shapes.failed_guard(key)
         note = None
-        with torch.no_grad():  # (values stored as expressions hold where no guard of the passes fails)
-            base = specialised(before, "unoptimized", args, key) if why is None else specialise_at(before, args)[0]
-        if why is None:
+        if why is None:  # (values stored as expressions hold where no guard of the passes fails)
+            base = deferred_base(args, key)
             with torch.no_grad():
                 static = specialised(optimized, "optimized", args, key)
             c = dataclasses.replace(ctx, unoptimized=base if ctx.unoptimized is not None else None,
-                                    fake_cache={}, notes={})
+                                    fake_cache={}, notes={}, per_size=kind == "inference")
         else:  # the passes decided on a size these sizes break: they run again at these sizes
+            with torch.no_grad():
+                base = specialise_at(before, args)[0]
             saved, compiler.example_inputs = compiler.example_inputs, args[len(args) - compiler.n_inputs:]
             try:
                 c = compiler._context(base, [n.meta.get("val") for n in base.graph.find_nodes(op="placeholder")],
@@ -188,6 +201,7 @@ def _lowering(compiler, ctx, before: fx.GraphModule, optimized: fx.GraphModule, 
                 compiler.example_inputs = saved
             c.training_link = ctx.training_link
             c.param_placeholders |= ctx.param_placeholders
+            c.per_size = kind == "inference"
             with cudnn_choosing(compiler.options.cudnn_search):
                 static, _, fb = pipeline.run_pipeline(pipeline.copy_graph_module(base), c)
             c.unoptimized = base if fb is None else None
@@ -205,11 +219,26 @@ def _lowering(compiler, ctx, before: fx.GraphModule, optimized: fx.GraphModule, 
 
             warnings.warn(f"fxopt: lowering failed at {shapes.describe(key)} ({type(e).__name__}: {e}); running "
                           "the unoptimized graph at that size", FxoptFallbackWarning, stacklevel=2)
-            return Lowered(fn=base, executor="torch", cudagraphs="off (fallback)",
+            return Lowered(fn=base.get() if isinstance(base, DeferredGraph) else base, executor="torch",
+                           cudagraphs="off (fallback)",
                            fallback_reason=f"lowering failed: {type(e).__name__}: {e}"), \
                 f"lowering failed: {type(e).__name__}"
 
     return lower_at
+
+
+class _Described:
+    """A tensor argument kept as its shape, strides, dtype and device (``made()``: an empty one)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.shape, self.stride, self.dtype, self.device = tuple(t.shape), t.stride(), t.dtype, t.device
+        self.requires_grad = t.requires_grad
+
+    @staticmethod
+    def made(a):
+        if not isinstance(a, _Described):
+            return a
+        return torch.empty_strided(a.shape, a.stride, dtype=a.dtype, device=a.device, requires_grad=a.requires_grad)
 
 
 __all__ = ["compile_symbolic", "release"]

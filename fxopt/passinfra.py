@@ -83,8 +83,13 @@ class PassContext:
     output_formats: list = field(default_factory=list)
     #: eager's strides of each graph output (None where unknown): the outputs that are views keep them
     output_strides: list = field(default_factory=list)
-    #: the graph as it came in, before any pass (the executor's never-slower baseline)
-    unoptimized: Optional[fx.GraphModule] = None
+    #: the graph as it came in, before any pass (the executor's never-slower baseline); for one size
+    #: of a symbolic graph a ``fxopt.backends.lowering.DeferredGraph`` (made where it is measured)
+    unoptimized: Any = None
+    #: a lowering of one size of a symbolic inference graph (``fxopt.dynamic_compile``): its calls
+    #: come with new input tensors (a serving loop's), so a CUDA-graph capture copies them in from
+    #: the first rather than reading the first call's where they are (one capture a size, not two)
+    per_size: bool = False
     #: training graphs on CUDA: how the CUDA-graph runner links forward and backward
     #: (``fxopt.backends.cuda.runtime.cudagraph_training.TrainingLink``); None in inference
     training_link: Any = None

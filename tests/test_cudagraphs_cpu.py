@@ -539,3 +539,46 @@ def test_option_fixed_weights_folds_once_and_watches_nothing(fixed):
     if not fixed:
         torch.testing.assert_close(after, eager, rtol=1e-4, atol=1e-5)
         assert not torch.allclose(after, before)
+
+
+def test_a_runner_whose_inputs_move_captures_once_with_its_inputs_copied_in():
+    """A size of a symbolic graph (``inputs_move``): every call brings new tensors, so the first
+    capture copies them in and serves them all; without it the first capture reads them in place
+    and a second (buffered) one serves the next tensors."""
+    w = torch.randn(5, 3)
+    for moves, captures in ((True, 1), (False, 2)):
+        r = _simulated_runner(lambda w, x: (x @ w.T,), [0], inputs_move=moves)
+        for _ in range(3):
+            x = torch.randn(2, 3)
+            torch.testing.assert_close(r(w, x)[0], x @ w.T)
+        assert r.captures == captures, moves
+        first = r.graphs[next(iter(r.graphs))].instances[0]
+        assert (first.input_ptrs is None) == moves and (1 in first.static_inputs) == moves
+
+
+def test_a_deferred_baseline_is_made_only_where_a_signature_measures_it(monkeypatch):
+    """The unoptimized graph of one size (``DeferredGraph``) is made at the baseline's first run: a
+    signature whose decision is cached (its bucket decided) never makes it; one that measures makes it once."""
+    from fxopt.autotune import AutotuneCache
+    from fxopt.backends.cuda.runtime import cudagraph_measure
+    from fxopt.backends.lowering import DeferredBaseline, DeferredGraph, read_params
+
+    monkeypatch.setattr(cudagraph_measure, "_alternating_medians",
+                        lambda fns, rounds=4, runs=3: {"graph_ms": 1.0, "plain_ms": 2.0, "baseline_graph_ms": 5.0})
+    like = torch.fx.symbolic_trace(lambda w, x: (x @ w.T,))
+    made = []
+
+    def baseline():
+        src = DeferredGraph(lambda: made.append("graph") or like, like=like, ident="unoptimized at s0=2")
+        return DeferredBaseline(lambda gm: made.append("runnable") or gm, src)
+
+    base = baseline()
+    assert base.code == "unoptimized at s0=2" and read_params(base, {"w"}) == [0] and not made
+    cache, w, x = AutotuneCache(None), torch.randn(5, 3), torch.randn(2, 3)
+    for expect in (["graph", "runnable"], []):  # measured (made once), then the decision cached
+        made.clear()
+        r = _simulated_runner(lambda w, x: (x @ w.T,), [0], real_decide=True, baseline=baseline(),
+                              decisions_cache=(cache, "dev", "h"))
+        torch.testing.assert_close(r(w, x)[0], x @ w.T)
+        torch.testing.assert_close(r(w, x)[0], x @ w.T)
+        assert made == expect and r.decisions()[0]["runs"] == "optimized graph"

@@ -205,14 +205,37 @@ def test_sizes_after_the_first_take_their_values_from_stored_expressions(monkeyp
 
     monkeypatch.setattr(package_batch, "specialise_at", spy)
     torch.manual_seed(0)
-    model, backend = SmallResNet().eval(), Counting(executor="torch", dynamic_padding=False)
+    # the cpu executor compares with the unoptimized graph at every size: both graphs are made
+    model, backend = SmallResNet().eval(), Counting(executor="cpu", dynamic_padding=False)
     compiled = torch.compile(model, backend=backend, dynamic=True)
     _check(compiled, model, [(2, 32), (3, 40), (5, 24), (4, 32)])
-    assert calls == [False, False] + [True] * 6  # unoptimized and optimized graph, per size
+    assert calls == [False, False] + [True] * 6  # optimized and unoptimized graph, per size
     info = backend.dynamic()
     assert set(info["specialised_by"]) == {"unoptimized", "optimized"}
     assert all(how.startswith("stored values") for how in info["specialised_by"].values())
     assert any("values per size: " in line for line in fxopt.dynamic.summary_lines(info))
+
+
+def test_a_size_makes_the_unoptimized_graph_only_where_it_is_run(monkeypatch):
+    """A size's unoptimized graph (the never-slower baseline) is deferred: the torch executor, which
+    compares with no baseline, never makes it; it is made (once) where asked."""
+    from fxopt import package_batch
+    from fxopt.backends.lowering import DeferredGraph
+
+    made = []
+    real = package_batch.specialise_at
+    monkeypatch.setattr(package_batch, "specialise_at", lambda gm, *a, **k: made.append(gm) or real(gm, *a, **k))
+    torch.manual_seed(0)
+    model, backend = SmallResNet().eval(), Counting(executor="torch", dynamic_padding=False)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    _check(compiled, model, [(2, 32), (3, 40), (5, 24)])
+    info = backend.dynamic()
+    assert set(info["specialised_by"]) == {"optimized"}  # the unoptimized graph never made
+    assert len(made) == 3 and len({id(g) for g in made}) == 1
+
+    calls = []
+    lazy = DeferredGraph(lambda: calls.append(1) or "graph", like=None, ident="x")
+    assert not lazy.made and lazy.get() == "graph" and lazy.get() == "graph" and calls == [1] and lazy.made
 
 
 def test_size_expressions_of_several_symbols():

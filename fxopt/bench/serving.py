@@ -15,7 +15,8 @@ fxopt-compiled graph, runtime fallbacks); peak GPU memory (``torch.cuda.max_memo
 reset per backend). After the loops, for a sample of sizes (``--sample`` batches at the model's
 image size, ``--image-sample`` at the other image sizes), the median latency of the serving model
 (each size warmed first, so fxopt's exact specialization has taken over) against the same backend
-compiled statically for that size (``automatic_dynamic_shapes`` off: one static graph per size).
+compiled statically for that size (``automatic_dynamic_shapes`` off: one static graph per size),
+both timed over ``INPUTS`` input tensors in turn, as a serving loop's calls bring new tensors.
 ``--time-budget`` bounds a run: a backend's loop stops at its share (the JSON says so), static
 comparisons are skipped when none is left. Each model and backend runs in a process of its own
 (``--no-isolate``: all in this one, the first paying the others' lazy imports and CUDA start-up).
@@ -72,8 +73,17 @@ def _timed(fn, x, device) -> float:
     return time.perf_counter() - t0
 
 
-def _median_ms(fn, x, device, iters: int) -> float:
-    return statistics.median(_timed(fn, x, device) for _ in range(iters)) * 1e3
+#: distinct input tensors a latency is timed over, in turn: a serving loop's calls bring new tensors
+#: (a CUDA-graph runner copies them in), never one tensor over and over (which a capture may read in place)
+INPUTS = 3
+
+
+def _inputs(b: int, chw, side: int, device, dtype) -> list:
+    return [torch.randn(b, chw[0], side, side, device=device, dtype=dtype) for _ in range(INPUTS)]
+
+
+def _median_ms(fn, xs: list, device, iters: int) -> float:
+    return statistics.median(_timed(fn, xs[i % len(xs)], device) for i in range(iters)) * 1e3
 
 
 def plan(calls: int, max_batch: int, sides: Sequence[int], seed: int) -> list:
@@ -230,10 +240,10 @@ def _versus_static(name, model, compiled, probe, chw, device, dtype, samples, it
         if time.perf_counter() > deadline:
             per_size[f"{b}x{side}"] = {"skipped": "time budget"}
             continue
-        x = torch.randn(b, chw[0], side, side, device=device, dtype=dtype)
-        for _ in range(warm):
-            _timed(compiled, x, device)
-        per_size[f"{b}x{side}"] = {"dynamic_ms": round(_median_ms(compiled, x, device, iters), 4)}
+        xs = _inputs(b, chw, side, device, dtype)
+        for i in range(warm):
+            _timed(compiled, xs[i % len(xs)], device)
+        per_size[f"{b}x{side}"] = {"dynamic_ms": round(_median_ms(compiled, xs, device, iters), 4)}
         if probe is not None:
             per_size[f"{b}x{side}"]["served_as"] = _served_as(probe, b, side)
     family = _static_family(name)
@@ -250,10 +260,10 @@ def _versus_static(name, model, compiled, probe, chw, device, dtype, samples, it
                 rec["static_skipped"] = "time budget"
                 continue
             if cached is None:
-                x = torch.randn(b, chw[0], side, side, device=device, dtype=dtype)
-                for _ in range(3):
-                    _timed(static, x, device)
-                cached = static_cache[(family, b, side)] = round(_median_ms(static, x, device, iters), 4)
+                xs = _inputs(b, chw, side, device, dtype)
+                for i in range(max(3, len(xs) + 1)):
+                    _timed(static, xs[i % len(xs)], device)
+                cached = static_cache[(family, b, side)] = round(_median_ms(static, xs, device, iters), 4)
             rec["static_ms"] = cached
             rec["ratio"] = round(rec["dynamic_ms"] / cached, 3) if cached else None
     torch._dynamo.reset()
@@ -274,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample", default="1,16,64", help="batch sizes timed against a static compile (model's side)")
     p.add_argument("--image-sample", default="16", help="batch sizes timed against a static compile at the "
                    "other image sides")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=50, help="timed calls per size against a static compile")
     p.add_argument("--fxopt-options", default=None, help="fxopt options as JSON")
     p.add_argument("--size-oblivious", action="store_true", help="compile under torch.fx.experimental._config."
                    "backed_size_oblivious (no 0/1 specialization: batch 1 shares the symbolic graph)")

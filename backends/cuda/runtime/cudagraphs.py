@@ -10,7 +10,8 @@ Contract (what a caller can rely on):
   they are; a later call whose inputs sit at the same addresses replays it as it is (reading them
   there at that point of the stream is what copying them there would read); a call with inputs
   elsewhere replays a capture that copies them into static buffers first. Inputs that are memory of
-  this runner's own outputs are always copied.
+  this runner's own outputs are always copied, and so are all inputs of a runner whose calls come
+  with new tensors each time (``inputs_move``: a size of a symbolic graph): one capture serves them.
 - A returned output is never written by a later call while the caller holds it (or a view of it).
   Where the caller has released the previous call's outputs (their storages' reference counts say
   so), a replay hands out the graph's own output buffers, without a copy; while outputs are held, a
@@ -294,7 +295,7 @@ class CudaGraphRunner(StreamChoice, Measuring):
                  baseline: Optional[Callable] = None, baseline_watched: Optional[Sequence[int]] = None,
                  margin: float = 0.03, max_instances: int = 3, versioned: Optional[Sequence[int]] = None,
                  decisions_cache: Optional[tuple] = None, training: Optional[TrainingLink] = None,
-                 written: Sequence[int] = (), streams=None):
+                 written: Sequence[int] = (), streams=None, inputs_move: bool = False):
         """static_indices: parameter/buffer inputs (read in place, never copied); watched: those of
         them the graph reads (default all), checked on every call for replacement; versioned: those
         whose in-place changes ``refresh`` must see (default: all watched ones when there is a
@@ -304,10 +305,13 @@ class CudaGraphRunner(StreamChoice, Measuring):
         a losing baseline is then not even captured. training: a ``TrainingLink`` for AOTAutograd's
         forward and backward graphs (module docstring). written: the inputs (among the static ones)
         the graph writes in place, restored after the runs that are not the call's own. streams: a
-        ``stream_capture.StreamAlternative``, measured per signature (inference)."""
+        ``stream_capture.StreamAlternative``, measured per signature (inference). inputs_move: the
+        calls come with new input tensors (a size of a symbolic graph, served): the first capture of
+        a signature copies them into static buffers too (inference), as every later call needs."""
         if not set(written) <= set(static_indices):
             raise ValueError(f"inputs {sorted(set(written) - set(static_indices))} are written in place but not static")
         self.fn, self.training = fn, training
+        self.inputs_move = inputs_move
         self.written = sorted(written)
         self.decisions_cache = decisions_cache
         self.baseline, self.margin = baseline, margin
@@ -406,11 +410,11 @@ class CudaGraphRunner(StreamChoice, Measuring):
     def _first_capture_reads(self, args) -> frozenset:
         """Which inputs the first capture of a signature reads in place. Inference: all of them,
         unless one is memory of this runner's captures (a lent output fed back in could be
-        rewritten by a replay). Training: the backward's saved values the forward lent; the
+        rewritten by a replay) or the calls come with new inputs each time (``inputs_move``). Training: the backward's saved values the forward lent; the
         forward's batch is copied (a new batch every step)."""
         if self.training is not None:
             return self.training.read_in_place(args, self.dynamic)
-        if any(isinstance(args[i], torch.Tensor) and _storage(args[i]) in self._lent_ptrs for i in self.dynamic):
+        if self.inputs_move or any(isinstance(args[i], torch.Tensor) and _storage(args[i]) in self._lent_ptrs for i in self.dynamic):
             return frozenset()
         return frozenset(self.dynamic)
 
