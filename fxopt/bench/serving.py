@@ -15,8 +15,9 @@ fxopt-compiled graph, runtime fallbacks); peak GPU memory (``torch.cuda.max_memo
 reset per backend). After the loops, for a sample of sizes (``--sample`` batches at the model's
 image size, ``--image-sample`` at the other image sizes), the median latency of the serving model
 (each size warmed first, so fxopt's exact specialization has taken over) against the same backend
-compiled statically for that size (``automatic_dynamic_shapes`` off: one static graph per size),
-both timed over ``INPUTS`` input tensors in turn, as a serving loop's calls bring new tensors.
+compiled statically for that size (a copy of the model, ``automatic_dynamic_shapes`` off: one static
+graph per size), both in this process, timed alternately in ``ROUNDS`` rounds over ``INPUTS`` input
+tensors in turn (a serving loop's calls bring new tensors).
 ``--time-budget`` bounds a run: a backend's loop stops at its share (the JSON says so), static
 comparisons are skipped when none is left. Each model and backend runs in a process of its own
 (``--no-isolate``: all in this one, the first paying the others' lazy imports and CUDA start-up).
@@ -25,6 +26,7 @@ Writes ``serving.json`` and ``serving.md`` into ``--out``.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import os
@@ -182,7 +184,7 @@ def _phase(compiled, probe, plan_, chw, device, dtype, deadline: float) -> dict:
 
 
 def run_backend(name: str, model, chw, device, dtype, plans: dict, samples: Sequence, iters: int,
-                fxopt_options: Optional[dict], deadline: float, static_cache: dict) -> dict:
+                fxopt_options: Optional[dict], deadline: float) -> dict:
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -209,7 +211,7 @@ def run_backend(name: str, model, chw, device, dtype, plans: dict, samples: Sequ
         out["eager_calls"] = bool(hits.hits or any(out[ph]["graph_breaks"] for ph in plans) or not_fx
                                   or out.get("fxopt_runtime_fallbacks"))
         out["latency_vs_static"] = _versus_static(name, model, compiled, probe, chw, device, dtype, samples, iters,
-                                                  fxopt_options, deadline, static_cache)
+                                                  fxopt_options, deadline)
     finally:
         logging.getLogger("torch._dynamo").removeHandler(hits)
     return out
@@ -232,40 +234,58 @@ def _static_family(name: str) -> str:
     return {"fxopt-dynamic": "fxopt", "inductor-dynamic": "inductor-default"}.get(name, name)
 
 
-def _versus_static(name, model, compiled, probe, chw, device, dtype, samples, iters, fxopt_options, deadline,
-                   static_cache: dict) -> dict:
-    per_size = {}
+#: rounds a size's serving and static latencies are timed in, alternately (``iters`` calls a round each)
+ROUNDS = 4
+
+
+def _static_twin(model):
+    """A copy of ``model`` behind a function of its own: its Dynamo cache entries and automatic-dynamic
+    state are its own (another code object), so it compiles statically beside the serving model."""
+    twin = copy.deepcopy(model)
+
+    def static_forward(x):
+        return twin(x)
+    return static_forward
+
+
+def _versus_static(name, model, compiled, probe, chw, device, dtype, samples, iters, fxopt_options,
+                   deadline) -> dict:
+    """Per sampled size: the serving model (warmed first) against the same backend compiled statically
+    for that size, in one process and timed alternately (``ROUNDS`` rounds, the medians' median), so
+    that both see the same state of the host and the device."""
+    per_size, inputs = {}, {}
     warm = (fxopt_options or {}).get("specialize_after", 2) + 3
-    for b, side in samples:  # the serving model first (a reset would drop it)
+    for b, side in samples:
         if time.perf_counter() > deadline:
             per_size[f"{b}x{side}"] = {"skipped": "time budget"}
             continue
-        xs = _inputs(b, chw, side, device, dtype)
+        xs = inputs[(b, side)] = _inputs(b, chw, side, device, dtype)
         for i in range(warm):
             _timed(compiled, xs[i % len(xs)], device)
-        per_size[f"{b}x{side}"] = {"dynamic_ms": round(_median_ms(compiled, xs, device, iters), 4)}
+        per_size[f"{b}x{side}"] = {}
         if probe is not None:
             per_size[f"{b}x{side}"]["served_as"] = _served_as(probe, b, side)
     family = _static_family(name)
-    torch._dynamo.reset()
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=max(8, len(samples) + 1)):
-        static, _ = _compile(family, model, fxopt_options, static=True)
-        for b, side in samples:
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=max(8, 2 * len(samples) + 1)):
+        static, static_probe = _compile(family, _static_twin(model), fxopt_options, static=True)
+        for (b, side), xs in inputs.items():
             rec = per_size[f"{b}x{side}"]
-            if "dynamic_ms" not in rec:
-                continue
-            cached = static_cache.get((family, b, side))
-            if cached is None and time.perf_counter() > deadline:
-                rec["static_ms"] = None
+            if time.perf_counter() > deadline:
                 rec["static_skipped"] = "time budget"
                 continue
-            if cached is None:
-                xs = _inputs(b, chw, side, device, dtype)
-                for i in range(max(3, len(xs) + 1)):
-                    _timed(static, xs[i % len(xs)], device)
-                cached = static_cache[(family, b, side)] = round(_median_ms(static, xs, device, iters), 4)
-            rec["static_ms"] = cached
-            rec["ratio"] = round(rec["dynamic_ms"] / cached, 3) if cached else None
+            for i in range(max(3, len(xs) + 1)):  # compiled here, at this size
+                _timed(static, xs[i % len(xs)], device)
+            calls = static_probe.calls if static_probe is not None else None
+            dyn, stat = [], []
+            for _ in range(ROUNDS):
+                dyn.append(_median_ms(compiled, xs, device, iters))
+                stat.append(_median_ms(static, xs, device, iters))
+            if static_probe is not None and static_probe.calls - calls != ROUNDS * iters:
+                rec["static_skipped"] = "the static compile did not serve its calls"
+                continue
+            rec["dynamic_ms"] = round(statistics.median(dyn), 4)
+            rec["static_ms"] = round(statistics.median(stat), 4)
+            rec["ratio"] = round(rec["dynamic_ms"] / rec["static_ms"], 3) if rec["static_ms"] else None
     torch._dynamo.reset()
     return per_size
 
@@ -284,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample", default="1,16,64", help="batch sizes timed against a static compile (model's side)")
     p.add_argument("--image-sample", default="16", help="batch sizes timed against a static compile at the "
                    "other image sides")
-    p.add_argument("--iters", type=int, default=50, help="timed calls per size against a static compile")
+    p.add_argument("--iters", type=int, default=15, help="timed calls per size and round against a static compile")
     p.add_argument("--fxopt-options", default=None, help="fxopt options as JSON")
     p.add_argument("--size-oblivious", action="store_true", help="compile under torch.fx.experimental._config."
                    "backed_size_oblivious (no 0/1 specialization: batch 1 shares the symbolic graph)")
@@ -362,11 +382,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         if b and int(b) <= a.max_batch]
         left = budget - (time.perf_counter() - t_start)
         deadline = time.perf_counter() + left / (len(jobs) - j)
-        static_cache: dict = {}
         try:
             with oblivious:
-                r = run_backend(name, model, chw, device, dtype, plans, samples, a.iters, opts, deadline,
-                                static_cache)
+                r = run_backend(name, model, chw, device, dtype, plans, samples, a.iters, opts, deadline)
         except Exception as e:  # noqa: BLE001 - one backend failing does not end the run
             r = {"backend": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         r["model"] = model_name
