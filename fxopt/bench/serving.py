@@ -217,15 +217,27 @@ def run_backend(name: str, model, chw, device, dtype, plans: dict, samples: Sequ
     return out
 
 
-def _served_as(probe: FxoptProbe, b: int, side: int) -> str:
-    """How fxopt's dispatchers serve this size now: "own specialization", "padded to batch N", ...
-    ("static graph" where no symbolic graph has a record of it: Dynamo's own specialization)."""
+def _dispatch_calls(probe: Optional[FxoptProbe]) -> dict:
+    """(dispatcher id, size key) -> calls so far, over fxopt's symbolic graphs (``SizeDispatcher``)."""
+    if probe is None:
+        return {}
+    return {(id(r.dispatcher), k): n for r in probe.reports if getattr(r, "dispatcher", None) is not None
+            for k, n in r.dispatcher.calls.items()}
+
+
+def _served_as(probe: FxoptProbe, before: dict) -> str:
+    """How the symbolic graph that served the calls since ``before`` (``_dispatch_calls``) serves
+    their size now: "own specialization", "padded to batch N", ... ("static graph" where no symbolic
+    graph served them: one of Dynamo's static graphs)."""
     how = []
-    for info in probe.dynamic():
-        for desc, rec in info.get("specializations", {}).items():
-            vals = [int(v.split("=")[1]) for v in desc.split(", ")]
-            if vals[0] == b and (len(vals) == 1 or side in vals[1:]):
-                how.append("own specialization" if rec.get("live") is True else str(rec.get("runs", "?")))
+    for r in probe.reports:
+        d = getattr(r, "dispatcher", None)
+        if d is None:
+            continue
+        for key, n in d.calls.items():
+            if n > before.get((id(d), key), 0):
+                rec = d.info["specializations"].get(d.shapes.describe(key), {})
+                how.append("own specialization" if key in d.cache else str(rec.get("runs", "?")))
     return "; ".join(how) or "static graph"
 
 
@@ -260,11 +272,12 @@ def _versus_static(name, model, compiled, probe, chw, device, dtype, samples, it
             per_size[f"{b}x{side}"] = {"skipped": "time budget"}
             continue
         xs = inputs[(b, side)] = _inputs(b, chw, side, device, dtype)
+        before = _dispatch_calls(probe)
         for i in range(warm):
             _timed(compiled, xs[i % len(xs)], device)
         per_size[f"{b}x{side}"] = {}
         if probe is not None:
-            per_size[f"{b}x{side}"]["served_as"] = _served_as(probe, b, side)
+            per_size[f"{b}x{side}"]["served_as"] = _served_as(probe, before)
     family = _static_family(name)
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=max(8, 2 * len(samples) + 1)):
         static, static_probe = _compile(family, _static_twin(model), fxopt_options, static=True)
