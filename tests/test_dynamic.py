@@ -319,3 +319,30 @@ def test_a_size_that_breaks_a_guard_of_the_passes_runs_them_again_from_propagate
     assert pinned == [2] and info["pipeline_runs"] == 3  # once symbolic, again at 3 and at 5
     notes = [rec.get("note") or "" for rec in info["specializations"].values()]
     assert sum("passes ran again" in n for n in notes) == 2
+
+
+def test_kernels_generated_once_across_sizes_and_keyed_exactly():
+    """Kernel sources that name no size (a Winograd transform, a conv epilogue) are generated once:
+    a symbolic graph's later sizes reuse them. The key is exact: parameters equal as values but
+    written differently (-0.0 and 0.0, 1 and 1.0) get sources of their own."""
+    from fxopt.backends.cuda.codegen.source import made_once
+    from fxopt.backends.cuda.kernels import conv_epilogue, winograd
+
+    made = []
+    gen = made_once(lambda v, dtype=torch.float16: made.append(v) or f"src {v!r} {dtype}")
+    assert gen(0.0) is gen(0.0) and gen(-0.0) == "src -0.0 torch.float16" and gen(1) != gen(1.0)
+    assert gen(True) == "src True torch.float16" and gen(0.0, dtype=torch.float32) != gen(0.0)
+    assert [repr(v) for v in made] == ["0.0", "-0.0", "1", "1.0", "True", "0.0"]
+
+    caches = [winograd.generate_winograd_output_transform.cache, conv_epilogue.generate_conv_epilogue.cache]
+    for c in caches:
+        c.clear()
+    torch.manual_seed(0)
+    model = SmallResNet().eval()
+    backend = Counting(executor="cuda", emulate_kernels=True, dynamic_padding=False)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    _check(compiled, model, [(2, 32), (3, 32)])
+    sizes = [len(c) for c in caches]
+    assert sizes[1] > 0  # the epilogues of the convolutions were generated
+    _check(compiled, model, [(5, 32), (6, 40)])
+    assert backend.dynamic()["live"] >= 3 and [len(c) for c in caches] == sizes  # nothing generated anew

@@ -3,6 +3,7 @@ meta data; ``compile()`` hands it to ``compiler.py``) and the helpers every gene
 32-/64-bit index rule, the codegen layout name of a tensor, names made unique by a digest."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -10,6 +11,27 @@ from dataclasses import dataclass, field
 import torch
 
 from fxopt.names import CL, NCHW, format_of
+
+
+def made_once(generate):
+    """``generate`` (a kernel generator whose ``KernelSource`` depends on its parameters alone, no sizes
+    among them: sizes are launch arguments) run once per parameters: every size a symbolic graph is
+    lowered at, and every convolution alike, asks for the same kernels. Keyed by the parameters'
+    ``repr`` (exact: ``-0.0`` is not ``0.0``, ``1`` not ``1.0`` nor ``True``, as equality would have
+    them); the source is shared, and nothing writes to one."""
+    cache: dict = {}
+
+    @functools.wraps(generate)
+    def source(*args, **kwargs):
+        key = repr((args, sorted(kwargs.items())))
+        made = cache.get(key)
+        if made is None:
+            if len(cache) >= 1024:
+                cache.clear()
+            made = cache[key] = generate(*args, **kwargs)
+        return made
+    source.cache = cache
+    return source
 
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

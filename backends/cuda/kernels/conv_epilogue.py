@@ -22,7 +22,8 @@ import torch.fx as fx
 from fxopt.backends.cuda import ir
 from fxopt.backends.cuda.codegen.c import ctype as _ctype, fast_math_prefix, prelude as _prelude
 from fxopt.backends.cuda.codegen.epilogue import epilogue_body, has_bias, has_residual, template_epilogue
-from fxopt.backends.cuda.codegen.source import KernelSource, c_comment, c_ident, index_type, checked_layout, layout_name
+from fxopt.backends.cuda.codegen.source import (KernelSource, made_once, c_comment, c_ident, index_type, checked_layout,
+                                                layout_name)
 from fxopt.backends.cuda.ir import ACC, BIAS, RES
 from fxopt.backends.cuda.ir.expr import apply_op
 from fxopt.backends.cuda.kernels.common import check_layout, compiled_kernel, load, memory_layout_ok
@@ -62,6 +63,7 @@ def epilogue_reference(e, tensors: Mapping[str, torch.Tensor], dtype: torch.dtyp
     return vals[e].expand(y.shape).to(dtype)
 
 
+@made_once
 def generate_conv_epilogue(name: str, e, dtype: torch.dtype, layout: str = "nchw", vector_width: int = 1,
                            index64: bool = False, block: int = 256, fast_math: bool = False) -> KernelSource:
     """The kernel of epilogue ``e`` (a chain: ``ir.epilogue_expr`` over ``ir.ACC``, ``ir.BIAS``,

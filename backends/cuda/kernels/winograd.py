@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from fxopt.backends.cuda.codegen.c import ctype as _ctype, lit, prelude as _prelude
 from fxopt.backends.cuda.codegen.epilogue import (NO_EPILOGUE, epilogue_code, epilogue_desc, epilogue_key,
                                                   epilogue_params, has_bias, has_residual)
-from fxopt.backends.cuda.codegen.source import (KernelSource, DTYPE_SHORT, index_type, checked_layout, layout_name,
-                                                needs_index64, unique_name)
+from fxopt.backends.cuda.codegen.source import (KernelSource, made_once, DTYPE_SHORT, index_type, checked_layout,
+                                                layout_name, needs_index64, unique_name)
 from fxopt.backends.cuda.kernels.common import (check_layout, compiled_kernel, dense_strides, load, memory_layout_ok,
                                                 node_val, weight_fits, weight_layout_of)
 from fxopt.backends.cuda.kernels.conv import conv_args
@@ -70,6 +70,7 @@ def winograd_tiles(H: int, W: int, padding: int = 1) -> tuple[int, int, int, int
     return OH, OW, -(-OH // 2), -(-OW // 2)
 
 
+@made_once
 def generate_winograd_input_transform(dtype: torch.dtype = torch.float32, layout: str = "nchw",
                                       padding: int = 1, transform_dtype: torch.dtype | None = None,
                                       index64: bool = False, block: int = 256) -> KernelSource:
@@ -97,6 +98,7 @@ def generate_winograd_input_transform(dtype: torch.dtype = torch.float32, layout
                         (block, 1, 1), index64)
 
 
+@made_once
 def generate_winograd_output_transform(dtype: torch.dtype = torch.float32, layout: str = "nchw",
                                        epilogue=None,
                                        transform_dtype: torch.dtype | None = None,
@@ -260,6 +262,7 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return get_algorithm("winograd_2x2_3x3").tolerance(dtype)
 
 
+@made_once
 def generate_winograd_filter_transform(dtype: torch.dtype = torch.float32, weight_layout: str = "oihw",
                                        layout: str = "nchw", index64: bool = False,
                                        block: int = 256) -> KernelSource:
