@@ -219,13 +219,17 @@ def fuse_regions(runnable: fx.GraphModule, info: dict, skip: set, strict: bool =
     def measured(node):  # the fused call against the bare product plus its epilogue (autotune-cached)
         cands = {"reference": node.target, "split": linear_then_epilogue}
         return tuning.entry(node, cands, cache_key(node, cands, tuning.graphed))
-    info["linear_epilogues"] = split_linear_epilogues(runnable, skip, None if tuning is None else measured)
-    split = split_conv_epilogues(runnable, skip)
+    # the graph's code regenerated once, by the caller, after every rewrite (``attach_kernels``)
+    info["linear_epilogues"] = split_linear_epilogues(runnable, skip, None if tuning is None else measured,
+                                                      recompile=False)
+    split = split_conv_epilogues(runnable, skip, recompile=False)
     sched = schedule(runnable, skip, strict=strict, merge_readers=merge_readers)
     info["unfused"] = sched.unfused
     info["conv_epilogues_moved"] = split
     info["copies"] = copy_summary(sched.regions)  # kernels that only move data, bytes per call
     if not sched.regions:
+        if split or any(e.get("choice") == "split" for e in info["linear_epilogues"].values()):
+            runnable.recompile()
         return []
     planned = []
     refs, gens, tmpls, names = [], [], [], []
@@ -234,7 +238,7 @@ def fuse_regions(runnable: fx.GraphModule, info: dict, skip: set, strict: bool =
         gens.append(GeneratedRegion(r, fast_math))
         tmpls.append(template_candidates(r) | parallel_variant(r, gens[-1], fast_math) | tiled_variant(r, fast_math))
         names.append(region_nodes(r))
-    nodes = rewrite(runnable, sched.regions, refs)
+    nodes = rewrite(runnable, sched.regions, refs, recompile=False)  # the caller recompiles (regions)
     for node, ref, gen, tm, covered in zip(nodes, refs, gens, tmpls, names):
         planned.append(_PlannedRegion(node, gen, ref, tm, covered))
     info["regions"] = {p.node.name: {"kernel": p.generated.name, "ops": p.generated.ops,
@@ -281,6 +285,7 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
         if getattr(ctx.options, "emulate_kernels", False) and regions:
             for p in regions:  # the kernels' IR in the references' place (option emulate_kernels)
                 p.node.target = EmulatedRegion(p.generated.region, p.reference)
+        if regions:
             runnable.recompile()
         pending.finish()
         info["nvrtc_s"] = round(pending.compile_s, 3)

@@ -58,12 +58,13 @@ def _split(node: fx.Node, bare_target, bare_args: tuple, epilogue_args: tuple) -
     g.erase_node(node)
 
 
-def split_conv_epilogues(gm: fx.GraphModule, skip: set = frozenset()) -> int:
+def split_conv_epilogues(gm: fx.GraphModule, skip: set = frozenset(), recompile: bool = True) -> int:
     """Split each fused conv with an epilogue (bias, residual, activation) whose readers are all
     generated kernels into the bare convolution and ``conv_epilogue_ref``: the scheduler then
     computes the epilogue inside those kernels, where they read the conv's output, instead of in a
     pass of its own over the whole activation (one write and one read less; a squeeze-excite block
-    reads a SiLU conv's output twice and writes it never)."""
+    reads a SiLU conv's output twice and writes it never). ``recompile`` False: the caller
+    regenerates the module's code once after its further rewrites (as the cuda executor does)."""
     from fxopt.ops import fused_conv_ref
 
     g, count = gm.graph, 0
@@ -79,7 +80,7 @@ def split_conv_epilogues(gm: fx.GraphModule, skip: set = frozenset()) -> int:
         _split(node, fused_conv_ref, tuple(args[:2] + [None, None] + args[4:8] + ["none", []] + args[10:]),
                (bias, res, act, list(params)))
         count += 1
-    if count:
+    if count and recompile:
         gm.recompile()
     return count
 
@@ -92,7 +93,7 @@ def linear_then_epilogue(x, weight, bias, activation, act_params):
     return conv_epilogue_ref(fused_linear_ref(x, weight, None, "none", []), bias, None, activation, act_params)
 
 
-def split_linear_epilogues(gm: fx.GraphModule, skip: set = frozenset(), choose=None) -> dict:
+def split_linear_epilogues(gm: fx.GraphModule, skip: set = frozenset(), choose=None, recompile: bool = True) -> dict:
     """Split each ``fused_linear`` over more rows than the linear family's kernels take, with a bias
     or an activation, whose readers are all generated kernels, into the bare product and
     ``conv_epilogue_ref`` (on a 2-D output the bias is per column, as the rule loads it) where
@@ -120,7 +121,7 @@ def split_linear_epilogues(gm: fx.GraphModule, skip: set = frozenset(), choose=N
             continue
         _split(node, fused_linear_ref, (x, w, None, "none", []), (bias, None, act, list(params)))
         count += 1
-    if count:
+    if count and recompile:
         gm.recompile()
     return asked
 
@@ -151,9 +152,10 @@ def reference_module(gm: fx.GraphModule, region: Region) -> fx.GraphModule:
     return fx.GraphModule(gm, g, class_name="RegionReference")
 
 
-def rewrite(gm: fx.GraphModule, regions: list, targets: list) -> list:
+def rewrite(gm: fx.GraphModule, regions: list, targets: list, recompile: bool = True) -> list:
     """Replace each region by one node calling ``targets[i](*inputs) -> tuple of outputs``,
-    placed after its last input; the outputs' users read its items. Returns the new nodes."""
+    placed after its last input; the outputs' users read its items. Returns the new nodes.
+    ``recompile`` False: the caller regenerates the module's code (``split_conv_epilogues``)."""
     g = gm.graph
     replaced: dict = {}
     nodes = []
@@ -177,5 +179,6 @@ def rewrite(gm: fx.GraphModule, regions: list, targets: list) -> list:
         nodes.append(node)
     g.eliminate_dead_code()
     g.lint()
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     return nodes
