@@ -89,6 +89,29 @@ def test_region_kernels_compile_and_are_reported():
     assert all(k.compiled for k in r.kernels), [k.error for k in r.kernels if not k.compiled]
 
 
+def test_executor_generates_the_graphs_code_once_after_its_rewrites(monkeypatch):
+    """The cuda executor splits conv epilogues and puts one node per region in the graph, then
+    generates the module's code once (``attach_kernels``), not after each rewrite; the emulated
+    kernels then compute what eager does."""
+    from fxopt.backends.cuda.runtime import executor
+
+    made, real = [], torch.fx.GraphModule.recompile
+    inside, attach = [], executor.attach_kernels
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile",
+                        lambda self: (made.append(bool(inside) and type(self).__name__ != "RegionReference"),
+                                      real(self))[1])
+    monkeypatch.setattr(executor, "attach_kernels",
+                        lambda *a, **k: (inside.append(1), attach(*a, **k), inside.clear())[1])
+    torch.manual_seed(0)
+    model, x = MobileBlock().eval(), torch.randn(2, 3, 16, 16)
+    r = fxopt.explain(model, x, options={"executor": "cuda", "emulate_kernels": True})
+    assert r.graphs[0].executor_details["conv_epilogues_moved"] > 0 and r.kernels
+    assert made.count(True) == 1  # once, after the splits and the regions (each region's reference: its own)
+    compiled = torch.compile(model, backend="fxopt", options={"executor": "cuda", "emulate_kernels": True})
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+
+
 @needs_nvrtc
 @settings(max_examples=10)  # each example: a compile and 3-6 NVRTC compilations
 @given(k=st.sampled_from([1, 3, 5, 7]), stride=st.integers(1, 2), dilation=st.integers(1, 3),
