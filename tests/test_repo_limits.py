@@ -33,9 +33,10 @@ RESULT_SUFFIXES = (".png", ".jpg", ".svg", ".webp")
 #: check's float64 judge, the bucket seeding, the few-group conv bench and their tests (3.117 MB); down to 3.09 MB
 #: once the data-parallel raw results went to git history (3.083 MB); to 3.11 MB for the scheduler's merged readers
 #: (consumers.py), their tests and a fuzz failure's reproducer (3.105 MB); to 3.12 MB for the guard-free BatchNorm
-#: reserve query, static size inputs and symbolic propagation keys with their tests (3.114 MB); to 3.135 MB for the
-#: per-size deferred baseline and moving inputs with their tests (3.128 MB); the aim stays lower
-TRACKED_MAX_BYTES = 3_135_000
+#: reserve query, static size inputs and symbolic propagation keys with their tests (3.114 MB); to 3.145 MB for the
+#: per-size deferred baseline, moving inputs, sources made once, the interleaved serving latency and their tests
+#: (3.137 MB); the aim stays lower
+TRACKED_MAX_BYTES = 3_145_000
 #: lines of any ``.py`` file under the package directories and the tests
 SOURCE_MAX_LINES = 600
 LINE_LIMITED_DIRS = ("fxopt", "passes", "backends", "tests")
