@@ -87,10 +87,6 @@ class DeferredBaseline:
         return self._fn(*args)
 
     @property
-    def made(self) -> bool:
-        return self._fn is not None
-
-    @property
     def code(self) -> str:
         return self.source.ident
 

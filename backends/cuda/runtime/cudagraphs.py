@@ -410,11 +410,13 @@ class CudaGraphRunner(StreamChoice, Measuring):
     def _first_capture_reads(self, args) -> frozenset:
         """Which inputs the first capture of a signature reads in place. Inference: all of them,
         unless one is memory of this runner's captures (a lent output fed back in could be
-        rewritten by a replay) or the calls come with new inputs each time (``inputs_move``). Training: the backward's saved values the forward lent; the
-        forward's batch is copied (a new batch every step)."""
+        rewritten by a replay) or the calls come with new inputs each time (``inputs_move``).
+        Training: the backward's saved values the forward lent; the forward's batch is copied (a new
+        batch every step)."""
         if self.training is not None:
             return self.training.read_in_place(args, self.dynamic)
-        if self.inputs_move or any(isinstance(args[i], torch.Tensor) and _storage(args[i]) in self._lent_ptrs for i in self.dynamic):
+        if self.inputs_move or any(isinstance(args[i], torch.Tensor) and _storage(args[i]) in self._lent_ptrs
+                                   for i in self.dynamic):
             return frozenset()
         return frozenset(self.dynamic)
 
