@@ -142,7 +142,7 @@ def _lowering(compiler, ctx, before: fx.GraphModule, optimized: fx.GraphModule, 
     from fxopt import pipeline
     from fxopt.autotune import cudnn_choosing
     from fxopt.backends import lower
-    from fxopt.backends.lowering import DeferredGraph
+    from fxopt.backends.lowering import DeferredGraph, placeholder_indices
     from fxopt.package_batch import _vals_agree, from_vals, specialise_at, symbolic_vals
 
     # each node's value stored once as expressions of the symbols and evaluated per size, as a
@@ -170,10 +170,13 @@ def _lowering(compiler, ctx, before: fx.GraphModule, optimized: fx.GraphModule, 
             return specialise_at(gm, args)[0]
         return specialise_at(gm, args, stored[name], at, fake=True)[0]
 
+    params = set(placeholder_indices(before, ctx.param_placeholders))
+
     def deferred_base(args: list, key: tuple) -> DeferredGraph:
         """The unoptimized graph at these sizes, made where a runner measures it (or the lowering
-        fails): the arguments kept as their shapes only (no batch held alive meanwhile)."""
-        kept = [_Described(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fails): the batch's arguments kept as their shapes only (none held alive meanwhile), the
+        parameters as they are (the model holds them anyway; nothing of their size made again)."""
+        kept = [_Described(a) if isinstance(a, torch.Tensor) and i not in params else a for i, a in enumerate(args)]
 
         def make() -> fx.GraphModule:
             with torch.no_grad():

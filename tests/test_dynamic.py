@@ -233,6 +233,26 @@ def test_a_size_makes_the_unoptimized_graph_only_where_it_is_run(monkeypatch):
     assert set(info["specialised_by"]) == {"optimized"}  # the unoptimized graph never made
     assert len(made) == 3 and len({id(g) for g in made}) == 1
 
+    # where it is made (the cpu executor compares with it at every size): the parameters are the
+    # model's own, the batch a stand-in of its shape (the call's batch is not kept alive for it)
+    seen, batches = [], []
+    monkeypatch.setattr(package_batch, "specialise_at",
+                        lambda gm, args, *a, **k: seen.append((gm, args)) or real(gm, args, *a, **k))
+    torch._dynamo.reset()
+    backend = Counting(executor="cpu", dynamic_padding=False)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for b in (2, 3, 5):
+        x = torch.randn(b, 3, 32, 32)
+        batches.append(x)  # kept alive: no stand-in can take its memory
+        with torch.no_grad():
+            compiled(x)
+    ptrs = {p.data_ptr() for p in model.parameters()}
+    before = [r.before for r in backend.reports if r.executor_details.get("dynamic")][0]
+    deferred = [a for gm, a in seen if gm is before]  # the unoptimized graph's specialisations
+    tensors = [t for a in deferred for t in a if isinstance(t, torch.Tensor)]
+    assert len(deferred) >= 2 and any(t.data_ptr() in ptrs for t in tensors)
+    assert not any(t.data_ptr() in {x.data_ptr() for x in batches} for t in tensors)
+
     calls = []
     lazy = DeferredGraph(lambda: calls.append(1) or "graph", like=None, ident="x")
     assert not lazy.made and lazy.get() == "graph" and lazy.get() == "graph" and calls == [1] and lazy.made
