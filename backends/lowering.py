@@ -62,10 +62,6 @@ class DeferredGraph:
             self._gm = self._make()
         return self._gm
 
-    @property
-    def made(self) -> bool:
-        return self._gm is not None
-
 
 def unoptimized(ctx):
     """The graph as it came in (``ctx.unoptimized``), made now where it was deferred; or None."""
