@@ -58,6 +58,10 @@ class Options:
     #: graphs at float32 precision, bfloat16 ones at bfloat16). Off by default: exporting, converting
     #: and compiling it adds 1-3.5 s to a small CNN's first call per signature
     cpu_openvino: bool = False
+    #: cpu executor: also time the whole graph as one generated C function (``backends/cpu_c.py``:
+    #: float32 graphs of at most 60 MFLOP a call whose every op it handles; needs a C compiler on
+    #: PATH) per input signature and run it where it is faster and its outputs match
+    cpu_generated_c: bool = True
     #: cuda executor on CPU inputs (no GPU): every fused region runs its kernel's IR (``ir.evaluate``:
     #: the generated code's loads, stores, roundings and float32 math) instead of its ATen reference,
     #: so a whole graph, a training step's backward included, checks the kernels' semantics on the
@@ -175,6 +179,8 @@ class Options:
             raise ValueError(f"fxopt: compile_cache must be True or False, got {self.compile_cache!r}")
         if not isinstance(self.cpu_onnxruntime, bool):
             raise ValueError(f"fxopt: cpu_onnxruntime must be True or False, got {self.cpu_onnxruntime!r}")
+        if not isinstance(self.cpu_generated_c, bool):
+            raise ValueError(f"fxopt: cpu_generated_c must be True or False, got {self.cpu_generated_c!r}")
         if not isinstance(self.cpu_openvino, bool):
             raise ValueError(f"fxopt: cpu_openvino must be True or False, got {self.cpu_openvino!r}")
         if not isinstance(self.cudnn_search, bool):

@@ -262,7 +262,8 @@ class Report:
                                        ("ONNX Runtime", "onnxruntime_ms"),
                                        ("ONNX Runtime 1 thread", "onnxruntime_1t_ms"),
                                        ("OpenVINO", "openvino_ms"),
-                                       ("OpenVINO 1 thread", "openvino_1t_ms")) if key in d)
+                                       ("OpenVINO 1 thread", "openvino_1t_ms"),
+                                       ("generated C", "generated_c_ms")) if key in d)
                     lines.append(f"  runs the {d['runs']}: {times} ({d.get('threads')} threads"
                                  f"{', cached' if d.get('cached') else ''})")
                 else:

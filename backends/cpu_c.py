@@ -1,0 +1,154 @@
+"""Generated C as one more way the cpu executor times per input signature (option ``cpu_generated_c``).
+
+Why: at a small CNN's batch 1 every engine spends more time between its operators than in them
+(seedcnn at batch 1: ONNX Runtime 34 us a call, of which its convolutions' arithmetic is a few).
+The whole graph as one C function (``backends/c_source.py``), compiled with ``-O3 -march=native``
+for this CPU (``backends/c_build.py``), runs it as straight loops with no dispatch at all.
+
+What runs: the graph as AOTAutograd handed it (``ctx.unoptimized``: aten ops, the module's exact
+semantics; the optimized graph where there is none), generated and compiled at a signature's
+first call. Graphs with a node the generator does not handle, or larger than ``MAX_FLOPS`` a call
+(where library kernels win and a compile would be wasted), raise ``Declined`` there: the runner
+(``backends/cpu.py``) records why and times its other ways. It also checks the outputs against the
+reference before it may choose this way.
+
+Weights are read where they are, at every call; a convolution that lays its weights out for its
+loops does so at the first call and again only when a parameter is replaced or changed in place.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from fxopt.backends.engine_calls import any_strided, bound_call, restride
+from fxopt.weights import ParamChanges
+
+#: multiply-adds (x2) per call above which the generated C is not tried: library kernels (oneDNN,
+#: ONNX Runtime, OpenVINO) win on large convolutions, and the compile would be wasted
+MAX_FLOPS = 60e6
+MAX_PROGRAMS = 8
+
+
+def why_unavailable() -> Optional[str]:
+    from fxopt.backends.c_build import compiler
+
+    return None if compiler() is not None else "no C compiler on PATH (set $CC)"
+
+
+class _Entry:
+    """One signature's compiled function, its workspace and the pointers it is called with (the
+    graph's arguments, then the outputs). A lock keeps concurrent callers off the shared workspace."""
+
+    def __init__(self, fn, program, args: list, user: list):
+        self.fn, self.user = fn, user
+        self.shapes = [torch.Size(s) for s in program.out_shapes]
+        self.n_args = program.n_args
+        self.ws = torch.empty(max(program.workspace, 64), dtype=torch.uint8)
+        self.ws_ptr = self.ws.data_ptr()
+        self.ptrs = (ctypes.c_void_p * (self.n_args + len(self.shapes)))()
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                self.ptrs[i] = a.data_ptr()
+        self.keep = [a for a in args if isinstance(a, torch.Tensor)]  # the parameters stay where they are
+        self.prepare = 1  # lay the weights out at the first call
+        self.lock = threading.Lock()
+
+    def run(self, inputs: list) -> list:
+        """As ``run_fixed``: the function reads its inputs through the strides it was generated for."""
+        return self.run_fixed(inputs)
+
+    def run_fixed(self, inputs: list) -> list:
+        """The outputs for the user tensors ``inputs`` (of this signature's shapes and strides)."""
+        outs = [torch.empty(s) for s in self.shapes]
+        ptrs, n = self.ptrs, self.n_args
+        with self.lock:
+            for i, t in zip(self.user, inputs):
+                ptrs[i] = t.data_ptr()
+            for k, o in enumerate(outs):
+                ptrs[n + k] = o.data_ptr()
+            self.fn(ptrs, self.ws_ptr, self.prepare)
+            self.prepare = 0
+        return outs
+
+
+class CRunner:
+    """The callable way: the graph's flat arguments in (parameters included), its outputs out, one
+    compiled C function per signature of all the arguments (their strides included)."""
+
+    def __init__(self, gm: fx.GraphModule, param_indices, watch: bool = True, max_programs: int = MAX_PROGRAMS):
+        self.gm, self.max_programs = gm, max_programs
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.n_args = len(placeholders)
+        self.params = sorted(param_indices)
+        self.user = [i for i in range(self.n_args) if i not in set(self.params)]
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        self.out_type = type(out) if isinstance(out, (list, tuple)) else None
+        self.out_vals = [o.meta.get("val") if isinstance(o, fx.Node) else None
+                         for o in (out if isinstance(out, (list, tuple)) else [out])]
+        self.restride = any_strided(self.out_vals)
+        self.entries: OrderedDict = OrderedDict()
+        self._params_changed = ParamChanges(self.params if watch else [])
+        self.sources: dict = {}  # signature -> the C source (for explain and tests)
+        self.builds = 0  # functions generated (a weight change makes them again)
+
+    def entry(self, args) -> _Entry:
+        if self._params_changed(args):  # a weight replaced or changed: lay out again, read new addresses
+            self.entries.clear()
+        sig = tuple((a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+        e = self.entries.get(sig)
+        if e is None:
+            from fxopt.backends.c_build import build
+            from fxopt.backends.c_emit import Declined
+            from fxopt.backends.c_source import ENTRY, generate
+
+            program = generate(self.gm, list(args))
+            if program.flops > MAX_FLOPS:
+                raise Declined(f"{program.flops / 1e6:.0f} MFLOP a call (generated C tried up to "
+                               f"{MAX_FLOPS / 1e6:.0f}: library kernels win above)")
+            self.sources[sig] = program.source
+            self.builds += 1
+            e = self.entries[sig] = _Entry(build(program.source, ENTRY), program, list(args),
+                                           [i for i in self.user if isinstance(args[i], torch.Tensor)])
+            while len(self.entries) > self.max_programs:
+                self.entries.popitem(last=False)
+        else:
+            self.entries.move_to_end(sig)
+        return e
+
+    def bound(self, args):
+        """A call for the signature of ``args`` alone (``engine_calls.bound_call``): the function looked
+        up once; watched weights checked at every call (a change drops every function: the calls then
+        take ``__call__``, which builds them again from the compile cache)."""
+        positions = [i for i in self.user if isinstance(args[i], torch.Tensor)]
+        changed = self._params_changed if self._params_changed.indices else None
+        return bound_call(self.entry(args), positions, self.out_vals, self.out_type, changed,
+                          self.entries.clear, self)
+
+    def __call__(self, *args):
+        e = self.entry(args)
+        outs = e.run([args[i] for i in e.user])
+        if self.restride:
+            outs = [restride(t, v) for t, v in zip(outs, self.out_vals)]
+        return self.out_type(outs) if self.out_type is not None else outs[0]
+
+
+def cpu_candidate(gm: fx.GraphModule, ctx):
+    """(a :class:`CRunner` of the graph as AOTAutograd handed it, None) for the cpu executor's runner
+    to time per signature, or (None, why not): no C compiler, or a dtype other than float32."""
+    why = why_unavailable()
+    if why:
+        return None, why
+    from fxopt.backends.lowering import placeholder_indices, unoptimized
+
+    src = unoptimized(ctx)
+    src = gm if src is None else src
+    dtypes = {n.meta["val"].dtype for n in src.graph.nodes
+              if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
+    if dtypes - {torch.float32}:
+        return None, f"dtypes {sorted(str(d) for d in dtypes)} (generated C: float32)"
+    return CRunner(src, placeholder_indices(src, ctx.param_placeholders), watch=not ctx.fixed_weights), None

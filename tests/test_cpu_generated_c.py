@@ -1,0 +1,220 @@
+"""The cpu executor's generated C way (backends/cpu_c.py, c_source.py, c_emit.py, c_kernels.py): whole
+graphs as one C function, checked against eager on random CNNs and on each op's corner cases
+(padding, strides, dilation, groups, pools' modes, NaN), declined with a reason where it does not
+handle a graph, and chosen by the runner only where it measures faster and its outputs match."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from torch._dynamo.backends.common import aot_autograd
+
+import fxopt
+from fxopt.backends import cpu_c
+from fxopt.backends.c_build import CompileError, build
+from fxopt.backends.c_emit import Declined
+from fxopt.backends.c_source import ENTRY, generate
+from fxopt.testing import SeedCNN
+from fxopt.testing.strategies import cnn_cases
+from test_cpu_executor import check_fresh_outputs_and_reread_inputs, check_watched_bound_call
+
+pytestmark = pytest.mark.skipif(cpu_c.why_unavailable() is not None, reason=str(cpu_c.why_unavailable()))
+
+
+def aten_graph(model: nn.Module, x: torch.Tensor):
+    """(the graph AOTAutograd hands a backend, its real flat arguments) for ``model(x)``."""
+    got = {}
+
+    def compiler(gm, _):
+        def run(*args):
+            got["args"] = list(args)
+            return gm(*args)
+        got["gm"] = gm
+        return run
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=aot_autograd(fw_compiler=compiler), dynamic=False)(x)
+    return got["gm"], got["args"]
+
+
+def run_generated(gm, args) -> list:
+    runner = cpu_c.CRunner(gm, [], watch=False)
+    out = runner(*args)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def check(model: nn.Module, x: torch.Tensor, rtol=1e-4, atol=1e-5) -> None:
+    model = model.eval()
+    gm, args = aten_graph(model, x)
+    got = run_generated(gm, args)
+    with torch.no_grad():
+        want = model(x)
+    want = list(want) if isinstance(want, (list, tuple)) else [want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, equal_nan=True)
+
+
+class Convs(nn.Module):
+    def __init__(self, cin, cout, k, stride, padding, dilation, groups, act):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, k, stride, padding, dilation, groups)
+        self.bn = nn.BatchNorm2d(cout)
+        self.act = act
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-1, 1)
+            self.bn.running_var.uniform_(0.5, 2)
+            self.bn.weight.uniform_(0.5, 1.5)
+
+    def forward(self, x):
+        return self.act(self.bn(self.conv(x)))
+
+
+@pytest.mark.parametrize("cin,cout,k,stride,padding,dilation,groups,size", [
+    (3, 6, 5, 1, 0, 1, 1, 32),    # seedcnn's first layer: along the rows
+    (6, 16, 5, 1, 0, 1, 1, 14),   # small image, 16 channels: along the channels
+    (16, 32, 3, 1, 1, 1, 1, 16),  # padding
+    (8, 8, 3, 2, 1, 1, 8, 17),    # depthwise, stride 2, odd size
+    (4, 12, 3, 1, 2, 2, 2, 11),   # dilation, groups
+    (5, 7, (1, 3), (2, 1), (0, 1), 1, 1, 9),  # rectangular kernel and strides, odd channel counts
+    (3, 40, 3, 2, 1, 1, 1, 40),   # a strided row wider than a vector, several channel tiles
+])
+@pytest.mark.parametrize("act", [nn.ReLU(), nn.Hardswish(), nn.SiLU(), nn.ReLU6(), nn.GELU()], ids=str)
+def test_convolutions_match_eager(cin, cout, k, stride, padding, dilation, groups, size, act):
+    torch.manual_seed(0)
+    check(Convs(cin, cout, k, stride, padding, dilation, groups, act), torch.randn(2, cin, size, size))
+
+
+def test_layouts_both_taken():
+    """The layout choice: a wide row fills the lanes along the row, a 10x10 image with 16 channels
+    along the channels; both appear in the source."""
+    gm, args = aten_graph(SeedCNN().eval(), torch.randn(1, 3, 32, 32))
+    src = generate(gm, args).source
+    assert "convolution along rows" in src and "convolution along channels" in src
+
+
+class Pools(nn.Module):
+    def forward(self, x):
+        a = F.max_pool2d(x, 3, 2, 1, ceil_mode=True)
+        b = F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False)
+        c = F.avg_pool2d(x, 2)
+        d = F.adaptive_avg_pool2d(x, (3, 2))
+        return a, b, c, d, x.mean((2, 3), keepdim=True), torch.sigmoid(x) * x.mean((-1, -2), keepdim=True)
+
+
+def test_pools_and_broadcasts_match_eager():
+    torch.manual_seed(0)
+    check(Pools(), torch.randn(2, 3, 9, 7))
+
+
+def test_nan_propagates_like_eager():
+    m = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Hardtanh())
+    x = torch.randn(1, 2, 8, 8)
+    x[0, 0, 3, 3] = float("nan")
+    check(m, x)
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
+        self.head = nn.Linear(4 * 6 * 6, 5)
+
+    def forward(self, x):
+        y = F.relu(self.a(x))
+        y = F.relu(self.b(y) + x)  # the add absorbed into the convolution's store
+        z = y - 0.5 * x
+        return self.head(z.flatten(1)), y
+
+
+def test_residual_epilogue_and_outputs_in_place():
+    torch.manual_seed(0)
+    m = Residual().eval()
+    gm, args = aten_graph(m, torch.randn(3, 4, 6, 6))
+    src = generate(gm, args).source
+    assert "+ add" in src.replace("add_", "add")  # the residual add is a convolution's epilogue
+    check(m, torch.randn(3, 4, 6, 6))
+
+
+@settings(deadline=None)
+@given(cnn_cases(dtypes=(torch.float32,), ndims=(2,)))
+def test_random_cnns_match_eager_or_decline(case):
+    """Random CNNs: the generated C gives eager's outputs, or declines with a reason naming a node."""
+    model = case.model.eval()
+    gm, args = aten_graph(model, case.inputs[0])
+    try:
+        got = run_generated(gm, args)
+    except Declined as e:
+        assert str(e)
+        return
+    with torch.no_grad():
+        want = model(*case.inputs)
+    want = list(want) if isinstance(want, (list, tuple)) else [want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_declines_name_the_node():
+    class Up(nn.Module):
+        def forward(self, x):
+            return torch.cat([x, x + 1], 1)
+
+    gm, args = aten_graph(Up(), torch.randn(1, 2, 4, 4))
+    with pytest.raises(Declined, match="cat"):
+        generate(gm, args)
+    gm, args = aten_graph(nn.Conv2d(2, 2, 3).double(), torch.randn(1, 2, 5, 5, dtype=torch.float64))
+    with pytest.raises(Declined, match="float32"):
+        generate(gm, args)
+
+
+def test_large_graphs_declined():
+    gm, args = aten_graph(SeedCNN().eval(), torch.randn(64, 3, 32, 32))
+    with pytest.raises(Declined, match="MFLOP"):
+        cpu_c.CRunner(gm, [], watch=False)(*args)
+
+
+def test_compile_error_carries_log_and_source():
+    with pytest.raises(CompileError) as info:
+        build("void fxopt_run(void** A, char* W, int P) { this is not C; }\n", ENTRY)
+    assert "this is not C" in str(info.value) and info.value.log
+
+
+def test_watched_weights_lay_out_again():
+    """An in-place change or a replaced weight: the channel-layout weights are laid out again."""
+    def f(x, w, b):
+        return (torch.relu(F.conv2d(x, w, b)),)
+
+    x, w, b = torch.randn(1, 6, 14, 14), torch.randn(16, 6, 5, 5), torch.randn(16)
+    gm = torch.fx.symbolic_trace(lambda x, w, b: (torch.ops.aten.relu.default(
+        torch.ops.aten.convolution.default(x, w, b, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)),))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(x, w, b)
+    way = cpu_c.CRunner(gm, [1, 2], watch=True)
+    assert "along channels" in generate(gm, [x, w, b]).source
+    check_watched_bound_call(way, f, x, w, b)
+
+
+def test_through_the_cpu_executor():
+    """fxopt explain and torch.compile: the runner times the generated C with its other ways (the
+    report names it), checks it, and the outputs are fresh and follow the inputs."""
+    torch.manual_seed(0)
+    m, x = SeedCNN().eval(), torch.randn(1, 3, 32, 32)
+    r = fxopt.explain(m, x, options={"executor": "cpu", "autotune_cache": False})
+    (d,) = r.graphs[0].executor_details["cpu_runner"].decisions()
+    assert "generated_c_ms" in d, d
+    assert "generated C" in str(r)
+    compiled = torch.compile(m, backend="fxopt", options={"executor": "cpu", "autotune_cache": False})
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), m(x), rtol=1e-4, atol=1e-5)
+    check_fresh_outputs_and_reread_inputs(compiled, m, x)
+
+
+def test_option_off():
+    r = fxopt.explain(SeedCNN().eval(), torch.randn(1, 3, 32, 32),
+                      options={"executor": "cpu", "autotune_cache": False, "cpu_generated_c": False})
+    (d,) = r.graphs[0].executor_details["cpu_runner"].decisions()
+    assert "generated_c_ms" not in d
