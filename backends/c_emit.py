@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,10 @@ class Ref:
     @property
     def contiguous(self) -> bool:
         return all(s == c for s, c, n in zip(self.strides, contiguous_strides(self.shape), self.shape) if n != 1)
+
+
+#: a tensor's base pointer in the generated C: a graph argument or output, or a workspace offset
+_BASE = re.compile(r"\(\((?:const )?float\*\)(?:A\[\d+\]|\(W \+ \d+\))\)")
 
 
 def contiguous_strides(shape) -> tuple:
@@ -297,8 +302,16 @@ class Emitter:
         self._release(self.order[node])
 
     def _block(self, title: str, body: list) -> None:
+        """``body`` in a block of its own, each tensor it reads or writes through a local restrict
+        pointer (what lets the compiler keep values in registers across stores)."""
+        text = "\n".join(body)
+        bases = list(dict.fromkeys(_BASE.findall(text)))
+        decls = []
+        for k, base in enumerate(bases):
+            text = text.replace(base, f"p{k}")
+            decls.append(f"{'const float' if base.startswith('((const') else 'float'}* restrict p{k} = {base};")
         self.lines.append(f"{{ /* {title} */")
-        self.lines += ["  " + ln for ln in body]
+        self.lines += ["  " + ln for ln in decls + text.split("\n")]
         self.lines.append("}")
 
     def _view(self, node: fx.Node) -> None:

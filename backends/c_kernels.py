@@ -18,8 +18,20 @@ from __future__ import annotations
 import math
 
 VL = 16  # floats per vf
-TYPES = ("typedef float vf __attribute__((vector_size(64)));\n"
-         "typedef float vfu __attribute__((vector_size(64), aligned(4), may_alias));  /* unaligned loads */\n")
+TYPES = """typedef float vf __attribute__((vector_size(64)));
+typedef float vfu __attribute__((vector_size(64), aligned(4), may_alias));  /* unaligned loads */
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* the lanes of p set in mask, zeros elsewhere; the others are not read (no fault past a row's end) */
+static inline vf load_lanes(const float* p, unsigned short mask) { return (vf)_mm512_maskz_loadu_ps(mask, p); }
+#else
+static inline vf load_lanes(const float* p, unsigned short mask) {
+  vf v = {0};
+  for (int l = 0; l < 16; l++) if (mask >> l & 1) v[l] = p[l];
+  return v;
+}
+#endif
+"""
 PIXELS = 4  # pixels per step of conv_channels
 ROWS = 4  # outputs per step of linear_rows
 
@@ -36,47 +48,65 @@ def choose_conv(p: dict) -> str:
 
 
 def conv_rows(p: dict, X, Wt, bias: str, Y, epi, ocb: int) -> list:
-    """``epi(v, idx)``: the epilogue's lines on float ``v`` at index expressions ``idx``. Each input
-    row is first copied into a zero-padded row buffer, so every tap reads a whole vector without a
-    bounds check (the padding's zeros, and lanes past the row's end that are never stored)."""
+    """``epi(v, idx)``: the epilogue's lines on float ``v`` at index expressions ``idx``.
+
+    A contiguous row read at stride 1 is read in place, each tap a masked vector load (lanes in the
+    padding or past the row's end are zeros and never read), and two output rows are computed at
+    once, each weight read once for both. Other rows are first copied into a zero-padded row
+    buffer, so every tap reads its lanes without a bounds check."""
     xs, ws = X.strides, Wt.strides
-    accs = [f"a{o}" for o in range(ocb)]
     tiles = math.ceil(p["ow"] / VL)
-    rw = (tiles * VL - 1) * p["sw"] + (p["kw"] - 1) * p["dw"] + 1  # row buffer: input columns -pw ..
-    ncopy = max(0, min(p["w"], rw - p["pw"]))
-    copy = f"memcpy(xp + {p['pw']}, xr, {ncopy} * sizeof(float));" if xs[3] == 1 else \
-        f"for (int j = 0; j < {ncopy}; j++) xp[{p['pw']} + j] = xr[j * {xs[3]}];"
-    tap = "xv = *(const vfu*)(xp + t0 + kw * %d);" % p["dw"] if p["sw"] == 1 else \
-        f"for (int l = 0; l < {VL}; l++) xv[l] = xp[(t0 + l) * {p['sw']} + kw * {p['dw']}];"
-    lines = [
-        f"float xp[{rw}] __attribute__((aligned(64)));",
-        f"memset(xp, 0, sizeof xp);",
+    masked = p["sw"] == 1 and xs[3] == 1
+    rows = 2 if masked and p["oh"] > 1 and ocb * tiles * 2 <= 16 else 1
+    lines, accs = [], [[f"a{o}_{r}" for o in range(ocb)] for r in range(rows)]
+    if masked:
+        masks = [[sum(1 << l for l in range(VL) if p["lo"][j] <= t * VL + l < min(p["hi"][j], p["ow"]))
+                  for j in range(p["kw"])] for t in range(tiles)]
+        lines.append(f"static const unsigned short mk[{tiles}][{p['kw']}] = "
+                     f"{{{', '.join('{' + ', '.join(map(str, m)) + '}' for m in masks)}}};")
+        read = [f"const float* restrict x{r} = {X.base} + n * {xs[0]} + (g * {p['icg']} + ic) * {xs[1]}"
+                f" + (ih + {r * p['sh']}) * {xs[2]} + kw * {p['dw']} - {p['pw']};" for r in range(rows)]
+        ok = [f"const int ok{r} = ih + {r * p['sh']} >= 0 && ih + {r * p['sh']} < {p['h']};" for r in range(rows)]
+        taps = [f"const vf xv{r} = load_lanes(x{r} + tt * {VL}, ok{r} ? mk[tt][kw] : 0);" for r in range(rows)]
+    else:
+        rw = (tiles * VL - 1) * p["sw"] + (p["kw"] - 1) * p["dw"] + 1  # row buffer: input columns -pw ..
+        ncopy = max(0, min(p["w"], rw - p["pw"]))
+        lines += [f"float xp[{rw}] __attribute__((aligned(64)));", "memset(xp, 0, sizeof xp);"]
+        copy = f"memcpy(xp + {p['pw']}, xr, {ncopy} * sizeof(float));" if xs[3] == 1 else \
+            f"for (int j = 0; j < {ncopy}; j++) xp[{p['pw']} + j] = xr[j * {xs[3]}];"
+        read, ok = [], [f"const int ok0 = ih >= 0 && ih < {p['h']};",
+                        f"if (!ok0) continue;",
+                        f"const float* restrict xr = {X.base} + n * {xs[0]} + (g * {p['icg']} + ic) * {xs[1]}"
+                        f" + ih * {xs[2]};", copy]
+        taps = [f"vf xv0; for (int l = 0; l < {VL}; l++) xv0[l] = xp[(tt * {VL} + l) * {p['sw']} + kw * {p['dw']}];"]
+    lines += [
         f"for (int n = 0; n < {p['n']}; n++) for (int g = 0; g < {p['groups']}; g++)",
-        f"for (int ob = 0; ob < {p['ocg']}; ob += {ocb}) for (int oh = 0; oh < {p['oh']}; oh++) {{",
-        f"  {' '.join(f'vf {a}[{tiles}];' for a in accs)}",
-        f"  for (int t = 0; t < {tiles}; t++) {{ {' '.join(f'{a}[t] = (vf){{0}};' for a in accs)} }}",
+        f"for (int ob = 0; ob < {p['ocg']}; ob += {ocb}) for (int oh = 0; oh < {p['oh']}; oh += {rows}) {{",
+        "  " + " ".join(f"vf {a}[{tiles}];" for r in accs for a in r),
+        f"  for (int t = 0; t < {tiles}; t++) {{ {' '.join(f'{a}[t] = (vf){{0}};' for r in accs for a in r)} }}",
         f"  for (int ic = 0; ic < {p['icg']}; ic++) for (int kh = 0; kh < {p['kh']}; kh++) {{",
         f"    const int ih = oh * {p['sh']} - {p['ph']} + kh * {p['dh']};",
-        f"    if (ih < 0 || ih >= {p['h']}) continue;",
-        f"    const float* restrict xr = {X.base} + n * {xs[0]} + (g * {p['icg']} + ic) * {xs[1]} + ih * {xs[2]};",
-        f"    {copy}",
+        *["    " + ln for ln in ok],
         f"    const float* restrict wr = {Wt.base} + (g * {p['ocg']} + ob) * {ws[0]} + ic * {ws[1]} + kh * {ws[2]};",
         f"    for (int kw = 0; kw < {p['kw']}; kw++) {{",
         "      " + " ".join(f"const float w{o} = wr[{o * ws[0]} + kw * {ws[3]}];" for o in range(ocb)),
+        *["      " + ln for ln in read],
         f"      for (int tt = 0; tt < {tiles}; tt++) {{",
-        f"        const int t0 = tt * {VL}; vf xv;",
-        f"        {tap}",
-        "        " + " ".join(f"a{o}[tt] += w{o} * xv;" for o in range(ocb)),
+        *["        " + ln for ln in taps],
+        *["        " + " ".join(f"a{o}_{r}[tt] += w{o} * xv{r};" for o in range(ocb)) for r in range(rows)],
         "      }", "    }", "  }",
         f"  for (int tt = 0; tt < {tiles}; tt++) {{",
         f"  const int t0 = tt * {VL}, L = {p['ow']} - t0 < {VL} ? {p['ow']} - t0 : {VL};"]
-    for o in range(ocb):
-        lines += [f"  {{ const int oc = g * {p['ocg']} + ob + {o};",
-                  f"    float* restrict yr = {Y.base} + ((n * {p['oc']} + oc) * {p['oh']} + oh) * {p['ow']} + t0;",
-                  "    for (int l = 0; l < L; l++) {",
-                  f"      float v = a{o}[tt][l]{bias};",
-                  *["      " + ln for ln in epi("v", ["n", "oc", "oh", "t0 + l"])],
-                  "      yr[l] = v;", "    }", "  }"]
+    for r in range(rows):
+        lines.append(f"  if (oh + {r} < {p['oh']}) {{" if r else "  {")
+        for o in range(ocb):
+            lines += [f"  {{ const int oc = g * {p['ocg']} + ob + {o}, ohr = oh + {r};",
+                      f"    float* restrict yr = {Y.base} + ((n * {p['oc']} + oc) * {p['oh']} + ohr) * {p['ow']} + t0;",
+                      "    for (int l = 0; l < L; l++) {",
+                      f"      float v = a{o}_{r}[tt][l]{bias};",
+                      *["      " + ln for ln in epi("v", ["n", "oc", "ohr", "t0 + l"])],
+                      "      yr[l] = v;", "    }", "  }"]
+        lines.append("  }")
     return lines + ["  }", "}"]
 
 
@@ -94,7 +124,8 @@ def conv_channels(p: dict, X, Wt, bias: str, Y, epi, wp: str) -> list:
         f"  const int o = t * {VL} + l;",
         f"  wp[((((g * {tiles} + t) * {p['icg']} + ic) * {p['kh']} + kh) * {p['kw']} + kw) * {VL} + l] = o < {p['ocg']}"
         f" ? {Wt.base}[(g * {p['ocg']} + o) * {ws[0]} + ic * {ws[1]} + kh * {ws[2]} + kw * {ws[3]}] : 0.f;",
-        "}",
+        "}"]
+    loops = [
         f"for (int n = 0; n < {p['n']}; n++) for (int g = 0; g < {p['groups']}; g++) for (int t = 0; t < {tiles}; t++)",
         f"for (int oh = 0; oh < {p['oh']}; oh++) for (int q0 = 0; q0 < {p['ow']}; q0 += {pix}) {{",
         "  " + " ".join(f"vf a{k} = {{0}};" for k in range(pix)),
@@ -107,17 +138,17 @@ def conv_channels(p: dict, X, Wt, bias: str, Y, epi, wp: str) -> list:
         f"    for (int kw = 0; kw < {p['kw']}; kw++) {{",
         "      const vf wv = *(const vfu*)(wk + kw * %d);" % VL]
     for k in range(pix):
-        lines += [f"      {{ const int q = q0 + {k}, iw = q * {p['sw']} - {p['pw']} + kw * {p['dw']};",
+        loops += [f"      {{ const int q = q0 + {k}, iw = q * {p['sw']} - {p['pw']} + kw * {p['dw']};",
                   f"        a{k} += (q < {p['ow']} && iw >= 0 && iw < {p['w']} ? xr[iw * {xs[3]}] : 0.f) * wv; }}"]
-    lines += ["    }", "  }",
+    loops += ["    }", "  }",
               f"  const int L = {p['ocg']} - t * {VL} < {VL} ? {p['ocg']} - t * {VL} : {VL};"]
     for k in range(pix):
-        lines += [f"  if (q0 + {k} < {p['ow']}) for (int l = 0; l < L; l++) {{",
+        loops += [f"  if (q0 + {k} < {p['ow']}) for (int l = 0; l < L; l++) {{",
                   f"    const int oc = g * {p['ocg']} + t * {VL} + l;",
                   f"    float v = a{k}[l]{bias};",
                   *["    " + ln for ln in epi("v", ["n", "oc", "oh", f"q0 + {k}"])],
                   f"    {Y.base}[((n * {p['oc']} + oc) * {p['oh']} + oh) * {p['ow']} + q0 + {k}] = v;", "  }"]
-    return lines + ["}"]
+    return lines + loops + ["}"]
 
 
 def conv_workspace(p: dict) -> int:
