@@ -116,7 +116,10 @@ UNARY = (aten.relu.default, aten.hardtanh.default, aten.leaky_relu.default, aten
          aten.silu.default, aten.tanh.default, aten.hardswish.default, aten.hardsigmoid.default, aten.gelu.default)
 BINARY = {aten.add.Tensor: "+", aten.sub.Tensor: "-", aten.mul.Tensor: "*"}
 VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default,
-         aten.alias.default, aten.t.default, aten.detach.default)
+         aten.alias.default, aten.t.default, aten.detach.default, aten._to_copy.default)
+#: what a graph's tensors may hold; the C computes in float32 throughout (a bfloat16 input is widened
+#: where it is read, a bfloat16 output rounded to nearest even where it is written)
+DTYPES = (torch.float32, torch.bfloat16)
 BATCH_NORM = aten._native_batch_norm_legit_no_training.default
 FUSED_CONV = torch.ops.fxopt.fused_conv.default
 FUSED_LINEAR = torch.ops.fxopt.fused_linear.default
@@ -128,8 +131,8 @@ def val(node) -> torch.Tensor:
     v = node.meta.get("val") if isinstance(node, fx.Node) else None
     if not isinstance(v, torch.Tensor):
         raise Declined(f"{getattr(node, 'name', node)}: no tensor value")
-    if v.dtype != torch.float32:
-        raise Declined(f"{node.name}: {v.dtype} (float32 only)")
+    if v.dtype not in DTYPES:
+        raise Declined(f"{node.name}: {v.dtype} (float32 and bfloat16 only)")
     if any(not isinstance(s, int) for s in v.shape):
         raise Declined(f"{node.name}: symbolic sizes")
     return v
@@ -169,7 +172,8 @@ class Emitter:
         self.in_place: dict = {}
         for k, o in enumerate(outputs):
             if isinstance(o, fx.Node) and o.op == "call_function" and o.target not in VIEWS \
-                    and o.target is not operator.getitem and o not in self.in_place:
+                    and o.target is not operator.getitem and o not in self.in_place \
+                    and val(o).dtype == torch.float32:
                 self.in_place[o] = f"((float*)A[{n_args + k}])"
         self.keep = {self.owner.get(o, o) for o in outputs if isinstance(o, fx.Node)}  # read at the end
         self.free: list = []  # (offset, bytes) free in the workspace
@@ -322,6 +326,11 @@ class Emitter:
         if node.target is aten.t.default:
             self.refs[node] = Ref(src.base, shape, tuple(reversed(src.strides)))
         elif node.target in (aten.clone.default, aten.alias.default, aten.detach.default):
+            self.refs[node] = src
+        elif node.target is aten._to_copy.default:  # a cast: every value is a float32 in the C
+            if set(node.kwargs) - {"dtype", "layout", "device", "memory_format"} or \
+                    node.kwargs.get("dtype", torch.float32) not in DTYPES:
+                raise Declined(f"{node.name}: a copy to {dict(node.kwargs)}")
             self.refs[node] = src
         elif src.contiguous:
             self.refs[node] = Ref(src.base, shape, contiguous_strides(shape))
@@ -544,7 +553,23 @@ class Emitter:
             idx = [f"i{d}" for d in range(len(shape))]
             loops = " ".join(f"for (int {i} = 0; {i} < {s}; {i}++)" for i, s in zip(idx, shape))
             flat = " + ".join(f"{i} * {s}" for i, s in zip(idx, contiguous_strides(shape))) or "0"
-            self._block(f"output {k}", [f"{loops} ((float*)A[{n_args + k}])[{flat}] = {ref.at(idx)};"])
+            if val(o).dtype == torch.bfloat16:
+                store = f"((unsigned short*)A[{n_args + k}])[{flat}] = to_bf16({ref.at(idx)});"
+            else:
+                store = f"((float*)A[{n_args + k}])[{flat}] = {ref.at(idx)};"
+            self._block(f"output {k}", [f"{loops} {store}"])
+
+    def widen(self, node: fx.Node, k: int, t: torch.Tensor, every_call: bool) -> None:
+        """A bfloat16 argument ``k`` widened into float32 workspace (the graph reads that): a
+        parameter's at a call that lays weights out (``P``), an input's at every call."""
+        shape = tuple(t.shape)
+        dst = Ref(self._scratch(4 * max(1, t.numel())), shape, contiguous_strides(shape))
+        src = Ref(f"((const unsigned short*)A[{k}])", shape, tuple(t.stride()))
+        idx = [f"i{d}" for d in range(len(shape))]
+        loops = " ".join(f"for (int {i} = 0; {i} < {n}; {i}++)" for i, n in zip(idx, shape))
+        self.lines += [f"{'' if every_call else 'if (P) '}{{ /* {node.name}: bfloat16 -> float32 */",
+                       f"  {loops} {dst.at(idx)} = from_bf16({src.at(idx)});", "}"]
+        self.refs[node] = dst
 
     def workspace_bytes(self) -> int:
         return self.top

@@ -18,7 +18,14 @@ from __future__ import annotations
 import math
 
 VL = 16  # floats per vf
-TYPES = """typedef float vf __attribute__((vector_size(64)));
+TYPES = """static inline float from_bf16(unsigned short h) { unsigned int u = (unsigned int)h << 16; float f; memcpy(&f, &u, 4); return f; }
+/* round to nearest even, NaN to the quiet NaN 0x7fc0: torch's c10::BFloat16 */
+static inline unsigned short to_bf16(float f) {
+  unsigned int u; memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+typedef float vf __attribute__((vector_size(64)));
 typedef float vfu __attribute__((vector_size(64), aligned(4), may_alias));  /* unaligned loads */
 #ifdef __AVX512F__
 #include <immintrin.h>

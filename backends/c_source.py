@@ -29,8 +29,8 @@ import torch
 import torch.fx as fx
 
 from fxopt.backends import c_kernels
-from fxopt.backends.c_emit import (AVG_POOLS, BATCH_NORM, BINARY, FUSED_CONV, FUSED_LINEAR, MAX_POOL, UNARY, VIEWS,
-                                   Declined, Emitter, Ref, val)
+from fxopt.backends.c_emit import (AVG_POOLS, BATCH_NORM, BINARY, DTYPES, FUSED_CONV, FUSED_LINEAR, MAX_POOL, UNARY,
+                                   VIEWS, Declined, Emitter, Ref, val)
 
 aten = torch.ops.aten
 
@@ -46,17 +46,19 @@ ENTRY = "fxopt_run"
 class Program:
     """The C source of one signature and what its caller needs: ``workspace`` bytes, the graph's
     argument count (the pointer array ``A`` holds them, then one pointer per output), the
-    outputs' shapes (contiguous float32) and the multiply-adds counted twice (``flops``)."""
+    outputs' shapes and dtypes (contiguous) and the multiply-adds counted twice (``flops``)."""
     source: str
     workspace: int
     n_args: int
     out_shapes: list
     flops: int
+    out_dtypes: list
 
 
-def generate(gm: fx.GraphModule, args: list) -> Program:
-    """The C program of ``gm`` for the tensors ``args`` (its flat arguments: parameters and inputs);
-    raises :class:`Declined` where a node, dtype or size is not handled."""
+def generate(gm: fx.GraphModule, args: list, params=()) -> Program:
+    """The C program of ``gm`` for the tensors ``args`` (its flat arguments: parameters and inputs;
+    ``params``: the indices of the parameters, whose bfloat16 values are widened only at a call
+    that lays weights out); raises :class:`Declined` where a node, dtype or size is not handled."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(args):
         raise Declined("argument count differs from the graph's placeholders")
@@ -70,11 +72,14 @@ def generate(gm: fx.GraphModule, args: list) -> Program:
             if node.users:
                 raise Declined(f"{node.name}: a non-tensor argument is used")
             continue
-        if a.dtype != torch.float32 or a.device.type != "cpu":
-            raise Declined(f"{node.name}: {a.dtype} on {a.device.type} (float32 CPU tensors only)")
+        if a.dtype not in DTYPES or a.device.type != "cpu":
+            raise Declined(f"{node.name}: {a.dtype} on {a.device.type} (float32 and bfloat16 CPU tensors only)")
         if any(not isinstance(s, int) for s in (*a.shape, *a.stride())):
             raise Declined(f"{node.name}: symbolic sizes")
-        em.refs[node] = Ref(f"((const float*)A[{k}])", tuple(a.shape), tuple(a.stride()))
+        if a.dtype == torch.bfloat16:
+            em.widen(node, k, a, every_call=k not in set(params))
+        else:
+            em.refs[node] = Ref(f"((const float*)A[{k}])", tuple(a.shape), tuple(a.stride()))
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
@@ -90,4 +95,5 @@ def generate(gm: fx.GraphModule, args: list) -> Program:
     body = "\n".join("  " + ln for ln in em.lines)
     source = (f"{PRELUDE}\n/* {gm.__class__.__name__}: {len(em.lines)} lines of loops */\n"
               f"void {ENTRY}(void* const* restrict A, char* restrict W, int P) {{\n{body}\n}}\n")
-    return Program(source, em.workspace_bytes(), len(args), [tuple(val(o).shape) for o in outs], em.flops)
+    return Program(source, em.workspace_bytes(), len(args), [tuple(val(o).shape) for o in outs], em.flops,
+                   [val(o).dtype for o in outs])

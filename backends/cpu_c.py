@@ -47,6 +47,7 @@ class _Entry:
     def __init__(self, fn, program, args: list, user: list):
         self.fn, self.user = fn, user
         self.shapes = [torch.Size(s) for s in program.out_shapes]
+        self.dtypes = list(program.out_dtypes)
         self.n_args = program.n_args
         self.ws = torch.empty(max(program.workspace, 64), dtype=torch.uint8)
         self.ws_ptr = self.ws.data_ptr()
@@ -64,7 +65,7 @@ class _Entry:
 
     def run_fixed(self, inputs: list) -> list:
         """The outputs for the user tensors ``inputs`` (of this signature's shapes and strides)."""
-        outs = [torch.empty(s) for s in self.shapes]
+        outs = [torch.empty(s, dtype=d) for s, d in zip(self.shapes, self.dtypes)]
         ptrs, n = self.ptrs, self.n_args
         with self.lock:
             for i, t in zip(self.user, inputs):
@@ -106,7 +107,7 @@ class CRunner:
             from fxopt.backends.c_emit import Declined
             from fxopt.backends.c_source import ENTRY, generate
 
-            program = generate(self.gm, list(args))
+            program = generate(self.gm, list(args), self.params)
             if program.flops > MAX_FLOPS:
                 raise Declined(f"{program.flops / 1e6:.0f} MFLOP a call (generated C tried up to "
                                f"{MAX_FLOPS / 1e6:.0f}: library kernels win above)")
@@ -149,6 +150,6 @@ def cpu_candidate(gm: fx.GraphModule, ctx):
     src = gm if src is None else src
     dtypes = {n.meta["val"].dtype for n in src.graph.nodes
               if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
-    if dtypes - {torch.float32}:
-        return None, f"dtypes {sorted(str(d) for d in dtypes)} (generated C: float32)"
+    if dtypes - {torch.float32, torch.bfloat16}:
+        return None, f"dtypes {sorted(str(d) for d in dtypes)} (generated C: float32 and bfloat16)"
     return CRunner(src, placeholder_indices(src, ctx.param_placeholders), watch=not ctx.fixed_weights), None

@@ -218,3 +218,45 @@ def test_option_off():
                       options={"executor": "cpu", "autotune_cache": False, "cpu_generated_c": False})
     (d,) = r.graphs[0].executor_details["cpu_runner"].decisions()
     assert "generated_c_ms" not in d
+
+
+@pytest.mark.parametrize("model", [SeedCNN, lambda: Residual()], ids=["seedcnn", "residual"])
+def test_bfloat16_models_widen_and_round(model):
+    """A bfloat16 model: its inputs and weights widened to float32 where read, the outputs rounded to
+    nearest even: within bfloat16's tolerance of float32 eager, and closer to it than eager bf16."""
+    from fxopt.tolerances import tolerance
+
+    torch.manual_seed(0)
+    m = model().eval()
+    x = torch.randn(3, 3, 32, 32) if isinstance(m, SeedCNN) else torch.randn(3, 4, 6, 6)
+    with torch.no_grad():
+        want = m(x)
+    mb, xb = m.to(torch.bfloat16), x.to(torch.bfloat16)
+    gm, args = aten_graph(mb, xb)
+    got = run_generated(gm, args)
+    with torch.no_grad():
+        eager = mb(xb)
+    want = list(want) if isinstance(want, (list, tuple)) else [want]
+    eager = list(eager) if isinstance(eager, (list, tuple)) else [eager]
+    for g, w, e in zip(got, want, eager):
+        assert g.dtype == torch.bfloat16
+        err = ((g.float() - w).abs().max() / w.abs().max()).item()
+        assert err <= tolerance(torch.bfloat16)[0]
+        assert err <= ((e.float() - w).abs().max() / w.abs().max()).item() * 1.5 + 4e-3
+
+
+def test_bfloat16_rounding_matches_torch():
+    """to_bf16 rounds as torch does: nearest even, NaN quiet, infinities and overflow kept."""
+    vals = torch.tensor([1.0, 1.00390625, 1.01171875, -2.5e-39, 3.4e38, float("inf"), float("-inf"),
+                         float("nan"), 65504.0, -0.0] + torch.randn(200).tolist())
+
+    class Id(nn.Module):
+        def forward(self, x):
+            return (x * 1.0).to(torch.bfloat16)
+
+    gm, args = aten_graph(Id(), vals)
+    (got,) = run_generated(gm, args)
+    want = vals.to(torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)  # a NaN's payload may differ (torch's vector path keeps it)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
