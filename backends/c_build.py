@@ -78,13 +78,16 @@ stats = {"compiled": 0, "cached": 0}
 _loaded: dict = {}
 
 
-def build(source: str, entry: str):
-    """The ``ctypes`` function ``entry(void**, char*, int)`` of ``source`` compiled (or found in the cache)."""
+def build(source: str, entry: str, extra_ints: int = 0, openmp: bool = False):
+    """The ``ctypes`` function ``entry(void**, char*, int, ...)`` of ``source`` compiled (or found in the
+    cache), with ``extra_ints`` more int arguments; ``openmp``: its OpenMP regions run on the runtime
+    torch loaded (libgomp.so.1 is already in the process: the library binds to it)."""
+    flags = FLAGS + (("-fopenmp",) if openmp else ())
     cc = compiler()
     if cc is None:
         raise CompileError(source, "no C compiler on PATH (set $CC)", [])
-    key = hashlib.sha256("\0".join((source, _compiler_id(cc), " ".join(FLAGS), _cpu_id())).encode()).hexdigest()[:32]
-    fn = _loaded.get(key)
+    key = hashlib.sha256("\0".join((source, _compiler_id(cc), " ".join(flags), _cpu_id())).encode()).hexdigest()[:32]
+    fn = _loaded.get((key, entry))
     if fn is not None:
         return fn
     d = cache_dir()
@@ -96,7 +99,7 @@ def build(source: str, entry: str):
         with tempfile.TemporaryDirectory(dir=d) as tmp:
             src, out = Path(tmp) / "k.c", Path(tmp) / "k.so"
             src.write_text(source)
-            cmd = [cc, *FLAGS, "-o", str(out), str(src), "-lm"]
+            cmd = [cc, *flags, "-o", str(out), str(src), "-lm"]
             try:
                 r = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
             except subprocess.TimeoutExpired as e:
@@ -106,7 +109,7 @@ def build(source: str, entry: str):
             os.replace(out, lib)  # atomic: a concurrent process finds a whole library or none
         stats["compiled"] += 1
     fn = getattr(ctypes.CDLL(str(lib)), entry)
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p) + (ctypes.c_int,) * (1 + extra_ints)
     fn.restype = None
-    _loaded[key] = fn
+    _loaded[(key, entry)] = fn
     return fn

@@ -9,7 +9,8 @@ dimension fills the lanes:
 - ``conv_channels``: 16 output channels of one pixel, a few pixels at once, the weights laid out
   per call as [group][channel tile][ic][kh][kw][16] in the workspace; for small images with many
   channels (a 10x10 output fills 10 of 16 lanes along a row, 16 of 16 along the channels).
-- ``linear_rows``: ``y = x W^T``, four outputs at once as 16-wide dot products along the inputs.
+- ``linear_rows``: ``y = x W^T``, four outputs at once as 16-wide dot products along the inputs,
+  for every row of ``x`` while those four rows of ``W`` are in the L1.
 
 ``choose_conv`` picks the layout whose lanes hold more real outputs.
 """
@@ -107,12 +108,11 @@ def conv_rows(p: dict, X, Wt, bias: str, Y, epi, ocb: int) -> list:
     for r in range(rows):
         lines.append(f"  if (oh + {r} < {p['oh']}) {{" if r else "  {")
         for o in range(ocb):
+            store = [f"      float v = a{o}_{r}[tt][l]{bias};",
+                     *["      " + ln for ln in epi("v", ["n", "oc", "ohr", "t0 + l"])], "      yr[l] = v;"]
             lines += [f"  {{ const int oc = g * {p['ocg']} + ob + {o}, ohr = oh + {r};",
                       f"    float* restrict yr = {Y.base} + ((n * {p['oc']} + oc) * {p['oh']} + ohr) * {p['ow']} + t0;",
-                      "    for (int l = 0; l < L; l++) {",
-                      f"      float v = a{o}_{r}[tt][l]{bias};",
-                      *["      " + ln for ln in epi("v", ["n", "oc", "ohr", "t0 + l"])],
-                      "      yr[l] = v;", "    }", "  }"]
+                      *_lanes("L", store), "  }"]
         lines.append("  }")
     return lines + ["  }", "}"]
 
@@ -158,6 +158,14 @@ def conv_channels(p: dict, X, Wt, bias: str, Y, epi, wp: str) -> list:
     return lines + loops + ["}"]
 
 
+def _lanes(count: str, body: list) -> list:
+    """``body`` for lanes ``l`` < ``count``: a loop of constant trip count (vectorized) for a full
+    vector, a plain loop for a tail."""
+    return [f"    if ({count} == {VL}) {{", "      #pragma omp simd", f"      for (int l = 0; l < {VL}; l++) {{",
+            *["  " + ln for ln in body], "      }",
+            f"    }} else for (int l = 0; l < {count}; l++) {{", *body, "    }"]
+
+
 def conv_workspace(p: dict) -> int:
     """Bytes of the weights laid out by ``conv_channels``."""
     return 4 * p["groups"] * math.ceil(p["ocg"] / VL) * p["icg"] * p["kh"] * p["kw"] * VL
@@ -168,10 +176,10 @@ def linear_rows(nb: int, k: int, no: int, M1, M2, bias: str, scale: str, Y, epi)
     (a transposed weight)."""
     m1s, m2s = M1.strides[0], M2.strides[1]
     rows = min(ROWS, no)
-    lines = [f"for (int b = 0; b < {nb}; b++) for (int o0 = 0; o0 < {no}; o0 += {rows}) {{",
-             f"  const float* restrict xr = {M1.base} + b * {m1s};"]
+    lines = [f"for (int o0 = 0; o0 < {no}; o0 += {rows}) {{"]  # a block of weight rows, then every row of m1
     for j in range(rows):
         lines.append(f"  const float* restrict w{j} = {M2.base} + (o0 + {j} < {no} ? o0 + {j} : {no - 1}) * {m2s};")
+    lines += [f"  for (int b = 0; b < {nb}; b++) {{", f"  const float* restrict xr = {M1.base} + b * {m1s};"]
     lines += ["  " + " ".join(f"vf s{j} = {{0}};" for j in range(rows)),
               "  int i = 0;",
               f"  for (; i + {VL} <= {k}; i += {VL}) {{",
@@ -185,4 +193,4 @@ def linear_rows(nb: int, k: int, no: int, M1, M2, bias: str, scale: str, Y, epi)
         lines += [f"  if (o0 + {j} < {no}) {{", f"    const int o = o0 + {j};", f"    float v = r{j}{scale}{bias};",
                   *["    " + ln for ln in epi("v", ["b", "o"])],
                   f"    {Y.base}[b * {no} + o] = v;", "  }"]
-    return lines + ["}"]
+    return lines + ["  }", "}"]

@@ -57,6 +57,8 @@ from fxopt.lowered import Lowered
 from fxopt.ops import apply_activation, fused_conv_ref
 
 EXECUTOR = "cpu"
+#: the generated C's kernels' version, in the key of the runner's cached decisions
+GENERATED_C_VERSION = 1
 
 #: fxopt activation -> (oneDNN post-op attr, algorithm); the float params pass through as scalars
 POST_OPS = {
@@ -465,6 +467,8 @@ class CpuRunner:
         from fxopt.choices import cpu_runner_key
 
         kind = "steady-bursts-ov2-ortspin40-ov1t" if self.steady else "bursts-ties2-ov2-ortspin40-ov1t-warm10"
+        if self.generated_c is not None:  # decisions of an earlier generated C (other kernels) are not reused
+            kind += f"-genc{GENERATED_C_VERSION}"
         return cpu_runner_key(kind, self.decisions_cache[2], self.ways, sig)
 
     def _decide(self, sig, args):

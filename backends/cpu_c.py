@@ -77,6 +77,43 @@ class _Entry:
         return outs
 
 
+class _Tiled:
+    """A signature whose images run one at a time (``backends/c_tiles.py``): the driver called once,
+    its OpenMP threads each with a slot of the workspace (zeroed: no weights laid out yet)."""
+
+    def __init__(self, fn, program, args: list, user: list, batch: int, tile: int):
+        from fxopt.backends.c_tiles import slot_bytes
+
+        self.fn, self.user, self.tiles = fn, user, batch // tile
+        self.shapes = [torch.Size((batch, *s[1:])) for s in program.out_shapes]
+        self.dtypes = list(program.out_dtypes)
+        self.n_args = program.n_args
+        self.slots = max(1, torch.get_num_threads())
+        self.ws = torch.zeros(slot_bytes(program) * self.slots, dtype=torch.uint8)
+        self.ws_ptr = self.ws.data_ptr()
+        self.ptrs = (ctypes.c_void_p * (self.n_args + len(self.shapes)))()
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                self.ptrs[i] = a.data_ptr()
+        self.keep = [a for a in args if isinstance(a, torch.Tensor)]
+        self.lock = threading.Lock()
+
+    def run(self, inputs: list) -> list:
+        return self.run_fixed(inputs)
+
+    def run_fixed(self, inputs: list) -> list:
+        outs = [torch.empty(s, dtype=d) for s, d in zip(self.shapes, self.dtypes)]
+        ptrs, n = self.ptrs, self.n_args
+        threads = min(torch.get_num_threads(), self.slots)
+        with self.lock:
+            for i, t in zip(self.user, inputs):
+                ptrs[i] = t.data_ptr()
+            for k, o in enumerate(outs):
+                ptrs[n + k] = o.data_ptr()
+            self.fn(ptrs, self.ws_ptr, 0, threads, self.tiles)
+        return outs
+
+
 class CRunner:
     """The callable way: the graph's flat arguments in (parameters included), its outputs out, one
     compiled C function per signature of all the arguments (their strides included)."""
@@ -96,6 +133,7 @@ class CRunner:
         self._params_changed = ParamChanges(self.params if watch else [])
         self.sources: dict = {}  # signature -> the C source (for explain and tests)
         self.builds = 0  # functions generated (a weight change makes them again)
+        self.why_not_tiled: dict = {}  # signature -> why its images do not run one at a time (None: they do)
 
     def entry(self, args) -> _Entry:
         if self._params_changed(args):  # a weight replaced or changed: lay out again, read new addresses
@@ -107,14 +145,29 @@ class CRunner:
             from fxopt.backends.c_emit import Declined
             from fxopt.backends.c_source import ENTRY, generate
 
-            program = generate(self.gm, list(args), self.params)
+            from fxopt.backends import c_tiles
+
+            user = [i for i in self.user if isinstance(args[i], torch.Tensor)]
+            tiling, why = c_tiles.per_tile(self.gm, list(args), user, torch.get_num_threads())
+            self.why_not_tiled[sig] = why
+            if tiling is not None:
+                one, args_one, arg_batched, tile = tiling
+                program = generate(one, args_one, self.params)
+            else:
+                program = generate(self.gm, list(args), self.params)
             if program.flops > MAX_FLOPS:
-                raise Declined(f"{program.flops / 1e6:.0f} MFLOP a call (generated C tried up to "
-                               f"{MAX_FLOPS / 1e6:.0f}: library kernels win above)")
-            self.sources[sig] = program.source
+                raise Declined(f"{program.flops / 1e6:.0f} MFLOP a {'tile' if tiling else 'call'} (generated C "
+                               f"tried up to {MAX_FLOPS / 1e6:.0f}: library kernels win above)")
             self.builds += 1
-            e = self.entries[sig] = _Entry(build(program.source, ENTRY), program, list(args),
-                                           [i for i in self.user if isinstance(args[i], torch.Tensor)])
+            if tiling is not None:
+                source = program.source + c_tiles.driver(program, arg_batched, args_one)
+                e = _Tiled(build(source, c_tiles.DRIVER, extra_ints=2, openmp=True), program, list(args), user,
+                           int(args[user[0]].shape[0]), tile)
+            else:
+                source = program.source
+                e = _Entry(build(source, ENTRY), program, list(args), user)
+            self.sources[sig] = source
+            self.entries[sig] = e
             while len(self.entries) > self.max_programs:
                 self.entries.popitem(last=False)
         else:

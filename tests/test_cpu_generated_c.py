@@ -260,3 +260,58 @@ def test_bfloat16_rounding_matches_torch():
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan)  # a NaN's payload may differ (torch's vector path keeps it)
     assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("batch", [2, 7, 16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batches_run_in_tiles_over_threads(batch, threads):
+    """A batch-independent graph runs a tile of images at a time (8, 4, 2 or 1 dividing the batch),
+    the tiles over the threads, each thread's weights laid out in its own workspace: eager's outputs."""
+    from fxopt.backends import c_tiles
+
+    torch.manual_seed(0)
+    m = SeedCNN().eval()
+    x = torch.randn(batch, 3, 32, 32)
+    gm, args = aten_graph(m, x)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runner = cpu_c.CRunner(gm, [i for i, a in enumerate(args) if a.data_ptr() != x.data_ptr()], watch=False)
+        got = runner(*args)
+        again = runner(*args)
+    finally:
+        torch.set_num_threads(before)
+    assert list(runner.why_not_tiled.values()) == [None]
+    assert c_tiles.DRIVER in next(iter(runner.sources.values()))
+    with torch.no_grad():
+        torch.testing.assert_close(got[0], m(x), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(again[0], got[0], rtol=0, atol=0)
+
+
+class MixesSamples(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.conv, self.how = nn.Conv2d(3, 4, 3), how
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        if self.how == "mean":  # over the batch
+            return y * y.mean((0, 1, 2, 3), keepdim=True)
+        if self.how == "view":  # the batch moved into another dimension, by a size written in the graph
+            return y.flatten().view(2, -1)
+        return y.flatten(1).t()  # the batch transposed
+
+
+@pytest.mark.parametrize("how,why", [("mean", "reads the batch"), ("view", "does not run at"),
+                                     ("transpose", "t: a value that neither carries the batch")])
+def test_graphs_that_mix_samples_run_whole(how, why):
+    """A graph that mixes the batch's samples is not tiled (why is kept) and still gives eager's outputs."""
+    torch.manual_seed(0)
+    m, x = MixesSamples(how).eval(), torch.randn(4, 3, 8, 8)
+    gm, args = aten_graph(m, x)
+    runner = cpu_c.CRunner(gm, [i for i, a in enumerate(args) if a.data_ptr() != x.data_ptr()], watch=False)
+    got = runner(*args)
+    with torch.no_grad():
+        torch.testing.assert_close(got[0], m(x), rtol=1e-4, atol=1e-5)
+    (reason,) = runner.why_not_tiled.values()
+    assert why in reason
