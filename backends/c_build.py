@@ -19,9 +19,9 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-#: -O3 for this CPU, wide vectors where it has them, ``#pragma omp simd`` without an OpenMP runtime
-#: (one thread: OpenMP regions measured slower here even on one thread, 64 -> 91 us for seedcnn2 b1)
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno",
+#: -O3 for this CPU, wide vectors where it has them; OpenMP, whose runtime is the one torch loaded
+#: (libgomp.so.1 is already in the process: the library binds to it), so its threads are torch's
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno",
          "-std=gnu11", "-fPIC", "-shared")
 TIMEOUT_S = 120
 
@@ -78,11 +78,10 @@ stats = {"compiled": 0, "cached": 0}
 _loaded: dict = {}
 
 
-def build(source: str, entry: str, extra_ints: int = 0, openmp: bool = False):
+def build(source: str, entry: str, extra_ints: int = 0):
     """The ``ctypes`` function ``entry(void**, char*, int, ...)`` of ``source`` compiled (or found in the
-    cache), with ``extra_ints`` more int arguments; ``openmp``: its OpenMP regions run on the runtime
-    torch loaded (libgomp.so.1 is already in the process: the library binds to it)."""
-    flags = FLAGS + (("-fopenmp",) if openmp else ())
+    cache), with ``extra_ints`` more int arguments."""
+    flags = FLAGS
     cc = compiler()
     if cc is None:
         raise CompileError(source, "no C compiler on PATH (set $CC)", [])

@@ -148,15 +148,20 @@ def _pair(x, default=None) -> list:
 class Emitter:
     """Walks a graph's nodes in order and writes each one's loops (``node``), its epilogue absorbed."""
 
-    def __init__(self, gm: fx.GraphModule, outputs: list, n_args: int):
+    def __init__(self, gm: fx.GraphModule, outputs: list, n_args: int, params=()):
         self.refs: dict = {}  # node -> Ref of its value
-        self.lines: list = []
+        self.lines: list = []  # the layers' functions
+        self.layers: list = []  # their names, in order
+        self.prepare: list = []  # lines of a call that lays weights out (P)
+        self.pre: list = []  # lines of every call, before the layers
         self.flops = 0
         self._k = 0
         nodes = list(gm.graph.nodes)
         self.order = {n: i for i, n in enumerate(nodes)}
         self.absorbed: set = set()
         self.outputs = outputs
+        placeholders = [n for n in nodes if n.op == "placeholder"]
+        self.params = {placeholders[i] for i in params}  # fixed between calls that lay weights out
         # the node that owns each value's memory (a view's is its source's) and its last reader
         self.owner: dict = {}
         self.last_use: dict = {}
@@ -305,18 +310,29 @@ class Emitter:
             self._pointwise(node)
         self._release(self.order[node])
 
-    def _block(self, title: str, body: list) -> None:
-        """``body`` in a block of its own, each tensor it reads or writes through a local restrict
-        pointer (what lets the compiler keep values in registers across stores)."""
+    def _block(self, title: str, body: list, split: bool = False, prepare: list = (), every_call: bool = False) -> None:
+        """``body`` as a layer: a function of its own, each tensor it reads or writes through a local
+        restrict pointer (what lets the compiler keep values in registers across stores). Every
+        thread calls each layer in turn (``part`` of ``parts``): a ``split`` body shares its work out
+        by ``part`` itself, any other runs on part 0. ``prepare``: lines run before the layers, at a
+        call that lays weights out (``P``), or at ``every_call``."""
         text = "\n".join(body)
         bases = list(dict.fromkeys(_BASE.findall(text)))
         decls = []
         for k, base in enumerate(bases):
             text = text.replace(base, f"p{k}")
             decls.append(f"{'const float' if base.startswith('((const') else 'float'}* restrict p{k} = {base};")
-        self.lines.append(f"{{ /* {title} */")
-        self.lines += ["  " + ln for ln in decls + text.split("\n")]
-        self.lines.append("}")
+        lines = decls + text.split("\n")
+        if not split:
+            lines = ["if (part != 0) return;"] + lines
+        name = f"L{len(self.layers)}"
+        self.layers.append(name)
+        self.lines += [f"/* {title} */",
+                       f"static void __attribute__((noinline)) {name}(void* const* restrict A, char* restrict W, "
+                       "int part, int parts) {", "  (void)parts;", *["  " + ln for ln in lines], "}"]
+        if prepare:
+            (self.pre if every_call else self.prepare).extend(
+                [f"{{ /* {title} */", *["  " + ln for ln in prepare], "}"])
 
     def _view(self, node: fx.Node) -> None:
         src = self.refs.get(node.args[0])
@@ -364,13 +380,18 @@ class Emitter:
         Y = self._alloc(last, (n, oc, oh, ow))
         self.flops += 2 * n * oc * oh * ow * icg * kh * kw
         epi = lambda v, idx: self._apply(ops, v, idx, "oc")  # noqa: E731
-        layout = c_kernels.choose_conv(p)
+        # a weight laid out before the layers must be an argument (a parameter: at calls that lay weights
+        # out; an input: at every call), not a value the layers compute
+        layout = c_kernels.choose_conv(p) if w.op == "placeholder" else "rows"
+        prepare: list = []
         if layout == "channels":
-            loops = c_kernels.conv_channels(p, X, Wt, bias, Y, epi, self._scratch(c_kernels.conv_workspace(p)))
+            prepare, loops = c_kernels.conv_channels(p, X, Wt, bias, Y, epi,
+                                                     self._scratch(c_kernels.conv_workspace(p)))
         else:
             ocb = max(d for d in range(1, MAX_OCB + 1) if p["ocg"] % d == 0)
             loops = c_kernels.conv_rows(p, X, Wt, bias, Y, epi, ocb)
-        self._block(f"{node.name}: convolution along {layout}{self._names(ops)}", self._prologue(ops, oc) + loops)
+        self._block(f"{node.name}: convolution along {layout}{self._names(ops)}", self._prologue(ops, oc) + loops,
+                    split=True, prepare=prepare, every_call=w not in self.params)
         self.refs[last] = Y
 
     def _scratch(self, nbytes: int) -> str:
@@ -404,7 +425,8 @@ class Emitter:
             f" + {flit(beta) + ' * ' if beta != 1 else ''}{self.refs[bias].broadcast_to(2).at(['b', 'o'])}"
         scale = f" * {flit(alpha)}" if alpha != 1 else ""
         body = self._prologue(ops, no)
-        if s1[1] == 1 and s2[0] == 1:  # rows of m1 and columns of m2 dense (a transposed weight)
+        split = s1[1] == 1 and s2[0] == 1
+        if split:  # rows of m1 and columns of m2 dense (a transposed weight)
             body += c_kernels.linear_rows(nb, k, no, M1, M2, Bv, scale, Y,
                                           lambda v, idx: self._apply(ops, v, idx, "o"))
         else:  # any strides: a row of sums
@@ -415,7 +437,7 @@ class Emitter:
                      "  }", f"  for (int o = 0; o < {no}; o++) {{", f"    float v = acc[o]{scale}{Bv};",
                      *["    " + ln for ln in self._apply(ops, "v", ["b", "o"], "o")],
                      f"    {Y.at(['b', 'o'])} = v;", "  }", "}"]
-        self._block(f"{node.name}: {getattr(node.target, '__name__', 'mm')}{self._names(ops)}", body)
+        self._block(f"{node.name}: {getattr(node.target, '__name__', 'mm')}{self._names(ops)}", body, split=split)
         self.refs[last] = Y
 
     def _pool(self, node: fx.Node) -> None:
@@ -567,8 +589,9 @@ class Emitter:
         src = Ref(f"((const unsigned short*)A[{k}])", shape, tuple(t.stride()))
         idx = [f"i{d}" for d in range(len(shape))]
         loops = " ".join(f"for (int {i} = 0; {i} < {n}; {i}++)" for i, n in zip(idx, shape))
-        self.lines += [f"{'' if every_call else 'if (P) '}{{ /* {node.name}: bfloat16 -> float32 */",
-                       f"  {loops} {dst.at(idx)} = from_bf16({src.at(idx)});", "}"]
+        widen = [f"{{ /* {node.name}: bfloat16 -> float32 */",
+                 f"  {loops} {dst.at(idx)} = from_bf16({src.at(idx)});", "}"]
+        (self.pre if every_call else self.prepare).extend(widen)
         self.refs[node] = dst
 
     def workspace_bytes(self) -> int:

@@ -19,7 +19,9 @@ from __future__ import annotations
 import math
 
 VL = 16  # floats per vf
-TYPES = """static inline float from_bf16(unsigned short h) { unsigned int u = (unsigned int)h << 16; float f; memcpy(&f, &u, 4); return f; }
+TYPES = """static inline float from_bf16(unsigned short h) {
+  unsigned int u = (unsigned int)h << 16; float f; memcpy(&f, &u, 4); return f;
+}
 /* round to nearest even, NaN to the quiet NaN 0x7fc0: torch's c10::BFloat16 */
 static inline unsigned short to_bf16(float f) {
   unsigned int u; memcpy(&u, &f, 4);
@@ -88,8 +90,9 @@ def conv_rows(p: dict, X, Wt, bias: str, Y, epi, ocb: int) -> list:
                         f" + ih * {xs[2]};", copy]
         taps = [f"vf xv0; for (int l = 0; l < {VL}; l++) xv0[l] = xp[(tt * {VL} + l) * {p['sw']} + kw * {p['dw']}];"]
     lines += [
+        *split_range("oh", p["oh"], rows),
         f"for (int n = 0; n < {p['n']}; n++) for (int g = 0; g < {p['groups']}; g++)",
-        f"for (int ob = 0; ob < {p['ocg']}; ob += {ocb}) for (int oh = 0; oh < {p['oh']}; oh += {rows}) {{",
+        f"for (int ob = 0; ob < {p['ocg']}; ob += {ocb}) for (int oh = oh_0; oh < oh_1; oh += {rows}) {{",
         "  " + " ".join(f"vf {a}[{tiles}];" for r in accs for a in r),
         f"  for (int t = 0; t < {tiles}; t++) {{ {' '.join(f'{a}[t] = (vf){{0}};' for r in accs for a in r)} }}",
         f"  for (int ic = 0; ic < {p['icg']}; ic++) for (int kh = 0; kh < {p['kh']}; kh++) {{",
@@ -125,7 +128,7 @@ def conv_channels(p: dict, X, Wt, bias: str, Y, epi, wp: str) -> list:
     pix = next((d for d in (4, 5, 6, 3) if p["ow"] % d == 0), min(PIXELS, p["ow"]))
     lines = [
         f"float* restrict wp = {wp};",
-        f"if (P) for (int g = 0; g < {p['groups']}; g++) for (int t = 0; t < {tiles}; t++)",
+        f"for (int g = 0; g < {p['groups']}; g++) for (int t = 0; t < {tiles}; t++)",
         f"for (int ic = 0; ic < {p['icg']}; ic++) for (int kh = 0; kh < {p['kh']}; kh++)",
         f"for (int kw = 0; kw < {p['kw']}; kw++) for (int l = 0; l < {VL}; l++) {{",
         f"  const int o = t * {VL} + l;",
@@ -133,8 +136,10 @@ def conv_channels(p: dict, X, Wt, bias: str, Y, epi, wp: str) -> list:
         f" ? {Wt.base}[(g * {p['ocg']} + o) * {ws[0]} + ic * {ws[1]} + kh * {ws[2]} + kw * {ws[3]}] : 0.f;",
         "}"]
     loops = [
+        f"const float* restrict wp = {wp};",
+        *split_range("oh", p["oh"], 1),
         f"for (int n = 0; n < {p['n']}; n++) for (int g = 0; g < {p['groups']}; g++) for (int t = 0; t < {tiles}; t++)",
-        f"for (int oh = 0; oh < {p['oh']}; oh++) for (int q0 = 0; q0 < {p['ow']}; q0 += {pix}) {{",
+        f"for (int oh = oh_0; oh < oh_1; oh++) for (int q0 = 0; q0 < {p['ow']}; q0 += {pix}) {{",
         "  " + " ".join(f"vf a{k} = {{0}};" for k in range(pix)),
         f"  for (int ic = 0; ic < {p['icg']}; ic++) for (int kh = 0; kh < {p['kh']}; kh++) {{",
         f"    const int ih = oh * {p['sh']} - {p['ph']} + kh * {p['dh']};",
@@ -155,7 +160,15 @@ def conv_channels(p: dict, X, Wt, bias: str, Y, epi, wp: str) -> list:
                   f"    float v = a{k}[l]{bias};",
                   *["    " + ln for ln in epi("v", ["n", "oc", "oh", f"q0 + {k}"])],
                   f"    {Y.base}[((n * {p['oc']} + oc) * {p['oh']} + oh) * {p['ow']} + q0 + {k}] = v;", "  }"]
-    return lines + loops + ["}"]
+    return lines, loops + ["}"]
+
+
+def split_range(name: str, n: int, step: int) -> list:
+    """C of ``{name}_0`` .. ``{name}_1``: this thread's (``part`` of ``parts``) share of 0..n in
+    multiples of ``step``."""
+    return [f"const int {name}_per = (({n} + {step} - 1) / {step} + parts - 1) / parts * {step};",
+            f"const int {name}_0 = part * {name}_per < {n} ? part * {name}_per : {n};",
+            f"const int {name}_1 = {name}_0 + {name}_per < {n} ? {name}_0 + {name}_per : {n};"]
 
 
 def _lanes(count: str, body: list) -> list:
@@ -176,7 +189,8 @@ def linear_rows(nb: int, k: int, no: int, M1, M2, bias: str, scale: str, Y, epi)
     (a transposed weight)."""
     m1s, m2s = M1.strides[0], M2.strides[1]
     rows = min(ROWS, no)
-    lines = [f"for (int o0 = 0; o0 < {no}; o0 += {rows}) {{"]  # a block of weight rows, then every row of m1
+    lines = [*split_range("o", no, rows),
+             f"for (int o0 = o_0; o0 < o_1; o0 += {rows}) {{"]  # a block of weight rows, then every row of m1
     for j in range(rows):
         lines.append(f"  const float* restrict w{j} = {M2.base} + (o0 + {j} < {no} ? o0 + {j} : {no - 1}) * {m2s};")
     lines += [f"  for (int b = 0; b < {nb}; b++) {{", f"  const float* restrict xr = {M1.base} + b * {m1s};"]

@@ -34,11 +34,12 @@ from fxopt.backends.c_emit import (AVG_POOLS, BATCH_NORM, BINARY, DTYPES, FUSED_
 
 aten = torch.ops.aten
 
-HANDLED = frozenset((aten.convolution.default, FUSED_CONV, FUSED_LINEAR, BATCH_NORM, MAX_POOL, *AVG_POOLS, aten.addmm.default,
+HANDLED = frozenset((aten.convolution.default, FUSED_CONV, FUSED_LINEAR, BATCH_NORM, MAX_POOL, *AVG_POOLS,
+                     aten.addmm.default,
                      aten.mm.default, operator.getitem, *UNARY, *BINARY, *VIEWS))
 
 #: what the C includes and the name of the function it defines
-PRELUDE = "#include <math.h>\n#include <string.h>\n" + c_kernels.TYPES
+PRELUDE = "#include <math.h>\n#include <string.h>\n#include <omp.h>\n" + c_kernels.TYPES
 ENTRY = "fxopt_run"
 
 
@@ -66,7 +67,7 @@ def generate(gm: fx.GraphModule, args: list, params=()) -> Program:
     outs = list(out) if isinstance(out, (list, tuple)) else [out]
     for o in outs:
         val(o)  # a float32 tensor of static sizes, or Declined
-    em = Emitter(gm, outs, len(args))
+    em = Emitter(gm, outs, len(args), params)
     for k, (node, a) in enumerate(zip(placeholders, args)):
         if not isinstance(a, torch.Tensor):
             if node.users:
@@ -92,8 +93,19 @@ def generate(gm: fx.GraphModule, args: list, params=()) -> Program:
         except Exception as e:  # noqa: BLE001 - an argument of a kind the emitter does not know
             raise Declined(f"{node.name}: {type(e).__name__}: {e}") from e
     em.store_outputs(len(args))
-    body = "\n".join("  " + ln for ln in em.lines)
-    source = (f"{PRELUDE}\n/* {gm.__class__.__name__}: {len(em.lines)} lines of loops */\n"
-              f"void {ENTRY}(void* const* restrict A, char* restrict W, int P) {{\n{body}\n}}\n")
+    calls = "\n    #pragma omp barrier\n".join(f"    {name}(A, W, part, parts);" for name in em.layers)
+    prepare = "\n".join("    " + ln for ln in em.prepare)
+    pre = "\n".join("  " + ln for ln in em.pre)
+    source = (f"{PRELUDE}\n" + "\n".join(em.lines) + "\n\n"
+              f"/* {len(em.layers)} layers; nt threads share each one out (a barrier between two) */\n"
+              f"void {ENTRY}(void* const* restrict A, char* restrict W, int P, int nt) {{\n"
+              f"  if (P) {{\n{prepare}\n  }}\n{pre}\n"
+              "  if (nt > 1) {\n"
+              "  #pragma omp parallel num_threads(nt)\n  {\n"
+              "    const int part = omp_get_thread_num(), parts = omp_get_num_threads();\n"
+              f"{calls}\n  }}\n  }} else {{\n"
+              "    const int part = 0, parts = 1;\n" +
+              "\n".join(f"    {name}(A, W, part, parts);" for name in em.layers) +
+              "\n  }\n}\n")
     return Program(source, em.workspace_bytes(), len(args), [tuple(val(o).shape) for o in outs], em.flops,
                    [val(o).dtype for o in outs])

@@ -3,19 +3,19 @@
 
 Why: the generated C is fastest where a whole image's tensors stay in the CPU's caches: seedcnn's
 function runs 18 us an image at batch 1 and 36 us an image at batch 64, where each layer's output
-for the batch (1.2 MB) leaves the L2 before the next layer reads it. And one C function is one
-thread. So a batch-independent graph is generated for a tile of 8, 4, 2 or 1 images (its sizes
-propagated again there; a tile of 8 keeps a linear layer's weights in the caches across its rows)
-and a driver (``fxopt_tiles``) runs it per tile by moving the batched arguments' and outputs'
-pointers, the tiles split over ``torch.get_num_threads()`` OpenMP threads, each with its own workspace. Only the driver is an OpenMP region: the image's function is compiled as it is at batch
-1 (its loops outlined into a region measured 40 % slower on one thread).
+for the batch (1.2 MB) leaves the L2 before the next layer reads it. So a batch-independent graph
+is generated for a tile of 8, 4, 2 or 1 images (its sizes propagated again there; a tile of 8 keeps
+a linear layer's weights in the caches across its rows) and a driver (``fxopt_tiles``) runs it per
+tile by moving the batched arguments' and outputs' pointers, the tiles split over
+``torch.get_num_threads()`` OpenMP threads (each tile's function on one thread), each thread with
+its own workspace.
 
 Batch-independent: every value either carries the batch as its outermost dimension (batch ``B`` at
-the signature's size, 1 at the tile's, every other dimension the same) or does not depend on it;
-every op that reads a batched value gives a batched value and reads it only where the op acts per
-image (a convolution's input, not its weight; the rows of a matrix product, not its columns); every
-output is batched. Anything else (a mean over the batch, a transpose of a batched value, a view
-that moves it) keeps the whole-batch function.
+the signature's size, the tile's at the tile's, every other dimension the same) or does not depend
+on it; every op that reads a batched value gives a batched value and reads it only where the op
+acts per image (a convolution's input, not its weight; the rows of a matrix product, not its
+columns); every output is batched. Anything else (a mean over the batch, a transpose of a batched
+value, a view that moves it) keeps the whole-batch function.
 """
 from __future__ import annotations
 
@@ -39,6 +39,24 @@ _PER_IMAGE = {
 }
 DRIVER = "fxopt_tiles"
 _SIZED_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+class _Recorded(fx.Interpreter):
+    """Runs the graph at a tile (a few images: cheap) and records each node's value as its
+    ``meta["val"]``, for the sizes (no fake tensors: a loaded package never imports Dynamo)."""
+
+    def run_node(self, n: fx.Node):
+        out = super().run_node(n)
+        n.meta["val"] = out
+        return out
+
+    def call_function(self, target, args, kwargs):
+        from fxopt.ops import fused_conv_ref, fused_linear_ref
+
+        # fxopt's ops by their Python references: the custom op's dispatch would import Dynamo
+        refs = {torch.ops.fxopt.fused_conv.default: fused_conv_ref,
+                torch.ops.fxopt.fused_linear.default: fused_linear_ref}
+        return refs.get(target, target)(*args, **kwargs)
 
 
 def tile_size(batch: int, threads: int) -> int:
@@ -79,10 +97,8 @@ def per_tile(gm: fx.GraphModule, args: list, user: list, threads: int) -> tuple:
     one.recompile()
     args_one = [a[:tile] if i in batched else a for i, a in enumerate(args)]
     try:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-        FakeTensorProp(one, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*args_one)
+        with torch.no_grad():
+            _Recorded(one).run(*args_one)
     except Exception as e:  # noqa: BLE001 - a size written into the graph (a view to the batch)
         return None, f"the graph does not run at {tile} images ({type(e).__name__})"
     rules = {**_PER_IMAGE, **{t: {0} for t in UNARY}, FUSED_CONV: {0, 3}, FUSED_LINEAR: {0}}
@@ -127,8 +143,7 @@ def driver(program, arg_batched: list, args: list) -> str:
         steps.append(a.stride(0) * a.shape[0] * a.element_size() if arg_batched[i] else 0)
     for shape, dtype in zip(program.out_shapes, program.out_dtypes):
         steps.append(int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size())
-    return ("#include <omp.h>\n"
-            f"void {DRIVER}(void* const* restrict A, char* restrict W, int P, int nt, int tiles) {{\n"
+    return (f"void {DRIVER}(void* const* restrict A, char* restrict W, int P, int nt, int tiles) {{\n"
             f"  static const long long step[{n}] = {{{', '.join(map(str, steps))}}};\n"
             "  (void)P;  /* each slot's flag says whether its weights are laid out */\n"
             "  #pragma omp parallel for schedule(static) num_threads(nt)\n"
@@ -136,7 +151,7 @@ def driver(program, arg_batched: list, args: list) -> str:
             f"    char* slot = W + (long long)omp_get_thread_num() * {slot_bytes(program)};\n"
             f"    void* B[{n}];\n"
             f"    for (int k = 0; k < {n}; k++) B[k] = (char*)A[k] + (long long)t * step[k];\n"
-            f"    fxopt_run(B, slot + {SLOT_HEADER}, !*(int*)slot);\n"
+            f"    fxopt_run(B, slot + {SLOT_HEADER}, !*(int*)slot, 1);\n"
             "    *(int*)slot = 1;\n"
             "  }\n}\n")
 

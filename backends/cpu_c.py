@@ -44,8 +44,8 @@ class _Entry:
     """One signature's compiled function, its workspace and the pointers it is called with (the
     graph's arguments, then the outputs). A lock keeps concurrent callers off the shared workspace."""
 
-    def __init__(self, fn, program, args: list, user: list):
-        self.fn, self.user = fn, user
+    def __init__(self, fn, program, args: list, user: list, threads: Optional[int] = None):
+        self.fn, self.user, self.threads = fn, user, threads
         self.shapes = [torch.Size(s) for s in program.out_shapes]
         self.dtypes = list(program.out_dtypes)
         self.n_args = program.n_args
@@ -72,7 +72,7 @@ class _Entry:
                 ptrs[i] = t.data_ptr()
             for k, o in enumerate(outs):
                 ptrs[n + k] = o.data_ptr()
-            self.fn(ptrs, self.ws_ptr, self.prepare)
+            self.fn(ptrs, self.ws_ptr, self.prepare, self.threads or torch.get_num_threads())
             self.prepare = 0
         return outs
 
@@ -81,10 +81,10 @@ class _Tiled:
     """A signature whose images run one at a time (``backends/c_tiles.py``): the driver called once,
     its OpenMP threads each with a slot of the workspace (zeroed: no weights laid out yet)."""
 
-    def __init__(self, fn, program, args: list, user: list, batch: int, tile: int):
+    def __init__(self, fn, program, args: list, user: list, batch: int, tile: int, threads: Optional[int]):
         from fxopt.backends.c_tiles import slot_bytes
 
-        self.fn, self.user, self.tiles = fn, user, batch // tile
+        self.fn, self.user, self.tiles, self.threads = fn, user, batch // tile, threads
         self.shapes = [torch.Size((batch, *s[1:])) for s in program.out_shapes]
         self.dtypes = list(program.out_dtypes)
         self.n_args = program.n_args
@@ -104,7 +104,7 @@ class _Tiled:
     def run_fixed(self, inputs: list) -> list:
         outs = [torch.empty(s, dtype=d) for s, d in zip(self.shapes, self.dtypes)]
         ptrs, n = self.ptrs, self.n_args
-        threads = min(torch.get_num_threads(), self.slots)
+        threads = min(self.threads or torch.get_num_threads(), self.slots)
         with self.lock:
             for i, t in zip(self.user, inputs):
                 ptrs[i] = t.data_ptr()
@@ -118,8 +118,11 @@ class CRunner:
     """The callable way: the graph's flat arguments in (parameters included), its outputs out, one
     compiled C function per signature of all the arguments (their strides included)."""
 
-    def __init__(self, gm: fx.GraphModule, param_indices, watch: bool = True, max_programs: int = MAX_PROGRAMS):
-        self.gm, self.max_programs = gm, max_programs
+    def __init__(self, gm: fx.GraphModule, param_indices, watch: bool = True, max_programs: int = MAX_PROGRAMS,
+                 threads: Optional[int] = None):
+        """threads: how many threads share each layer (and the tiles of a batch) out (default
+        torch's thread count at each call)."""
+        self.gm, self.max_programs, self.threads = gm, max_programs, threads
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.n_args = len(placeholders)
         self.params = sorted(param_indices)
@@ -161,11 +164,11 @@ class CRunner:
             self.builds += 1
             if tiling is not None:
                 source = program.source + c_tiles.driver(program, arg_batched, args_one)
-                e = _Tiled(build(source, c_tiles.DRIVER, extra_ints=2, openmp=True), program, list(args), user,
-                           int(args[user[0]].shape[0]), tile)
+                e = _Tiled(build(source, c_tiles.DRIVER, extra_ints=2), program, list(args), user,
+                           int(args[user[0]].shape[0]), tile, self.threads)
             else:
                 source = program.source
-                e = _Entry(build(source, ENTRY), program, list(args), user)
+                e = _Entry(build(source, ENTRY, extra_ints=1), program, list(args), user, self.threads)
             self.sources[sig] = source
             self.entries[sig] = e
             while len(self.entries) > self.max_programs:
@@ -191,7 +194,7 @@ class CRunner:
         return self.out_type(outs) if self.out_type is not None else outs[0]
 
 
-def cpu_candidate(gm: fx.GraphModule, ctx):
+def cpu_candidate(gm: fx.GraphModule, ctx, threads: Optional[int] = None):
     """(a :class:`CRunner` of the graph as AOTAutograd handed it, None) for the cpu executor's runner
     to time per signature, or (None, why not): no C compiler, or a dtype other than float32."""
     why = why_unavailable()
@@ -205,4 +208,5 @@ def cpu_candidate(gm: fx.GraphModule, ctx):
               if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
     if dtypes - {torch.float32, torch.bfloat16}:
         return None, f"dtypes {sorted(str(d) for d in dtypes)} (generated C: float32 and bfloat16)"
-    return CRunner(src, placeholder_indices(src, ctx.param_placeholders), watch=not ctx.fixed_weights), None
+    return CRunner(src, placeholder_indices(src, ctx.param_placeholders), watch=not ctx.fixed_weights,
+                   threads=threads), None

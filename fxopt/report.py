@@ -263,7 +263,8 @@ class Report:
                                        ("ONNX Runtime 1 thread", "onnxruntime_1t_ms"),
                                        ("OpenVINO", "openvino_ms"),
                                        ("OpenVINO 1 thread", "openvino_1t_ms"),
-                                       ("generated C", "generated_c_ms")) if key in d)
+                                       ("generated C", "generated_c_ms"),
+                                       ("generated C 1 thread", "generated_c_1t_ms")) if key in d)
                     lines.append(f"  runs the {d['runs']}: {times} ({d.get('threads')} threads"
                                  f"{', cached' if d.get('cached') else ''})")
                 else:

@@ -402,7 +402,8 @@ def test_quick_cpu_end_to_end(tmp_path, capsys):
     data = json.loads((tmp_path / "results.json").read_text())
     assert rc == 0, data["checks"]
     assert {c["model"] for c in data["cells"]} == {"seedcnn", "seedcnn2"}
-    ways = {"optimized graph", "baseline graph", "onnxruntime", "onnxruntime 1 thread", "openvino", "openvino 1 thread"}
+    ways = {"optimized graph", "baseline graph", "onnxruntime", "onnxruntime 1 thread", "openvino", "openvino 1 thread",
+            "generated C", "generated C 1 thread"}
     for c in data["cells"]:
         assert c["status"] == "ok", c
         assert c["max_rel_err"] <= 1e-4 and c["n"] == 10 and math.isfinite(c["median_ms"])

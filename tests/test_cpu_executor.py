@@ -450,7 +450,8 @@ def test_onnxruntime_io_binding_gives_fresh_outputs_and_reads_inputs_at_the_call
     torch.manual_seed(0)
     m, x = SeedCNN().eval(), torch.randn(2, 3, 32, 32)
     graphs: list = []
-    compiled = fxopt.testing.compile_with_fxopt(m, {"autotune_cache": False, "cpu_openvino": False}, graphs)
+    compiled = fxopt.testing.compile_with_fxopt(
+        m, {"autotune_cache": False, "cpu_openvino": False, "cpu_generated_c": False}, graphs)
     check_fresh_outputs_and_reread_inputs(compiled, m, x)
     runner = graphs[0].executor_details["cpu_runner"]
     runs = runner.decisions()[0]["runs"]

@@ -129,7 +129,7 @@ def test_openvino_is_chosen_where_faster_and_matches_eager(slow_torch_graphs):
     m, x = SeedCNN().eval(), torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         ref = m(x)
-    out, g = _compile(m, x, {"cpu_onnxruntime": False, "cpu_openvino": True})
+    out, g = _compile(m, x, {"cpu_onnxruntime": False, "cpu_openvino": True, "cpu_generated_c": False})
     assert g.executor_details["openvino_candidate"] == "timed per signature (inference precision f32)"
     d = _decision(g)
     assert d["runs"] in OV_WAYS and d[OV_MS[d["runs"]]] < d["optimized_ms"], d
@@ -142,12 +142,13 @@ def test_openvino_runs_bf16_only_for_bf16_graphs(slow_torch_graphs):
     m, x = _net(), torch.randn(2, 3, 16, 16)
     with torch.no_grad():
         ref = m(x)
-    out, g = _compile(_net().bfloat16(), x.bfloat16(), {"cpu_onnxruntime": False, "cpu_openvino": True})
+    out, g = _compile(_net().bfloat16(), x.bfloat16(),
+                      {"cpu_onnxruntime": False, "cpu_openvino": True, "cpu_generated_c": False})
     want = "bf16" if ovb.cpu_has_bf16() else "f32"
     assert g.executor_details["openvino_candidate"] == f"timed per signature (inference precision {want})"
     assert _decision(g)["runs"] in OV_WAYS
     assert out.dtype == torch.bfloat16 and relative_error(out.float(), ref) <= BF16_RTOL
-    out, g = _compile(m, x, {"cpu_onnxruntime": False, "cpu_openvino": True}, autocast=True)
+    out, g = _compile(m, x, {"cpu_onnxruntime": False, "cpu_openvino": True, "cpu_generated_c": False}, autocast=True)
     assert g.executor_details["openvino_candidate"] == f"timed per signature (inference precision {want})"
     assert relative_error(out.float(), ref) <= BF16_RTOL
 
@@ -162,7 +163,7 @@ def test_openvino_reads_strided_bf16_weights_right(slow_torch_graphs):
         ref = m(x)
     strided = _net().bfloat16().to(memory_format=torch.channels_last)
     assert not strided.stem.weight.is_contiguous()
-    out, g = _compile(strided, x.bfloat16(), {"cpu_onnxruntime": False, "cpu_openvino": True})
+    out, g = _compile(strided, x.bfloat16(), {"cpu_onnxruntime": False, "cpu_openvino": True, "cpu_generated_c": False})
     d = _decision(g)
     assert d["runs"] in OV_WAYS and "failed" not in d, d
     assert relative_error(out.float(), ref) <= BF16_RTOL
@@ -179,7 +180,7 @@ def test_openvino_is_declined_where_its_outputs_differ(slow_torch_graphs, monkey
     m, x = SeedCNN().eval(), torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         ref = m(x)
-    out, g = _compile(m, x, {"cpu_onnxruntime": False, "cpu_openvino": True})
+    out, g = _compile(m, x, {"cpu_onnxruntime": False, "cpu_openvino": True, "cpu_generated_c": False})
     d = _decision(g)
     assert d["runs"] not in OV_WAYS, d
     assert all("outputs differ from the reference" in d["failed"][w] for w in OV_WAYS if w in d["failed"]), d
@@ -199,7 +200,7 @@ def test_without_openvino_the_executor_runs_as_before(monkeypatch):
     m, x = SeedCNN().eval(), torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         ref = m(x)
-    out, g = _compile(m, x, {"cpu_onnxruntime": False, "cpu_openvino": True})
+    out, g = _compile(m, x, {"cpu_onnxruntime": False, "cpu_openvino": True, "cpu_generated_c": False})
     assert g.executor_details["openvino_candidate"].startswith("none (openvino is not importable")
     assert "openvino_ms" not in _decision(g)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
@@ -234,7 +235,7 @@ def test_a_graph_openvino_refuses_runs_the_torch_graphs(slow_torch_graphs):
     m, x = Unconvertible().eval(), torch.randn(2, 3, 16, 16)
     with torch.no_grad():
         ref = m(x)
-    out, g = _compile(m, x, {"cpu_onnxruntime": False, "cpu_openvino": True})
+    out, g = _compile(m, x, {"cpu_onnxruntime": False, "cpu_openvino": True, "cpu_generated_c": False})
     d = _decision(g)
     assert d["runs"] in ("optimized graph", "baseline graph") and "openvino" in d["failed"], d
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
@@ -244,7 +245,7 @@ def test_a_graph_openvino_refuses_runs_the_torch_graphs(slow_torch_graphs):
 def test_openvino_rebuilds_after_an_in_place_weight_change(slow_torch_graphs):
     m, x = SeedCNN().eval(), torch.randn(2, 3, 32, 32)
     graphs: list = []
-    options = {"autotune_cache": False, "cpu_onnxruntime": False, "cpu_openvino": True}
+    options = {"autotune_cache": False, "cpu_onnxruntime": False, "cpu_openvino": True, "cpu_generated_c": False}
     compiled = fxopt.testing.compile_with_fxopt(m, options, graphs)
     with torch.no_grad():
         compiled(x)
@@ -264,7 +265,7 @@ def test_openvino_request_is_reused_and_outputs_are_fresh(slow_torch_graphs, mon
     m, x = SeedCNN().eval(), torch.randn(2, 3, 32, 32)
     graphs: list = []
     compiled = fxopt.testing.compile_with_fxopt(m, {"autotune_cache": False, "cpu_onnxruntime": False,
-                                                    "cpu_openvino": True}, graphs)
+                                                    "cpu_openvino": True, "cpu_generated_c": False}, graphs)
     check_fresh_outputs_and_reread_inputs(compiled, m, x)
     assert _decision(graphs[0])["runs"] in OV_WAYS
     cpu_runner = graphs[0].executor_details["cpu_runner"]
@@ -287,7 +288,7 @@ def test_openvino_inputs_taking_turns_strided_or_requiring_grad(slow_torch_graph
     xg = torch.randn(2, 3, 32, 32).requires_grad_()
     graphs: list = []
     compiled = fxopt.testing.compile_with_fxopt(m, {"autotune_cache": False, "cpu_onnxruntime": False,
-                                                    "cpu_openvino": True}, graphs)
+                                                    "cpu_openvino": True, "cpu_generated_c": False}, graphs)
     with torch.no_grad():
         for x in (xa, xb, xg, xa, xs, xg, xb):
             torch.testing.assert_close(compiled(x), m(x), rtol=1e-4, atol=1e-5)
@@ -351,7 +352,7 @@ def test_openvino_ways_share_one_conversion_per_signature(slow_torch_graphs, mon
 
     monkeypatch.setattr(ovb.OvRunner, "_convert", counted)
     m, x = SeedCNN().eval(), torch.randn(2, 3, 32, 32)
-    out, g = _compile(m, x, {"cpu_onnxruntime": False, "cpu_openvino": True})
+    out, g = _compile(m, x, {"cpu_onnxruntime": False, "cpu_openvino": True, "cpu_generated_c": False})
     d = _decision(g)
     assert "openvino_ms" in d and "openvino_1t_ms" in d, d
     runner = g.executor_details["cpu_runner"]
