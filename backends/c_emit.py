@@ -155,7 +155,6 @@ class Emitter:
         self.prepare: list = []  # lines of a call that lays weights out (P)
         self.pre: list = []  # lines of every call, before the layers
         self.flops = 0
-        self._k = 0
         nodes = list(gm.graph.nodes)
         self.order = {n: i for i, n in enumerate(nodes)}
         self.absorbed: set = set()

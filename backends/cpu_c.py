@@ -7,7 +7,7 @@ for this CPU (``backends/c_build.py``), runs it as straight loops with no dispat
 
 What runs: the graph as AOTAutograd handed it (``ctx.unoptimized``: aten ops, the module's exact
 semantics; the optimized graph where there is none), generated and compiled at a signature's
-first call. Graphs with a node the generator does not handle, or larger than ``MAX_FLOPS`` a call
+first call. Graphs with a node the generator does not handle, or larger than ``MAX_FLOPS`` an image
 (where library kernels win and a compile would be wasted), raise ``Declined`` there: the runner
 (``backends/cpu.py``) records why and times its other ways. It also checks the outputs against the
 reference before it may choose this way.
@@ -28,7 +28,7 @@ import torch.fx as fx
 from fxopt.backends.engine_calls import any_strided, bound_call, restride
 from fxopt.weights import ParamChanges
 
-#: multiply-adds (x2) per call above which the generated C is not tried: library kernels (oneDNN,
+#: multiply-adds (x2) an image above which the generated C is not tried: library kernels (oneDNN,
 #: ONNX Runtime, OpenVINO) win on large convolutions, and the compile would be wasted
 MAX_FLOPS = 60e6
 MAX_PROGRAMS = 8
@@ -158,9 +158,11 @@ class CRunner:
                 program = generate(one, args_one, self.params)
             else:
                 program = generate(self.gm, list(args), self.params)
-            if program.flops > MAX_FLOPS:
-                raise Declined(f"{program.flops / 1e6:.0f} MFLOP a {'tile' if tiling else 'call'} (generated C "
-                               f"tried up to {MAX_FLOPS / 1e6:.0f}: library kernels win above)")
+            first = args[user[0]] if user else None
+            images = tile if tiling is not None else max(1, int(first.shape[0]) if first is not None and first.dim() else 1)
+            if program.flops / images > MAX_FLOPS:
+                raise Declined(f"{program.flops / images / 1e6:.0f} MFLOP an image (generated C tried up to "
+                               f"{MAX_FLOPS / 1e6:.0f}: library kernels win above)")
             self.builds += 1
             if tiling is not None:
                 source = program.source + c_tiles.driver(program, arg_batched, args_one)

@@ -59,7 +59,7 @@ class Options:
     #: and compiling it adds 1-3.5 s to a small CNN's first call per signature
     cpu_openvino: bool = False
     #: cpu executor: also time the whole graph as one generated C function (``backends/cpu_c.py``:
-    #: float32 graphs of at most 60 MFLOP a call whose every op it handles; needs a C compiler on
+    #: float32 and bfloat16 graphs of at most 60 MFLOP an image whose every op it handles; needs a C compiler on
     #: PATH) per input signature and run it where it is faster and its outputs match
     cpu_generated_c: bool = True
     #: cuda executor on CPU inputs (no GPU): every fused region runs its kernel's IR (``ir.evaluate``:
