@@ -144,11 +144,10 @@ class CRunner:
         sig = tuple((a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
         e = self.entries.get(sig)
         if e is None:
+            from fxopt.backends import c_tiles
             from fxopt.backends.c_build import build
             from fxopt.backends.c_emit import Declined
             from fxopt.backends.c_source import ENTRY, generate
-
-            from fxopt.backends import c_tiles
 
             user = [i for i in self.user if isinstance(args[i], torch.Tensor)]
             tiling, why = c_tiles.per_tile(self.gm, list(args), user, torch.get_num_threads())
@@ -159,7 +158,8 @@ class CRunner:
             else:
                 program = generate(self.gm, list(args), self.params)
             first = args[user[0]] if user else None
-            images = tile if tiling is not None else max(1, int(first.shape[0]) if first is not None and first.dim() else 1)
+            batch = int(first.shape[0]) if first is not None and first.dim() else 1
+            images = tile if tiling is not None else max(1, batch)
             if program.flops / images > MAX_FLOPS:
                 raise Declined(f"{program.flops / images / 1e6:.0f} MFLOP an image (generated C tried up to "
                                f"{MAX_FLOPS / 1e6:.0f}: library kernels win above)")
