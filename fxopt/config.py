@@ -60,8 +60,10 @@ class Options:
     cpu_openvino: bool = False
     #: cpu executor: also time the whole graph as one generated C function (``backends/cpu_c.py``:
     #: float32 and bfloat16 graphs of at most 60 MFLOP an image whose every op it handles; needs a C compiler on
-    #: PATH) per input signature and run it where it is faster and its outputs match
-    cpu_generated_c: bool = True
+    #: PATH) per input signature and run it where it is faster and its outputs match. Its compile costs a
+    #: signature's first call about 0.7 s: ``FXOPT_CPU_GENERATED_C=0`` in the environment makes False the
+    #: default (for many short-lived compiles, e.g. a test suite)
+    cpu_generated_c: bool = field(default_factory=lambda: os.environ.get("FXOPT_CPU_GENERATED_C", "1") != "0")
     #: cuda executor on CPU inputs (no GPU): every fused region runs its kernel's IR (``ir.evaluate``:
     #: the generated code's loads, stores, roundings and float32 math) instead of its ATen reference,
     #: so a whole graph, a training step's backward included, checks the kernels' semantics on the

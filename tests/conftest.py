@@ -19,6 +19,8 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 def _isolated_caches(tmp_path, monkeypatch):
     """Every test gets its own autotune/kernel cache dir and a clean Dynamo state."""
     monkeypatch.setenv("FXOPT_CACHE_DIR", str(tmp_path / "fxopt-cache"))
+    # the generated C way's compile (~0.7 s a graph) only where a test is about it (its own fixture on)
+    monkeypatch.setenv("FXOPT_CPU_GENERATED_C", "0")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
     torch.compiler.reset()
     grad = torch.is_grad_enabled()

@@ -23,6 +23,12 @@ from test_cpu_executor import check_fresh_outputs_and_reread_inputs, check_watch
 pytestmark = pytest.mark.skipif(cpu_c.why_unavailable() is not None, reason=str(cpu_c.why_unavailable()))
 
 
+@pytest.fixture(autouse=True)
+def _generated_c_on(monkeypatch):
+    """The option's default as users have it (the suite's conftest turns it off elsewhere)."""
+    monkeypatch.setenv("FXOPT_CPU_GENERATED_C", "1")
+
+
 def aten_graph(model: nn.Module, x: torch.Tensor):
     """(the graph AOTAutograd hands a backend, its real flat arguments) for ``model(x)``."""
     got = {}

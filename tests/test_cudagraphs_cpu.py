@@ -526,7 +526,8 @@ def test_option_fixed_weights_folds_once_and_watches_nothing(fixed):
     model = SmallResNet().eval()
     x = torch.randn(2, 3, 32, 32)
     graphs: list = []
-    compiled = fxopt.testing.compile_with_fxopt(model, {"fixed_weights": fixed, "cpu_onnxruntime": False}, graphs)
+    compiled = fxopt.testing.compile_with_fxopt(model, {"fixed_weights": fixed, "cpu_onnxruntime": False,
+                                                                  "cpu_generated_c": False}, graphs)
     with torch.no_grad():
         before = compiled(x)
         torch.testing.assert_close(before, model(x), rtol=1e-4, atol=1e-5)

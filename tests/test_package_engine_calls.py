@@ -155,7 +155,7 @@ def test_graph_ways_get_no_fixed_call(tmp_path):
     torch.manual_seed(0)
     model = TwoInTwoOut().eval()
     fxopt.package(model, (torch.randn(2, 3, 8, 8), torch.randn(2, 5, 8, 8)), tmp_path / "m.fxopt",
-                  options={"cpu_onnxruntime": False})
+                  options={"cpu_onnxruntime": False, "cpu_generated_c": False})
     module = fxopt.load(tmp_path / "m.fxopt")
     x, y = torch.randn(2, 3, 8, 8), torch.randn(2, 5, 8, 8)
     with torch.no_grad():

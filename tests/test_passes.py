@@ -327,7 +327,7 @@ def test_fold_constants_evaluates_once_and_refolds_on_change():
     # the optimized graph must run (the cpu executor may pick the unoptimized one for a tiny graph, or
     # an ONNX Runtime / OpenVINO session where one measures faster)
     compiled = fxopt.testing.compile_with_fxopt(
-        m, {"baseline_check": False, "cpu_onnxruntime": False, "cpu_openvino": False}, graphs)
+        m, {"baseline_check": False, "cpu_onnxruntime": False, "cpu_openvino": False, "cpu_generated_c": False}, graphs)
     with torch.no_grad():
         for _ in range(3):
             compiled(x)
