@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from fxopt.backends.engine_calls import any_strided, bound_call, restride
+from fxopt.backends.engine_calls import bound_call, graph_outputs, restride
 from fxopt.weights import ParamChanges
 
 #: multiply-adds (x2) an image above which the generated C is not tried: library kernels (oneDNN,
@@ -44,12 +44,13 @@ class _Entry:
     """One signature's compiled function, its workspace and the pointers it is called with (the
     graph's arguments, then the outputs). A lock keeps concurrent callers off the shared workspace."""
 
-    def __init__(self, fn, program, args: list, user: list, threads: Optional[int] = None):
+    def __init__(self, fn, program, args: list, user: list, threads: Optional[int] = None, out_shapes=None,
+                 workspace: Optional[torch.Tensor] = None):
         self.fn, self.user, self.threads = fn, user, threads
-        self.shapes = [torch.Size(s) for s in program.out_shapes]
+        self.shapes = [torch.Size(s) for s in (out_shapes or program.out_shapes)]
         self.dtypes = list(program.out_dtypes)
         self.n_args = program.n_args
-        self.ws = torch.empty(max(program.workspace, 64), dtype=torch.uint8)
+        self.ws = workspace if workspace is not None else torch.empty(max(program.workspace, 64), dtype=torch.uint8)
         self.ws_ptr = self.ws.data_ptr()
         self.ptrs = (ctypes.c_void_p * (self.n_args + len(self.shapes)))()
         for i, a in enumerate(args):
@@ -72,46 +73,27 @@ class _Entry:
                 ptrs[i] = t.data_ptr()
             for k, o in enumerate(outs):
                 ptrs[n + k] = o.data_ptr()
-            self.fn(ptrs, self.ws_ptr, self.prepare, self.threads or torch.get_num_threads())
-            self.prepare = 0
+            self._call()
         return outs
 
+    def _call(self) -> None:
+        self.fn(self.ptrs, self.ws_ptr, self.prepare, self.threads or torch.get_num_threads())
+        self.prepare = 0
 
-class _Tiled:
-    """A signature whose images run one at a time (``backends/c_tiles.py``): the driver called once,
+
+class _Tiled(_Entry):
+    """A signature whose images run a tile at a time (``backends/c_tiles.py``): the driver called once,
     its OpenMP threads each with a slot of the workspace (zeroed: no weights laid out yet)."""
 
     def __init__(self, fn, program, args: list, user: list, batch: int, tile: int, threads: Optional[int]):
         from fxopt.backends.c_tiles import slot_bytes
 
-        self.fn, self.user, self.tiles, self.threads = fn, user, batch // tile, threads
-        self.shapes = [torch.Size((batch, *s[1:])) for s in program.out_shapes]
-        self.dtypes = list(program.out_dtypes)
-        self.n_args = program.n_args
-        self.slots = max(1, torch.get_num_threads())
-        self.ws = torch.zeros(slot_bytes(program) * self.slots, dtype=torch.uint8)
-        self.ws_ptr = self.ws.data_ptr()
-        self.ptrs = (ctypes.c_void_p * (self.n_args + len(self.shapes)))()
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor):
-                self.ptrs[i] = a.data_ptr()
-        self.keep = [a for a in args if isinstance(a, torch.Tensor)]
-        self.lock = threading.Lock()
+        self.tiles, self.slots = batch // tile, max(1, torch.get_num_threads())
+        super().__init__(fn, program, args, user, threads, [(batch, *s[1:]) for s in program.out_shapes],
+                         torch.zeros(slot_bytes(program) * self.slots, dtype=torch.uint8))
 
-    def run(self, inputs: list) -> list:
-        return self.run_fixed(inputs)
-
-    def run_fixed(self, inputs: list) -> list:
-        outs = [torch.empty(s, dtype=d) for s, d in zip(self.shapes, self.dtypes)]
-        ptrs, n = self.ptrs, self.n_args
-        threads = min(self.threads or torch.get_num_threads(), self.slots)
-        with self.lock:
-            for i, t in zip(self.user, inputs):
-                ptrs[i] = t.data_ptr()
-            for k, o in enumerate(outs):
-                ptrs[n + k] = o.data_ptr()
-            self.fn(ptrs, self.ws_ptr, 0, threads, self.tiles)
-        return outs
+    def _call(self) -> None:
+        self.fn(self.ptrs, self.ws_ptr, 0, min(self.threads or torch.get_num_threads(), self.slots), self.tiles)
 
 
 class CRunner:
@@ -127,11 +109,7 @@ class CRunner:
         self.n_args = len(placeholders)
         self.params = sorted(param_indices)
         self.user = [i for i in range(self.n_args) if i not in set(self.params)]
-        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-        self.out_type = type(out) if isinstance(out, (list, tuple)) else None
-        self.out_vals = [o.meta.get("val") if isinstance(o, fx.Node) else None
-                         for o in (out if isinstance(out, (list, tuple)) else [out])]
-        self.restride = any_strided(self.out_vals)
+        self.out_type, self.out_vals, self.restride = graph_outputs(gm)
         self.entries: OrderedDict = OrderedDict()
         self._params_changed = ParamChanges(self.params if watch else [])
         self.sources: dict = {}  # signature -> the C source (for explain and tests)

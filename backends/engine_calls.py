@@ -30,6 +30,17 @@ def any_strided(out_vals: Sequence) -> bool:
     return any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in out_vals)
 
 
+def graph_outputs(gm) -> tuple:
+    """(the output's container type, None for a single tensor; eager's output values; whether any of
+    them is strided, so that an engine's outputs must be restrided) of an FX graph."""
+    import torch.fx as fx
+
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    vals = [o.meta.get("val") if isinstance(o, fx.Node) else None
+            for o in (out if isinstance(out, (list, tuple)) else [out])]
+    return (type(out) if isinstance(out, (list, tuple)) else None), vals, any_strided(vals)
+
+
 def bound_call(entry, positions: Sequence[int], out_vals: Sequence, out_type: Optional[type],
                changed: Optional[Callable], on_change: Callable[[], None], full: Callable) -> Callable:
     """A call of the graph's flat arguments for one input signature: ``entry.run`` (a list of the

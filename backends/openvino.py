@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from fxopt.backends.engine_calls import any_strided, bound_call, restride
+from fxopt.backends.engine_calls import bound_call, graph_outputs, restride
 from fxopt.weights import ParamChanges, weights_key
 
 MAX_MODELS = 8
@@ -124,11 +124,7 @@ class OvRunner:
         self.n_args = len(placeholders)
         self.params = sorted(param_indices)
         self.user = [i for i in range(self.n_args) if i not in set(self.params)]
-        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-        self.out_type = type(out) if isinstance(out, (list, tuple)) else None
-        self.out_vals = [o.meta.get("val") if isinstance(o, fx.Node) else None
-                         for o in (out if isinstance(out, (list, tuple)) else [out])]
-        self.restride = any_strided(self.out_vals)
+        self.out_type, self.out_vals, self.restride = graph_outputs(gm)
         self.models: OrderedDict = OrderedDict()
         # whether a weight changed since the last call (``watch`` False: the weights are fixed)
         self._params_changed = ParamChanges(self.params if watch else [])

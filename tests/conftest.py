@@ -15,12 +15,17 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+def pytest_configure(config):
+    """The generated C way's compile (~0.7 s a graph) only where a test is about it (its own fixture
+    turns it on), for the whole session and its subprocesses; ``FXOPT_CPU_GENERATED_C=1 pytest`` keeps
+    it on everywhere."""
+    os.environ.setdefault("FXOPT_CPU_GENERATED_C", "0")
+
+
 @pytest.fixture(autouse=True)
 def _isolated_caches(tmp_path, monkeypatch):
     """Every test gets its own autotune/kernel cache dir and a clean Dynamo state."""
     monkeypatch.setenv("FXOPT_CACHE_DIR", str(tmp_path / "fxopt-cache"))
-    # the generated C way's compile (~0.7 s a graph) only where a test is about it (its own fixture on)
-    monkeypatch.setenv("FXOPT_CPU_GENERATED_C", "0")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
     torch.compiler.reset()
     grad = torch.is_grad_enabled()
