@@ -19,16 +19,13 @@ import torch
 import torch.fx as fx
 
 import fxopt.ops  # noqa: F401 - registers fxopt::fused_conv and fxopt::fused_linear
-from fxopt.backends import c_kernels
+from fxopt.backends import c_bf16, c_kernels
+from fxopt.backends.c_kernels import Declined, activation_of, flit, unary_expr  # noqa: F401 (Declined: re-export)
 
 aten = torch.ops.aten
 
 ALIGN = 64  # bytes: each workspace tensor starts on a cache line
 MAX_OCB = 8  # output channels a convolution accumulates together per input row it reads
-
-
-class Declined(Exception):
-    """The graph has something the generated C does not handle (the message says what)."""
 
 
 @dataclass
@@ -66,59 +63,14 @@ def contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-def flit(x) -> str:
-    """A float literal in C (inf and nan spelled out)."""
-    x = float(x)
-    if math.isnan(x):
-        return "NAN"
-    if math.isinf(x):
-        return "INFINITY" if x > 0 else "-INFINITY"
-    return f"{x!r}f"
-
-
-def activation_of(node: fx.Node) -> tuple:
-    """(name, params) of an aten activation node, as ``fxopt.ops.ACTIVATIONS`` names them."""
-    t, args, kw = node.target, node.args, node.kwargs
-    if t is aten.hardtanh.default:
-        return "hardtanh", (args[1] if len(args) > 1 else kw.get("min_val", -1.0),
-                            args[2] if len(args) > 2 else kw.get("max_val", 1.0))
-    if t is aten.leaky_relu.default:
-        return "leaky_relu", (args[1] if len(args) > 1 else kw.get("negative_slope", 0.01),)
-    if t is aten.gelu.default:
-        return ("gelu_tanh" if (args[1] if len(args) > 1 else kw.get("approximate", "none")) == "tanh"
-                else "gelu"), ()
-    return t.__name__.split(".")[0], ()
-
-
-def unary_expr(name: str, params, v: str) -> str:
-    """The C expression of activation ``name`` on value ``v``. NaN stays NaN as in eager: every
-    clamp is written so that a comparison with NaN is false and ``v`` passes."""
-    exprs = {
-        "none": "{v}",
-        "relu": "({v} < 0.f ? 0.f : {v})",
-        "hardtanh": "({v} < {p0} ? {p0} : ({v} > {p1} ? {p1} : {v}))",
-        "leaky_relu": "({v} < 0.f ? {v} * {p0} : {v})",
-        "sigmoid": "(1.f / (1.f + expf(-{v})))",
-        "silu": "({v} / (1.f + expf(-{v})))",
-        "tanh": "tanhf({v})",
-        "hardswish": "({v} <= -3.f ? 0.f : ({v} >= 3.f ? {v} : {v} * ({v} + 3.f) / 6.f))",
-        "hardsigmoid": "({v} <= -3.f ? 0.f : ({v} >= 3.f ? 1.f : {v} / 6.f + 0.5f))",
-        "gelu": "(0.5f * {v} * (1.f + erff({v} * 0.7071067811865476f)))",
-        "gelu_tanh": "(0.5f * {v} * (1.f + tanhf(0.7978845608028654f * ({v} + 0.044715f * {v} * {v} * {v}))))",
-    }
-    if name not in exprs:
-        raise Declined(f"activation {name!r}")
-    ps = {f"p{k}": flit(x) for k, x in enumerate(params)}
-    return exprs[name].format(v=v, **ps)
-
-
 UNARY = (aten.relu.default, aten.hardtanh.default, aten.leaky_relu.default, aten.sigmoid.default,
          aten.silu.default, aten.tanh.default, aten.hardswish.default, aten.hardsigmoid.default, aten.gelu.default)
 BINARY = {aten.add.Tensor: "+", aten.sub.Tensor: "-", aten.mul.Tensor: "*"}
 VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default,
          aten.alias.default, aten.t.default, aten.detach.default, aten._to_copy.default)
-#: what a graph's tensors may hold; the C computes in float32 throughout (a bfloat16 input is widened
-#: where it is read, a bfloat16 output rounded to nearest even where it is written)
+#: what a graph's tensors may hold; the C computes in float32 (a bfloat16 input is widened where it is
+#: read, a bfloat16 output rounded to nearest even where it is written), but for a bfloat16 graph's
+#: convolutions and linear layers, which sum bfloat16 pairs where the CPU can (``c_bf16``)
 DTYPES = (torch.float32, torch.bfloat16)
 BATCH_NORM = aten._native_batch_norm_legit_no_training.default
 FUSED_CONV = torch.ops.fxopt.fused_conv.default
@@ -389,9 +341,21 @@ class Emitter:
         else:
             ocb = max(d for d in range(1, MAX_OCB + 1) if p["ocg"] % d == 0)
             loops = c_kernels.conv_rows(p, X, Wt, bias, Y, epi, ocb)
+            if self._bf16(node, w) and p["sw"] == 1:  # bfloat16 channel pairs (c_bf16), float32 where not
+                xq, wq = self._scratch(c_bf16.channels_bytes(p)), self._scratch(c_bf16.weights_bytes(p))
+                self._block(f"{node.name}: input as bfloat16 channel pairs",
+                            c_bf16.guarded(c_bf16.pack_channels(p, X, xq), []), split=True)
+                prepare = c_bf16.guarded(c_bf16.pair_weights(p, Wt, wq), [])
+                loops = c_bf16.guarded(c_kernels.conv_rows(p, X, Wt, bias, Y, epi, ocb, (xq, wq)), loops)
+                layout += " (bfloat16 pairs)"
         self._block(f"{node.name}: convolution along {layout}{self._names(ops)}", self._prologue(ops, oc) + loops,
                     split=True, prepare=prepare, every_call=w not in self.params)
         self.refs[last] = Y
+
+    def _bf16(self, node: fx.Node, w) -> bool:
+        """Whether a bfloat16 node's weight ``w`` is an argument, which ``c_bf16`` lays out before the
+        layers (a parameter's at a call that lays weights out, an input's at every call)."""
+        return val(node).dtype == torch.bfloat16 and self.owner.get(w, w).op == "placeholder"
 
     def _scratch(self, nbytes: int) -> str:
         """A C pointer to ``nbytes`` of workspace of the node being emitted (never reused)."""
@@ -423,11 +387,20 @@ class Emitter:
         Bv = "" if bias is None or beta == 0 else \
             f" + {flit(beta) + ' * ' if beta != 1 else ''}{self.refs[bias].broadcast_to(2).at(['b', 'o'])}"
         scale = f" * {flit(alpha)}" if alpha != 1 else ""
-        body = self._prologue(ops, no)
+        body, prepare = self._prologue(ops, no), []
         split = s1[1] == 1 and s2[0] == 1
-        if split:  # rows of m1 and columns of m2 dense (a transposed weight)
-            body += c_kernels.linear_rows(nb, k, no, M1, M2, Bv, scale, Y,
-                                          lambda v, idx: self._apply(ops, v, idx, "o"))
+        weight = w if node.target is FUSED_LINEAR else m2
+        epi = lambda v, idx: self._apply(ops, v, idx, "o")  # noqa: E731
+        if split and self._bf16(node, weight):  # bfloat16 rows summed in pairs (c_bf16), float32 where not
+            kp = c_bf16.padded(k)
+            xq, wq = self._scratch(2 * nb * kp), self._scratch(2 * no * kp)
+            self._block(f"{node.name}: rows as bfloat16", c_bf16.guarded(c_bf16.pack_rows(nb, k, M1, xq), []),
+                        split=True)
+            prepare = c_bf16.guarded(c_bf16.row_weights(k, no, M2, wq), [])
+            body += c_bf16.guarded(c_kernels.linear_rows(nb, k, no, M1, M2, Bv, scale, Y, epi, (xq, wq)),
+                                   c_kernels.linear_rows(nb, k, no, M1, M2, Bv, scale, Y, epi))
+        elif split:  # rows of m1 and columns of m2 dense (a transposed weight)
+            body += c_kernels.linear_rows(nb, k, no, M1, M2, Bv, scale, Y, epi)
         else:  # any strides: a row of sums
             body += [f"for (int b = 0; b < {nb}; b++) {{",
                      f"  float acc[{no}];", f"  for (int o = 0; o < {no}; o++) acc[o] = 0.f;",
@@ -436,7 +409,8 @@ class Emitter:
                      "  }", f"  for (int o = 0; o < {no}; o++) {{", f"    float v = acc[o]{scale}{Bv};",
                      *["    " + ln for ln in self._apply(ops, "v", ["b", "o"], "o")],
                      f"    {Y.at(['b', 'o'])} = v;", "  }", "}"]
-        self._block(f"{node.name}: {getattr(node.target, '__name__', 'mm')}{self._names(ops)}", body, split=split)
+        self._block(f"{node.name}: {getattr(node.target, '__name__', 'mm')}{self._names(ops)}", body, split=split,
+                    prepare=prepare, every_call=self.owner.get(weight, weight) not in self.params)
         self.refs[last] = Y
 
     def _pool(self, node: fx.Node) -> None:

@@ -12,11 +12,17 @@ dimension fills the lanes:
 - ``linear_rows``: ``y = x W^T``, four outputs at once as 16-wide dot products along the inputs,
   for every row of ``x`` while those four rows of ``W`` are in the L1.
 
-``choose_conv`` picks the layout whose lanes hold more real outputs.
+``choose_conv`` picks the layout whose lanes hold more real outputs; ``unary_expr`` writes an
+activation as a C expression.
 """
 from __future__ import annotations
 
 import math
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
 
 VL = 16  # floats per vf
 TYPES = """static inline float from_bf16(unsigned short h) {
@@ -42,6 +48,56 @@ static inline vf load_lanes(const float* p, unsigned short mask) {
 }
 #endif
 """
+class Declined(Exception):
+    """The graph has something the generated C does not handle (the message says what)."""
+
+
+def flit(x) -> str:
+    """A float literal in C (inf and nan spelled out)."""
+    x = float(x)
+    if math.isnan(x):
+        return "NAN"
+    if math.isinf(x):
+        return "INFINITY" if x > 0 else "-INFINITY"
+    return f"{x!r}f"
+
+
+def activation_of(node: fx.Node) -> tuple:
+    """(name, params) of an aten activation node, as ``fxopt.ops.ACTIVATIONS`` names them."""
+    t, args, kw = node.target, node.args, node.kwargs
+    if t is aten.hardtanh.default:
+        return "hardtanh", (args[1] if len(args) > 1 else kw.get("min_val", -1.0),
+                            args[2] if len(args) > 2 else kw.get("max_val", 1.0))
+    if t is aten.leaky_relu.default:
+        return "leaky_relu", (args[1] if len(args) > 1 else kw.get("negative_slope", 0.01),)
+    if t is aten.gelu.default:
+        return ("gelu_tanh" if (args[1] if len(args) > 1 else kw.get("approximate", "none")) == "tanh"
+                else "gelu"), ()
+    return t.__name__.split(".")[0], ()
+
+
+def unary_expr(name: str, params, v: str) -> str:
+    """The C expression of activation ``name`` on value ``v``. NaN stays NaN as in eager: every
+    clamp is written so that a comparison with NaN is false and ``v`` passes."""
+    exprs = {
+        "none": "{v}",
+        "relu": "({v} < 0.f ? 0.f : {v})",
+        "hardtanh": "({v} < {p0} ? {p0} : ({v} > {p1} ? {p1} : {v}))",
+        "leaky_relu": "({v} < 0.f ? {v} * {p0} : {v})",
+        "sigmoid": "(1.f / (1.f + expf(-{v})))",
+        "silu": "({v} / (1.f + expf(-{v})))",
+        "tanh": "tanhf({v})",
+        "hardswish": "({v} <= -3.f ? 0.f : ({v} >= 3.f ? {v} : {v} * ({v} + 3.f) / 6.f))",
+        "hardsigmoid": "({v} <= -3.f ? 0.f : ({v} >= 3.f ? 1.f : {v} / 6.f + 0.5f))",
+        "gelu": "(0.5f * {v} * (1.f + erff({v} * 0.7071067811865476f)))",
+        "gelu_tanh": "(0.5f * {v} * (1.f + tanhf(0.7978845608028654f * ({v} + 0.044715f * {v} * {v} * {v}))))",
+    }
+    if name not in exprs:
+        raise Declined(f"activation {name!r}")
+    ps = {f"p{k}": flit(x) for k, x in enumerate(params)}
+    return exprs[name].format(v=v, **ps)
+
+
 PIXELS = 4  # pixels per step of conv_channels
 ROWS = 4  # outputs per step of linear_rows
 
@@ -57,16 +113,24 @@ def choose_conv(p: dict) -> str:
     return "channels" if lanes_used(p["ocg"]) > rows else "rows"
 
 
-def conv_rows(p: dict, X, Wt, bias: str, Y, epi, ocb: int) -> list:
+def conv_rows(p: dict, X, Wt, bias: str, Y, epi, ocb: int, paired=None) -> list:
     """``epi(v, idx)``: the epilogue's lines on float ``v`` at index expressions ``idx``.
 
     A contiguous row read at stride 1 is read in place, each tap a masked vector load (lanes in the
     padding or past the row's end are zeros and never read), and two output rows are computed at
     once, each weight read once for both. Other rows are first copied into a zero-padded row
-    buffer, so every tap reads its lanes without a bounds check."""
+    buffer, so every tap reads its lanes without a bounds check.
+
+    ``paired``: (input, weights) C pointers of ``c_bf16``'s channel pairs (stride 1 only): each
+    tap reads 16 pixels' pairs and adds both products of a pair with ``vdpbf16ps``."""
     xs, ws = X.strides, Wt.strides
     tiles = math.ceil(p["ow"] / VL)
-    masked = p["sw"] == 1 and xs[3] == 1
+    masked = p["sw"] == 1 and (xs[3] == 1 or paired is not None)
+    icn, fma = p["icg"], "a{o}_{r}[tt] += w{o} * xv{r};"
+    if paired is not None:
+        assert p["sw"] == 1, "channel pairs are read along a row at stride 1"
+        icn, xq = (p["icg"] + 1) // 2, paired[0]
+        fma = "a{o}_{r}[tt] = (vf)_mm512_dpbf16_ps((__m512)a{o}_{r}[tt], xv{r}, w{o});"
     rows = 2 if masked and p["oh"] > 1 and ocb * tiles * 2 <= 16 else 1
     lines, accs = [], [[f"a{o}_{r}" for o in range(ocb)] for r in range(rows)]
     if masked:
@@ -78,6 +142,13 @@ def conv_rows(p: dict, X, Wt, bias: str, Y, epi, ocb: int) -> list:
                 f" + (ih + {r * p['sh']}) * {xs[2]} + kw * {p['dw']} - {p['pw']};" for r in range(rows)]
         ok = [f"const int ok{r} = ih + {r * p['sh']} >= 0 && ih + {r * p['sh']} < {p['h']};" for r in range(rows)]
         taps = [f"const vf xv{r} = load_lanes(x{r} + tt * {VL}, ok{r} ? mk[tt][kw] : 0);" for r in range(rows)]
+        if paired is not None:
+            plane = p["h"] * p["w"]
+            read = [f"const unsigned int* restrict x{r} = (const unsigned int*){xq} + ((long)(n * {p['groups']} + g)"
+                    f" * {icn} + ic) * {plane} + (ih + {r * p['sh']}) * {p['w']} + kw * {p['dw']} - {p['pw']};"
+                    for r in range(rows)]
+            taps = [f"const __m512bh xv{r} = (__m512bh)_mm512_maskz_loadu_epi32(ok{r} ? mk[tt][kw] : 0,"
+                    f" x{r} + tt * {VL});" for r in range(rows)]
     else:
         rw = (tiles * VL - 1) * p["sw"] + (p["kw"] - 1) * p["dw"] + 1  # row buffer: input columns -pw ..
         ncopy = max(0, min(p["w"], rw - p["pw"]))
@@ -95,16 +166,14 @@ def conv_rows(p: dict, X, Wt, bias: str, Y, epi, ocb: int) -> list:
         f"for (int ob = 0; ob < {p['ocg']}; ob += {ocb}) for (int oh = oh_0; oh < oh_1; oh += {rows}) {{",
         "  " + " ".join(f"vf {a}[{tiles}];" for r in accs for a in r),
         f"  for (int t = 0; t < {tiles}; t++) {{ {' '.join(f'{a}[t] = (vf){{0}};' for r in accs for a in r)} }}",
-        f"  for (int ic = 0; ic < {p['icg']}; ic++) for (int kh = 0; kh < {p['kh']}; kh++) {{",
+        f"  for (int ic = 0; ic < {icn}; ic++) for (int kh = 0; kh < {p['kh']}; kh++) {{",
         f"    const int ih = oh * {p['sh']} - {p['ph']} + kh * {p['dh']};",
         *["    " + ln for ln in ok],
-        f"    const float* restrict wr = {Wt.base} + (g * {p['ocg']} + ob) * {ws[0]} + ic * {ws[1]} + kh * {ws[2]};",
-        f"    for (int kw = 0; kw < {p['kw']}; kw++) {{",
-        "      " + " ".join(f"const float w{o} = wr[{o * ws[0]} + kw * {ws[3]}];" for o in range(ocb)),
+        *(["    " + ln for ln in _weights(p, Wt, ocb, paired)]),
         *["      " + ln for ln in read],
         f"      for (int tt = 0; tt < {tiles}; tt++) {{",
         *["        " + ln for ln in taps],
-        *["        " + " ".join(f"a{o}_{r}[tt] += w{o} * xv{r};" for o in range(ocb)) for r in range(rows)],
+        *["        " + " ".join(fma.format(o=o, r=r) for o in range(ocb)) for r in range(rows)],
         "      }", "    }", "  }",
         f"  for (int tt = 0; tt < {tiles}; tt++) {{",
         f"  const int t0 = tt * {VL}, L = {p['ow']} - t0 < {VL} ? {p['ow']} - t0 : {VL};"]
@@ -118,6 +187,21 @@ def conv_rows(p: dict, X, Wt, bias: str, Y, epi, ocb: int) -> list:
                       *_lanes("L", store), "  }"]
         lines.append("  }")
     return lines + ["  }", "}"]
+
+
+def _weights(p: dict, Wt, ocb: int, paired) -> list:
+    """conv_rows' weights of ``ocb`` output channels at one (ic, kh) and each kw: floats, or a pair
+    of bfloat16 broadcast to every lane."""
+    if paired is None:
+        ws = Wt.strides
+        return [f"const float* restrict wr = {Wt.base} + (g * {p['ocg']} + ob) * {ws[0]} + ic * {ws[1]}"
+                f" + kh * {ws[2]};", f"for (int kw = 0; kw < {p['kw']}; kw++) {{",
+                "  " + " ".join(f"const float w{o} = wr[{o * ws[0]} + kw * {ws[3]}];" for o in range(ocb))]
+    taps, icn = p["kh"] * p["kw"], (p["icg"] + 1) // 2
+    return [f"const unsigned int* restrict wr = (const unsigned int*){paired[1]} + ((long)(g * {p['ocg']} + ob)"
+            f" * {icn} + ic) * {taps} + kh * {p['kw']};", f"for (int kw = 0; kw < {p['kw']}; kw++) {{",
+            "  " + " ".join(f"const __m512bh w{o} = (__m512bh)_mm512_set1_epi32((int)wr[{o * icn * taps} + kw]);"
+                            for o in range(ocb))]
 
 
 def conv_channels(p: dict, X, Wt, bias: str, Y, epi, wp: str) -> list:
@@ -184,25 +268,41 @@ def conv_workspace(p: dict) -> int:
     return 4 * p["groups"] * math.ceil(p["ocg"] / VL) * p["icg"] * p["kh"] * p["kw"] * VL
 
 
-def linear_rows(nb: int, k: int, no: int, M1, M2, bias: str, scale: str, Y, epi) -> list:
+def linear_rows(nb: int, k: int, no: int, M1, M2, bias: str, scale: str, Y, epi, paired=None) -> list:
     """``y[b, o] = sum_i m1[b, i] m2[i, o]`` for ``m1`` dense along ``i`` and ``m2``'s columns dense
-    (a transposed weight)."""
+    (a transposed weight). ``paired``: (rows, weights) C pointers of ``c_bf16``'s bfloat16 rows
+    padded to a multiple of 32, summed 32 at a time with ``vdpbf16ps``."""
     m1s, m2s = M1.strides[0], M2.strides[1]
     rows = min(ROWS, no)
+    kp = -(-k // 32) * 32
     lines = [*split_range("o", no, rows),
              f"for (int o0 = o_0; o0 < o_1; o0 += {rows}) {{"]  # a block of weight rows, then every row of m1
+    kind, base, step = ("float", M2.base, m2s) if paired is None else \
+        ("unsigned short", f"(const unsigned short*){paired[1]}", kp)
     for j in range(rows):
-        lines.append(f"  const float* restrict w{j} = {M2.base} + (o0 + {j} < {no} ? o0 + {j} : {no - 1}) * {m2s};")
-    lines += [f"  for (int b = 0; b < {nb}; b++) {{", f"  const float* restrict xr = {M1.base} + b * {m1s};"]
-    lines += ["  " + " ".join(f"vf s{j} = {{0}};" for j in range(rows)),
-              "  int i = 0;",
-              f"  for (; i + {VL} <= {k}; i += {VL}) {{",
-              "    const vf xv = *(const vfu*)(xr + i);",
-              *[f"    s{j} += xv * *(const vfu*)(w{j} + i);" for j in range(rows)],
-              "  }",
-              "  " + " ".join(f"float r{j} = 0.f;" for j in range(rows)),
-              f"  for (int l = 0; l < {VL}; l++) {{ {' '.join(f'r{j} += s{j}[l];' for j in range(rows))} }}",
-              f"  for (; i < {k}; i++) {{ {' '.join(f'r{j} += xr[i] * w{j}[i];' for j in range(rows))} }}"]
+        row = f"(long)(o0 + {j} < {no} ? o0 + {j} : {no - 1})"
+        lines.append(f"  const {kind}* restrict w{j} = {base} + {row} * {step};")
+    if paired is None:
+        lines += [f"  for (int b = 0; b < {nb}; b++) {{", f"  const float* restrict xr = {M1.base} + b * {m1s};",
+                  "  " + " ".join(f"vf s{j} = {{0}};" for j in range(rows)),
+                  "  int i = 0;",
+                  f"  for (; i + {VL} <= {k}; i += {VL}) {{",
+                  "    const vf xv = *(const vfu*)(xr + i);",
+                  *[f"    s{j} += xv * *(const vfu*)(w{j} + i);" for j in range(rows)],
+                  "  }"]
+    else:
+        lines += [f"  for (int b = 0; b < {nb}; b++) {{",
+                  f"  const unsigned short* restrict xr = (const unsigned short*){paired[0]} + (long)b * {kp};",
+                  "  " + " ".join(f"vf s{j} = {{0}};" for j in range(rows)),
+                  f"  for (int i = 0; i < {kp}; i += 32) {{",
+                  "    const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + i);",
+                  *[f"    s{j} = (vf)_mm512_dpbf16_ps((__m512)s{j}, xv, (__m512bh)_mm512_loadu_si512(w{j} + i));"
+                    for j in range(rows)],
+                  "  }"]
+    lines += ["  " + " ".join(f"float r{j} = 0.f;" for j in range(rows)),
+              f"  for (int l = 0; l < {VL}; l++) {{ {' '.join(f'r{j} += s{j}[l];' for j in range(rows))} }}"]
+    if paired is None:
+        lines.append(f"  for (; i < {k}; i++) {{ {' '.join(f'r{j} += xr[i] * w{j}[i];' for j in range(rows))} }}")
     for j in range(rows):
         lines += [f"  if (o0 + {j} < {no}) {{", f"    const int o = o0 + {j};", f"    float v = r{j}{scale}{bias};",
                   *["    " + ln for ln in epi("v", ["b", "o"])],

@@ -18,7 +18,9 @@ are read through the strides they come with (a package's weights may be slices o
 intermediate tensors are contiguous.
 
 Numerics: sums run in float32 in another order than oneDNN's (within the float32 tolerance of
-``fxopt.tolerances``); NaN propagates through max pools and activations as in eager.
+``fxopt.tolerances``); NaN propagates through max pools and activations as in eager. A bfloat16
+graph's convolutions and linear layers round their inputs to bfloat16, as torch's do, and sum pairs
+of products with AVX-512 BF16 where the compiler's target has it (``c_bf16``).
 """
 from __future__ import annotations
 
