@@ -36,8 +36,9 @@ RESULT_SUFFIXES = (".png", ".jpg", ".svg", ".webp")
 #: reserve query, static size inputs and symbolic propagation keys with their tests (3.114 MB); to 3.145 MB for the
 #: per-size deferred baseline, moving inputs, sources made once, the interleaved serving latency and their tests
 #: (3.137 MB); to 3.26 MB for the cpu executor's generated C (six modules), its tests and the CPU suite's results
-#: (3.247 MB); the aim stays lower
-TRACKED_MAX_BYTES = 3_260_000
+#: (3.247 MB); down to 3.24 MB once the 2026-11-26 suite's raw results went to git history, with the bfloat16 pair
+#: sums, their tests and the AMD host's seed-CNN results (3.226 MB); the aim stays lower
+TRACKED_MAX_BYTES = 3_240_000
 #: lines of any ``.py`` file under the package directories and the tests
 SOURCE_MAX_LINES = 600
 LINE_LIMITED_DIRS = ("fxopt", "passes", "backends", "tests")
