@@ -9,8 +9,8 @@ dimension fills the lanes:
 - ``conv_channels``: 16 output channels of one pixel, a few pixels at once, the weights laid out
   per call as [group][channel tile][ic][kh][kw][16] in the workspace; for small images with many
   channels (a 10x10 output fills 10 of 16 lanes along a row, 16 of 16 along the channels).
-- ``linear_rows``: ``y = x W^T``, four outputs at once as 16-wide dot products along the inputs,
-  for every row of ``x`` while those four rows of ``W`` are in the L1.
+- ``linear_rows``: ``y = x W^T``, four rows of ``W`` by four rows of ``x`` at once as 16-wide dot
+  products along the inputs, for every row of ``x`` while those rows of ``W`` are in the cache.
 
 ``choose_conv`` picks the layout whose lanes hold more real outputs; ``unary_expr`` writes an
 activation as a C expression.
@@ -99,7 +99,8 @@ def unary_expr(name: str, params, v: str) -> str:
 
 
 PIXELS = 4  # pixels per step of conv_channels
-ROWS = 4  # outputs per step of linear_rows
+ROWS = 4  # weight rows per step of linear_rows
+BROWS = 4  # rows of its input per step
 
 
 def lanes_used(n: int) -> float:
@@ -270,41 +271,52 @@ def conv_workspace(p: dict) -> int:
 
 def linear_rows(nb: int, k: int, no: int, M1, M2, bias: str, scale: str, Y, epi, paired=None) -> list:
     """``y[b, o] = sum_i m1[b, i] m2[i, o]`` for ``m1`` dense along ``i`` and ``m2``'s columns dense
-    (a transposed weight). ``paired``: (rows, weights) C pointers of ``c_bf16``'s bfloat16 rows
-    padded to a multiple of 32, summed 32 at a time with ``vdpbf16ps``."""
-    m1s, m2s = M1.strides[0], M2.strides[1]
-    rows = min(ROWS, no)
+    (a transposed weight): ``ROWS`` weight rows by ``BROWS`` rows of ``m1`` at once (each vector read
+    serves four sums), every row of ``m1`` while those weight rows are in the cache. ``paired``:
+    (rows, weights) C pointers of ``c_bf16``'s bfloat16 rows padded to a multiple of 32, summed 32
+    at a time with ``vdpbf16ps``."""
+    rows, brows = min(ROWS, no), min(BROWS, nb)
     kp = -(-k // 32) * 32
     lines = [*split_range("o", no, rows),
              f"for (int o0 = o_0; o0 < o_1; o0 += {rows}) {{"]  # a block of weight rows, then every row of m1
-    kind, base, step = ("float", M2.base, m2s) if paired is None else \
+    kind, base, step = ("float", M2.base, M2.strides[1]) if paired is None else \
         ("unsigned short", f"(const unsigned short*){paired[1]}", kp)
     for j in range(rows):
         row = f"(long)(o0 + {j} < {no} ? o0 + {j} : {no - 1})"
         lines.append(f"  const {kind}* restrict w{j} = {base} + {row} * {step};")
+    lines.append("  int b0 = 0;")
+    loops = [(brows, f"for (; b0 + {brows} <= {nb}; b0 += {brows})")] + \
+        ([(1, f"for (; b0 < {nb}; b0++)")] if nb % brows else [])
+    for br, loop in loops:
+        lines += [f"  {loop} {{", *["    " + ln for ln in _dots(br, rows, k, kp, M1, paired)]]
+        for q in range(br):
+            for j in range(rows):
+                lines += [f"    if (o0 + {j} < {no}) {{", f"      const int b = b0 + {q}, o = o0 + {j};",
+                          f"      float v = r{j}_{q}{scale}{bias};", *["      " + ln for ln in epi("v", ["b", "o"])],
+                          f"      {Y.base}[b * {no} + o] = v;", "    }"]
+        lines.append("  }")
+    return lines + ["}"]
+
+
+def _dots(br: int, rows: int, k: int, kp: int, M1, paired) -> list:
+    """``r{j}_{q}``: the sums of weight row ``j`` with row ``b0 + q`` of ``m1``."""
+    acc = [(j, q) for q in range(br) for j in range(rows)]
+    lines = [" ".join(f"vf s{j}_{q} = {{0}};" for j, q in acc)]
     if paired is None:
-        lines += [f"  for (int b = 0; b < {nb}; b++) {{", f"  const float* restrict xr = {M1.base} + b * {m1s};",
-                  "  " + " ".join(f"vf s{j} = {{0}};" for j in range(rows)),
-                  "  int i = 0;",
-                  f"  for (; i + {VL} <= {k}; i += {VL}) {{",
-                  "    const vf xv = *(const vfu*)(xr + i);",
-                  *[f"    s{j} += xv * *(const vfu*)(w{j} + i);" for j in range(rows)],
-                  "  }"]
+        lines += [f"const float* restrict x{q} = {M1.base} + (long)(b0 + {q}) * {M1.strides[0]};" for q in range(br)]
+        lines += ["int i = 0;", f"for (; i + {VL} <= {k}; i += {VL}) {{",
+                  *[f"  const vf wv{j} = *(const vfu*)(w{j} + i);" for j in range(rows)],
+                  *[f"  const vf xv{q} = *(const vfu*)(x{q} + i);" for q in range(br)],
+                  *[f"  s{j}_{q} += xv{q} * wv{j};" for j, q in acc], "}"]
     else:
-        lines += [f"  for (int b = 0; b < {nb}; b++) {{",
-                  f"  const unsigned short* restrict xr = (const unsigned short*){paired[0]} + (long)b * {kp};",
-                  "  " + " ".join(f"vf s{j} = {{0}};" for j in range(rows)),
-                  f"  for (int i = 0; i < {kp}; i += 32) {{",
-                  "    const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + i);",
-                  *[f"    s{j} = (vf)_mm512_dpbf16_ps((__m512)s{j}, xv, (__m512bh)_mm512_loadu_si512(w{j} + i));"
-                    for j in range(rows)],
-                  "  }"]
-    lines += ["  " + " ".join(f"float r{j} = 0.f;" for j in range(rows)),
-              f"  for (int l = 0; l < {VL}; l++) {{ {' '.join(f'r{j} += s{j}[l];' for j in range(rows))} }}"]
+        lines += [f"const unsigned short* restrict x{q} = (const unsigned short*){paired[0]} + (long)(b0 + {q}) * {kp};"
+                  for q in range(br)]
+        lines += [f"for (int i = 0; i < {kp}; i += 32) {{",
+                  *[f"  const __m512bh wv{j} = (__m512bh)_mm512_loadu_si512(w{j} + i);" for j in range(rows)],
+                  *[f"  const __m512bh xv{q} = (__m512bh)_mm512_loadu_si512(x{q} + i);" for q in range(br)],
+                  *[f"  s{j}_{q} = (vf)_mm512_dpbf16_ps((__m512)s{j}_{q}, xv{q}, wv{j});" for j, q in acc], "}"]
+    lines += [" ".join(f"float r{j}_{q} = 0.f;" for j, q in acc),
+              f"for (int l = 0; l < {VL}; l++) {{ {' '.join(f'r{j}_{q} += s{j}_{q}[l];' for j, q in acc)} }}"]
     if paired is None:
-        lines.append(f"  for (; i < {k}; i++) {{ {' '.join(f'r{j} += xr[i] * w{j}[i];' for j in range(rows))} }}")
-    for j in range(rows):
-        lines += [f"  if (o0 + {j} < {no}) {{", f"    const int o = o0 + {j};", f"    float v = r{j}{scale}{bias};",
-                  *["    " + ln for ln in epi("v", ["b", "o"])],
-                  f"    {Y.base}[b * {no} + o] = v;", "  }"]
-    return lines + ["  }", "}"]
+        lines.append(f"for (; i < {k}; i++) {{ {' '.join(f'r{j}_{q} += x{q}[i] * w{j}[i];' for j, q in acc)} }}")
+    return lines
