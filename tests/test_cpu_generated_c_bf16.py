@@ -136,7 +136,7 @@ def test_weights_laid_out_again_as_pairs():
 
 
 @needs_bf16
-@settings(deadline=None, max_examples=25)
+@settings(deadline=None, max_examples=10)
 @given(cnn_cases(dtypes=(torch.float32,), ndims=(2,), max_layers=4))
 def test_random_bfloat16_cnns_within_tolerance_or_decline(case):
     """Random CNNs in bfloat16: within bfloat16's tolerance of float32 eager, and no further from it
