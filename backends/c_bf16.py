@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import math
 
+from fxopt.backends.c_kernels import split_range
+
 GUARD = "__AVX512BF16__"
 KP = 32  # bfloat16 per 64-byte vector
 
@@ -52,17 +54,16 @@ def pack_channels(p: dict, X, dst: str) -> list:
     the rows of (n, g, pair) shared out over the threads."""
     xs, icg, g = X.strides, p["icg"], p["groups"]
     n2 = pairs(icg)
-    from fxopt.backends.c_kernels import split_range
     return [*split_range("r", p["n"] * g * n2, 1),
             f"unsigned int* restrict xq = (unsigned int*){dst};",
             "for (int r = r_0; r < r_1; r++) {",
-            f"  const int n = r / {g * n2}, g = r / {n2} % {g}, c2 = r % {n2}, odd = 2 * c2 + 1 < {icg};",
+            f"  const int n = r / {g * n2}, g = r / {n2} % {g}, c2 = r % {n2}, two = 2 * c2 + 1 < {icg};",
             f"  const float* restrict x0 = {X.base} + n * {xs[0]} + (g * {icg} + 2 * c2) * {xs[1]};",
-            f"  const float* restrict x1 = odd ? x0 + {xs[1]} : x0;",
+            f"  const float* restrict x1 = two ? x0 + {xs[1]} : x0;",
             f"  unsigned int* restrict o = xq + (long)r * {p['h'] * p['w']};",
             f"  for (int i = 0; i < {p['h']}; i++) for (int j = 0; j < {p['w']}; j++) {{",
             f"    const long at = i * {xs[2]} + j * {xs[3]};",
-            f"    o[i * {p['w']} + j] = (unsigned int)to_bf16(x0[at]) | (odd ? (unsigned int)to_bf16(x1[at]) << 16"
+            f"    o[i * {p['w']} + j] = (unsigned int)to_bf16(x0[at]) | (two ? (unsigned int)to_bf16(x1[at]) << 16"
             " : 0u);",
             "  }", "}"]
 
@@ -86,7 +87,6 @@ def padded(k: int) -> int:
 
 def pack_rows(nb: int, k: int, M1, dst: str) -> list:
     """A layer's lines: the rows of ``M1`` ([nb][k]) as bfloat16 padded to ``padded(k)`` in ``dst``."""
-    from fxopt.backends.c_kernels import split_range
     kp, s = padded(k), M1.strides
     return [*split_range("b", nb, 1),
             f"unsigned short* restrict xq = (unsigned short*){dst};",
