@@ -87,10 +87,28 @@ class Convs(nn.Module):
     (5, 7, (1, 3), (2, 1), (0, 1), 1, 1, 9),  # rectangular kernel and strides, odd channel counts
     (3, 40, 3, 2, 1, 1, 1, 40),   # a strided row wider than a vector, several channel tiles
 ])
-@pytest.mark.parametrize("act", [nn.ReLU(), nn.Hardswish(), nn.SiLU(), nn.ReLU6(), nn.GELU()], ids=str)
-def test_convolutions_match_eager(cin, cout, k, stride, padding, dilation, groups, size, act):
+def test_convolutions_match_eager(cin, cout, k, stride, padding, dilation, groups, size):
+    """Each geometry with each activation as its epilogue: five convolutions of one input in one graph
+    (one compile), each with its BatchNorm and activation absorbed."""
     torch.manual_seed(0)
-    check(Convs(cin, cout, k, stride, padding, dilation, groups, act), torch.randn(2, cin, size, size))
+    acts = [nn.ReLU(), nn.Hardswish(), nn.SiLU(), nn.ReLU6(), nn.GELU()]
+    model = Each(nn.ModuleList(Convs(cin, cout, k, stride, padding, dilation, groups, a) for a in acts)).eval()
+    x = torch.randn(2, cin, size, size)
+    gm, args = aten_graph(model, x)
+    src = generate(gm, args).source
+    assert all(f"+ {name}" in src for name in ("relu", "hardswish", "silu", "hardtanh", "gelu")), src[:2000]
+    check(model, x)
+
+
+class Each(nn.Module):
+    """Every module of ``mods`` on the same input."""
+
+    def __init__(self, mods):
+        super().__init__()
+        self.mods = mods
+
+    def forward(self, x):
+        return tuple(mod(x) for mod in self.mods)
 
 
 def test_layouts_both_taken():
