@@ -349,7 +349,7 @@ class Emitter:
                 loops = c_bf16.guarded(c_kernels.conv_rows(p, X, Wt, bias, Y, epi, ocb, (xq, wq)), loops)
                 layout += " (bfloat16 pairs)"
         self._block(f"{node.name}: convolution along {layout}{self._names(ops)}", self._prologue(ops, oc) + loops,
-                    split=True, prepare=prepare, every_call=w not in self.params)
+                    split=True, prepare=prepare, every_call=self.owner.get(w, w) not in self.params)
         self.refs[last] = Y
 
     def _bf16(self, node: fx.Node, w) -> bool:

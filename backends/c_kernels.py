@@ -48,6 +48,8 @@ static inline vf load_lanes(const float* p, unsigned short mask) {
 }
 #endif
 """
+
+
 class Declined(Exception):
     """The graph has something the generated C does not handle (the message says what)."""
 

@@ -159,3 +159,25 @@ def test_random_bfloat16_cnns_within_tolerance_or_decline(case):
         scale = w.abs().max().item() or 1.0
         err = (g.float() - w).abs().max().item() / scale
         assert err <= max(tolerance(torch.bfloat16)[0], 2 * (e.float() - w).abs().max().item() / scale + 8e-3)
+
+
+@needs_bf16
+def test_autocast_graph_lays_its_weights_out_once():
+    """Under bfloat16 autocast the weights reach the convolution and the linear layers through casts of
+    float32 parameters: laid out as pairs at a call that lays weights out, not at every call; within
+    bfloat16's tolerance of float32 eager."""
+    from fxopt.testing import SeedCNN2
+
+    torch.manual_seed(0)
+    m = SeedCNN2().eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        want = m(x)
+    with torch.autocast("cpu", torch.bfloat16):
+        gm, args = aten_graph(m, x)
+    params = [i for i, a in enumerate(args) if a.data_ptr() != x.data_ptr()]
+    src = generate(gm, args, params).source
+    prepare, every_call = src.split("  if (P) {", 1)[1].split("  if (nt > 1)", 1)[0].split("\n  }\n", 1)
+    assert prepare.count("wq[") == 4 and "wq[" not in every_call  # two convolutions, two linear layers
+    (got,) = cpu_c.CRunner(gm, params, watch=False)(*args)
+    assert ((got.float() - want).abs().max() / want.abs().max()).item() <= tolerance(torch.bfloat16)[0]
