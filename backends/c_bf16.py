@@ -24,12 +24,9 @@ source computes in float32 as before (``c_kernels``' loops in the ``#else``).
 """
 from __future__ import annotations
 
-import math
-
-from fxopt.backends.c_kernels import split_range
+from fxopt.backends.c_kernels import padded, split_range  # noqa: F401 (padded: the emitter's)
 
 GUARD = "__AVX512BF16__"
-KP = 32  # bfloat16 per 64-byte vector
 
 
 def pairs(icg: int) -> int:
@@ -79,10 +76,6 @@ def pair_weights(p: dict, Wt, dst: str) -> list:
             f"  wq[((oc * {n2} + c2) * {p['kh']} + i) * {p['kw']} + j] = (unsigned int)to_bf16(w0[0])"
             f" | (2 * c2 + 1 < {icg} ? (unsigned int)to_bf16(w0[{ws[1]}]) << 16 : 0u);",
             "}"]
-
-
-def padded(k: int) -> int:
-    return math.ceil(k / KP) * KP
 
 
 def pack_rows(nb: int, k: int, M1, dst: str) -> list:

@@ -250,6 +250,11 @@ def conv_channels(p: dict, X, Wt, bias: str, Y, epi, wp: str) -> list:
     return lines, loops + ["}"]
 
 
+def padded(k: int) -> int:
+    """``k`` rounded up to a multiple of 32 (bfloat16 in a 64-byte vector): ``c_bf16``'s rows."""
+    return -(-k // 32) * 32
+
+
 def split_range(name: str, n: int, step: int) -> list:
     """C of ``{name}_0`` .. ``{name}_1``: this thread's (``part`` of ``parts``) share of 0..n in
     multiples of ``step``."""
@@ -278,7 +283,7 @@ def linear_rows(nb: int, k: int, no: int, M1, M2, bias: str, scale: str, Y, epi,
     (rows, weights) C pointers of ``c_bf16``'s bfloat16 rows padded to a multiple of 32, summed 32
     at a time with ``vdpbf16ps``."""
     rows, brows = min(ROWS, no), min(BROWS, nb)
-    kp = -(-k // 32) * 32
+    kp = padded(k)
     lines = [*split_range("o", no, rows),
              f"for (int o0 = o_0; o0 < o_1; o0 += {rows}) {{"]  # a block of weight rows, then every row of m1
     kind, base, step = ("float", M2.base, M2.strides[1]) if paired is None else \
