@@ -20,7 +20,7 @@ import torch.fx as fx
 
 import fxopt.ops  # noqa: F401 - registers fxopt::fused_conv and fxopt::fused_linear
 from fxopt.backends import c_bf16, c_kernels
-from fxopt.backends.c_kernels import Declined, activation_of, flit, unary_expr  # noqa: F401 (Declined: re-export)
+from fxopt.backends.c_kernels import Declined, activation_of, flit, split_range, unary_expr  # noqa: F401 (Declined: re-export)
 
 aten = torch.ops.aten
 
@@ -438,16 +438,15 @@ class Emitter:
             outer = X.shape[:len(X.shape) - r]
             idx = [f"i{d}" for d in range(len(outer))]
             red = [f"j{d}" for d in range(r)]
-            loops = " ".join(f"for (int {i} = 0; {i} < {s}; {i}++)" for i, s in zip(idx, outer))
             rloops = " ".join(f"for (int {j} = 0; {j} < {s}; {j}++)" for j, s in zip(red, X.shape[len(outer):]))
             flat = " + ".join(f"{i} * {s}" for i, s in zip(idx, contiguous_strides(outer))) or "0"
-            body = self._prologue(ops, outer[1] if len(outer) > 1 else 1) + [
-                f"{loops} {{", "  float s = 0.f;", f"  {rloops} s += {X.at(idx + red)};",
+            body = self._prologue(ops, outer[1] if len(outer) > 1 else 1) + self._shared_loops(idx, outer) + [
+                "  float s = 0.f;", f"  {rloops} s += {X.at(idx + red)};",
                 f"  float v = s / {flit(inner)};",
                 *["  " + ln for ln in self._apply(ops, "v", idx + ["0"] * (len(out_shape) - len(idx)),
                                                    idx[1] if len(idx) > 1 else "0")],
-                f"  {Y.base}[{flat}] = v;", "}"]
-            self._block(f"{node.name}: mean{self._names(ops)}", body)
+                f"  {Y.base}[{flat}] = v;"] + ["}"] * max(1, len(idx) - 1)
+            self._block(f"{node.name}: mean{self._names(ops)}", body, split=True)
             self.refs[last] = Y
             return
         n, c, h, w = X.shape
@@ -484,15 +483,15 @@ class Emitter:
             taps = [f"for (int i = 0; i < {k[0]}; i++) for (int j = 0; j < {k[1]}; j++) {{",
                     f"  const int ih = h0 + i * {d[0]}, iw = w0 + j * {d[1]};",
                     f"  if (ih < 0 || ih >= {h} || iw < 0 || iw >= {w}) continue;"]
-        body = self._prologue(ops, c) + [
-            f"for (int n = 0; n < {n}; n++) for (int c = 0; c < {c}; c++)",
-            f"for (int oh = 0; oh < {oh}; oh++) for (int ow = 0; ow < {ow}; ow++) {{",
+        body = self._prologue(ops, c) + split_range("q", n * c, 1) + [  # the planes shared out
+            f"for (int q = q_0; q < q_1; q++) for (int oh = 0; oh < {oh}; oh++) for (int ow = 0; ow < {ow}; ow++) {{",
+            f"  const int n = q / {c}, c = q % {c};",
             *["  " + ln for ln in win], f"  float s = {init};", *["  " + ln for ln in taps],
             f"    const float xv = {X.base}[n * {xs[0]} + c * {xs[1]} + ih * {xs[2]} + iw * {xs[3]}];",
             f"    {step}", "  }", f"  float v = {fin};",
             *["  " + ln for ln in self._apply(ops, "v", ["n", "c", "oh", "ow"], "c")],
             f"  {Y.base}[((n * {c} + c) * {oh} + oh) * {ow} + ow] = v;", "}"]
-        self._block(f"{node.name}: {getattr(t, '__name__', t)}{self._names(ops)}", body)
+        self._block(f"{node.name}: {getattr(t, '__name__', t)}{self._names(ops)}", body, split=True)
         self.refs[last] = Y
 
     def _pointwise(self, node: fx.Node) -> None:
@@ -523,14 +522,27 @@ class Emitter:
                 rb = f"({rb}) * {flit(alpha)}"
             init = f"float v = ({ra}) {BINARY[t]} ({rb});"
         Y = self._alloc(last, shape)
-        loops = " ".join(f"for (int {i} = 0; {i} < {s}; {i}++)" for i, s in zip(idx, shape))
         flat = " + ".join(f"{i} * {s}" for i, s in zip(idx, Y.strides)) or "0"
         channel = idx[1] if rank > 1 else "0"
-        body = self._prologue(ops, shape[1] if rank > 1 else 1) + [
-            f"{loops} {{", f"  {init}", *["  " + ln for ln in self._apply(ops, "v", idx, channel)],
-            f"  {Y.base}[{flat}] = v;", "}"]
-        self._block(f"{node.name}: {getattr(t, '__name__', t)}{self._names(ops)}", body)
+        body = self._prologue(ops, shape[1] if rank > 1 else 1) + self._shared_loops(idx, shape) + [
+            f"  {init}", *["  " + ln for ln in self._apply(ops, "v", idx, channel)],
+            f"  {Y.base}[{flat}] = v;"] + ["}"] * max(1, rank - 1)
+        self._block(f"{node.name}: {getattr(t, '__name__', t)}{self._names(ops)}", body, split=True)
         self.refs[last] = Y
+
+    @staticmethod
+    def _shared_loops(idx: list, shape) -> list:
+        """C opening loops over ``idx`` < ``shape`` (one ``{`` each, closed by the caller's ``}``
+        lines: one per entry of ``idx`` after the first two, and one), this thread's share of the
+        first two dimensions' positions (``part`` of ``parts``)."""
+        if not idx:
+            return ["if (part == 0) {"]
+        head = 2 if len(idx) > 1 else 1
+        rows = math.prod(shape[:head])
+        lines = split_range("q", rows, 1) + ["for (int q = q_0; q < q_1; q++) {"]
+        lines.append(f"  const int {idx[0]} = q / {shape[1]}, {idx[1]} = q % {shape[1]};" if head == 2
+                     else f"  const int {idx[0]} = q;")
+        return lines + [f"for (int {i} = 0; {i} < {n}; {i}++) {{" for i, n in zip(idx[head:], shape[head:])]
 
     @staticmethod
     def _names(ops: list) -> str:

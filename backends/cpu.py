@@ -58,7 +58,7 @@ from fxopt.ops import apply_activation, fused_conv_ref
 
 EXECUTOR = "cpu"
 #: the generated C's kernels' version, in the key of the runner's cached decisions
-GENERATED_C_VERSION = 3
+GENERATED_C_VERSION = 4
 
 #: fxopt activation -> (oneDNN post-op attr, algorithm); the float params pass through as scalars
 POST_OPS = {

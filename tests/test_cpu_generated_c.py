@@ -133,6 +133,29 @@ def test_pools_and_broadcasts_match_eager():
     check(Pools(), torch.randn(2, 3, 9, 7))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_pools_and_pointwise_shared_out_over_threads(threads):
+    """At batch 1 (no tiles) each pool, mean and elementwise layer shares its planes out over the
+    threads, as the convolutions do its rows: the same outputs at any thread count, one with more
+    threads than planes (3 over a 1x1x...) included."""
+    torch.manual_seed(0)
+    m = Pools().eval()
+    x = torch.randn(1, 3, 9, 7)
+    gm, args = aten_graph(m, x)
+    runner = cpu_c.CRunner(gm, [], watch=False, threads=threads)
+    got = runner(*args)
+    src = next(iter(runner.sources.values()))
+    assert src.count("for (int q = q_0; q < q_1; q++)") >= 6  # 4 pools, 2 means, the sigmoid and product
+    assert "if (part != 0) return;" not in src.split("/* output")[0]
+    with torch.no_grad():
+        want = m(x)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    one = cpu_c.CRunner(gm, [], watch=False, threads=1)(*args)
+    for g, w in zip(got, one):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def test_nan_propagates_like_eager():
     m = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Hardtanh())
     x = torch.randn(1, 2, 8, 8)
