@@ -176,7 +176,7 @@ MAX_DIRECT = 64
 def _input_key(inputs: Sequence) -> tuple:
     """What a package's checks and its runner's choice depend on: each input's shape, strides, dtype
     and device (None for a non-tensor, which the checks refuse)."""
-    return tuple((x.shape, x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor) else None for x in inputs)
+    return tuple([(x.shape, x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor) else None for x in inputs])
 
 
 class PackagedModule(torch.nn.Module):

@@ -386,3 +386,55 @@ def test_random_optimized_graphs_match_eager_or_decline(case):
         want = list(want) if isinstance(want, (list, tuple)) else [want]
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_thread_count_follows_the_faster_and_probes_the_other():
+    """ThreadCount: all threads' first WINDOW calls, then one thread's, then the count whose recent
+    calls were faster, the other timed again for PROBE calls every EVERY calls; a change of which is
+    faster is followed within one probe."""
+    tc = cpu_c.ThreadCount()
+    W, E, P = tc.WINDOW, tc.EVERY, tc.PROBE
+    seq = []
+
+    def run(n, all_ms, one_ms):
+        for _ in range(n):
+            every = tc.pick()
+            seq.append(every)
+            tc.took(every, (all_ms if every else one_ms) * 1e-6)
+
+    run(2 * W, 60, 40)
+    assert seq == [True] * W + [False] * W
+    run(4 * E, 60, 40)  # one thread faster: it runs, all threads only in the probes
+    late = seq[2 * W:]  # calls 2W + 1 ..
+    assert late.count(True) == sum(1 for c in range(2 * W + 1, 2 * W + 4 * E + 1) if c % E < P)
+    seq.clear()
+    run(2 * E, 30, 40)  # all threads now faster: seen at the next probe, then kept
+    assert seq[-E:].count(False) == P
+    assert tc.ran[True] + tc.ran[False] == 2 * W + 6 * E
+
+
+def test_thread_count_per_call_gives_the_same_outputs():
+    """A signature's calls on torch's threads switch between all threads and one (ThreadCount), with
+    the same outputs bit for bit; a count asked for (threads=1) is not timed."""
+    torch.manual_seed(0)
+    m = SeedCNN().eval()
+    x = torch.randn(1, 3, 32, 32)
+    gm, args = aten_graph(m, x)
+    params = [i for i, a in enumerate(args) if a.data_ptr() != x.data_ptr()]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner = cpu_c.CRunner(gm, params, watch=False)
+        outs = [runner(*args)[0] for _ in range(40)]
+        one = cpu_c.CRunner(gm, params, watch=False, threads=1)
+        ref = one(*args)[0]
+        one(*args)
+    finally:
+        torch.set_num_threads(before)
+    pace = next(iter(runner.entries.values())).pace
+    assert pace.ran[True] >= 5 and pace.ran[False] >= 5 and pace.ran[True] + pace.ran[False] == 39
+    assert next(iter(one.entries.values())).pace.calls == 0
+    for o in outs:
+        torch.testing.assert_close(o, ref, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(ref, m(x), rtol=1e-4, atol=1e-5)
