@@ -52,15 +52,16 @@ class ThreadCount:
 
     How: every call is timed (two clock reads); the count with the lower median of its last
     ``WINDOW`` calls runs, and every ``EVERY`` calls the other runs ``PROBE`` calls to be timed
-    again. Both counts compute the same outputs bit for bit (each thread has its own rows,
-    planes or images; no sum is split between threads)."""
+    again (every ``RARE`` calls where it was slower by more than ``FAR``: a probe costs its
+    slowness, on the mean, at large batches too). Both counts compute the same outputs bit for bit
+    (each thread has its own rows, planes or images; no sum is split between threads)."""
 
-    WINDOW, EVERY, PROBE = 5, 64, 4
+    WINDOW, EVERY, RARE, PROBE, FAR = 3, 64, 512, 2, 1.3  # a probe's two calls outvote one older
 
     def __init__(self):
         self.times = {True: deque(maxlen=self.WINDOW), False: deque(maxlen=self.WINDOW)}  # all threads?
         self.ran = {True: 0, False: 0}  # calls run on all threads / on one
-        self.calls, self.best = 0, True
+        self.calls, self.best, self.every = 0, True, self.EVERY
 
     def pick(self) -> bool:
         """True: the next call runs on all threads; False: on one."""
@@ -68,8 +69,10 @@ class ThreadCount:
         if calls <= 2 * self.WINDOW:  # first all threads' calls are timed, then one thread's
             return calls <= self.WINDOW
         if calls % 8 == 0 or calls == 2 * self.WINDOW + 1:
-            self.best = sorted(self.times[True])[self.WINDOW // 2] <= sorted(self.times[False])[self.WINDOW // 2]
-        return self.best != (calls % self.EVERY < self.PROBE)
+            every, one = (sorted(self.times[k])[self.WINDOW // 2] for k in (True, False))
+            self.best = every <= one
+            self.every = self.RARE if max(every, one) > self.FAR * min(every, one) else self.EVERY
+        return self.best != (calls % self.every < self.PROBE)
 
     def took(self, every: bool, seconds: float) -> None:
         self.times[every].append(seconds)

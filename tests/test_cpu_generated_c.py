@@ -390,27 +390,33 @@ def test_random_optimized_graphs_match_eager_or_decline(case):
 
 def test_thread_count_follows_the_faster_and_probes_the_other():
     """ThreadCount: all threads' first WINDOW calls, then one thread's, then the count whose recent
-    calls were faster, the other timed again for PROBE calls every EVERY calls; a change of which is
-    faster is followed within one probe."""
+    calls were faster, the other timed again for PROBE calls every EVERY calls (every RARE where
+    it was slower by more than FAR); a change of which is faster is followed within one probe."""
     tc = cpu_c.ThreadCount()
-    W, E, P = tc.WINDOW, tc.EVERY, tc.PROBE
+    W, E, R, P = tc.WINDOW, tc.EVERY, tc.RARE, tc.PROBE
     seq = []
 
-    def run(n, all_ms, one_ms):
+    def run(n, all_us, one_us):
         for _ in range(n):
             every = tc.pick()
             seq.append(every)
-            tc.took(every, (all_ms if every else one_ms) * 1e-6)
+            tc.took(every, (all_us if every else one_us) * 1e-6)
 
-    run(2 * W, 60, 40)
+    def probes(first, last, period):
+        return sum(1 for c in range(first, last + 1) if c % period < P)
+
+    run(2 * W, 50, 40)
     assert seq == [True] * W + [False] * W
-    run(4 * E, 60, 40)  # one thread faster: it runs, all threads only in the probes
-    late = seq[2 * W:]  # calls 2W + 1 ..
-    assert late.count(True) == sum(1 for c in range(2 * W + 1, 2 * W + 4 * E + 1) if c % E < P)
+    run(4 * E, 50, 40)  # one thread faster (by less than FAR): it runs, all threads only in the probes
+    assert seq[2 * W:].count(True) == probes(2 * W + 1, 2 * W + 4 * E, E)
     seq.clear()
-    run(2 * E, 30, 40)  # all threads now faster: seen at the next probe, then kept
-    assert seq[-E:].count(False) == P
-    assert tc.ran[True] + tc.ran[False] == 2 * W + 6 * E
+    run(2 * E, 35, 40)  # all threads now faster: seen at the first probe, then kept
+    assert seq[-E // 2:].count(False) == probes(tc.calls - E // 2 + 1, tc.calls, E)
+    seq.clear()
+    start = tc.calls
+    run(2 * R, 30, 80)  # one thread far slower: probed every RARE calls only
+    assert seq[16:].count(False) == probes(start + 17, start + 2 * R, R)
+    assert tc.ran[True] + tc.ran[False] == tc.calls
 
 
 def test_thread_count_per_call_gives_the_same_outputs():
@@ -432,7 +438,7 @@ def test_thread_count_per_call_gives_the_same_outputs():
     finally:
         torch.set_num_threads(before)
     pace = next(iter(runner.entries.values())).pace
-    assert pace.ran[True] >= 5 and pace.ran[False] >= 5 and pace.ran[True] + pace.ran[False] == 39
+    assert min(pace.ran.values()) >= pace.WINDOW and pace.ran[True] + pace.ran[False] == 39
     assert next(iter(one.entries.values())).pace.calls == 0
     for o in outs:
         torch.testing.assert_close(o, ref, rtol=0, atol=0)
