@@ -444,3 +444,19 @@ def test_thread_count_per_call_gives_the_same_outputs():
         torch.testing.assert_close(o, ref, rtol=0, atol=0)
     with torch.no_grad():
         torch.testing.assert_close(ref, m(x), rtol=1e-4, atol=1e-5)
+
+
+class ZeroD(nn.Module):
+    def forward(self, x):
+        return torch.relu(x).mean((0, 1, 2, 3)), x * 2
+
+
+def test_zero_dimensional_output():
+    """A 0-d output (a mean over every dimension) comes back 0-d, with eager's value."""
+    x = torch.randn(1, 3, 4, 5)
+    gm, args = aten_graph(ZeroD(), x)
+    got = run_generated(gm, args)
+    want = ZeroD()(x)
+    assert got[0].shape == torch.Size([]) and got[1].shape == x.shape
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1])
