@@ -52,16 +52,17 @@ class ThreadCount:
 
     How: every call is timed (two clock reads); the count with the lower median of its last
     ``WINDOW`` calls runs, and every ``EVERY`` calls the other runs ``PROBE`` calls to be timed
-    again (every ``RARE`` calls where it was slower by more than ``FAR``: a probe costs its
-    slowness, on the mean, at large batches too). Both counts compute the same outputs bit for bit
-    (each thread has its own rows, planes or images; no sum is split between threads)."""
+    again. Each probe that finds it slower by more than ``FAR`` doubles that interval, up to
+    ``RARE`` (a probe costs its slowness on the mean, at large batches too); a switch, or a probe
+    that finds the two close, sets it back. Both counts compute the same outputs bit for bit (each
+    thread has its own rows, planes or images; no sum is split between threads)."""
 
-    WINDOW, EVERY, RARE, PROBE, FAR = 3, 64, 512, 2, 1.3  # a probe's two calls outvote one older
+    WINDOW, EVERY, RARE, PROBE, FAR = 3, 64, 1024, 2, 1.3  # a probe's two calls outvote one older
 
     def __init__(self):
         self.times = {True: deque(maxlen=self.WINDOW), False: deque(maxlen=self.WINDOW)}  # all threads?
         self.ran = {True: 0, False: 0}  # calls run on all threads / on one
-        self.calls, self.best, self.every = 0, True, self.EVERY
+        self.calls, self.best, self.every, self.probed, self.next_probe = 0, True, self.EVERY, False, 0
 
     def pick(self) -> bool:
         """True: the next call runs on all threads; False: on one."""
@@ -69,10 +70,21 @@ class ThreadCount:
         if calls <= 2 * self.WINDOW:  # first all threads' calls are timed, then one thread's
             return calls <= self.WINDOW
         if calls % 8 == 0 or calls == 2 * self.WINDOW + 1:
-            every, one = (sorted(self.times[k])[self.WINDOW // 2] for k in (True, False))
-            self.best = every <= one
-            self.every = self.RARE if max(every, one) > self.FAR * min(every, one) else self.EVERY
-        return self.best != (calls % self.every < self.PROBE)
+            self._decide(calls)
+        if self.next_probe <= calls < self.next_probe + self.PROBE:
+            self.probed = True
+            return not self.best
+        return self.best
+
+    def _decide(self, calls: int) -> None:
+        every, one = (sorted(self.times[k])[self.WINDOW // 2] for k in (True, False))
+        best, far = every <= one, max(every, one) > self.FAR * min(every, one)
+        if best != self.best or not self.next_probe:  # a switch (or the first decision): probe soon
+            self.every, self.next_probe, self.probed = self.EVERY, calls + self.EVERY, False
+        elif self.probed and calls >= self.next_probe + self.PROBE:  # a probe ended: the next one
+            self.every = min(2 * self.every, self.RARE) if far else self.EVERY
+            self.next_probe, self.probed = self.next_probe + self.every, False  # every-th call from the last
+        self.best = best
 
     def took(self, every: bool, seconds: float) -> None:
         self.times[every].append(seconds)

@@ -388,35 +388,56 @@ def test_random_optimized_graphs_match_eager_or_decline(case):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def _feed(tc, n, all_us, one_us) -> list:
+    """``n`` calls of ThreadCount ``tc`` taking ``all_us`` / ``one_us`` (numbers, or functions of the
+    call's index); which count each ran (True: all threads)."""
+    seq = []
+    for _ in range(n):
+        every = tc.pick()
+        us = all_us if every else one_us
+        tc.took(every, (us(tc.calls) if callable(us) else us) * 1e-6)
+        seq.append(every)
+    return seq
+
+
+def _probe_starts(seq, best: bool) -> list:
+    return [i for i, e in enumerate(seq) if e != best and (i == 0 or seq[i - 1] == best)]
+
+
 def test_thread_count_follows_the_faster_and_probes_the_other():
     """ThreadCount: all threads' first WINDOW calls, then one thread's, then the count whose recent
-    calls were faster, the other timed again for PROBE calls every EVERY calls (every RARE where
-    it was slower by more than FAR); a change of which is faster is followed within one probe."""
+    calls were faster, the other timed again for PROBE calls every EVERY calls while the two are
+    close; each probe that finds it far slower doubles the interval, up to RARE."""
     tc = cpu_c.ThreadCount()
     W, E, R, P = tc.WINDOW, tc.EVERY, tc.RARE, tc.PROBE
-    seq = []
+    assert _feed(tc, 2 * W, 50, 40) == [True] * W + [False] * W
+    seq = _feed(tc, 8 * E, 50, 40)  # one thread faster, by less than FAR: all threads in the probes only
+    starts = _probe_starts(seq, False)
+    assert len(starts) >= 7 and all(abs(b - a - E) <= 8 for a, b in zip(starts, starts[1:]))
+    assert all(seq[i:i + P] == [True] * P for i in starts) and seq.count(True) == P * len(starts)
+    tc = cpu_c.ThreadCount()
+    seq = _feed(tc, 2 * W + 6 * R, 30, 80)  # all threads far faster: the probes of one get rarer
+    starts = _probe_starts(seq, True)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps[0] <= E + 8 and all(b >= a for a, b in zip(gaps, gaps[1:]))
+    assert R - 8 <= gaps[-1] <= R + 8 and seq.count(False) <= W + P * (len(gaps) + 1)
 
-    def run(n, all_us, one_us):
-        for _ in range(n):
-            every = tc.pick()
-            seq.append(every)
-            tc.took(every, (all_us if every else one_us) * 1e-6)
 
-    def probes(first, last, period):
-        return sum(1 for c in range(first, last + 1) if c % period < P)
-
-    run(2 * W, 50, 40)
-    assert seq == [True] * W + [False] * W
-    run(4 * E, 50, 40)  # one thread faster (by less than FAR): it runs, all threads only in the probes
-    assert seq[2 * W:].count(True) == probes(2 * W + 1, 2 * W + 4 * E, E)
-    seq.clear()
-    run(2 * E, 35, 40)  # all threads now faster: seen at the first probe, then kept
-    assert seq[-E // 2:].count(False) == probes(tc.calls - E // 2 + 1, tc.calls, E)
-    seq.clear()
-    start = tc.calls
-    run(2 * R, 30, 80)  # one thread far slower: probed every RARE calls only
-    assert seq[16:].count(False) == probes(start + 17, start + 2 * R, R)
-    assert tc.ran[True] + tc.ran[False] == tc.calls
+def test_thread_count_recovers_from_a_spike():
+    """A burst of slow calls of the faster count (a neighbour's) that lasts to the next decision sends
+    the calls to the other; the probe that follows within EVERY calls (not RARE) brings them back.
+    One that ends before the decision changes nothing."""
+    tc = cpu_c.ThreadCount()
+    _feed(tc, 2 * tc.WINDOW + 4 * tc.RARE, 30, 80)  # settled: one thread probed rarely
+    after = tc.calls + 8 - tc.calls % 8 + 1  # the call after the next decision
+    _feed(tc, 24, lambda c: 300 if after <= c < after + 3 else 30, 80)  # three slow calls, then fast ones
+    assert tc.best and tc.every > tc.EVERY  # still all threads, still probing one rarely
+    spike = range(tc.calls + 1, tc.calls + 11)
+    seq = _feed(tc, 3 * tc.EVERY, lambda c: 300 if c in spike else 30, 80)
+    away = seq.index(False)
+    assert away <= 10  # switched away at the decision during the burst
+    back = seq.index(True, away)
+    assert back <= away + tc.EVERY + 8 and seq[back + 8:].count(False) <= tc.PROBE
 
 
 def test_thread_count_per_call_gives_the_same_outputs():
