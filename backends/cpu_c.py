@@ -53,11 +53,13 @@ class ThreadCount:
     How: every call is timed (two clock reads); the count with the lower median of its last
     ``WINDOW`` calls runs, and every ``EVERY`` calls the other runs ``PROBE`` calls to be timed
     again. Each probe that finds it slower by more than ``FAR`` doubles that interval, up to
-    ``RARE`` (a probe costs its slowness on the mean, at large batches too); a switch, or a probe
-    that finds the two close, sets it back. Both counts compute the same outputs bit for bit (each
+    ``RARE`` (a probe costs its slowness on the mean); a probe that finds the two close sets it
+    back, and a switch probes the count it left after ``SOON`` calls. (A batch run in tiles has
+    no barrier between layers, each thread's images its own to the end: it keeps all threads.) Both counts compute the same outputs bit for bit (each
     thread has its own rows, planes or images; no sum is split between threads)."""
 
     WINDOW, EVERY, RARE, PROBE, FAR = 3, 64, 1024, 2, 1.3  # a probe's two calls outvote one older
+    SOON = 16  # the first probe after a switch (a burst that sent the calls away may be over)
 
     def __init__(self):
         self.times = {True: deque(maxlen=self.WINDOW), False: deque(maxlen=self.WINDOW)}  # all threads?
@@ -80,7 +82,7 @@ class ThreadCount:
         every, one = (sorted(self.times[k])[self.WINDOW // 2] for k in (True, False))
         best, far = every <= one, max(every, one) > self.FAR * min(every, one)
         if best != self.best or not self.next_probe:  # a switch (or the first decision): probe soon
-            self.every, self.next_probe, self.probed = self.EVERY, calls + self.EVERY, False
+            self.every, self.next_probe, self.probed = self.EVERY, calls + self.SOON, False
         elif self.probed and calls >= self.next_probe + self.PROBE:  # a probe ended: the next one
             self.every = min(2 * self.every, self.RARE) if far else self.EVERY
             self.next_probe, self.probed = self.next_probe + self.every, False  # every-th call from the last
@@ -133,7 +135,8 @@ class _Entry:
 
     def _call(self) -> None:
         nt = self.threads or torch.get_num_threads()
-        if nt == 1 or self.prepare or self.threads is not None:  # a count asked for, or a call laying weights out
+        if nt == 1 or self.prepare or self.threads is not None or self.pace is None:  # a count asked for, or a call
+            # laying weights out, or tiles (each image on one thread, one wait at the end: no barrier between layers)
             self._run(nt)
         else:
             every = self.pace.pick()
@@ -156,6 +159,7 @@ class _Tiled(_Entry):
         self.tiles, self.slots = batch // tile, max(1, torch.get_num_threads())
         super().__init__(fn, program, args, user, threads, [(batch, *s[1:]) for s in program.out_shapes],
                          torch.zeros(slot_bytes(program) * self.slots, dtype=torch.uint8))
+        self.pace = None  # the threads' images apart to the end: one thread is never the faster
 
     def _run(self, nt: int) -> None:
         self.fn(self.ptrs, self.ws_ptr, 0, min(nt, self.slots), self.tiles)
