@@ -19,7 +19,6 @@ value, a view that moves it) keeps the whole-batch function.
 """
 from __future__ import annotations
 
-import copy
 import operator
 from typing import Optional
 
@@ -77,6 +76,16 @@ def _carries(v_big, v_one, batch: int, tile: int) -> Optional[bool]:
     return None
 
 
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with a graph of its own (its nodes' meta copied shallowly, its modules and weights
+    shared): a deep copy would copy the FakeTensors of the meta, which fail to copy once their fake
+    mode is gone (a package's optimized graph with folded constants)."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
+
+
 def per_tile(gm: fx.GraphModule, args: list, user: list, threads: int) -> tuple:
     """((the graph with its sizes at a tile of images, its arguments there, per argument: whether it
     is batched, the tile's images), None) where ``gm`` at ``args`` is batch-independent, else (None, why)."""
@@ -89,7 +98,7 @@ def per_tile(gm: fx.GraphModule, args: list, user: list, threads: int) -> tuple:
     if batch < 2 or any(int(args[i].shape[0]) != batch for i in batched):
         return None, f"batch {batch}, or inputs of other batches"
     tile = tile_size(batch, threads)
-    one = copy.deepcopy(gm)
+    one = _copy(gm)
     for n in one.graph.nodes:  # a view's size written as the batch (flatten(1)) becomes the tile's
         if n.op == "call_function" and n.target in _SIZED_VIEWS and len(n.args) > 1 and \
                 isinstance(n.args[1], (list, tuple)) and n.args[1] and n.args[1][0] == batch:

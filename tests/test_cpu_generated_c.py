@@ -484,3 +484,19 @@ def test_zero_dimensional_output():
     assert got[0].shape == torch.Size([]) and got[1].shape == x.shape
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[1], want[1])
+
+
+def test_optimized_graph_with_folded_constants_declines_in_tiles():
+    """An optimized graph whose nodes' meta hold FakeTensors of a fake mode that is gone (a BatchNorm
+    without affine folded into constants, as a package holds it), at a batch run in tiles: its copy
+    for a tile copies no FakeTensor (a deep copy raised there), and the generator declines the
+    constants' module with its name, which the runner records (not an error)."""
+    from fxopt.testing.fusion import capture
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(2, 2, 1, bias=False), nn.BatchNorm2d(2, affine=False), nn.GELU()).eval()
+    x = torch.randn(2, 2, 6, 6)
+    options = {"executor": "cpu", "cpu_onnxruntime": False, "cpu_generated_c": False, "autotune_cache": False}
+    ((g, args),) = list(capture(m, [x], options))
+    with pytest.raises(Declined, match="fxopt_constants"):
+        cpu_c.CRunner(g.after, [], watch=False)(*args)
