@@ -334,6 +334,8 @@ def test_serving_bench_cpu(tmp_path):
     p = r["batch"]
     assert p["calls"] == 12 and p["dynamo_graphs"] >= 1 and p["first_call_new_size_s_max"] is not None
     assert p["calls_not_served_by_fxopt"] == 0 and r["eager_calls"] is False
+    lazy = r["fxopt_size_lowerings_s"]  # what the sizes' lowerings cost, Dynamo's compiles apart
+    assert lazy["count"] >= 1 and 0 < lazy["median"] <= lazy["max"] <= lazy["total"]
     # the static twin compiled beside the serving model served its own calls, timed alternately with it
     vs = r["latency_vs_static"]["2x32"]
     assert vs["static_ms"] > 0 and vs["dynamic_ms"] > 0 and "static_skipped" not in vs

@@ -207,6 +207,11 @@ def run_backend(name: str, model, chw, device, dtype, plans: dict, samples: Sequ
             out["fxopt_dynamic"] = [{k: v for k, v in info.items() if k != "specializations"}
                                     for info in probe.dynamic() if info]
             out["fxopt_lowerings"] = probe.lowerings()
+            secs = sorted(t for info in probe.dynamic() if info for rec in info.get("specializations", {}).values()
+                          for t in rec.get("seconds", ()))
+            out["fxopt_size_lowerings_s"] = ({"count": len(secs), "total": round(sum(secs), 3),
+                                              "median": round(statistics.median(secs), 4), "max": secs[-1]}
+                                             if secs else None)  # lazy specializations (Dynamo's compiles apart)
         not_fx = sum(out[ph].get("calls_not_served_by_fxopt", 0) for ph in plans)
         out["eager_calls"] = bool(hits.hits or any(out[ph]["graph_breaks"] for ph in plans) or not_fx
                                   or out.get("fxopt_runtime_fallbacks"))
