@@ -54,9 +54,10 @@ class ThreadCount:
     ``WINDOW`` calls runs, and every ``EVERY`` calls the other runs ``PROBE`` calls to be timed
     again. Each probe that finds it slower by more than ``FAR`` doubles that interval, up to
     ``RARE`` (a probe costs its slowness on the mean); a probe that finds the two close sets it
-    back, and a switch probes the count it left after ``SOON`` calls. (A batch run in tiles has
-    no barrier between layers, each thread's images its own to the end: it keeps all threads.) Both counts compute the same outputs bit for bit (each
-    thread has its own rows, planes or images; no sum is split between threads)."""
+    back, and a switch probes the count it left after ``SOON`` calls. Both counts compute the
+    same outputs bit for bit (each thread has its own rows, planes or outputs; no sum is split
+    between threads). A batch run in tiles keeps all threads: each thread's images are its own
+    to the end, with no barrier between layers."""
 
     WINDOW, EVERY, RARE, PROBE, FAR = 3, 64, 1024, 2, 1.3  # a probe's two calls outvote one older
     SOON = 16  # the first probe after a switch (a burst that sent the calls away may be over)
