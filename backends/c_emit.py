@@ -20,7 +20,8 @@ import torch.fx as fx
 
 import fxopt.ops  # noqa: F401 - registers fxopt::fused_conv and fxopt::fused_linear
 from fxopt.backends import c_bf16, c_kernels
-from fxopt.backends.c_kernels import Declined, activation_of, flit, split_range, unary_expr  # noqa: F401 (Declined: re-export)
+from fxopt.backends.c_kernels import (Declined, activation_of, flit, split_range,  # noqa: F401 (Declined: re-export)
+                                      unary_expr)
 
 aten = torch.ops.aten
 
