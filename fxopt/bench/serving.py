@@ -204,10 +204,10 @@ def run_backend(name: str, model, chw, device, dtype, plans: dict, samples: Sequ
             out["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
         if probe is not None:
             out["fxopt_runtime_fallbacks"] = probe.fallbacks()
-            out["fxopt_dynamic"] = [{k: v for k, v in info.items() if k != "specializations"}
-                                    for info in probe.dynamic() if info]
+            infos = [info for info in probe.dynamic() if info]
+            out["fxopt_dynamic"] = [{k: v for k, v in info.items() if k != "specializations"} for info in infos]
             out["fxopt_lowerings"] = probe.lowerings()
-            secs = sorted(t for info in probe.dynamic() if info for rec in info.get("specializations", {}).values()
+            secs = sorted(t for info in infos for rec in info.get("specializations", {}).values()
                           for t in rec.get("seconds", ()))
             out["fxopt_size_lowerings_s"] = ({"count": len(secs), "total": round(sum(secs), 3),
                                               "median": round(statistics.median(secs), 4), "max": secs[-1]}
