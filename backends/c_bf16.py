@@ -24,7 +24,7 @@ source computes in float32 as before (``c_kernels``' loops in the ``#else``).
 """
 from __future__ import annotations
 
-from fxopt.backends.c_kernels import padded, split_range  # noqa: F401 (padded: the emitter's)
+from fxopt.backends.c_kernels import padded, split_range
 
 GUARD = "__AVX512BF16__"
 

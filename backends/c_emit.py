@@ -393,7 +393,7 @@ class Emitter:
         weight = w if node.target is FUSED_LINEAR else m2
         epi = lambda v, idx: self._apply(ops, v, idx, "o")  # noqa: E731
         if split and self._bf16(node, weight):  # bfloat16 rows summed in pairs (c_bf16), float32 where not
-            kp = c_bf16.padded(k)
+            kp = c_kernels.padded(k)
             xq, wq = self._scratch(2 * nb * kp), self._scratch(2 * no * kp)
             self._block(f"{node.name}: rows as bfloat16", c_bf16.guarded(c_bf16.pack_rows(nb, k, M1, xq), []),
                         split=True)
@@ -484,14 +484,13 @@ class Emitter:
             taps = [f"for (int i = 0; i < {k[0]}; i++) for (int j = 0; j < {k[1]}; j++) {{",
                     f"  const int ih = h0 + i * {d[0]}, iw = w0 + j * {d[1]};",
                     f"  if (ih < 0 || ih >= {h} || iw < 0 || iw >= {w}) continue;"]
-        body = self._prologue(ops, c) + split_range("q", n * c, 1) + [  # the planes shared out
-            f"for (int q = q_0; q < q_1; q++) for (int oh = 0; oh < {oh}; oh++) for (int ow = 0; ow < {ow}; ow++) {{",
-            f"  const int n = q / {c}, c = q % {c};",
+        body = self._prologue(ops, c) + self._shared_loops(["n", "c"], (n, c)) + [  # the planes shared out
+            f"for (int oh = 0; oh < {oh}; oh++) for (int ow = 0; ow < {ow}; ow++) {{",
             *["  " + ln for ln in win], f"  float s = {init};", *["  " + ln for ln in taps],
             f"    const float xv = {X.base}[n * {xs[0]} + c * {xs[1]} + ih * {xs[2]} + iw * {xs[3]}];",
             f"    {step}", "  }", f"  float v = {fin};",
             *["  " + ln for ln in self._apply(ops, "v", ["n", "c", "oh", "ow"], "c")],
-            f"  {Y.base}[((n * {c} + c) * {oh} + oh) * {ow} + ow] = v;", "}"]
+            f"  {Y.base}[((n * {c} + c) * {oh} + oh) * {ow} + ow] = v;", "}", "}"]
         self._block(f"{node.name}: {getattr(t, '__name__', t)}{self._names(ops)}", body, split=True)
         self.refs[last] = Y
 
