@@ -240,6 +240,9 @@ class SizeDispatcher:
         info.setdefault("padded_calls", 0)
         info.setdefault("chunked_calls", 0)
         self._last = (None, None)
+        # (record, start) of the sizes lowered during the current call: their first call's cost
+        # (lowering, then the run: warm-ups, CUDA-graph capture, what it measures) is the call's
+        self._started: list = []
 
     def __call__(self, *args):
         key = self.shapes.key(args)
@@ -250,10 +253,24 @@ class SizeDispatcher:
 
             # a size not lowered yet: what its lowering and first call measure, written to the file once
             with contextlib.nullcontext() if key in self.cache else deferred_writes():
-                fn = self._lookup(key, args)
-                self._last = (key, fn)
-                return fn(*args)
-        return fn(*args)
+                try:
+                    fn = self._lookup(key, args)
+                    self._last = (key, fn)
+                    return fn(*args)
+                finally:
+                    if self._started:
+                        self._first_calls()
+        try:
+            return fn(*args)
+        finally:
+            if self._started:  # a padded size got its own specialization in this call
+                self._first_calls()
+
+    def _first_calls(self) -> None:
+        now = time.perf_counter()
+        for rec, t0 in self._started:
+            rec.setdefault("first_call_seconds", []).append(round(now - t0, 4))
+        self._started = []
 
     def _record(self, key: tuple) -> dict:
         return self.info["specializations"].setdefault(self.shapes.describe(key), {"lowered": 0, "seconds": []})
@@ -355,6 +372,7 @@ class SizeDispatcher:
         cost = round(time.perf_counter() - t0, 4)
         self.cache[key] = low
         rec = self._record(key)
+        self._started.append((rec, t0))
         rec["lowered"] += 1
         rec["seconds"].append(cost)
         rec["live"] = True
@@ -535,6 +553,9 @@ def summary_lines(info: dict) -> list[str]:
         lines.append("  values per size: " + "; ".join(f"{g}: {how}" for g, how in info["specialised_by"].items()))
     for size, rec in info.get("specializations", {}).items():
         secs = ", ".join(f"{s:.3f}" for s in rec["seconds"])
+        first = rec.get("first_call_seconds")
+        if first:
+            secs += "; first call with it " + ", ".join(f"{s:.3f}" for s in first)
         how = rec.get("runs", "specialized")
         line = f"  {size}: {how}"
         if rec["lowered"]:

@@ -10,6 +10,7 @@ from torch._dynamo.utils import counters
 import fxopt.pipeline
 import fxopt.report
 from fxopt.backend import fxopt_backend
+from fxopt.dynamic import summary_lines
 from fxopt.testing.models import BasicBlock, SeedCNN2, SmallResNet
 
 
@@ -69,6 +70,10 @@ def test_dynamic_true_compiles_once(pipeline_runs):
     assert info["pipeline_runs"] == 1 and len(info["symbolic"]) == 2  # the batch and the image side
     assert sorted(int(k.split(",")[0].split("=")[1]) for k in info["specializations"]) == [2, 3]
     assert all(rec["lowered"] == 1 and rec["seconds"][0] > 0 for rec in info["specializations"].values())
+    # a size's first call costs its lowering and then its run (what the runner measures there)
+    assert all(len(rec["first_call_seconds"]) == 1 and rec["first_call_seconds"][0] >= rec["seconds"][0]
+               for rec in info["specializations"].values())
+    assert "first call with it" in "\n".join(summary_lines(info))
 
 
 def test_automatic_dynamic_takes_the_symbolic_graph(pipeline_runs):

@@ -336,6 +336,8 @@ def test_serving_bench_cpu(tmp_path):
     assert p["calls_not_served_by_fxopt"] == 0 and r["eager_calls"] is False
     lazy = r["fxopt_size_lowerings_s"]  # what the sizes' lowerings cost, Dynamo's compiles apart
     assert lazy["count"] >= 1 and 0 < lazy["median"] <= lazy["max"] <= lazy["total"]
+    first = r["fxopt_size_first_calls_s"]  # the same with each one's first call (warm-ups, capture, decisions)
+    assert first["count"] == lazy["count"] and first["total"] >= lazy["total"] and first["max"] >= lazy["max"]
     # the static twin compiled beside the serving model served its own calls, timed alternately with it
     vs = r["latency_vs_static"]["2x32"]
     assert vs["static_ms"] > 0 and vs["dynamic_ms"] > 0 and "static_skipped" not in vs

@@ -209,9 +209,11 @@ def run_backend(name: str, model, chw, device, dtype, plans: dict, samples: Sequ
             out["fxopt_lowerings"] = probe.lowerings()
             secs = sorted(t for info in infos for rec in info.get("specializations", {}).values()
                           for t in rec.get("seconds", ()))
-            out["fxopt_size_lowerings_s"] = ({"count": len(secs), "total": round(sum(secs), 3),
-                                              "median": round(statistics.median(secs), 4), "max": secs[-1]}
-                                             if secs else None)  # lazy specializations (Dynamo's compiles apart)
+            out["fxopt_size_lowerings_s"] = _spread(secs)  # lazy specializations (Dynamo's compiles apart)
+            # the same with the first call that ran on each (warm-ups, CUDA-graph capture, what it measured)
+            out["fxopt_size_first_calls_s"] = _spread(sorted(
+                t for info in infos for rec in info.get("specializations", {}).values()
+                for t in rec.get("first_call_seconds", ())))
         not_fx = sum(out[ph].get("calls_not_served_by_fxopt", 0) for ph in plans)
         out["eager_calls"] = bool(hits.hits or any(out[ph]["graph_breaks"] for ph in plans) or not_fx
                                   or out.get("fxopt_runtime_fallbacks"))
@@ -220,6 +222,12 @@ def run_backend(name: str, model, chw, device, dtype, plans: dict, samples: Sequ
     finally:
         logging.getLogger("torch._dynamo").removeHandler(hits)
     return out
+
+
+def _spread(secs: list) -> Optional[dict]:
+    """count, total, median and max of sorted seconds (None: none)."""
+    return ({"count": len(secs), "total": round(sum(secs), 3), "median": round(statistics.median(secs), 4),
+             "max": secs[-1]} if secs else None)
 
 
 def _dispatch_calls(probe: Optional[FxoptProbe]) -> dict:
