@@ -1,6 +1,8 @@
 """The cuda executor's CPU-testable part: generated epilogue kernels compile with NVRTC, and their
 math (the epilogue's torch reference) equals the fused op's reference."""
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import fxopt
@@ -102,3 +104,22 @@ def test_nodes_get_their_candidates_from_the_family_table_in_its_order(monkeypat
     assert len(every) == len(gm.graph.nodes)
     assert every[0].candidates() == {"reference": every[0].node.target, "lib": torch.relu}
 
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=5), st.data())
+def test_memory_layout_ok_reads_strides_as_is_contiguous_does(shape, data):
+    """The layout check planning asks (read from ints) agrees with PyTorch's ``is_contiguous`` on the
+    permuted tensor, for any strides: size-1 and empty dimensions, views, overlapping strides."""
+    from fxopt.backends.cuda.kernels.common import memory_layout_ok
+
+    strides = data.draw(st.lists(st.integers(0, 40), min_size=len(shape), max_size=len(shape)))
+    t = torch.empty_strided(shape, strides)
+    for layout in ("nchw", "nhwc"):
+        want = (t.is_contiguous() if layout == "nchw" or t.dim() <= 2
+                else t.permute(0, *range(2, t.dim()), 1).is_contiguous())
+        assert memory_layout_ok(t, layout) == want, (shape, strides, layout)
+    dense = torch.empty(shape)
+    assert memory_layout_ok(dense, "nchw")
+    if dense.dim() == 4:
+        assert memory_layout_ok(dense.contiguous(memory_format=torch.channels_last), "nhwc")

@@ -108,10 +108,23 @@ def compiled_kernel(ks: KernelSource, kernel):
 
 
 def memory_layout_ok(t: torch.Tensor, layout: str) -> bool:
-    """Dense in ``layout``: nchw = contiguous, nhwc = channels innermost (channels_last)."""
-    if layout == "nchw" or t.dim() <= 2:
-        return t.is_contiguous()
-    return t.permute(0, *range(2, t.dim()), 1).is_contiguous()
+    """Dense in ``layout``: nchw = contiguous, nhwc = channels innermost (channels_last). Read from
+    the sizes and strides where they are ints (as ``is_contiguous`` reads them: a dimension of size 1
+    takes any stride, an empty tensor is dense); a FakeTensor's ``permute`` through its dispatch cost
+    0.1-0.5 ms a call, and kernel planning asks this thousands of times a lowering."""
+    order = list(range(t.dim())) if layout == "nchw" or t.dim() <= 2 else [0, *range(2, t.dim()), 1]
+    sizes, strides = t.shape, t.stride()
+    if not all(type(v) is int for v in (*sizes, *strides)):  # symbolic: as PyTorch decides it
+        return t.is_contiguous() if order == sorted(order) else t.permute(*order).is_contiguous()
+    if 0 in sizes:
+        return True
+    expected = 1
+    for d in reversed(order):
+        if sizes[d] != 1:
+            if strides[d] != expected:
+                return False
+            expected *= sizes[d]
+    return True
 
 
 def check_layout(t: torch.Tensor, layout: str, what: str, dtype=None) -> None:
