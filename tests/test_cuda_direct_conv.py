@@ -299,4 +299,38 @@ def test_compiled_seedcnn_matches_eager_and_measures_the_fused_pair(dtype, batch
     pairs = {k: v for k, v in choices.items() if "+" in k and "max_pool" in k}
     assert len(pairs) == 2, choices
     for entry in pairs.values():
-        assert any(name.startswith("generated_directconv_maxpool") for name in entry["ms"]), entry
+        assert any(name.startswith("generated_directconv_maxpool") for name in {**entry["ms"], **entry.get("pruned", {})}), \
+            entry
+
+
+def test_measuring_prunes_a_candidate_far_slower_than_the_fastest(monkeypatch):
+    """A candidate whose plain runs take more than 10x the fastest timed one plus 0.5 ms is not
+    timed as a CUDA graph (about 110 of its runs) and is not chosen; one within the bound is timed,
+    and the fastest wins. The first candidate (the reference) is always timed. A fake clock by name."""
+    gm = lowered(SeedCNN().eval(), torch.randn(2, 3, 32, 32))
+    conv = next(n for n in gm.graph.nodes if n.target is fused_conv_ref)
+    graphed_ms = {"reference": 0.2, "near": 1.9, "far": 30.0, "best": 0.1}
+    plain = {"near": 2.4, "far": 31.0, "best": 0.15}  # near: 2.4 <= 10 * 0.2 + 0.5
+    timed = []
+
+    def named(name):
+        def run(*args):
+            return fused_conv_ref(*args)
+        run.label = name
+        return run
+
+    def fake_graphed(fn, args, reps=1, iters=10):
+        timed.append(fn.label)
+        return graphed_ms[fn.label]
+
+    monkeypatch.setattr(measure, "time_graphed_ms", fake_graphed)
+    monkeypatch.setattr(measure, "plain_ms", lambda fn, args, runs=2: plain[fn.label])
+    cands = {n: named(n) for n in ("reference", "near", "far", "best")}
+    r = measure.measure(conv, cands, graphed=True)
+    assert timed == ["reference", "near", "best"]
+    assert r["pruned"] == {"far": 31.0} and "far" not in r["ms"] and r["errors"]["far"] == 0.0
+    assert r["choice"] == "best"
+    # the bound follows the fastest timed so far: after "best" (0.1 ms), "near" is pruned too
+    timed.clear()
+    r = measure.measure(conv, {n: cands[n] for n in ("reference", "best", "near", "far")}, graphed=True)
+    assert timed == ["reference", "best"] and set(r["pruned"]) == {"near", "far"} and r["choice"] == "best"

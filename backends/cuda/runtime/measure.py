@@ -3,7 +3,12 @@
 - ``real_args``: random tensors shaped like the node's inputs (conv weights scaled down).
 - ``measure``: every candidate checked against the reference (relative error) and timed: replayed
   as a CUDA graph when the graph will run under CUDA graphs (``time_graphed_ms``; Python launch
-  costs then do not decide), else with CUDA events; the fastest correct one is the choice.
+  costs then do not decide), else with CUDA events; the fastest correct one is the choice. A
+  candidate whose plain runs after its check (the faster of two, between CUDA events) take more than
+  ``PRUNE_FACTOR`` times the fastest one timed so far plus ``PRUNE_MARGIN_MS`` is not timed further
+  (``pruned``): a plain run's span holds its kernels' time, so it cannot win, and timing it costs about
+  110 of its runs (a direct 7x7 stem conv at 8 ms a run against cuDNN's 0.09: 0.9 s of a bucket's
+  lowering; on resnet18 fp16 across batch 1-64, 6 of the 8 s its measurements ran kernels, H100).
 - ``Tuning.entry``: the choice from the autotuning cache, else measured and stored, so a second
   compile measures nothing. ``cache_key`` names a node by what decides its choice: target, input
   shapes/layouts/dtypes, constant arguments and the candidates.
@@ -117,6 +122,19 @@ def _error(out, ref) -> float:
     return max((relative_error(g, w) for g, w in zip(got, want)), default=0.0)
 
 
+#: a candidate is not timed further where its plain run takes more than this times the fastest timed
+#: so far, plus ``PRUNE_MARGIN_MS`` (launch gaps between a plain run's kernels; module docstring)
+PRUNE_FACTOR = 10.0
+PRUNE_MARGIN_MS = 0.5
+
+
+def plain_ms(fn, args, runs: int = 2) -> float:
+    """The fastest of ``runs`` plain calls of ``fn(*args)``, each between two CUDA events."""
+    from fxopt.autotune import cuda_event_times
+
+    return min(cuda_event_times(lambda: fn(*args), runs))
+
+
 def measure(node: fx.Node, candidates: dict, graphed: bool) -> dict:
     from fxopt.autotune import time_ms
 
@@ -133,6 +151,12 @@ def measure(node: fx.Node, candidates: dict, graphed: bool) -> dict:
                 result["errors"][name] = err
                 if not err <= (1e-2 if low else 1e-3):  # NaN fails too
                     continue
+                if result["ms"]:
+                    bound = PRUNE_FACTOR * min(result["ms"].values()) + PRUNE_MARGIN_MS
+                    once = plain_ms(fn, args)
+                    if once > bound:
+                        result.setdefault("pruned", {})[name] = round(once, 4)
+                        continue
                 if graphed:
                     result["ms"][name] = time_graphed_ms(fn, args, reps=reps)
                 else:
