@@ -551,6 +551,12 @@ def summary_lines(info: dict) -> list[str]:
                               else f"off ({info.get('padding_declined', 'not asked')})")]
     if info.get("specialised_by"):
         lines.append("  values per size: " + "; ".join(f"{g}: {how}" for g, how in info["specialised_by"].items()))
+    recs = info.get("specializations", {}).values()
+    lowered = [t for rec in recs for t in rec["seconds"]]
+    if lowered:
+        first = [t for rec in recs for t in rec.get("first_call_seconds", ())]
+        lines.append(f"  lowerings: {len(lowered)} in {sum(lowered):.3f} s"
+                     + (f"; with their first calls {sum(first):.3f} s" if first else ""))
     for size, rec in info.get("specializations", {}).items():
         secs = ", ".join(f"{s:.3f}" for s in rec["seconds"])
         first = rec.get("first_call_seconds")

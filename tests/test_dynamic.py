@@ -73,7 +73,8 @@ def test_dynamic_true_compiles_once(pipeline_runs):
     # a size's first call costs its lowering and then its run (what the runner measures there)
     assert all(len(rec["first_call_seconds"]) == 1 and rec["first_call_seconds"][0] >= rec["seconds"][0]
                for rec in info["specializations"].values())
-    assert "first call with it" in "\n".join(summary_lines(info))
+    text = "\n".join(summary_lines(info))
+    assert "first call with it" in text and "  lowerings: 2 in " in text and "with their first calls" in text
 
 
 def test_automatic_dynamic_takes_the_symbolic_graph(pipeline_runs):
