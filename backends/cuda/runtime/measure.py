@@ -8,7 +8,8 @@
   ``PRUNE_FACTOR`` times the fastest one timed so far plus ``PRUNE_MARGIN_MS`` is not timed further
   (``pruned``): a plain run's span holds its kernels' time, so it cannot win, and timing it costs about
   110 of its runs (a direct 7x7 stem conv at 8 ms a run against cuDNN's 0.09: 0.9 s of a bucket's
-  lowering; on resnet18 fp16 across batch 1-64, 6 of the 8 s its measurements ran kernels, H100).
+  lowering; on resnet18 fp16 across batch 1-64, about 6 of the 8 s of kernels its measurements ran, as
+  estimated from the cached timings times the runs each takes, H100).
 - ``Tuning.entry``: the choice from the autotuning cache, else measured and stored, so a second
   compile measures nothing. ``cache_key`` names a node by what decides its choice: target, input
   shapes/layouts/dtypes, constant arguments and the candidates.
