@@ -128,7 +128,10 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str, kernels: bool = True) -> Low
                           [] if fixed else read_params(baseline, ctx.param_placeholders)),
         decisions_cache=decisions_cache(ctx, runnable, baseline),
         training=ctx.training_link if training else None, written=placeholder_indices(gm, written),
-        streams=streams, inputs_move=ctx.per_size)
+        streams=streams, inputs_move=ctx.per_size,
+        # a size of a symbolic graph: one warm-up before its capture (a library's lazy set-up, the new
+        # shapes' cuDNN plans, happens in the first; a second is one more run in each new size's first call)
+        warmup=1 if ctx.per_size else 2)
     low.cudagraphs = f"on (up to {ctx.options.cudagraph_max_signatures} signatures)"
     low.baseline_check = baseline is not None
     return low

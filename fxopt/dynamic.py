@@ -33,7 +33,10 @@ as before (the end of this docstring). The path:
    later lowering in it, and the first takes what the user's cache holds for another batch of its
    bucket, the static graph of Dynamo's first size's (nothing measured at a second size of a
    bucket; with the sides bucketed too, the image phase of a serving loop over sides 192/224/256
-   compiled in 28.8 s where each side measuring its own took 34.7 and 43.3 s, H200, BENCHMARKS.md). A later
+   compiled in 28.8 s where each side measuring its own took 34.7 and 43.3 s, H200, BENCHMARKS.md). A new
+   batch bucket's first lowering takes the choices that are clear at the buckets of other batches
+   measured before (``BucketChoices.neighbours``), and measures the rest without the candidates
+   that lost by far there (``losers``). A later
    lowering of a bucket also takes its first's CUDA-graph decision, so the unoptimized graph at its size (the
    never-slower baseline, ``fxopt.backends.lowering.DeferredGraph``) is never made there; and its CUDA graph
    copies the inputs in from the first capture (``PassContext.per_size``: a serving loop's calls bring new
@@ -305,6 +308,15 @@ class SizeDispatcher:
             return padded
         return self._lower(key, args, role="specialized").fn
 
+    def _neighbour_buckets(self, bid: tuple) -> list:
+        """[(batch bucket, its BucketChoices)] of the buckets measured at other batches, the other
+        sizes in the same buckets as ``bid``'s (``fxopt.dynamic_buckets``: choices clear there are
+        not measured again)."""
+        p = self.batch_pos
+        if p is None:
+            return []
+        return [(b[p], c) for b, c in self.buckets.items() if b != bid and b[:p] + b[p + 1:] == bid[:p] + bid[p + 1:]]
+
     def _top(self, key: tuple) -> tuple:
         """The size lowered for a batch with nothing lowered at its other sizes (a new image size):
         the bucket top of the largest batch called so far at any size, so that every later batch at
@@ -365,7 +377,8 @@ class SizeDispatcher:
         first = bid not in self.buckets
         if first:
             batch = key[self.batch_pos] if self.batch_pos is not None else None
-            self.buckets[bid] = BucketChoices(self.user_cache, batch if isinstance(batch, int) else None)
+            self.buckets[bid] = BucketChoices(self.user_cache, batch if isinstance(batch, int) else None,
+                                              neighbours=self._neighbour_buckets(bid))
         choices = self.buckets[bid] if first else self.buckets[bid].replayer()
         t0 = time.perf_counter()
         low, note = self.lower_at(list(args), key, choices)
@@ -568,7 +581,8 @@ def summary_lines(info: dict) -> list[str]:
             ch = rec.get("choices", {})
             line += (f"; lowered {rec['lowered']}x ({secs} s){'' if rec.get('live') else ' (evicted)'}; choices "
                      f"{ch.get('measured', 0)} measured, {ch.get('cached', 0)} cached, {ch.get('reused', 0)} reused"
-                     + (f", {ch['from_sibling']} from another batch of the bucket" if ch.get("from_sibling") else ""))
+                     + (f", {ch['from_sibling']} from another batch of the bucket" if ch.get("from_sibling") else "")
+                     + (f", {ch['from_neighbours']} from neighbouring buckets" if ch.get("from_neighbours") else ""))
         if rec.get("padded_calls"):
             line += f"; {rec['padded_calls']} calls padded to batch {', '.join(map(str, rec['padded_from']))}"
         if rec.get("chunked_calls"):

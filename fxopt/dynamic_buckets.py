@@ -14,6 +14,17 @@ size is bucketed so, an image's sides as well: 192, 224 and 256 share one).
   process. The first lowering itself takes what the user's cache holds for another batch of its
   bucket (``sibling_batch``: the static graph Dynamo compiled for the first size, or a lowering of an
   earlier process) before measuring: the bucket's choices, measured at another of its sizes.
+- Neighbouring buckets (``BucketChoices.neighbours``): where neither holds a choice, the first
+  lowering of a new batch bucket takes it unmeasured from the buckets of other batches (the other
+  sizes' buckets equal) that measured it, where that choice is clear: the nearest measured buckets
+  below and above both chose it, or the adjacent one (half or twice the batch) chose it by at least
+  ``NEIGHBOUR_MARGIN`` over every other timed alternative (``verdict``). A choice is the same
+  request only where both lowerings asked for the same choices in the same order up to it (their
+  keys' signatures). Choices taken so are never handed on to a third bucket, nor written to the
+  user's cache: a later process measures them at their own size. Why: the choices hardly move with
+  the batch (resnet18 fp16 on an H100, batch 1-34: the same for every convolution, pool and fused
+  region; only the linear head moved, by margins under 1.2x), while measuring them is most of a
+  bucket's first lowering.
 - ``Padding``: a batch-independent graph (``fxopt.batch_independence``) run at a larger lowered
   size: the batch copied into a buffer of that size (rows past it zero, or finite values of an
   earlier call), the lowered graph run, the batched outputs' first rows returned: a view where the
@@ -32,7 +43,7 @@ from __future__ import annotations
 import collections
 import copy
 import re
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -51,6 +62,40 @@ _NUM = re.compile(r"\d+")
 def signature(key: str) -> str:
     """A cache key with its numbers and hashes blanked: the same choice at another size."""
     return _NUM.sub("N", _HASH.sub("H", key))
+
+
+#: a choice is taken unmeasured from an adjacent bucket where it won there by at least this factor
+NEIGHBOUR_MARGIN = 1.1
+#: a candidate that took this many times the fastest one's time at the nearest bucket measuring the
+#: same choice (within ``LOSER_REACH`` times the batch) is not compiled to be measured again (the
+#: cuda executor's measuring stops timing such a candidate anyway: ``PRUNE_FACTOR``)
+LOSER_FACTOR = 10.0
+LOSER_REACH = 8
+
+
+def verdict(entry) -> Optional[tuple]:
+    """``(choice, clear_by)`` of a stored choice: what it chose, and the next fastest timed
+    alternative's time over the chosen one's (inf where nothing else was timed: the others failed
+    their accuracy check or could not run). For a node's, region's or group's choice (``ms`` and
+    ``choice``), a convolution algorithm's (``candidates`` and ``algorithm``) and a CUDA-graph
+    runner's (``runs``, with the ``clear_by`` it stores itself); None for anything else (a runner's
+    decision without ``clear_by`` too)."""
+    if not isinstance(entry, dict):
+        return None
+    if "runs" in entry:  # (the cpu executor's runner states no clear_by: its choices are measured)
+        clear = entry.get("clear_by")
+        return (entry["runs"], float(clear)) if isinstance(clear, (int, float)) else None
+    if isinstance(entry.get("ms"), dict) and "choice" in entry:
+        choice, times = entry["choice"], entry["ms"]
+    elif isinstance(entry.get("candidates"), dict) and "algorithm" in entry:
+        choice, times = entry["algorithm"], entry["candidates"]
+    else:
+        return None
+    times = {k: float(v) for k, v in times.items() if isinstance(v, (int, float)) and v > 0}
+    if choice not in times:
+        return choice, 1.0
+    others = [v for k, v in times.items() if k != choice]
+    return choice, (min(others) / times[choice] if others else float("inf"))
 
 
 def sibling_batch(key: str, other: str, batch: int) -> Optional[int]:
@@ -74,25 +119,93 @@ class BucketChoices(AutotuneCache):
     ``batch``: the first lowering's batch, to take what ``inner`` holds at another batch of the bucket
     (None: not looked for). The first lowering records; ``replayer()`` gives a later lowering's view."""
 
-    def __init__(self, inner: AutotuneCache, batch: Optional[int] = None):
+    def __init__(self, inner: AutotuneCache, batch: Optional[int] = None, neighbours: Sequence = ()):
         super().__init__(None)
         self.inner, self.batch = inner, batch
-        self.recorded: dict = collections.defaultdict(list)  # (device, signature) -> [entry, ...] in order
-        self.counts = {"measured": 0, "cached": 0, "reused": 0, "from_sibling": 0}
+        self.counts = {"measured": 0, "cached": 0, "reused": 0, "from_sibling": 0, "from_neighbours": 0}
         self._by_signature: dict = {}  # device -> {signature: [inner's keys]}, built at the first miss
+        # the buckets of other batches measured before: [(their batch bucket, their BucketChoices)]
+        self.neighbours = list(neighbours) if batch is not None else []
+        self.sequence: list = []  # (device, signature) of every choice asked for, in order
+        self.asked: collections.Counter = collections.Counter()  # (device, signature) -> asks so far
+        # ((device, signature), i-th ask of it) -> the entry given or measured for it: what a later
+        # lowering's i-th ask of that signature gets (``_Replay``), and a neighbour's evidence
+        self.answers: dict = {}
+        self.derived: set = set()  # the answers taken from neighbours (never handed on)
+        self._open: dict = collections.defaultdict(list)  # signature -> its asks missed, to be measured
+        self._last: Optional[tuple] = None  # (ask, asks so far) of the last ask that missed
 
     def __deepcopy__(self, memo):  # options are copied with dataclasses.asdict: one cache
         return self
 
     def get(self, device: str, key: str) -> Optional[dict]:
+        sig = (device, signature(key))
+        ask = (sig, self.asked[sig])
+        self.asked[sig] += 1
+        self.sequence.append(sig)
         entry = self.inner.get(device, key)
         if entry is not None:
             self.counts["cached"] += 1
         else:
             entry = self._sibling(device, key)
+        if entry is None:
+            entry = self._neighbour(ask)
+            if entry is not None:
+                self.counts["from_neighbours"] += 1
+                self.derived.add(ask)
         if entry is not None:
-            self.recorded[(device, signature(key))].append(copy.deepcopy(entry))
+            self.answers[ask] = copy.deepcopy(entry)
+        else:  # measured by the caller, which puts it (maybe after other asks: all asked before compiling)
+            self._open[sig].append(ask)
+            self._last = (ask, len(self.sequence))
         return entry
+
+    def losers(self, device: str, key: str) -> set:
+        """The candidates of the ask that just missed (``key``) that lost by ``LOSER_FACTOR`` or more
+        (or were pruned) at the nearest bucket within ``LOSER_REACH`` that measured the same ask:
+        the caller need not compile them to measure here."""
+        if self._last is None or not self.neighbours or self._last[0][0] != (device, signature(key)):
+            return set()
+        (ask, n), mine, best = self._last, bucket(self.batch), None
+        for b, other in self.neighbours:
+            entry = other.answers.get(ask)
+            if entry is None or ask in other.derived or other.sequence[:n] != self.sequence[:n]:
+                continue
+            reach = max(b / mine, mine / b)
+            if reach <= LOSER_REACH and (best is None or reach < best[0]) and isinstance(entry.get("ms"), dict):
+                best = (reach, entry)
+        if best is None:
+            return set()
+        times = {k: v for k, v in best[1]["ms"].items() if isinstance(v, (int, float)) and v > 0}
+        out = set(best[1].get("pruned") or ())
+        if times:
+            out |= {k for k, v in times.items() if v >= LOSER_FACTOR * min(times.values())}
+        return out - {"reference"}
+
+    def _neighbour(self, ask: tuple) -> Optional[dict]:
+        """The choice of neighbouring buckets for this ask, where it is clear (module docstring)."""
+        if not self.neighbours:
+            return None
+        mine, n = bucket(self.batch), len(self.sequence)
+        below = above = None  # (batch bucket, entry, verdict) of the nearest measured on each side
+        for b, other in self.neighbours:
+            entry = other.answers.get(ask)
+            if entry is None or ask in other.derived or other.sequence[:n] != self.sequence:
+                continue
+            v = verdict(entry)
+            if v is None:
+                continue
+            if b < mine and (below is None or b > below[0]):
+                below = (b, entry, v)
+            elif b > mine and (above is None or b < above[0]):
+                above = (b, entry, v)
+        if below is not None and above is not None and below[2][0] == above[2][0]:
+            nearest = min((below, above), key=lambda c: max(c[0] / mine, mine / c[0]))
+            return copy.deepcopy(nearest[1])
+        for side in (below, above):
+            if side is not None and max(side[0] / mine, mine / side[0]) <= 2 and side[2][1] >= NEIGHBOUR_MARGIN:
+                return copy.deepcopy(side[1])
+        return None
 
     def _sibling(self, device: str, key: str) -> Optional[dict]:
         """What the user's cache holds for ``key`` at the nearest other batch of this bucket."""
@@ -115,8 +228,11 @@ class BucketChoices(AutotuneCache):
         return copy.deepcopy(entry)
 
     def put(self, device: str, key: str, entry: dict) -> None:
-        self.counts["measured"] += 1
-        self.recorded[(device, signature(key))].append(copy.deepcopy(entry))
+        # (the same choice asked twice in one lowering, identical regions: measured once, put twice)
+        self.counts["cached" if self.inner.get(device, key) is entry else "measured"] += 1
+        sig = (device, signature(key))
+        if self._open.get(sig):  # the answer to the first ask of that signature that missed
+            self.answers[self._open[sig].pop(0)] = copy.deepcopy(entry)
         self.inner.put(device, key, entry)
 
     def replayer(self) -> "_Replay":
@@ -125,12 +241,13 @@ class BucketChoices(AutotuneCache):
 
 class _Replay(AutotuneCache):
     """A later lowering's view of its bucket's choices: the i-th request of a signature gets the
-    bucket's i-th entry of that signature; what the bucket does not hold goes to the user's cache."""
+    answer to the first lowering's i-th request of it; what the bucket does not hold goes to the
+    user's cache."""
 
     def __init__(self, source: BucketChoices):
         super().__init__(None)
         self.source = source
-        self.taken: collections.Counter = collections.Counter()
+        self.asked: collections.Counter = collections.Counter()
         self.counts = {"measured": 0, "cached": 0, "reused": 0}
 
     def __deepcopy__(self, memo):
@@ -138,12 +255,11 @@ class _Replay(AutotuneCache):
 
     def get(self, device: str, key: str) -> Optional[dict]:
         sig = (device, signature(key))
-        entries = self.source.recorded.get(sig, [])
-        i = self.taken[sig]
-        if i < len(entries):
-            self.taken[sig] += 1
+        entry = self.source.answers.get((sig, self.asked[sig]))
+        self.asked[sig] += 1
+        if entry is not None:
             self.counts["reused"] += 1
-            return copy.deepcopy(entries[i])
+            return copy.deepcopy(entry)
         entry = self.source.inner.get(device, key)
         if entry is not None:
             self.counts["cached"] += 1

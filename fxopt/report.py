@@ -183,7 +183,8 @@ class Report:
                 "op_counts_after": op_counts(g.after),
                 "conv_algorithms": g.conv_algorithms,
                 "kernels": [{"name": k.name, "compiled": k.compiled, "ops": list(getattr(k, "ops", []) or []),
-                             "source": k.source} for k in g.kernels],
+                             "source": k.source, **({"skipped": k.skipped} if getattr(k, "skipped", None) else {})}
+                            for k in g.kernels],
                 "graph_after": g.after.print_readable(print_output=False),
             } for g in self.graphs],
             "op_counts_before": self.op_counts_before,

@@ -92,6 +92,26 @@ NO_PDL = "optimized graph, no early launch"
 STREAMS = "optimized graph, multi-stream"
 STREAMS_MS = "streams_graph_ms"
 RUNS = ("optimized graph", "optimized plain", "baseline graph", NO_PDL, STREAMS)
+#: each way to run, the timing it is chosen by; the ways ``choose`` lets win only past its margin
+_TIMING_OF = {"optimized graph": "graph_ms", "optimized plain": "plain_ms", "baseline graph": "baseline_graph_ms",
+              NO_PDL: "graph_no_pdl_ms", STREAMS: STREAMS_MS}
+_PAST_MARGIN = ("baseline graph", NO_PDL, STREAMS)
+
+
+def clear_by(timings: dict, runs: str, margin: float):
+    """How clearly ``runs`` won (stored with the decision; ``fxopt.dynamic_buckets.verdict``): the
+    fastest alternative's time over the chosen way's, where the chosen way is the optimized graph an
+    alternative that must win past ``margin`` counted at its time over ``1 - margin``; None where the
+    way's time was not measured."""
+    mine = timings.get(_TIMING_OF.get(runs, ""))
+    if not isinstance(mine, (int, float)) or mine <= 0:
+        return None
+    alts = []
+    for way, name in _TIMING_OF.items():
+        t = timings.get(name)
+        if way != runs and isinstance(t, (int, float)) and t > 0:
+            alts.append(t / (1.0 - margin) if runs == "optimized graph" and way in _PAST_MARGIN else t)
+    return round(min(alts) / mine, 4) if alts else float("inf")
 
 
 def refuse(runner, key, error: Exception, args):

@@ -93,7 +93,8 @@ import torch.fx as fx
 
 from fxopt.backends.cuda.compiler import programmatic_launches, without_programmatic_launch
 from fxopt.backends.cuda.runtime.cudagraph_measure import (NO_PDL, RUNS, STREAMS, STREAMS_MS, Measuring,  # noqa: F401
-                                                           _describe, _reserved_bytes, _side_runs, capturing, refuse)
+                                                           _describe, _reserved_bytes, _side_runs, capturing, clear_by,
+                                                           refuse)
 from fxopt.backends.cuda.runtime.stream_capture import StreamChoice
 from fxopt.passinfra import written_in_place
 from fxopt.weights import _PTRS_EQUAL, WeightWatch
@@ -538,8 +539,8 @@ class CudaGraphRunner(StreamChoice, Measuring):
             if why:
                 entry.timings["not_measured"] = why
             elif key:
-                self.decisions_cache[0].put(self.decisions_cache[1], key,
-                                            {"runs": entry.runs, "timings": dict(entry.timings)})
+                self.decisions_cache[0].put(self.decisions_cache[1], key, {"runs": entry.runs, "timings": dict(
+                    entry.timings), "clear_by": clear_by(entry.timings, entry.runs, self.margin)})
         entry.use_graph = entry.runs != "optimized plain"
         if entry.runs == NO_PDL:
             plain = plain or self._capture_without_early_launch(entry, args)  # a cached decision: captured now
@@ -563,7 +564,6 @@ class CudaGraphRunner(StreamChoice, Measuring):
                      pool="the forward capture's" if e.instances[0].pool_shared else "own",
                      **self._stream_decision(e))
                 for e in self.graphs.values()]
-
 
 
 def _lend(outputs):

@@ -32,7 +32,10 @@ one kernel), and a chain of small linear layers (a classifier head in one thread
 Every node or region with more than one candidate is timed with each candidate once (CUDA events,
 median; replayed as a CUDA graph when the graph will run under CUDA graphs, so Python launch costs
 do not decide; ``measure.py``), after checking it against the reference; the fastest correct one is
-kept and stored in the autotuning cache (a second compile measures nothing);
+kept and stored in the autotuning cache (a second compile measures nothing, and every choice is
+asked of the cache before anything compiles: where it holds the choice only the chosen candidate's
+kernels compile, the others are listed as skipped; a choice to measure leaves out the candidates
+the cache says lost by far at a neighbouring size, ``fxopt.dynamic_buckets``);
 ``report.executor_details["node_choices"]`` lists them, ``["unfused"]`` says which ops run as
 PyTorch runs them and why, ``["updated_in_place"]`` how many training BatchNorms update their
 running statistics in place (``running_stats.py``, the last step), and every generated kernel is in
@@ -52,7 +55,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from fxopt.backends.cuda.runtime.measure import Tuning, cache_key, region_key, with_fallback
+from fxopt.backends.cuda.runtime.measure import Tuning, cache_key, not_compiled, region_key, with_fallback
 from fxopt.backends.cuda.runtime.running_stats import update_in_place
 from fxopt.backends.cuda.runtime.groups import fuse_group
 from fxopt.backends.cuda.kernels import FAMILIES, GROUPS
@@ -75,6 +78,8 @@ class KernelRecord:
     ops: list = field(default_factory=list)
     #: the names of the optimized graph's nodes it computes (its region's, its node's, its group's)
     nodes: list = field(default_factory=list)
+    #: why it was not compiled: its candidate lost where the autotuning cache already held the choice
+    skipped: Optional[str] = None
 
 
 class PendingKernels:
@@ -159,13 +164,17 @@ class _PlannedNode:
     cands: list                   # every family's candidates, in the order of ``kernels.FAMILIES``
     first: list                   # those of the families that compile first
 
+    def items(self) -> dict:
+        """candidate name -> the candidate (before compiling: every candidate's name)."""
+        return {getattr(c, "key", None) or f"generated_{getattr(c, 'label', type(c).__name__.lower())}": c
+                for c in self.cands}
+
     def candidates(self) -> dict:
         """name -> implementation: the reference, then each candidate whose kernels compiled."""
         reference = self.node.target
         out = {"reference": reference}
-        for c in self.cands:
+        for name, c in self.items().items():
             if len(c.kernels) == len(c.sources):
-                name = getattr(c, "key", None) or f"generated_{getattr(c, 'label', type(c).__name__.lower())}"
                 out[name] = c.bind(reference) if hasattr(c, "bind") else with_fallback(c, reference)
         return out
 
@@ -189,6 +198,10 @@ class _PlannedRegion:
     reference: RegionReference
     templates: dict               # name -> (candidate, callable over the region's inputs)
     nodes: list = field(default_factory=list)  # the optimized graph's names of the nodes it computes
+
+    def items(self) -> dict:
+        """candidate name -> what compiles for it (before compiling: every candidate's name)."""
+        return {"generated": self.generated, **{name: cand for name, (cand, _) in self.templates.items()}}
 
     def candidates(self) -> dict:
         out = {"reference": self.reference}
@@ -276,12 +289,12 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
                                                                     if u.target is operator.getitem]),
             "kernels": {f"generated_{c.label}": [ks.name for ks in c.sources.values()] for c in g.candidates}}
             for g in groups}
-    pending = PendingKernels([p.generated for p in regions] + [c for p in regions for c, _ in p.templates.values()]
-                             + first + [c for p in planned for c in p.cands if id(c) not in firsts]
-                             + [c for g in groups for c in g.candidates], info, computes)
+    items = ([p.generated for p in regions] + [c for p in regions for c, _ in p.templates.values()]
+             + first + [c for p in planned for c in p.cands if id(c) not in firsts])
     decisions = dict(info.get("linear_epilogues", {}))  # "split": the epilogue went into its readers
     info["node_choices"] = decisions
     if not on_gpu:
+        pending = PendingKernels(items + [c for g in groups for c in g.candidates], info, computes)
         if getattr(ctx.options, "emulate_kernels", False) and regions:
             for p in regions:  # the kernels' IR in the references' place (option emulate_kernels)
                 p.node.target = EmulatedRegion(p.generated.region, p.reference)
@@ -292,31 +305,51 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
         info["updated_in_place"] = update_in_place(runnable)
         _stream_plan(runnable, ctx, info)
         return runnable
+    # what the autotuning cache holds is asked first, in the order the choices are made: where it
+    # holds a choice only the chosen candidate's kernels compile (the others' were most of the NVRTC
+    # time of a new size bucket whose choices come from its neighbours, fxopt.dynamic_buckets)
+    known = {}  # id(planned region or node) -> (key, the cache's entry, or None: measured)
+    skipped = {}  # id(candidate) -> why it is not compiled
+    for p in regions + planned:
+        names = ["reference", *p.items()]
+        key = (region_key(p.node, p.generated, names, tuning.graphed) if isinstance(p, _PlannedRegion)
+               else cache_key(p.node, names, tuning.graphed))
+        entry = tuning.lookup(key)
+        known[id(p)] = (key, entry)
+        skipped.update(not_compiled(p.items(), entry, tuning.losers(key) if entry is None else ()))
+    pending = PendingKernels([c for c in items if id(c) not in skipped], info, computes)
     changed = bool(regions)  # (a split linear layer's epilogue is in the regions of its readers)
     t0 = time.perf_counter()
-    for p in regions:  # measured as soon as its own kernels are compiled
-        pending.ready([p.generated] + [c for c, _ in p.templates.values()])
+    for p in regions + planned:  # measured as soon as its own kernels are compiled
+        pending.ready(list(p.items().values()))
         candidates = p.candidates()
-        if len(candidates) < 2:
-            continue
-        entry = decisions[p.node.name] = tuning.entry(p.node, candidates, region_key(p.node, p.generated,
-                                                                                       candidates, tuning.graphed))
+        key, entry = known[id(p)]
+        if entry is None and len(candidates) < 2:
+            if not any(id(c) in skipped for c in p.items().values()):
+                continue  # (its candidates failed to compile: nothing to choose)
+            entry = {"choice": "reference", "ms": {}, "errors": {}, "not_measured": "every other candidate lost "
+                     "by far at a neighbouring size"}  # stored: a later size of the bucket asks no more
+            tuning.cache.put(tuning.device, key, entry)
+        entry = decisions[p.node.name] = entry if entry is not None else tuning.measured(p.node, candidates, key)
         if entry["choice"] in candidates and entry["choice"] != "reference":
             p.node.target = candidates[entry["choice"]]
-    for p in planned:
-        pending.ready(p.cands)
-        candidates = p.candidates()
-        if len(candidates) < 2:
-            continue
-        node = p.node
-        entry = decisions[node.name] = tuning.entry(node, candidates, cache_key(node, candidates, tuning.graphed))
-        if entry["choice"] in candidates and entry["choice"] != "reference":
-            node.target = candidates[entry["choice"]]
-            changed = True
+            changed |= isinstance(p, _PlannedNode)
     pending.finish()
-    info["nvrtc_s"] = round(pending.compile_s, 3)  # overlapping the measuring that follows it
+    nvrtc = [pending.compile_s]
+
+    def compile_now(cands: list, why: dict) -> None:  # a group's candidates, once its choice is known
+        later = PendingKernels([c for c in cands if id(c) not in why], info, computes)
+        later.finish()
+        nvrtc.append(later.compile_s)
+        skipped.update(why)
+
     for g in groups:  # after the per-node choices: each group is measured against them
-        changed |= fuse_group(runnable, g, tuning, decisions)
+        changed |= fuse_group(runnable, g, tuning, decisions, compile_now)
+    info["nvrtc_s"] = round(sum(nvrtc), 3)  # overlapping the measuring that follows it
+    for c in items + [c for g in groups for c in g.candidates]:
+        if id(c) in skipped:
+            info["kernels"].extend(KernelRecord(ks.name, ks.source, False, None, _ops(ks), list(computes.get(id(c), [])),
+                                                skipped[id(c)]) for ks in c.sources.values())
     info["choose_s"] = round(time.perf_counter() - t0, 3)  # measurements, or autotuning-cache hits
     if changed:
         runnable.recompile()

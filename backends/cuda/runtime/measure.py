@@ -11,15 +11,16 @@
   lowering; on resnet18 fp16 across batch 1-64, about 6 of the 8 s of kernels its measurements ran, as
   estimated from the cached timings times the runs each takes, H100).
 - ``Tuning.entry``: the choice from the autotuning cache, else measured and stored, so a second
-  compile measures nothing. ``cache_key`` names a node by what decides its choice: target, input
+  compile measures nothing (``lookup`` and ``measured``: the two halves, for a caller that asks
+  before compiling the candidates' kernels). ``cache_key`` names a node by what decides its choice: target, input
   shapes/layouts/dtypes, constant arguments and the candidates.
 - ``with_fallback``: a candidate that may decline at run time (``None``) backed by the reference.
 """
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
@@ -198,6 +199,16 @@ def region_key(node: fx.Node, generated, candidates: dict, graphed: bool) -> str
     return f"region|graphed={graphed}|{hashlib.sha256(src.encode()).hexdigest()[:24]}|{sorted(candidates)}"
 
 
+def not_compiled(items: dict, entry: Optional[dict], losers) -> dict:
+    """id(candidate) -> why its kernels are not compiled: the autotuning cache chose another one
+    (``entry``), or, to be measured, it lost by far where a neighbouring size measured it."""
+    if entry is not None:
+        return {id(c): f"not compiled: the autotuning cache chose {entry.get('choice')}"
+                for name, c in items.items() if name != entry.get("choice")}
+    return {id(c): "not compiled: it lost by 10x or more where a neighbouring size measured it"
+            for name, c in items.items() if name in losers}
+
+
 @dataclass
 class Tuning:
     """Where measured choices come from: the autotuning cache, else a measurement (stored)."""
@@ -205,14 +216,32 @@ class Tuning:
     device: str
     graphed: bool
     ctx: Any
+    done: dict = field(default_factory=dict)  # key -> entry measured by this Tuning
 
-    def entry(self, node: fx.Node, candidates: dict, key: str) -> dict:
+    def lookup(self, key: str) -> Optional[dict]:
+        """The cache's choice for ``key``; None: to be ``measured`` (asked before the candidates'
+        kernels compile: where the choice is known only the chosen one's need to)."""
+        return self.cache.get(self.device, key)
+
+    def measured(self, node: fx.Node, candidates: dict, key: str) -> dict:
+        """``node``'s candidates measured, the result stored under ``key`` (a key asked twice before
+        either was measured, identical regions of one graph: measured once, stored for both asks)."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        entry = self.cache.get(self.device, key)
+        entry = self.done.get(key)
         if entry is None:
             with unset_fake_temporarily():
-                entry = measure(node, candidates, self.graphed)
+                entry = self.done[key] = measure(node, candidates, self.graphed)
             self.ctx.measurements += len(entry["ms"])
-            self.cache.put(self.device, key, entry)
+        self.cache.put(self.device, key, entry)
         return entry
+
+    def losers(self, key: str) -> set:
+        """Candidates of ``key``'s choice (just asked, missed) not worth compiling to measure: those the
+        cache knows lost by far at a neighbouring size (``fxopt.dynamic_buckets``; other caches: none)."""
+        losers = getattr(self.cache, "losers", None)
+        return losers(self.device, key) if losers is not None else set()
+
+    def entry(self, node: fx.Node, candidates: dict, key: str) -> dict:
+        entry = self.lookup(key)
+        return entry if entry is not None else self.measured(node, candidates, key)
