@@ -222,3 +222,19 @@ def test_a_compile_whose_choices_are_cached_compiles_only_the_chosen_kernels(tmp
     compiled = torch.compile(model, backend="fxopt", options=opts)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=2e-2, atol=2e-2)
+
+
+def test_explain_lists_the_choices_taken_from_neighbouring_buckets():
+    from fxopt.dynamic import summary_lines
+
+    info = {"symbolic": ["input 0 dim 0 (s0, traced at 8)"], "live": 2, "max_specializations": 16,
+            "specializations": {"s0=3": {"lowered": 1, "seconds": [0.2], "live": True, "runs": "specialized",
+                                         "choices": {"measured": 2, "cached": 0, "reused": 0, "from_sibling": 0,
+                                                     "from_neighbours": 21}},
+                                "s0=8": {"lowered": 1, "seconds": [1.1], "live": True, "runs": "specialized",
+                                         "choices": {"measured": 23, "cached": 0, "reused": 0}}}}
+    lines = summary_lines(info)
+    three = next(line for line in lines if "s0=3" in line)
+    eight = next(line for line in lines if "s0=8" in line)
+    assert "2 measured" in three and "21 from neighbouring buckets" in three
+    assert "neighbouring" not in eight
