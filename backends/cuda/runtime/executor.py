@@ -184,6 +184,8 @@ def plan_nodes(graph: fx.Graph, options) -> list:
     nodes where a family that is measured alone has one."""
     planned = []
     for node in graph.nodes:
+        if node.op != "call_function":  # (every family plans calls: the inputs and output are not asked)
+            continue
         per_family = [(f, f.plan(node, options)) for f in FAMILIES]
         if any(cs and f.alone for f, cs in per_family):
             planned.append(_PlannedNode(node, [c for _, cs in per_family for c in cs],
