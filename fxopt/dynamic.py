@@ -116,7 +116,10 @@ class PrivateShapes:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-        self.shape_env = ShapeEnv(duck_shape=False)  # sizes equal at the traced ones are not assumed equal
+        # sizes equal at the traced ones are not assumed equal; a size traced at 0 or 1 stays a symbol
+        # (Dynamo hands such a graph over under backed_size_oblivious: specialized here, the values
+        # stored for other sizes were those of batch 1, and batch 8 ran on them past its buffers)
+        self.shape_env = ShapeEnv(duck_shape=False, specialize_zero_one=False)
         self.mode = FakeTensorMode(shape_env=self.shape_env, allow_non_fake_inputs=True)
         self.symbols: dict = {}  # Dynamo's symbol -> (private SymInt, private sympy symbol)
         self.where: dict = {}  # private symbol name -> (argument index, dim or None for a size input)

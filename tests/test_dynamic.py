@@ -245,6 +245,25 @@ def test_stored_values_agree_where_only_strides_of_extent_one_differ():
     assert all(how.startswith("stored values") for how in backend.dynamic()["specialised_by"].values())
 
 
+@pytest.mark.parametrize("executor", ["torch", "cpu"])
+def test_a_symbolic_graph_traced_at_batch_1_keeps_the_batch_symbolic(executor):
+    """Under backed_size_oblivious Dynamo hands over the symbolic graph traced at batch 1: the batch
+    stays a symbol in fxopt's own shape environment (once it was specialized to 1 there, so the values
+    stored for every other size were batch 1's: batch 8 then ran the generated C of batch 1 past its
+    buffers, a heap corruption). Every size equals eager."""
+    import torch.fx.experimental._config as fc
+
+    torch.manual_seed(0)
+    model = SmallResNet().eval()
+    backend = Counting(executor=executor)
+    with fc.patch(backed_size_oblivious=True):
+        compiled = torch.compile(model, backend=backend)
+        _check(compiled, model, [(7, 32), (1, 32), (8, 32), (3, 32), (1, 32)])
+    info = backend.dynamic()
+    assert any("traced at 1" in d for d in info["symbolic"]), info["symbolic"]
+    assert all(how.startswith("stored values") for how in info["specialised_by"].values())
+
+
 def test_a_size_makes_the_unoptimized_graph_only_where_it_is_run(monkeypatch):
     """A size's unoptimized graph (the never-slower baseline) is deferred: the torch executor, which
     compares with no baseline, never makes it; it is made (once) where asked."""

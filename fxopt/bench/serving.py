@@ -334,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fxopt-options", default=None, help="fxopt options as JSON")
     p.add_argument("--size-oblivious", action="store_true", help="compile under torch.fx.experimental._config."
                    "backed_size_oblivious (no 0/1 specialization: batch 1 shares the symbolic graph)")
+    p.add_argument("--cpp-shape-guards", action="store_true", help="compile under torch._dynamo.config."
+                   "enable_cpp_symbolic_shape_guards (Dynamo checks a symbolic graph's size guards in C++, not in "
+                   "Python on every call: the per-call cost a static graph does not pay)")
     p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run (shared by backends)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out")
@@ -381,8 +384,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     models = a.models.split(",")
     jobs = [(m, n) for m in models for n in names]
     opts = json.loads(a.fxopt_options) if a.fxopt_options else None
-    oblivious = (torch.fx.experimental._config.patch(backed_size_oblivious=True) if a.size_oblivious
-                 else contextlib.nullcontext())
+    if a.cpp_shape_guards and not hasattr(torch._dynamo.config, "enable_cpp_symbolic_shape_guards"):
+        raise SystemExit(f"--cpp-shape-guards: torch {torch.__version__} has no "
+                         "torch._dynamo.config.enable_cpp_symbolic_shape_guards")
+
+    def settings() -> contextlib.ExitStack:  # the PyTorch settings a run is compiled under
+        stack = contextlib.ExitStack()
+        if a.size_oblivious:
+            stack.enter_context(torch.fx.experimental._config.patch(backed_size_oblivious=True))
+        if a.cpp_shape_guards:
+            stack.enter_context(torch._dynamo.config.patch(enable_cpp_symbolic_shape_guards=True))
+        return stack
     for j, (model_name, name) in enumerate(jobs):
         if a.isolate and len(jobs) > 1:
             r = _isolated(list(sys.argv[1:] if argv is None else argv), model_name, name,
@@ -409,7 +421,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         left = budget - (time.perf_counter() - t_start)
         deadline = time.perf_counter() + left / (len(jobs) - j)
         try:
-            with oblivious:
+            with settings():
                 r = run_backend(name, model, chw, device, dtype, plans, samples, a.iters, opts, deadline)
         except Exception as e:  # noqa: BLE001 - one backend failing does not end the run
             r = {"backend": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -421,7 +433,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.makedirs(a.out, exist_ok=True)
     meta = {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "dtype": str(dtype), "torch": torch.__version__, "calls": a.calls, "max_batch": a.max_batch,
-            "seed": a.seed, "size_oblivious": a.size_oblivious, "fxopt_options": opts,
+            "seed": a.seed, "size_oblivious": a.size_oblivious, "cpp_shape_guards": a.cpp_shape_guards,
+            "fxopt_options": opts,
             "wall_s": round(time.perf_counter() - t_start, 1)}
     with open(os.path.join(a.out, "serving.json"), "w") as f:
         json.dump({**meta, "results": results}, f, indent=1, default=str)

@@ -11,7 +11,8 @@ def markdown(meta: dict, results: list) -> str:
              f"seed {meta.get('seed')}",
              "",
              f"{meta.get('gpu') or meta.get('device')}, {meta.get('dtype')}, torch {meta.get('torch')}"
-             f"{', backed_size_oblivious' if meta.get('size_oblivious') else ''}; {meta.get('wall_s')} s in all.",
+             f"{', backed_size_oblivious' if meta.get('size_oblivious') else ''}"
+             f"{', enable_cpp_symbolic_shape_guards' if meta.get('cpp_shape_guards') else ''}; {meta.get('wall_s')} s in all.",
              "",
              "| model | backend | phase | calls | sizes | Dynamo graphs | compile s | overhead s | first call new size "
              "median / max / max without a Dynamo compile s | steady ms (median) | p99 call ms | peak GPU MB | "
