@@ -68,10 +68,11 @@ def _same_val(a, b, offsets: bool = True) -> bool:
         return (isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b)
                 and all(_same_val(x, y, offsets) for x, y in zip(a, b)))
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        from fxopt.eager_formats import same_strides
+
         # the same memory layout: a dimension of extent 1 is never stepped along, so its stride is
         # free (a 1x1 feature map's channels_last strides propagate as (C, 1, C, C) or (C, 1, 1, 1))
-        return (a.shape == b.shape and a.dtype == b.dtype
-                and all(n == 1 or s == t for n, s, t in zip(a.shape, a.stride(), b.stride()))
+        return (a.shape == b.shape and a.dtype == b.dtype and same_strides(a.shape, a.stride(), b.stride())
                 and (not offsets or a.storage_offset() == b.storage_offset()))
     return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
 

@@ -238,3 +238,20 @@ def test_explain_lists_the_choices_taken_from_neighbouring_buckets():
     eight = next(line for line in lines if "s0=8" in line)
     assert "2 measured" in three and "21 from neighbouring buckets" in three
     assert "neighbouring" not in eight
+
+
+def test_a_choice_whose_other_candidates_all_lost_keeps_the_reference_for_the_bucket():
+    """Every candidate but the reference left out as a loser: the reference is stored as the choice
+    (marked unmeasured), and the bucket's later sizes take it without measuring."""
+    from fxopt.backends.cuda.runtime import measure
+
+    class Ctx:
+        measurements = 0
+
+    bc = BucketChoices(AutotuneCache(None), batch=4)
+    tuning = measure.Tuning(bc, "cuda", True, Ctx)
+    key = CONV.format(b=4)
+    assert tuning.lookup(key) is None
+    kept = tuning.reference_kept(key)
+    assert kept["choice"] == "reference" and "not_measured" in kept and Ctx.measurements == 0
+    assert bc.replayer().get("cuda", CONV.format(b=3))["choice"] == "reference"

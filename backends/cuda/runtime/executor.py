@@ -329,9 +329,7 @@ def attach_kernels(runnable: fx.GraphModule, ctx, info: dict) -> fx.GraphModule:
         if entry is None and len(candidates) < 2:
             if not any(id(c) in skipped for c in p.items().values()):
                 continue  # (its candidates failed to compile: nothing to choose)
-            entry = {"choice": "reference", "ms": {}, "errors": {}, "not_measured": "every other candidate lost "
-                     "by far at a neighbouring size"}  # stored: a later size of the bucket asks no more
-            tuning.cache.put(tuning.device, key, entry)
+            entry = tuning.reference_kept(key)
         entry = decisions[p.node.name] = entry if entry is not None else tuning.measured(p.node, candidates, key)
         if entry["choice"] in candidates and entry["choice"] != "reference":
             p.node.target = candidates[entry["choice"]]

@@ -40,9 +40,8 @@ def fuse_group(gm: fx.GraphModule, group: NodeGroup, tuning: Tuning, decisions: 
     candidates.update((name, with_fallback(c, reference)) for name, c in named.items()
                       if len(c.kernels) == len(c.sources))
     if entry is None and len(candidates) < 2:
-        if skipped:  # stored: a later size of the bucket asks no more
-            tuning.cache.put(tuning.device, key, {"choice": "reference", "ms": {}, "errors": {}, "not_measured":
-                                                  "every other candidate lost by far at a neighbouring size"})
+        if skipped:
+            tuning.reference_kept(key)
         g.erase_node(node)
         return False
     entry = decisions["+".join(n.name for n in group.nodes)] = (

@@ -205,7 +205,7 @@ def not_compiled(items: dict, entry: Optional[dict], losers) -> dict:
     if entry is not None:
         return {id(c): f"not compiled: the autotuning cache chose {entry.get('choice')}"
                 for name, c in items.items() if name != entry.get("choice")}
-    return {id(c): "not compiled: it lost by 10x or more where a neighbouring size measured it"
+    return {id(c): "not compiled: it lost by far where a neighbouring size measured it"
             for name, c in items.items() if name in losers}
 
 
@@ -233,6 +233,14 @@ class Tuning:
             with unset_fake_temporarily():
                 entry = self.done[key] = measure(node, candidates, self.graphed)
             self.ctx.measurements += len(entry["ms"])
+        self.cache.put(self.device, key, entry)
+        return entry
+
+    def reference_kept(self, key: str) -> dict:
+        """The reference as ``key``'s choice, stored unmeasured where every other candidate was left
+        out as a loser (``losers``): a later size of the bucket asks no more."""
+        entry = {"choice": "reference", "ms": {}, "errors": {},
+                 "not_measured": "every other candidate lost by far at a neighbouring size"}
         self.cache.put(self.device, key, entry)
         return entry
 
