@@ -118,6 +118,11 @@ def dtype_unsupported(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def _without_ints(sig: tuple) -> tuple:
+    """A runner's call signature without the sizes passed as ints (``_cache_key``)."""
+    return tuple(a for a in sig if type(a) is not int)
+
+
 class OneDnnConv(torch.nn.Module):
     """One fused convolution as one oneDNN call, with its weight packed once (see the module doc)."""
 
@@ -474,7 +479,9 @@ class CpuRunner:
         kind = "steady-bursts-ov2-ortspin40-ov1t" if self.steady else "bursts-ties2-ov2-ortspin40-ov1t-warm10"
         if self.generated_c is not None:  # decisions of an earlier generated C (other kernels) are not reused
             kind += f"-genc{GENERATED_C_VERSION}"
-        return cpu_runner_key(kind, self.decisions_cache[2], self.ways, sig)
+        # (sizes passed as ints, a symbolic graph's, left out: the tensors' shapes hold them, and a graph with
+        # more sizes symbolic asks the same decision; fxopt.dynamic_buckets)
+        return cpu_runner_key(kind, self.decisions_cache[2], self.ways, _without_ints(sig))
 
     def _decide(self, sig, args):
         with contextlib.ExitStack() as stack:

@@ -42,7 +42,28 @@ def decisions_cache(ctx, runnable: fx.GraphModule, baseline, device_type: str = 
         return None
     code = runnable.code + ("" if baseline is None else baseline.code)
     cache = AutotuneCache.for_option(opt)
-    return cache, device_fingerprint(device_type), hashlib.sha256(code.encode()).hexdigest()[:16]
+    graphs = f"{hashlib.sha256(code.encode()).hexdigest()[:16]}-{model_tag(runnable, ctx.param_placeholders)}"
+    return cache, device_fingerprint(device_type), graphs
+
+
+_LETTERS = str.maketrans("0123456789abcdef", "ghijklmnopqrstuv")
+
+
+def model_tag(gm: fx.GraphModule, params) -> str:
+    """A name of the model a graph runs, the same at every size: a hash of its weights' shapes and
+    dtypes (parameter placeholders, constants), written in letters only, so that it stays in a key's
+    signature (``fxopt.dynamic_buckets.signature`` blanks numbers and hex hashes): a runner's decision
+    measured for one model is never taken for another whose inputs match."""
+    import torch
+
+    weights = []
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and ((n.op == "placeholder" and n.name in params) or n.op == "get_attr"):
+            weights.append((tuple(int(d) for d in v.shape), str(v.dtype)))
+    if not weights:  # none: the operations it calls, in order
+        weights = [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"]
+    return hashlib.sha256(repr(weights).encode()).hexdigest()[:12].translate(_LETTERS)
 
 
 class DeferredGraph:

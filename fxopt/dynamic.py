@@ -31,7 +31,8 @@ as before (the end of this docstring). The path:
 4. Buckets (``fxopt.dynamic_buckets``): every symbolic size falls in a power-of-two bucket (batch
    5..8, side 129..256). The choices the first lowering in a bucket measured are reused by every
    later lowering in it, and the first takes what the user's cache holds for another batch of its
-   bucket, the static graph of Dynamo's first size's (nothing measured at a second size of a
+   bucket, the static graph of Dynamo's first size's, or another graph's at inputs of its bucket
+   (Dynamo's graph for a new image size: the batch graph's) (nothing measured at a second size of a
    bucket; with the sides bucketed too, the image phase of a serving loop over sides 192/224/256
    compiled in 28.8 s where each side measuring its own took 34.7 and 43.3 s, H200, BENCHMARKS.md). A new
    batch bucket's first lowering takes the choices that are clear at the buckets of other batches
@@ -151,6 +152,9 @@ class PrivateShapes:
                 self.fakes.append(a)
         if not self.symbols:
             raise Unsupported("no symbolic sizes")
+        # the tensor arguments with a symbolic size (their shapes name a size's bucket of inputs)
+        self.symbolic_tensors = [i for i, f in enumerate(self.fakes)
+                                 if isinstance(f, torch.Tensor) and any(_is_sym(d) for d in f.shape)]
 
     def _tensor(self, a: torch.Tensor, sizes: list) -> torch.Tensor:
         """A fake tensor in the private environment with ``a``'s dtype, device and layout."""
@@ -219,10 +223,13 @@ class SizeDispatcher:
     ``padding``: a ``fxopt.dynamic_buckets.Padding`` where the graph is batch-independent (a new
     batch size then runs padded on a lowered larger one, or in chunks of lowered ones where none is
     larger, until it was seen ``specialize_after`` times, then gets its own specialization), else None.
-    ``user_cache``: the autotuning cache the buckets' choices are recorded into."""
+    ``user_cache``: the autotuning cache the buckets' choices are recorded into; ``model``: a name of
+    the model (its weights' shapes), with the bucket of a lowering's inputs the name of what it measures
+    for other graphs of that model (``fxopt.dynamic_buckets.input_buckets``)."""
 
     def __init__(self, shapes: PrivateShapes, lower_at: Callable, max_specializations: int, info: dict,
-                 padding=None, specialize_after: int = 2, user_cache=None, batch_pos: Optional[int] = None):
+                 padding=None, specialize_after: int = 2, user_cache=None, batch_pos: Optional[int] = None,
+                 model: str = ""):
         from fxopt.autotune import AutotuneCache
 
         self.shapes, self.lower_at = shapes, lower_at
@@ -232,6 +239,7 @@ class SizeDispatcher:
         self.padding, self.specialize_after = padding, max(1, int(specialize_after))
         self.user_cache = user_cache if user_cache is not None else AutotuneCache(None)
         self.batch_pos = batch_pos  # index of the batch in a key (None: no batch symbol known)
+        self.model = model  # the model's tag (``backends.lowering.model_tag``): part of a bucket's name
         self.buckets: dict = {}  # bucket id -> BucketChoices
         self.seen: collections.Counter = collections.Counter()  # key -> calls served padded
         self.evicted: collections.Counter = collections.Counter()
@@ -374,14 +382,16 @@ class SizeDispatcher:
             self.evicted[old_key] += 1
             self.info["evictions"] += 1
             self.info["specializations"][self.shapes.describe(old_key)]["live"] = False
-        from fxopt.dynamic_buckets import BucketChoices
+        from fxopt.dynamic_buckets import BucketChoices, input_buckets
 
         bid = self._bucket_id(key)
         first = bid not in self.buckets
         if first:
             batch = key[self.batch_pos] if self.batch_pos is not None else None
+            where = getattr(self.shapes, "symbolic_tensors", None)
+            at = None if where is None else f"{self.model} {input_buckets(args[i].shape for i in where)}".strip()
             self.buckets[bid] = BucketChoices(self.user_cache, batch if isinstance(batch, int) else None,
-                                              neighbours=self._neighbour_buckets(bid))
+                                              neighbours=self._neighbour_buckets(bid), at=at)
         choices = self.buckets[bid] if first else self.buckets[bid].replayer()
         t0 = time.perf_counter()
         low, note = self.lower_at(list(args), key, choices)

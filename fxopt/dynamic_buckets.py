@@ -13,7 +13,10 @@ size is bucketed so, an image's sides as well: 192, 224 and 256 share one).
   before. The first lowering's keys are recorded exact, so the user's cache serves it in a later
   process. The first lowering itself takes what the user's cache holds for another batch of its
   bucket (``sibling_batch``: the static graph Dynamo compiled for the first size, or a lowering of an
-  earlier process) before measuring: the bucket's choices, measured at another of its sizes.
+  earlier process) before measuring: the bucket's choices, measured at another of its sizes. What a
+  bucket measures is stored with the bucket of its inputs (``input_buckets``: the symbolic inputs'
+  shapes, every size bucketed), and the same request from another graph at inputs of that bucket
+  takes it: Dynamo's later graph with the sides symbolic too, or a later process.
 - Neighbouring buckets (``BucketChoices.neighbours``): where neither holds a choice, the first
   lowering of a new batch bucket takes it unmeasured from the buckets of other batches (the other
   sizes' buckets equal) that measured it, where that choice is clear: the nearest measured buckets
@@ -21,7 +24,10 @@ size is bucketed so, an image's sides as well: 192, 224 and 256 share one).
   ``NEIGHBOUR_MARGIN`` over every other timed alternative (``verdict``). A choice is the same
   request only where both lowerings asked for the same choices in the same order up to it (their
   keys' signatures). Choices taken so are never handed on to a third bucket, nor written to the
-  user's cache: a later process measures them at their own size. Why: the choices hardly move with
+  user's cache: a later process measures them at their own size. A CUDA-graph runner's decision
+  (whether the optimized graph or the unoptimized baseline runs, one per graph and input signature)
+  needs no such alignment: the choices before it may differ (resnet18 fp16, H100: batch 6's lowering
+  asked a pool's choice with another key than batch 4's, and measured the baseline again, 0.15 s). Why: the choices hardly move with
   the batch (resnet18 fp16 on an H100, batch 1-34: the same for every convolution, pool and fused
   region; only the linear head moved, by margins under 1.2x), while measuring them is most of a
   bucket's first lowering.
@@ -48,6 +54,7 @@ from typing import Optional, Sequence
 import torch
 
 from fxopt.autotune import AutotuneCache
+from fxopt.choices import RUNNER_PREFIX
 
 
 def bucket(n: int) -> int:
@@ -98,6 +105,24 @@ def verdict(entry) -> Optional[tuple]:
     return choice, (min(others) / times[choice] if others else float("inf"))
 
 
+#: the field of a stored choice naming the bucket of the inputs it was measured at (``input_buckets``)
+AT_FIELD = "input_buckets"
+
+
+def input_buckets(shapes) -> str:
+    """The bucket of a lowering's inputs: the shapes of its tensor arguments that have a symbolic
+    size, every size bucketed, in order (resnet18 at 5x3x192x192 and at 6x3x224x224:
+    ``"[(8, 4, 256, 256)]"``). Choices measured at inputs of one bucket serve every size in it."""
+    return repr(sorted(tuple(bucket(int(d)) for d in s) for s in shapes))
+
+
+def stamped(entry, at: Optional[str]):
+    """``entry`` with the bucket of the inputs it was measured at (a copy; as it is without one)."""
+    if at is None or not isinstance(entry, dict) or entry.get(AT_FIELD) == at:
+        return entry
+    return dict(entry, **{AT_FIELD: at})
+
+
 def sibling_batch(key: str, other: str, batch: int) -> Optional[int]:
     """The batch ``other`` names where it is ``key`` at another batch of the same bucket: every number
     of ``key`` that differs in ``other`` is ``batch`` there and one same ``B`` here, ``bucket(B) ==
@@ -119,9 +144,13 @@ class BucketChoices(AutotuneCache):
     ``batch``: the first lowering's batch, to take what ``inner`` holds at another batch of the bucket
     (None: not looked for). The first lowering records; ``replayer()`` gives a later lowering's view."""
 
-    def __init__(self, inner: AutotuneCache, batch: Optional[int] = None, neighbours: Sequence = ()):
+    def __init__(self, inner: AutotuneCache, batch: Optional[int] = None, neighbours: Sequence = (),
+                 at: Optional[str] = None):
         super().__init__(None)
         self.inner, self.batch = inner, batch
+        # the lowering's symbolic inputs' shapes, every size bucketed (``input_buckets``): stored with
+        # what it measures, and what finds the same bucket's choices measured under another graph
+        self.at = at
         self.counts = {"measured": 0, "cached": 0, "reused": 0, "from_sibling": 0, "from_neighbours": 0}
         self._by_signature: dict = {}  # device -> {signature: [inner's keys]}, built at the first miss
         # the buckets of other batches measured before: [(their batch bucket, their BucketChoices)]
@@ -187,10 +216,13 @@ class BucketChoices(AutotuneCache):
         if not self.neighbours:
             return None
         mine, n = bucket(self.batch), len(self.sequence)
+        # a CUDA-graph runner's decision (the optimized graph, or the baseline) is one per graph and
+        # input signature, named by its signature: it needs no alignment of the choices before it
+        whole = ask[0][1].startswith(RUNNER_PREFIX)
         below = above = None  # (batch bucket, entry, verdict) of the nearest measured on each side
         for b, other in self.neighbours:
             entry = other.answers.get(ask)
-            if entry is None or ask in other.derived or other.sequence[:n] != self.sequence:
+            if entry is None or ask in other.derived or (not whole and other.sequence[:n] != self.sequence):
                 continue
             v = verdict(entry)
             if v is None:
@@ -208,32 +240,41 @@ class BucketChoices(AutotuneCache):
         return None
 
     def _sibling(self, device: str, key: str) -> Optional[dict]:
-        """What the user's cache holds for ``key`` at the nearest other batch of this bucket."""
-        if self.batch is None or bucket(self.batch) == 1:
+        """What the user's cache holds for ``key`` at the nearest other batch of this bucket; else
+        what it holds for the same request measured at inputs of this bucket (``at``) under another
+        graph (a symbolic graph of the same model Dynamo made later, with the sides symbolic too;
+        another process's)."""
+        if self.batch is None and self.at is None:
             return None
         if device not in self._by_signature:
             index = self._by_signature[device] = collections.defaultdict(list)
             for k in self.inner.keys(device):
                 index[signature(k)].append(k)
-        near = []
+        near, same = [], None
         for k in self._by_signature[device].get(signature(key), ()):
-            b = sibling_batch(key, k, self.batch)
+            b = sibling_batch(key, k, self.batch) if self.batch is not None and bucket(self.batch) > 1 else None
             if b is not None:
                 near.append((abs(b - self.batch), -b, k))
-        if not near:
+            elif same is None and self.at is not None and k != key:
+                stored = self.inner.get(device, k)
+                if isinstance(stored, dict) and stored.get(AT_FIELD) == self.at:
+                    same = k
+        if not near and same is None:
             return None
-        entry = self.inner.get(device, min(near)[2])
+        entry = self.inner.get(device, min(near)[2] if near else same)
         if entry is not None:
             self.counts["from_sibling"] += 1
         return copy.deepcopy(entry)
 
     def put(self, device: str, key: str, entry: dict) -> None:
         # (the same choice asked twice in one lowering, identical regions: measured once, put twice)
-        self.counts["cached" if self.inner.get(device, key) is entry else "measured"] += 1
+        held = self.inner.get(device, key)
+        self.counts["cached" if held is entry else "measured"] += 1
         sig = (device, signature(key))
         if self._open.get(sig):  # the answer to the first ask of that signature that missed
             self.answers[self._open[sig].pop(0)] = copy.deepcopy(entry)
-        self.inner.put(device, key, entry)
+        if held is not entry:
+            self.inner.put(device, key, stamped(entry, self.at))
 
     def replayer(self) -> "_Replay":
         return _Replay(self)
@@ -267,7 +308,7 @@ class _Replay(AutotuneCache):
 
     def put(self, device: str, key: str, entry: dict) -> None:
         self.counts["measured"] += 1
-        self.source.inner.put(device, key, entry)
+        self.source.inner.put(device, key, stamped(entry, self.source.at))
 
 
 def _dense(t: torch.Tensor) -> bool:

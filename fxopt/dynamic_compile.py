@@ -51,6 +51,7 @@ def _compile(compiler, gm: fx.GraphModule, fake_args: list, kind: str, t0: float
     from fxopt import pipeline
     from fxopt.autotune import cudnn_choosing
     from fxopt.backends import resolve_executor
+    from fxopt.backends.lowering import model_tag
 
     try:
         shapes = PrivateShapes(fake_args)
@@ -74,7 +75,8 @@ def _compile(compiler, gm: fx.GraphModule, fake_args: list, kind: str, t0: float
     padding, batch_pos = _padding(compiler.options, before, shapes, info, kind)
     dispatcher = SizeDispatcher(shapes, lower_at, compiler.options.max_specializations, info, padding=padding,
                                 specialize_after=compiler.options.specialize_after,
-                                user_cache=_user_cache(compiler.options), batch_pos=batch_pos)
+                                user_cache=_user_cache(compiler.options), batch_pos=batch_pos,
+                                model=model_tag(before, ctx.param_placeholders))
     executor = resolve_executor(compiler.options.executor, compiler.device_type, kind)
     lowered = Lowered(fn=dispatcher, executor=f"{executor} (per size)", cudagraphs="per size",
                       details={"dynamic": info})

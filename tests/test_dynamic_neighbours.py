@@ -99,6 +99,31 @@ def test_taken_choices_are_not_handed_on_and_requests_must_align():
     assert BucketChoices(AutotuneCache(None), neighbours=[(8, eight)]).get("cuda", CONV.format(b=4)) is None
 
 
+RUNNER = "cudagraph_runner|{h}|baseline=True|[((({b}, 3, 224, 224), (150528, 1, 672, 3), 'torch.float16')]"
+
+
+def runner(runs: str, clear: float) -> dict:
+    return {"runs": runs, "timings": {"graph_ms": 0.27, "baseline_graph_ms": 0.27 * clear}, "clear_by": clear}
+
+
+def test_a_runner_decision_needs_no_alignment_of_the_choices_before_it():
+    """The CUDA-graph runner's decision is one per graph and input signature: taken where both
+    neighbours agree even when the choices asked before it differ (a pool asked under another key);
+    a node's choice after such a difference is not."""
+    four = measured(4, [(POOL, node("generated", generated=1.0, reference=5.0)),
+                        (RUNNER.replace("{h}", "a" * 16), runner("optimized graph", 1.03))])
+    sixteen = measured(16, [(CONV, node("cudnn", cudnn=1.0, generated=1.05)),
+                            (RUNNER.replace("{h}", "b" * 16), runner("optimized graph", 1.05))])
+    bc = BucketChoices(AutotuneCache(None), batch=6, neighbours=[(4, four), (16, sixteen)])
+    assert bc.get("cuda", CONV.format(b=6)) is None  # bucket 4 asked a pool first: one side only, a near tie
+    bc.put("cuda", CONV.format(b=6), node("cudnn", cudnn=1.0, generated=1.5))
+    got = bc.get("cuda", RUNNER.replace("{h}", "c" * 16).format(b=6))
+    assert got is not None and got["runs"] == "optimized graph" and bc.counts["from_neighbours"] == 1
+    split = measured(4, [(RUNNER.replace("{h}", "a" * 16), runner("baseline graph", 1.05))])
+    bc = BucketChoices(AutotuneCache(None), batch=6, neighbours=[(4, split), (16, sixteen)])
+    assert bc.get("cuda", RUNNER.replace("{h}", "c" * 16).format(b=6)) is None  # they disagree, neither adjacent-clear
+
+
 @settings(deadline=None)  # the profile's examples: 25 in CI, 400 with --hypothesis-profile=thorough
 @given(st.lists(st.sampled_from(["cudnn", "generated", "reference"]), min_size=1, max_size=6),
        st.lists(st.sampled_from(["cudnn", "generated", "reference"]), min_size=1, max_size=6),
@@ -255,3 +280,75 @@ def test_a_choice_whose_other_candidates_all_lost_keeps_the_reference_for_the_bu
     kept = tuning.reference_kept(key)
     assert kept["choice"] == "reference" and "not_measured" in kept and Ctx.measurements == 0
     assert bc.replayer().get("cuda", CONV.format(b=3))["choice"] == "reference"
+
+
+def test_input_buckets_name_a_size_by_its_inputs_bucketed():
+    from fxopt.dynamic_buckets import input_buckets
+
+    assert input_buckets([(5, 3, 192, 192)]) == input_buckets([(6, 3, 224, 224)]) == "[(8, 4, 256, 256)]"
+    assert input_buckets([(5, 3, 192, 192)]) != input_buckets([(9, 3, 192, 192)])
+    assert input_buckets([(2, 8), (5, 3, 32, 32)]) == input_buckets([(5, 3, 32, 32), (2, 8)])  # in order
+
+
+def test_a_first_lowering_takes_what_another_graph_measured_at_inputs_of_its_bucket():
+    """A choice stored with the bucket of the inputs it was measured at serves the first lowering of
+    another graph (the same request: its key's signature) at inputs of that bucket; not one of
+    another bucket, and a key of another signature not at all."""
+    user = AutotuneCache(None)
+    at = "[(8, 4, 256, 256)]"
+    first = BucketChoices(user, batch=6, at=at)
+    key = CONV.format(b=6)
+    assert first.get("cuda", key) is None
+    first.put("cuda", key, node("generated", generated=1.0, cudnn=1.01))
+    assert user.get("cuda", key)["input_buckets"] == at  # stored with its bucket
+    other = CONV.format(b=5).replace("56, 56", "48, 48")  # another graph: batch 5 at side 192
+    got = BucketChoices(user, batch=5, at=at)
+    assert got.get("cuda", other)["choice"] == "generated" and got.counts["from_sibling"] == 1
+    assert BucketChoices(user, batch=5, at="[(8, 4, 128, 128)]").get("cuda", other) is None
+    assert BucketChoices(user, batch=5, at=at).get("cuda", POOL.format(b=5)) is None
+
+
+def test_a_graph_with_its_sides_symbolic_reuses_the_batch_graphs_choices(tmp_path):
+    """Dynamo's graph for a new image size (sides symbolic) is another graph: its first lowering at
+    inputs of a bucket the batch graph measured measures nothing (the cpu executor's runner decision
+    taken from there); every result equals eager's."""
+    torch.manual_seed(0)
+    model = SmallResNet().eval()
+    backend = Counting(executor="cpu", dynamic_padding=False, autotune_cache=str(tmp_path / "at.json"))
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for b, side in [(2, 32), (3, 32), (6, 32), (5, 28), (7, 28)]:
+            x = torch.randn(b, 3, side, side)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    infos = [r.executor_details["dynamic"] for r in backend.reports if r.executor_details.get("dynamic")]
+    assert len(infos) == 2, infos  # the batch's graph, then the sides'
+    sides = infos[1]["specializations"]
+    five = next(v for k, v in sides.items() if "=5" in k)
+    assert five["choices"]["measured"] == 0 and five["choices"]["from_sibling"] >= 1, sides
+
+
+def test_a_runners_key_names_its_model_apart_from_the_sizes():
+    """The runners' keys carry a tag of the model's weights that a key's signature keeps: the same at
+    every batch, another for another model whose inputs match (its decision is not taken there)."""
+    from fxopt.backends.lowering import model_tag
+    from fxopt.dynamic_buckets import signature
+
+    def graph(batch: int, cout: int) -> torch.fx.GraphModule:
+        g = torch.fx.Graph()
+        x, w = g.placeholder("x"), g.placeholder("w")
+        x.meta["val"] = torch.empty(batch, 3, 8, 8, device="meta")
+        w.meta["val"] = torch.empty(cout, 3, 3, 3, device="meta")
+        g.output(g.call_function(torch.conv2d, (x, w)))
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+    a, b, c = (model_tag(graph(2, 8), {"w"}), model_tag(graph(5, 8), {"w"}), model_tag(graph(2, 16), {"w"}))
+    assert a == b != c and signature(a) == a
+    user = AutotuneCache(None)
+    key = RUNNER.replace("{h}", "a" * 16 + "-" + a)
+    first = BucketChoices(user, batch=6)
+    assert first.get("cuda", key.format(b=6)) is None
+    first.put("cuda", key.format(b=6), runner("optimized graph", 2.0))
+    same = BucketChoices(user, batch=5)
+    assert same.get("cuda", RUNNER.replace("{h}", "b" * 16 + "-" + a).format(b=5)) is not None
+    other = BucketChoices(user, batch=5)
+    assert other.get("cuda", RUNNER.replace("{h}", "b" * 16 + "-" + c).format(b=5)) is None
