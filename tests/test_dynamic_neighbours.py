@@ -1,6 +1,7 @@
 """A new batch bucket's first lowering takes the choices its neighbouring buckets agree on
 (``fxopt.dynamic_buckets``: ``verdict``, ``BucketChoices._neighbour``), and the CUDA-graph runner
 states how clearly its decision won (``cudagraph_measure.clear_by``)."""
+import gc
 import math
 
 import pytest
@@ -310,8 +311,9 @@ def test_a_first_lowering_takes_what_another_graph_measured_at_inputs_of_its_buc
 
 def test_a_graph_with_its_sides_symbolic_reuses_the_batch_graphs_choices(tmp_path):
     """Dynamo's graph for a new image size (sides symbolic) is another graph: its first lowering at
-    inputs of a bucket the batch graph measured measures nothing (the cpu executor's runner decision
-    taken from there); every result equals eager's."""
+    inputs of a bucket the batch graph lowered replays that bucket and measures nothing (the cpu
+    executor's runner decision); in a later process, whose batch graph is gone, it takes what the
+    user's cache holds at inputs of that bucket. Every result equals eager's."""
     torch.manual_seed(0)
     model = SmallResNet().eval()
     backend = Counting(executor="cpu", dynamic_padding=False, autotune_cache=str(tmp_path / "at.json"))
@@ -324,7 +326,18 @@ def test_a_graph_with_its_sides_symbolic_reuses_the_batch_graphs_choices(tmp_pat
     assert len(infos) == 2, infos  # the batch's graph, then the sides'
     sides = infos[1]["specializations"]
     five = next(v for k, v in sides.items() if "=5" in k)
-    assert five["choices"]["measured"] == 0 and five["choices"]["from_sibling"] >= 1, sides
+    assert five["choices"]["measured"] == 0 and five["choices_from"] == "another graph's lowering of its bucket"
+    torch.compiler.reset()
+    del compiled
+    gc.collect()  # the batch graph's dispatcher and its buckets go
+    backend = Counting(executor="cpu", dynamic_padding=False, autotune_cache=str(tmp_path / "at.json"))
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for b, side in [(5, 28), (7, 28)]:
+            x = torch.randn(b, 3, side, side)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    five = next(v for k, v in backend.dynamic()["specializations"].items() if "=5" in k)
+    assert five["choices"]["measured"] == 0 and five["choices"]["from_sibling"] >= 1, five
 
 
 def test_a_runners_key_names_its_model_apart_from_the_sizes():
