@@ -171,8 +171,13 @@ def needs_format(v, want) -> bool:
 
 
 def same_strides(shape, a, b) -> bool:
-    """Strides ``a`` and ``b`` agree on every dimension of size other than 1."""
-    return all(n == 1 or x == y for n, x, y in zip(shape, a, b))
+    """Strides ``a`` and ``b`` agree on every dimension of size other than 1. Of symbolic sizes and
+    strides only what is known holds (a symbolic size is not taken to be 1, symbolic strides agree
+    where they are the same expression): nothing is guarded in their shape environment (a guard
+    ``Ne(batch, 1)`` made a symbolic graph run its passes again at batch 1)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
+    return all(known(n == 1) or known(x == y) for n, x, y in zip(shape, a, b))
 
 
 def _is_view(n) -> bool:

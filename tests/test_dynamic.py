@@ -265,6 +265,41 @@ def test_a_symbolic_graph_traced_at_batch_1_keeps_the_batch_symbolic(executor):
     assert all(how.startswith("stored values") for how in info["specialised_by"].values())
 
 
+def test_comparing_strides_guards_no_symbolic_size():
+    """``same_strides`` on symbolic sizes adds no guard to their shape environment: a symbolic size is
+    not taken to be 1, symbolic strides agree where they are the same expression. Comparing an
+    output's strides once guarded ``Ne(batch, 1)``, and batch 1 ran the pass pipeline again."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fxopt.eager_formats import same_strides
+
+    env = ShapeEnv(duck_shape=False, specialize_zero_one=False)
+    b = env.create_symintnode(env.create_symbol(6, ConstantSource("b")), hint=6)
+    assert same_strides((b, 1000), (1000, 1), (1000, 1))
+    assert not same_strides((b, 1000), (1000, 1), (1, 6))  # differs where the batch may be > 1
+    assert same_strides((b, 4, 1, 1), (4 * b, 1, 1, 1)[::-1][::-1], (4 * b, 1, 1, 1))
+    assert same_strides((2, 1, 3), (3, 7, 1), (3, 1, 1))  # a dimension of size 1: any stride
+    assert not env.guards, [str(g.expr) for g in env.guards]
+
+
+def test_batch_1_of_a_symbolic_graph_runs_no_pass_again():
+    """Batch 1 of a symbolic graph traced at 6 is lowered from it like any size (the torch executor:
+    no convolution's fake guards the batch there)."""
+    import torch.fx.experimental._config as fc
+
+    torch.manual_seed(0)
+    model = SmallResNet().eval()
+    backend = Counting(executor="torch", dynamic_padding=False)
+    with fc.patch(backed_size_oblivious=True):
+        compiled = torch.compile(model, backend=backend)
+        _check(compiled, model, [(6, 32), (5, 32), (1, 32), (2, 32)])
+    info = backend.dynamic()
+    assert info["pipeline_runs"] == 1, info
+    assert not any("> 1" in g or "Ne(" in g for g in info["guards"]), info["guards"]  # (s48 < 16: CPU conv's)
+    assert not any("passes ran again" in str(rec.get("note", "")) for rec in info["specializations"].values())
+
+
 def test_a_size_makes_the_unoptimized_graph_only_where_it_is_run(monkeypatch):
     """A size's unoptimized graph (the never-slower baseline) is deferred: the torch executor, which
     compares with no baseline, never makes it; it is made (once) where asked."""
