@@ -234,11 +234,13 @@ class SizeDispatcher:
     larger, until it was seen ``specialize_after`` times, then gets its own specialization), else None.
     ``user_cache``: the autotuning cache the buckets' choices are recorded into; ``model``: a name of
     the model (its weights' shapes), with the bucket of a lowering's inputs the name of what it measures
-    for other graphs of that model (``fxopt.dynamic_buckets.input_buckets``)."""
+    for other graphs of that model (``fxopt.dynamic_buckets.input_buckets``); ``scope``: what else a
+    graph replaying another's buckets must have the same (its kind, fxopt's options): a replay answers
+    by the order of requests, which other options could change."""
 
     def __init__(self, shapes: PrivateShapes, lower_at: Callable, max_specializations: int, info: dict,
                  padding=None, specialize_after: int = 2, user_cache=None, batch_pos: Optional[int] = None,
-                 model: str = ""):
+                 model: str = "", scope: str = ""):
         from fxopt.autotune import AutotuneCache
 
         self.shapes, self.lower_at = shapes, lower_at
@@ -249,6 +251,7 @@ class SizeDispatcher:
         self.user_cache = user_cache if user_cache is not None else AutotuneCache(None)
         self.batch_pos = batch_pos  # index of the batch in a key (None: no batch symbol known)
         self.model = model  # the model's tag (``backends.lowering.model_tag``): part of a bucket's name
+        self.scope = scope  # what else a graph sharing its buckets must share (the kind of graph, the options)
         self.buckets: dict = {}  # bucket id -> BucketChoices
         self.seen: collections.Counter = collections.Counter()  # key -> calls served padded
         self.evicted: collections.Counter = collections.Counter()
@@ -399,7 +402,7 @@ class SizeDispatcher:
             batch = key[self.batch_pos] if self.batch_pos is not None else None
             where = getattr(self.shapes, "symbolic_tensors", None)
             at = None if where is None else f"{self.model} {input_buckets(args[i].shape for i in where)}".strip()
-            shared = (at, self.user_cache.path or id(self.user_cache)) if at and self.model else None
+            shared = (at, self.user_cache.path or id(self.user_cache), self.scope) if at and self.model else None
             if shared is not None and _SHARED.get(shared) is not None:  # another graph's lowering of this bucket
                 self.buckets[bid], first, adopted = _SHARED[shared], False, True
             else:

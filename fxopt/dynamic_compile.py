@@ -76,7 +76,8 @@ def _compile(compiler, gm: fx.GraphModule, fake_args: list, kind: str, t0: float
     dispatcher = SizeDispatcher(shapes, lower_at, compiler.options.max_specializations, info, padding=padding,
                                 specialize_after=compiler.options.specialize_after,
                                 user_cache=_user_cache(compiler.options), batch_pos=batch_pos,
-                                model=model_tag(before, ctx.param_placeholders))
+                                model=model_tag(before, ctx.param_placeholders),
+                                scope=f"{kind} {compiler.options!r}")
     executor = resolve_executor(compiler.options.executor, compiler.device_type, kind)
     lowered = Lowered(fn=dispatcher, executor=f"{executor} (per size)", cudagraphs="per size",
                       details={"dynamic": info})

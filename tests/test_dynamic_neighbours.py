@@ -327,6 +327,13 @@ def test_a_graph_with_its_sides_symbolic_reuses_the_batch_graphs_choices(tmp_pat
     sides = infos[1]["specializations"]
     five = next(v for k, v in sides.items() if "=5" in k)
     assert five["choices"]["measured"] == 0 and five["choices_from"] == "another graph's lowering of its bucket"
+    # a graph with other options (which may order its requests otherwise) does not replay them
+    other = Counting(executor="cpu", dynamic_padding=False, autotune_cache=str(tmp_path / "at.json"),
+                     specialize_after=3)
+    with torch.no_grad():
+        torch.compile(model, backend=other, dynamic=True)(torch.randn(5, 3, 28, 28))
+    (rec,) = other.dynamic()["specializations"].values()
+    assert rec["choices_from"].startswith("measured here"), rec
     torch.compiler.reset()
     del compiled
     gc.collect()  # the batch graph's dispatcher and its buckets go
