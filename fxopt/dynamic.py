@@ -33,9 +33,8 @@ as before (the end of this docstring). The path:
    later lowering in it, and the first takes what the user's cache holds for another batch of its
    bucket, the static graph of Dynamo's first size's. Another graph of the same model at inputs of
    the bucket (Dynamo's graph for a new image size, sides symbolic) replays the bucket an earlier
-   graph lowered while that graph lives (``_SHARED``), else takes what it measured from the user's
-   cache (nothing measured at a second size of a
-   bucket; with the sides bucketed too, the image phase of a serving loop over sides 192/224/256
+   graph lowered while that graph lives (``dynamic_buckets.bucket_choices``), else takes what it
+   measured from the user's cache (nothing measured at a second size of a bucket; with the sides bucketed too, the image phase of a serving loop over sides 192/224/256
    compiled in 28.8 s where each side measuring its own took 34.7 and 43.3 s, H200, BENCHMARKS.md). A new
    batch bucket's first lowering takes the choices that are clear at the buckets of other batches
    measured before (``BucketChoices.neighbours``), and measures the rest without the candidates
@@ -70,7 +69,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-import weakref
 from typing import Callable, Optional
 
 import torch
@@ -79,13 +77,6 @@ import torch.fx as fx
 
 #: a padded size replaces a lowered one when the bound is full only if called this many times as often
 ADMIT_FACTOR = 1.5
-
-#: the buckets of the live dispatchers by the bucket of their inputs (with the model's tag) and their user
-#: cache: another graph of the same model (Dynamo's graph for new image sizes, sides symbolic) replays a
-#: bucket an earlier graph measured, the choices it took from neighbours included, as a later lowering
-#: of that bucket does (a bucket lives as long as a dispatcher holds it)
-_SHARED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
-
 
 class Unsupported(Exception):
     """The graph cannot run the symbolic path (the message says why)."""
@@ -331,15 +322,6 @@ class SizeDispatcher:
             return padded
         return self._lower(key, args, role="specialized").fn
 
-    def _neighbour_buckets(self, bid: tuple) -> list:
-        """[(batch bucket, its BucketChoices)] of the buckets measured at other batches, the other
-        sizes in the same buckets as ``bid``'s (``fxopt.dynamic_buckets``: choices clear there are
-        not measured again)."""
-        p = self.batch_pos
-        if p is None:
-            return []
-        return [(b[p], c) for b, c in self.buckets.items() if b != bid and b[:p] + b[p + 1:] == bid[:p] + bid[p + 1:]]
-
     def _top(self, key: tuple) -> tuple:
         """The size lowered for a batch with nothing lowered at its other sizes (a new image size):
         the bucket top of the largest batch called so far at any size, so that every later batch at
@@ -394,23 +376,12 @@ class SizeDispatcher:
             self.evicted[old_key] += 1
             self.info["evictions"] += 1
             self.info["specializations"][self.shapes.describe(old_key)]["live"] = False
-        from fxopt.dynamic_buckets import BucketChoices, input_buckets
+        from fxopt.dynamic_buckets import bucket_choices, input_buckets
 
-        bid = self._bucket_id(key)
-        first, adopted = bid not in self.buckets, False
-        if first:
-            batch = key[self.batch_pos] if self.batch_pos is not None else None
-            where = getattr(self.shapes, "symbolic_tensors", None)
-            at = None if where is None else f"{self.model} {input_buckets(args[i].shape for i in where)}".strip()
-            shared = (at, self.user_cache.path or id(self.user_cache), self.scope) if at and self.model else None
-            if shared is not None and _SHARED.get(shared) is not None:  # another graph's lowering of this bucket
-                self.buckets[bid], first, adopted = _SHARED[shared], False, True
-            else:
-                self.buckets[bid] = BucketChoices(self.user_cache, batch if isinstance(batch, int) else None,
-                                                  neighbours=self._neighbour_buckets(bid), at=at)
-                if shared is not None:
-                    _SHARED[shared] = self.buckets[bid]
-        choices = self.buckets[bid] if first else self.buckets[bid].replayer()
+        where = getattr(self.shapes, "symbolic_tensors", None)
+        at = None if where is None or not self.model else f"{self.model} {input_buckets(args[i].shape for i in where)}"
+        choices, choices_from = bucket_choices(self.buckets, self._bucket_id(key), key, self.batch_pos,
+                                               self.user_cache, at, self.scope)
         t0 = time.perf_counter()
         low, note = self.lower_at(list(args), key, choices)
         cost = round(time.perf_counter() - t0, 4)
@@ -423,8 +394,7 @@ class SizeDispatcher:
         rec["executor"] = low.executor
         rec["runs"] = role
         rec["choices"] = choices.counts  # live: a runner's decisions come at its first call
-        rec["choices_from"] = ("measured here (first of its bucket)" if first else
-                               "another graph's lowering of its bucket" if adopted else "its bucket's first lowering")
+        rec["choices_from"] = choices_from
         if note:
             rec["note"] = note
         self.info["live"] = len(self.cache)

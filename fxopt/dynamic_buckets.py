@@ -27,8 +27,8 @@ size is bucketed so, an image's sides as well: 192, 224 and 256 share one).
   user's cache: a later process measures them at their own size. A CUDA-graph runner's decision
   (whether the optimized graph or the unoptimized baseline runs, one per graph and input signature)
   needs no such alignment: the choices before it may differ (resnet18 fp16, H100: batch 6's lowering
-  asked a pool's choice with another key than batch 4's, and measured the baseline again, 0.15 s). Why: the choices hardly move with
-  the batch (resnet18 fp16 on an H100, batch 1-34: the same for every convolution, pool and fused
+  asked a pool's choice with another key than batch 4's, and measured the baseline again, 0.15 s).
+  Why: the choices hardly move with the batch (resnet18 fp16 on an H100, batch 1-34: the same for every convolution, pool and fused
   region; only the linear head moved, by margins under 1.2x), while measuring them is most of a
   bucket's first lowering.
 - ``Padding``: a batch-independent graph (``fxopt.batch_independence``) run at a larger lowered
@@ -49,6 +49,7 @@ from __future__ import annotations
 import collections
 import copy
 import re
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -278,6 +279,35 @@ class BucketChoices(AutotuneCache):
 
     def replayer(self) -> "_Replay":
         return _Replay(self)
+
+
+#: the buckets of the live dispatchers by the bucket of their inputs (with the model's tag), their user
+#: cache and their scope (kind of graph, options): another graph of the same model (Dynamo's graph for
+#: new image sizes, sides symbolic) replays a bucket an earlier graph lowered, the choices it took from
+#: neighbours included, as a later lowering of that bucket does (a bucket lives while a dispatcher holds it)
+_SHARED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+def bucket_choices(buckets: dict, bid: tuple, key: tuple, batch_pos: Optional[int], user_cache: AutotuneCache,
+                   at: Optional[str], scope: str) -> tuple:
+    """``(the autotuning cache of a lowering at key, where its choices come from)``. ``buckets``: a
+    dispatcher's, bucket id -> BucketChoices (updated); ``at``: the bucket of the lowering's inputs with
+    the model's tag (None: not shared with other graphs). The first lowering of a bucket records (taking
+    what its neighbouring buckets, ``batch_pos`` apart, agree on), a later one replays it."""
+    if bid in buckets:
+        return buckets[bid].replayer(), "its bucket's first lowering"
+    shared = (at, user_cache.path or id(user_cache), scope) if at else None
+    if shared is not None and _SHARED.get(shared) is not None:
+        buckets[bid] = _SHARED[shared]
+        return buckets[bid].replayer(), "another graph's lowering of its bucket"
+    batch = key[batch_pos] if batch_pos is not None else None
+    neighbours = [] if batch_pos is None else [
+        (b[batch_pos], c) for b, c in buckets.items()
+        if b[:batch_pos] + b[batch_pos + 1:] == bid[:batch_pos] + bid[batch_pos + 1:]]
+    buckets[bid] = BucketChoices(user_cache, batch if isinstance(batch, int) else None, neighbours=neighbours, at=at)
+    if shared is not None:
+        _SHARED[shared] = buckets[bid]
+    return buckets[bid], "measured here (first of its bucket)"
 
 
 class _Replay(AutotuneCache):

@@ -523,10 +523,8 @@ class CudaGraphRunner(StreamChoice, Measuring):
     def _decision_key(self, args) -> Optional[str]:
         if self.decisions_cache is None:
             return None
-        # (sizes passed as ints, a symbolic graph's, left out: the tensors' shapes hold them, and a graph with
-        # more sizes symbolic asks the same decision; fxopt.dynamic_buckets)
         sig = [(tuple(a.shape), a.stride(), str(a.dtype)) if isinstance(a, torch.Tensor) else repr(a)
-               for a in (args[i] for i in self.dynamic) if type(a) is not int]
+               for a in (args[i] for i in self.dynamic) if type(a) is not int]  # (sizes: in the shapes)
         return (f"cudagraph_runner|{self.decisions_cache[2]}|baseline={self.baseline is not None}|{sig}"
                 + self._streams_key())
 
