@@ -34,9 +34,9 @@ as before (the end of this docstring). The path:
    bucket, the static graph of Dynamo's first size's. Another graph of the same model at inputs of
    the bucket (Dynamo's graph for a new image size, sides symbolic) replays the bucket an earlier
    graph lowered while that graph lives (``dynamic_buckets.bucket_choices``), else takes what it
-   measured from the user's cache (nothing measured at a second size of a bucket; with the sides bucketed too, the image phase of a serving loop over sides 192/224/256
-   compiled in 28.8 s where each side measuring its own took 34.7 and 43.3 s, H200, BENCHMARKS.md). A new
-   batch bucket's first lowering takes the choices that are clear at the buckets of other batches
+   measured from the user's cache (nothing measured at a second size of a bucket; with the sides
+   bucketed too, the image phase of a serving loop over sides 192/224/256 compiled in 28.8 s where
+   each side measuring its own took 34.7 and 43.3 s, H200, BENCHMARKS.md). A new batch bucket's first lowering takes the choices that are clear at the buckets of other batches
    measured before (``BucketChoices.neighbours``), and measures the rest without the candidates
    that lost by far there (``losers``). A later
    lowering of a bucket also takes its first's CUDA-graph decision, so the unoptimized graph at its size (the
@@ -77,6 +77,7 @@ import torch.fx as fx
 
 #: a padded size replaces a lowered one when the bound is full only if called this many times as often
 ADMIT_FACTOR = 1.5
+
 
 class Unsupported(Exception):
     """The graph cannot run the symbolic path (the message says why)."""
