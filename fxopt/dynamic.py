@@ -584,7 +584,9 @@ def summary_lines(info: dict) -> list[str]:
             ch = rec.get("choices", {})
             line += (f"; lowered {rec['lowered']}x ({secs} s){'' if rec.get('live') else ' (evicted)'}; choices "
                      f"{ch.get('measured', 0)} measured, {ch.get('cached', 0)} cached, {ch.get('reused', 0)} reused"
-                     + (f", {ch['from_sibling']} from another batch of the bucket" if ch.get("from_sibling") else "")
+                     + (" (another graph's lowering of its bucket)" if rec.get("choices_from", "").startswith(
+                         "another graph") else "")
+                     + (f", {ch['from_sibling']} measured at other sizes of the bucket" if ch.get("from_sibling") else "")
                      + (f", {ch['from_neighbours']} from neighbouring buckets" if ch.get("from_neighbours") else ""))
         if rec.get("padded_calls"):
             line += f"; {rec['padded_calls']} calls padded to batch {', '.join(map(str, rec['padded_from']))}"

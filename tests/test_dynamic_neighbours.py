@@ -258,12 +258,17 @@ def test_explain_lists_the_choices_taken_from_neighbouring_buckets():
                                          "choices": {"measured": 2, "cached": 0, "reused": 0, "from_sibling": 0,
                                                      "from_neighbours": 21}},
                                 "s0=8": {"lowered": 1, "seconds": [1.1], "live": True, "runs": "specialized",
-                                         "choices": {"measured": 23, "cached": 0, "reused": 0}}}}
+                                         "choices": {"measured": 23, "cached": 0, "reused": 0}},
+                                "s0=5, s1=192": {"lowered": 1, "seconds": [0.05], "live": True, "runs": "specialized",
+                                                 "choices": {"measured": 0, "cached": 0, "reused": 26},
+                                                 "choices_from": "another graph's lowering of its bucket"}}}
     lines = summary_lines(info)
     three = next(line for line in lines if "s0=3" in line)
     eight = next(line for line in lines if "s0=8" in line)
+    image = next(line for line in lines if "s1=192" in line)
     assert "2 measured" in three and "21 from neighbouring buckets" in three
-    assert "neighbouring" not in eight
+    assert "neighbouring" not in eight and "another graph" not in eight
+    assert "26 reused (another graph's lowering of its bucket)" in image
 
 
 def test_a_choice_whose_other_candidates_all_lost_keeps_the_reference_for_the_bucket():
