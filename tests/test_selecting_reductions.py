@@ -142,3 +142,68 @@ def test_emulated_regions_give_their_outputs_the_dtypes_of_the_cpus_kernels():
     torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
     for (name, a), b in zip(mine.named_parameters(), model.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=5e-2, atol=5e-2, msg=name)
+
+
+def test_emulated_regions_give_their_outputs_the_strides_of_size_one_dims_the_cpus_kernels_give():
+    """CPU fuzz 98f2d714a5: a one-channel value (|BatchNorm|) read by a one-channel 1x1 conv, trained in
+    float16. The region's planned strides differ from the CPU kernel's only in the channel dimension
+    (size 1: the same memory), but the CPU's float16 convolution backward reads them as another
+    memory format and rounds the weight's gradient (a sum with much cancellation) otherwise: 0.85
+    from float64 against eager's 0.09. Emulated outputs take the reference's strides there."""
+    import contextlib
+    import copy
+
+    from fxopt.backends.cuda.schedule.generated import _strides_of_size_one_as
+
+    class OneChannel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m0 = nn.Conv2d(6, 6, 3, padding=1, groups=2, bias=False)
+            self.m1 = nn.Conv2d(6, 1, 3, padding=1, bias=False)
+            self.m2 = nn.BatchNorm2d(1)
+            self.m3 = nn.Conv2d(1, 1, 1, bias=False)
+            self.m4 = nn.BatchNorm2d(1)
+
+        def forward(self, x):
+            x = y = torch.abs(self.m2(self.m1(F.elu(self.m0(x)))))
+            x = F.pad(x, (0, 0, 0, 1))
+            x = F.softplus(self.m4(self.m3(x)) + x)
+            return F.pad(x, (1, 2, 0, 0), mode="replicate"), y
+
+    torch.manual_seed(0)
+    model = OneChannel().train()
+    for bn in (model.m2, model.m4):
+        with torch.no_grad():
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 1.5)
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.2, 0.2)
+    x = torch.randn((8, 6, 12, 6), generator=torch.Generator().manual_seed(1)).contiguous(
+        memory_format=torch.channels_last)
+    gen = torch.Generator().manual_seed(2)
+    ws = [torch.randn((8, 1, 13, 9), generator=gen), torch.randn((8, 1, 12, 6), generator=gen)]
+
+    def loss(outs):
+        return sum((o.double() * w.double()).sum() for o, w in zip(outs, ws))
+
+    def weight_grad(m, dtype=None):
+        xin = x.double() if dtype is None else x
+        with torch.autocast("cpu", dtype=torch.float16) if dtype else contextlib.nullcontext():
+            out = m(xin)
+        loss(out).backward()
+        return m.m3.weight.grad.double().item()
+
+    exact = weight_grad(copy.deepcopy(model).double())
+    eager = weight_grad(copy.deepcopy(model), torch.float16)
+    mine = copy.deepcopy(model)
+    torch.compiler.reset()
+    compiled = torch.compile(mine, backend="fxopt", options={"executor": "cuda", "emulate_kernels": True})
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = compiled(x)
+    loss(out).backward()
+    got = mine.m3.weight.grad.double().item()
+    assert abs(got - exact) <= 2 * abs(eager - exact) + 0.01, (got, eager, exact)
+
+    t = torch.empty(2, 1, 3, 4).as_strided((2, 1, 3, 4), (12, 1, 4, 1))
+    assert _strides_of_size_one_as(t, (12, 12, 4, 1)).stride() == (12, 12, 4, 1)
+    assert _strides_of_size_one_as(t, (12, 12, 1, 3)) is t  # differs in a dimension of size 3: kept

@@ -37,12 +37,18 @@ class EmulatedRegion:
     have (the first call runs both): a graph traced on the CPU gives a batch norm of float16 input and
     float32 weights statistics of float16 (the CPU's meta function), the CPU's kernels float32 (as
     CUDA's meta and kernels do), and the CPU's backward refuses float16 statistics with float32
-    weights ("mixed dtype (CPU)"; CPU fuzz fcaddfc67e, an affine InstanceNorm trained in float16)."""
+    weights ("mixed dtype (CPU)"; CPU fuzz fcaddfc67e, an affine InstanceNorm trained in float16),
+    and the reference's strides where theirs differ only in dimensions of size 1 (the same memory:
+    the CPU's meta function and kernel may disagree there, and a CPU library that reads the stride
+    of a size-1 channel dimension as a memory format picks another algorithm, whose float16 rounding
+    differs from eager's where a GPU's would not; CPU fuzz 98f2d714a5, a one-channel 1x1 conv's
+    weight gradient in float16)."""
 
     def __init__(self, region: Region, reference):
         self.kernel, self.reference = region.kernel, reference
         self.__name__ = f"emu_{region.name}"
         self._dtypes = None  # the reference's output dtypes (CPU)
+        self._strides = None  # and strides (CPU)
 
     def __call__(self, *inputs):
         import torch
@@ -59,9 +65,24 @@ class EmulatedRegion:
         ir.evaluate(self.kernel, list(inputs), outs)
         if device.type == "cpu":
             if self._dtypes is None:
-                self._dtypes = [getattr(t, "dtype", None) for t in self.reference(*inputs)]
+                ref = self.reference(*inputs)
+                self._dtypes = [getattr(t, "dtype", None) for t in ref]
+                self._strides = [t.stride() if isinstance(t, torch.Tensor) else None for t in ref]
             outs = [o.to(d) if d is not None and d != o.dtype else o for o, d in zip(outs, self._dtypes)]
+            outs = [_strides_of_size_one_as(o, st) for o, st in zip(outs, self._strides)]
         return tuple(outs)
+
+
+def _strides_of_size_one_as(t, stride):
+    """``t`` with ``stride`` where the two differ only in dimensions of size 1 (a copy: an output is
+    no view of another tensor, as the kernel's is not), else ``t``."""
+    import torch
+
+    if stride is None or t.stride() == tuple(stride) or len(stride) != t.dim():
+        return t
+    if any(n != 1 and a != b for n, a, b in zip(t.shape, t.stride(), stride)):
+        return t
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _as_tuple(fn, *const_args, pick=None):
