@@ -9,6 +9,8 @@ channels). Now the input of such a reduction is stored once where something else
 (``fusion._selected_from``), and the joint graph saves the compared values for the backward
 (``fxopt.training.save_compared_values``).
 """
+import contextlib
+
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -204,3 +206,47 @@ def test_emulated_regions_give_their_outputs_the_strides_of_size_one_dims_the_cp
     t = torch.empty(2, 1, 3, 4).as_strided((2, 1, 3, 4), (12, 1, 4, 1))
     assert _strides_of_size_one_as(t, (12, 12, 4, 1)).stride() == (12, 12, 4, 1)
     assert _strides_of_size_one_as(t, (12, 12, 1, 3)) is t  # differs in a dimension of size 3: kept
+
+
+def test_emulated_regions_compute_outputs_at_the_cpu_kernels_wider_dtype():
+    """CPU fuzz d69f088fdc: an InstanceNorm over two values trained in float16. Traced on the CPU its
+    statistics are planned in float16 (the CPU's meta), which the emulated kernel rounded before
+    widening them to the CPU kernel's float32; the backward amplifies the saved mean's rounding (rstd
+    74): a bias gradient 0.66 from float64 against eager's 0.003. They are computed in float32."""
+    import copy
+
+    class TwoValues(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m0 = nn.Conv2d(1, 1, 1, stride=2, bias=False)
+            self.m1 = nn.BatchNorm2d(1)
+            with torch.no_grad():  # the fuzz's statistics, drawn before the later layers' weights
+                self.m1.running_mean.uniform_(-0.5, 0.5)
+                self.m1.running_var.uniform_(0.5, 1.5)
+                self.m1.weight.uniform_(0.5, 1.5)
+                self.m1.bias.uniform_(-0.2, 0.2)
+            self.m2 = nn.InstanceNorm2d(1, affine=True)
+            self.m3 = nn.Linear(2, 3)
+            self.m4 = nn.Linear(3, 1)
+
+        def forward(self, x):
+            x = F.max_pool2d(self.m2(torch.abs(self.m1(self.m0(x)))), 1, 1, 0)
+            return self.m4(F.relu(self.m3(torch.flatten(x, 1))))
+
+    torch.manual_seed(268)
+    model = TwoValues().train()
+    x = torch.randn((1, 1, 1, 3), generator=torch.Generator().manual_seed(269))
+    w = torch.randn((1, 1), generator=torch.Generator().manual_seed(270))
+
+    def bias_grad(m, amp=True):
+        with torch.autocast("cpu", dtype=torch.float16) if amp else contextlib.nullcontext():
+            out = m(x.double() if not amp else x)
+        (out.double() * w.double()).sum().backward()
+        return m.m1.bias.grad.double().item()
+
+    exact = bias_grad(copy.deepcopy(model).double(), amp=False)
+    eager = bias_grad(copy.deepcopy(model))
+    torch.compiler.reset()
+    got = bias_grad(torch.compile(copy.deepcopy(model), backend="fxopt",
+                                  options={"executor": "cuda", "emulate_kernels": True}))
+    assert abs(got - exact) <= 2 * abs(eager - exact) + 0.01, (got, eager, exact)

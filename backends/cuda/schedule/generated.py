@@ -38,7 +38,11 @@ class EmulatedRegion:
     float32 weights statistics of float16 (the CPU's meta function), the CPU's kernels float32 (as
     CUDA's meta and kernels do), and the CPU's backward refuses float16 statistics with float32
     weights ("mixed dtype (CPU)"; CPU fuzz fcaddfc67e, an affine InstanceNorm trained in float16),
-    and the reference's strides where theirs differ only in dimensions of size 1 (the same memory:
+    computed at the reference's dtype where it is the wider float (the statistics of a CPU-traced
+    batch or instance norm planned in float16 would be rounded there, a GPU's are float32: CPU fuzz
+    d69f088fdc, an InstanceNorm over two values trained in float16, whose saved mean rounded to
+    float16 moved a gradient by 0.66), and the reference's strides where theirs differ only in
+    dimensions of size 1 (the same memory:
     the CPU's meta function and kernel may disagree there, and a CPU library that reads the stride
     of a size-1 channel dimension as a memory format picks another algorithm, whose float16 rounding
     differs from eager's where a GPU's would not; CPU fuzz 98f2d714a5, a one-channel 1x1 conv's
@@ -61,16 +65,27 @@ class EmulatedRegion:
                 for t, b in zip(inputs, self.kernel.inputs)):
             return self.reference(*inputs)
         device = inputs[0].device if inputs else torch.device("cpu")
-        outs = [torch.empty_strided(b.shape, b.strides, dtype=b.dtype, device=device) for b in self.kernel.outputs]
-        ir.evaluate(self.kernel, list(inputs), outs)
+        dtypes = [b.dtype for b in self.kernel.outputs]
         if device.type == "cpu":
             if self._dtypes is None:
                 ref = self.reference(*inputs)
                 self._dtypes = [getattr(t, "dtype", None) for t in ref]
                 self._strides = [t.stride() if isinstance(t, torch.Tensor) else None for t in ref]
+            # stored at the reference's dtype where it is the wider float (the GPU's plan)
+            dtypes = [d if _wider_float(d, p) else p for d, p in zip(self._dtypes, dtypes)]
+        outs = [torch.empty_strided(b.shape, b.strides, dtype=d, device=device)
+                for b, d in zip(self.kernel.outputs, dtypes)]
+        ir.evaluate(self.kernel, list(inputs), outs)
+        if device.type == "cpu":
             outs = [o.to(d) if d is not None and d != o.dtype else o for o, d in zip(outs, self._dtypes)]
             outs = [_strides_of_size_one_as(o, st) for o, st in zip(outs, self._strides)]
         return tuple(outs)
+
+
+def _wider_float(a, b) -> bool:
+    """Dtype ``a`` a floating type wider than floating type ``b``."""
+    return (a is not None and a.is_floating_point and b.is_floating_point
+            and a.itemsize > b.itemsize)
 
 
 def _strides_of_size_one_as(t, stride):
