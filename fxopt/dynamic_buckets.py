@@ -28,9 +28,9 @@ size is bucketed so, an image's sides as well: 192, 224 and 256 share one).
   (whether the optimized graph or the unoptimized baseline runs, one per graph and input signature)
   needs no such alignment: the choices before it may differ (resnet18 fp16, H100: batch 6's lowering
   asked a pool's choice with another key than batch 4's, and measured the baseline again, 0.15 s).
-  Why: the choices hardly move with the batch (resnet18 fp16 on an H100, batch 1-34: the same for every convolution, pool and fused
-  region; only the linear head moved, by margins under 1.2x), while measuring them is most of a
-  bucket's first lowering.
+  Why: the choices hardly move with the batch (resnet18 fp16 on an H100, batch 1-34: the same for
+  every convolution, pool and fused region; only the linear head moved, by margins under 1.2x),
+  while measuring them is most of a bucket's first lowering.
 - ``Padding``: a batch-independent graph (``fxopt.batch_independence``) run at a larger lowered
   size: the batch copied into a buffer of that size (rows past it zero, or finite values of an
   earlier call), the lowered graph run, the batched outputs' first rows returned: a view where the
