@@ -38,20 +38,25 @@ faster one; the
 baseline must win by more than ``margin``; after ``max_timed`` signatures (a varying batch size)
 new ones run what most decisions chose. Decisions are kept in the autotuning cache (keyed by
 both graphs' code, the signature and the CPU fingerprint, which holds the thread count) and
-listed by ``decisions()``.
+listed by ``decisions()``. A decision timed while another process held a core (an engine far slower
+on all threads than on one: :func:`contended`) is timed once more; if it still is, this process runs
+it but does not keep it for later ones (a compile's; a package's must carry one), and such a cached
+decision is timed again (seedcnn2 b64 bfloat16, 2 vCPUs: the generated C took 8.0 ms a call on two
+threads while it was decided, 0.8 ms since; one thread, 1.6 ms, was cached and ran in every later
+process).
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import operator
-import statistics
 import time
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
+from fxopt.backends.cpu_timing import WAY_KEYS, burst_medians, contended
 from fxopt.backends.engine_calls import SharedBuilds
 from fxopt.lowered import Lowered
 from fxopt.ops import apply_activation, fused_conv_ref
@@ -335,74 +340,12 @@ def lower_graph(gm: fx.GraphModule, ctx, kind: str) -> Lowered:
                    baseline_check=baseline is not None, details=details)
 
 
-#: a burst of calls per way and round lasts about this long (at least BURST_MIN calls, at most BURST_MAX)
-BURST_MS, BURST_MIN, BURST_MAX = 5.0, 3, 20
-#: a compile's burst first runs about this long of calls it does not count (at least two)
-BURST_WARM_MS = 10.0
-#: a way this many times slower than the fastest after a round is timed no more
-OUT_OF_RACE = 3.0
-#: steady bursts (packages): calls not counted, then calls timed, each about this long (at most
-#: STEADY_MAX calls each)
-STEADY_WARM_MS, STEADY_MS, STEADY_MAX = 20.0, 20.0, 50
-
-
-def burst_medians(fns: dict, first_ms: dict, rounds: int, close: float, max_rounds: Optional[int] = None,
-                  steady: bool = False) -> tuple:
-    """({key: median ms per call}, rounds run) of the functions ``fns``, timed in rounds in which
-    each runs a burst of consecutive calls (``first_ms``: one call's time, for the burst's size). The
-    first ``BURST_WARM_MS`` of a burst (at least two calls) are not counted, then about ``BURST_MS``
-    is timed: a burst's first calls pay for the previous way's threads (a oneDNN / OpenMP pool still
-    spinning while ONNX Runtime's or OpenVINO's starts, and the reverse: measured up to 10x one call
-    on a loaded 2-core host) and wake the way's own workers, which a steady stream of calls of one
-    way never sees (seedcnn2 b64 float32, 2 vCPUs, ONNX Runtime 1.07-1.11 ms in a loop of its own,
-    OpenVINO 1.23-1.25: one call left out, OpenVINO won in 6 of 6 fresh compiles; 5 ms, in 2 of 6;
-    10 ms, in 0 of 6, and in 2 of 6 in a busier hour, when one call left out still gave 6 of 6). A way
-    ``OUT_OF_RACE`` times slower than the fastest after a round is timed no more (its median so far
-    stands): it cannot win, and on a loaded host the oneDNN graphs' calls can take 100x their time.
-    Where the two fastest are within ``close`` (relative) after ``rounds`` rounds, as many rounds
-    again (up to ``max_rounds``, default twice ``rounds``): a close call on a loaded host gets more
-    samples. ``steady`` (packages, measured once for every later process): each burst first runs
-    about ``STEADY_WARM_MS`` of calls it does not count, then times about ``STEADY_MS`` (seedcnn b64
-    float32 on a loaded 2-vCPU host: ONNX Runtime 0.97-1.87 ms in a loop of its own, 1.96-2.65 in 5
-    ms bursts beside OpenVINO with one call left out, which then won at 1.25-2.06)."""
-    from fxopt.autotune import wall_times
-
-    def calls(ms: float, k: str, low: int, high: int) -> int:
-        return max(low, min(high, math.ceil(ms / max(first_ms.get(k, 1.0), 1e-3))))
-
-    if steady:
-        skip = {k: calls(STEADY_WARM_MS, k, 2, STEADY_MAX) for k in fns}
-        sizes = {k: skip[k] + calls(STEADY_MS, k, BURST_MIN, STEADY_MAX) for k in fns}
-    else:  # about BURST_WARM_MS of calls not counted (at least two), then about BURST_MS timed
-        skip = {k: calls(BURST_WARM_MS, k, 2, BURST_MAX) for k in fns}
-        sizes = {k: skip[k] + calls(BURST_MS, k, BURST_MIN - 1, BURST_MAX - 1) for k in fns}
-    times: dict = {k: [] for k in fns}
-    active = set(fns)
-    max_rounds = max_rounds or 2 * rounds
-    done, target = 0, rounds
-    while done < target:
-        for k, fn in fns.items():
-            if k in active:
-                times[k] += wall_times(fn, sizes[k])[skip[k]:]
-        done += 1
-        medians = {k: statistics.median(ts) for k, ts in times.items()}
-        best = min(medians.values())
-        active = {k for k in active if medians[k] <= best * OUT_OF_RACE}
-        ranked = sorted(medians.values())
-        if done == target and len(ranked) > 1 and ranked[1] <= ranked[0] * (1.0 + close):
-            target = min(max_rounds, target + rounds)
-    return medians, done
-
-
 class CpuRunner:
     """Runs the optimized graph, or whichever alternative (the unoptimized graph, the graph in an
     ONNX Runtime session) measures faster for a signature."""
 
     #: the ways a signature can run: decision name -> timing key
-    KEYS = {"optimized graph": "optimized_ms", "baseline graph": "baseline_ms", "onnxruntime": "onnxruntime_ms",
-            "onnxruntime 1 thread": "onnxruntime_1t_ms", "openvino": "openvino_ms",
-            "openvino 1 thread": "openvino_1t_ms", "generated C": "generated_c_ms",
-            "generated C 1 thread": "generated_c_1t_ms"}
+    KEYS = WAY_KEYS
 
     def __init__(self, fn: Callable, baseline: Optional[Callable], static_indices: Sequence[int],
                  decisions_cache: Optional[tuple] = None, margin: float = 0.03, rounds: int = 3, close: float = 0.1,
@@ -497,6 +440,8 @@ class CpuRunner:
         key = self._cache_key(sig)
         cached = self.decisions_cache[0].get(self.decisions_cache[1], key) if key else None
         timed = [d["runs"] for d in self._decisions.values() if "optimized_ms" in d]
+        if cached is not None and not self.steady and contended(cached):  # timed in a busy moment: again
+            cached = None
         if cached is not None and cached.get("runs") in self.ways:
             self._decisions[sig] = dict(cached, cached=True)
             if cached.get("not_measured"):  # another signature's way (a package's other size): checked here once
@@ -506,9 +451,15 @@ class CpuRunner:
             self._decisions[sig] = {"runs": runs, "why": f"{len(timed)} signatures timed already: the majority"}
             self._decisions[sig].update(self._checked(runs, args))
         else:
-            self._decisions[sig] = self._measure(args)
-            if key:
-                self.decisions_cache[0].put(self.decisions_cache[1], key, dict(self._decisions[sig]))
+            decision = self._measure(args)
+            if contended(decision):  # a moment when another process held a core: timed once more
+                decision = dict(self._measure(args), contended_first=contended(decision))
+            self._decisions[sig] = decision
+            why = contended(decision)
+            if why and not self.steady:  # this process runs it; a later one times the signature again
+                decision["not_cached"] = f"timed while another process held a core: {why}"
+            elif key:
+                self.decisions_cache[0].put(self.decisions_cache[1], key, dict(decision))
         way = self.ways[self._decisions[sig]["runs"]]
         bound = getattr(way, "bound", None)  # ONNX Runtime's session of this signature, looked up once
         self._chosen[sig] = (bound(args) if bound is not None else None) or way

@@ -60,7 +60,7 @@ class PassContext:
     #: and folded constants need not watch them for changes per call
     fixed_weights: bool = False
     #: lowering a package (its decisions stand for every later load: the cpu executor times its ways
-    #: in steady bursts, ``backends/cpu.burst_medians``)
+    #: in steady bursts, ``backends/cpu_timing.burst_medians``)
     package: bool = False
     #: placeholder name -> qualified module attribute ("layer1.0.conv1.weight")
     param_qualnames: dict[str, str] = field(default_factory=dict)
