@@ -42,7 +42,7 @@ listed by ``decisions()``. A decision timed while another process held a core (a
 on all threads than on one: :func:`contended`) is timed once more; if it still is, this process runs
 it but does not keep it for later ones (a compile's; a package's must carry one), and such a cached
 decision is timed again (seedcnn2 b64 bfloat16, 2 vCPUs: the generated C took 8.0 ms a call on two
-threads while it was decided, 0.8 ms since; one thread, 1.6 ms, was cached and ran in every later
+threads while it was decided, 0.9 ms since; one thread, 1.6 ms, was cached and ran in every later
 process).
 """
 from __future__ import annotations
