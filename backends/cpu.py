@@ -452,10 +452,11 @@ class CpuRunner:
             self._decisions[sig].update(self._checked(runs, args))
         else:
             decision = self._measure(args)
-            if contended(decision):  # a moment when another process held a core: timed once more
-                decision = dict(self._measure(args), contended_first=contended(decision))
-            self._decisions[sig] = decision
             why = contended(decision)
+            if why:  # a moment when another process held a core: timed once more
+                decision = dict(self._measure(args), contended_first=why)
+                why = contended(decision)
+            self._decisions[sig] = decision
             if why and not self.steady:  # this process runs it; a later one times the signature again
                 decision["not_cached"] = f"timed while another process held a core: {why}"
             elif key:
