@@ -23,7 +23,8 @@ from fxopt.fuzz.simt import check_column_geometry
 from test_column_reduction import column_kernel
 
 
-HEAVY = re.compile(r"_cols\d+v\d+(s\d+)?t?w\d+f?_")  # a kernel planned for heavy math (``w<work>``; ``f``: fast_math)
+HEAVY = re.compile(r"_cols\d+v\d+(s\d+)?t?x?w\d+f?_")  # a kernel planned for heavy math (``w<work>``; ``f``: fast_math)
+LATENCY = re.compile(r"_cols\d+v\d+(s\d+)?x?lf?_")  # the latency plan of an under-filled one
 
 
 def silu_mean(shape, dtype=torch.float32):
@@ -83,24 +84,37 @@ def test_the_squeeze_mean_gets_the_parallel_candidate():
 
 def test_plain_means_get_it_only_where_the_default_plan_is_underfilled():
     """A plain spatial mean of few columns and many positions (32 columns x 400 positions) is bound
-    by each thread's chain of loads, not by bandwidth: planned for ``LATENCY_WORK`` too (``w4``);
+    by each thread's chain of loads, not by bandwidth: the latency plan (``l``) is its candidate too;
     one of two positions per column is not."""
     torch.manual_seed(0)
     pool = nn.Sequential(nn.Conv2d(32, 32, 3, padding=1), nn.AdaptiveAvgPool2d(1))
     long = [k.name for k in _kernels(pool, torch.randn(8, 32, 20, 20)) if k.name.startswith("fx_red_mean")]
-    assert any(f"w{cr.LATENCY_WORK}_" in n for n in long) and any(not HEAVY.search(n) for n in long), long
+    assert any(LATENCY.search(n) for n in long) and any(not LATENCY.search(n) for n in long), long
     short = [k.name for k in _kernels(pool, torch.randn(8, 32, 1, 2)) if k.name.startswith("fx_red_mean")]
-    assert short and not any(HEAVY.search(n) for n in short), short
+    assert short and not any(HEAVY.search(n) or LATENCY.search(n) for n in short), short
 
 
-@pytest.mark.parametrize("shape", [(1, 1536, 14, 14), (1, 256, 56, 56), (32, 1536, 7, 7), (8, 32, 20, 20)])
-def test_underfilled_plans_get_shorter_chains(shape):
+def test_an_underfilled_squeeze_mean_gets_both_plans():
+    """A squeeze-excite mean at batch 1 (SiLU inlined, 32 columns x 400 positions): heavy math and
+    under-filled, so both other plans are candidates."""
+    torch.manual_seed(0)
+    names = [k.name for k in _kernels(SqueezeExcite(), torch.randn(1, 32, 20, 20)) if k.name.startswith("fx_red_mean")]
+    assert any(HEAVY.search(n) for n in names) and any(LATENCY.search(n) for n in names), names
+
+
+@pytest.mark.parametrize("shape, want", [
+    # (bx, by, splits): one warp a block at least, ~8 elements a thread, over blocks only past 16
+    ((1, 1536, 7, 7), (4, 8, 1)), ((1, 1536, 14, 14), (1, 32, 1)), ((1, 512, 28, 28), (1, 64, 1)),
+    ((1, 256, 56, 56), (1, 32, 8)), ((32, 1536, 7, 7), (4, 8, 1)), ((8, 32, 20, 20), (1, 64, 1))])
+def test_underfilled_plans_get_short_chains_and_small_blocks(shape, want):
     k = column_kernel(shape, (0, 2, 3, 1), (2, 3), torch.float16, op="mean")
     vec = cr.column_vector_width(k)
     base, alt = cr.column_plan(k, vec), cr.column_plan(k, vec, cr.LATENCY_WORK)
     assert cr.underfilled(k, vec)
     chain = lambda p: -(-k.row_size // (p.by * p.splits))  # noqa: E731 - loads a thread chains
-    assert chain(alt) < chain(base) and alt.by * alt.splits > base.by * base.splits
+    assert (alt.bx, alt.by, alt.splits) == want and alt.shfl and alt.block <= 64
+    assert chain(alt) <= min(chain(base), 2 * cr.LATENCY_ITERS)
+    assert alt.tiles * alt.splits >= base.tiles * base.splits and alt.splits <= base.splits  # no fewer blocks
     check_column_geometry(generate_kernel(k, vec, work=cr.LATENCY_WORK), high=4, rtol=1e-3, atol=1e-3)
 
 
@@ -138,16 +152,33 @@ def test_emulated_inputs_with_gaps_between_elements():
 
 def test_a_latency_plan_keeps_its_split_within_the_block():
     """[1, 1536, 14, 14] at batch 1: the default plan splits the 196 positions over 2 blocks (a
-    ticket and scratch); planned for more threads, 64 rows of a block take them, combined by a tree
-    in shared memory (halved down to ``TREE_BY`` rows), each thread a chain of 4 loads."""
+    ticket and scratch); the latency plan gives them to 32 threads of a block, combined by warp
+    shuffles (one warp: no tree, one row of partials), each thread a chain of 7 loads."""
     k = column_kernel((1, 1536, 14, 14), (0, 2, 3, 1), (2, 3), torch.float16, op="mean")
     vec = cr.column_vector_width(k)
     base, alt = cr.column_plan(k, vec), cr.column_plan(k, vec, cr.LATENCY_WORK)
-    assert base.splits == 2 and (alt.splits, alt.by) == (1, 64) and alt.bx * vec * 2 >= 64
-    src = generate_kernel(k, vec, work=cr.LATENCY_WORK).source
-    assert "if (ty_ < 32) {" in src and f"if (ty_ < {cr.TREE_BY}) {{" in src and "if (ty_ < 4) {" not in src
-    assert "cnt_" not in src
-    check_column_geometry(generate_kernel(k, vec, work=cr.LATENCY_WORK), high=4, rtol=1e-3, atol=1e-3)
+    assert base.splits == 2 and (alt.splits, alt.by, alt.bx) == (1, 32, 1)
+    ks = generate_kernel(k, vec, work=cr.LATENCY_WORK)
+    src = ks.source
+    assert src.count("__shfl_xor_sync") == 5 * vec and "if (ty_ <" not in src and "cnt_" not in src
+    assert LATENCY.search(ks.name), ks.name
+    check_column_geometry(ks, high=4, rtol=1e-3, atol=1e-3)
+
+
+def test_the_emulator_sees_a_shuffle_of_part_of_a_warp():
+    """A shuffle inside a branch that only some lanes of a warp take is reported."""
+    from fxopt.fuzz.geometry import GeometryParseError  # noqa: F401 - the emulator's module loads
+
+    k = column_kernel((1, 64, 4, 4), (0, 2, 3, 1), (2, 3), torch.float32, op="sum")
+    ks = generate_kernel(k, cr.column_vector_width(k), work=cr.LATENCY_WORK)
+    assert "__shfl_xor_sync" in ks.source
+    bad = ks.source.replace("    acc_acc_0 = __fadd_rn(acc_acc_0, __shfl_xor_sync(",
+                            "    if (tx_ == 0) {\n    acc_acc_0 = __fadd_rn(acc_acc_0, __shfl_xor_sync(", 1)
+    first = bad.index("__shfl_xor_sync(")
+    end = bad.index("\n", first)
+    bad = bad[:end] + "\n    }" + bad[end:]
+    with pytest.raises(AssertionError, match="part of a warp"):
+        check_column_geometry(dataclasses.replace(ks, source=bad), high=4)
 
 
 def test_split_tickets_are_kept_per_region_and_kernel():

@@ -18,6 +18,8 @@ _WHERE = {
     "lower": ("fxopt.backends.torch_ref",),
     "generate_tiled": ("fxopt.backends.cuda.kernels.transpose",),
     "element_work": ("fxopt.backends.cuda.kernels.column_reduction",),
+    "underfilled": ("fxopt.backends.cuda.kernels.column_reduction",),
+    "LATENCY_WORK": ("fxopt.backends.cuda.kernels.column_reduction",),
 }
 
 
@@ -54,13 +56,20 @@ def reduction_kernels(model, inputs, options=None) -> list:
 
 def reduction_sources(k, fast_math: bool = False) -> list:
     """The KernelSources a region kernel ``k`` is generated as: its widest vector width and scalar,
-    and a column reduction of heavy math planned for that (``element_work``) as well."""
+    and a column reduction's other plans as well: of heavy math, planned for that (``element_work``),
+    and under-filled, the latency plan (``underfilled``)."""
     generate_kernel, vector_width = get("generate_kernel"), get("vector_width")
-    out = [generate_kernel(k, vec, fast_math) for vec in sorted({vector_width(k), 1}, reverse=True)]
-    work = get("element_work")(k) if getattr(k, "strategy", None) == "outer" else 1
-    if work > 1:
-        out += [generate_kernel(k, vec, fast_math, work) for vec in sorted({vector_width(k), 1}, reverse=True)]
-    return out
+    widths = sorted({vector_width(k), 1}, reverse=True)
+    out = [generate_kernel(k, vec, fast_math) for vec in widths]
+    if getattr(k, "strategy", None) != "outer":
+        return out
+    works = [w for w in [get("element_work")(k)] if w > 1]
+    try:
+        if get("underfilled")(k, vector_width(k)):
+            works.append(get("LATENCY_WORK"))
+    except ImportError:  # a backend without latency plans
+        pass
+    return out + [generate_kernel(k, vec, fast_math, w) for w in works for vec in widths]
 
 
 def tiled_source(k, fast_math: bool = False):

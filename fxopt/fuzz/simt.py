@@ -14,8 +14,9 @@ tolerance of 1.5e-4), a difference of precision, not of the kernel's geometry. I
 
 - every output element is stored exactly once, every load and store in bounds, every vector
   access at a multiple of its width;
-- ``__syncthreads()`` is reached by all threads of a block or none; no thread reads shared memory
-  another thread wrote since the last barrier, nor do two threads write one word between barriers;
+- ``__syncthreads()`` is reached by all threads of a block or none, a warp shuffle by all threads
+  of a warp or none; no thread reads shared memory another thread wrote since the last barrier,
+  nor do two threads write one word between barriers;
 - a split over blocks: each partial is written before its block's ``__threadfence()`` and ticket,
   the blocks of a tile draw tickets in a random order, the counters end at zero.
 
@@ -39,7 +40,7 @@ _PREC = {"||": 1, "&&": 2, "==": 3, "!=": 3, "<": 4, "<=": 4, ">": 4, ">=": 4, "
 _BIN = {"/": "_div({}, {})", "%": "_mod({}, {})", "&&": "({} & {})", "||": "({} | {})"}
 _FUNCS = {"fx_to_f32": "_f", "fx_from": "_f", "_round_fx_half": "_round_fx_half", "_round_fx_bf16": "_round_fx_bf16",
           "fx_max_nan": "_max", "fx_min_nan": "_min", "__int_as_float": "_i2f",
-          "__ldcg": "_ldcg", "fx_div": "_div", "fx_clamp": "np.clip", "expf": "np.exp", "fx_exp": "np.exp",
+          "__ldcg": "_ldcg", "__shfl_xor_sync": "_shfl", "fx_div": "_div", "fx_clamp": "np.clip", "expf": "np.exp", "fx_exp": "np.exp",
           "logf": "np.log", "sqrtf": "np.sqrt", "fabsf": "np.abs", "tanhf": "np.tanh", "log1pf": "np.log1p",
           "expm1f": "np.expm1", "powf": "np.power", "rintf": "np.rint", "floorf": "np.floor", "ceilf": "np.ceil",
           "sinf": "np.sin", "cosf": "np.cos", "rsqrtf": "_rsqrt", "erff": "_erf",
@@ -224,8 +225,19 @@ class _Machine:
              "_mod": lambda a, b: a % b, "_max": lambda a, b: np.where((a > b) | (a != a), a, b),
              "_min": lambda a, b: np.where((a < b) | (a != a), a, b),
              "_i2f": lambda i: float(np.array(i, np.uint32).view(np.float32)), "_rsqrt": lambda a: 1 / np.sqrt(a),
-             "_erf": np.vectorize(math.erf, otypes=[float])}
+             "_erf": np.vectorize(math.erf, otypes=[float]), "_shfl": self.shuffle}
         self.env.update(h)
+
+    def shuffle(self, mask, val, lane_mask):
+        """``__shfl_xor_sync(mask, val, lane_mask)``: lane ``l`` gets lane ``l ^ lane_mask``'s value;
+        every warp that reaches it, whole (the full mask, blocks of whole warps)."""
+        if int(mask) != 0xFFFFFFFF or self.block % 32 or not 0 < int(lane_mask) < 32:
+            self.err(f"__shfl_xor_sync({mask:#x}, ., {lane_mask}) in blocks of {self.block} threads")
+        warps = self.mask.reshape(-1, 32) if self.block % 32 == 0 else self.mask[None]
+        if (warps.any(1) != warps.all(1)).any():
+            self.err("__shfl_xor_sync reached by part of a warp")
+        val = np.broadcast_to(np.asarray(val, np.float64), self.mask.shape)
+        return val[np.minimum(self.tid ^ int(lane_mask), len(self.tid) - 1)]
 
     def select(self, cond, a, b):
         """C's ``cond ? a() : b()``: each branch evaluated under the mask of the threads that take it."""

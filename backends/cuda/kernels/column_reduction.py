@@ -55,7 +55,11 @@ MAX_SPLITS = 256        # blocks along the reduced index at most
 FILL_BLOCKS = 264       # blocks below which a block takes fewer columns (two per SM of an H100)
 TILE_C = 32             # transposed stores: columns per tile (x TILE_W = BLOCK * vec / TILE_C positions)
 MAX_FILL = 1 << 18      # column threads at most that a compute-heavy plan aims for (``element_work``)
-LATENCY_WORK = 4        # the ``work`` an under-filled plain reduction's alternative plan takes (``underfilled``)
+LATENCY_WORK = 0        # the ``work`` that asks ``column_plan`` for the latency plan (``latency_plan``)
+LATENCY_CHAIN = 2       # loads a thread chains at most before a plan counts as under-filled (``underfilled``)
+LATENCY_ITERS = 8       # a latency plan: reduced elements per thread it aims for
+LATENCY_BY = 64         # a latency plan: threads of a block along the reduced index at most
+LATENCY_SPLIT_BY = 32   # ... and where it splits over blocks (more, smaller blocks)
 TREE_BY = 8             # a block's rows of partials above this are first halved in shared memory (a tree)
 #: float operations of tens of instructions each (transcendentals, IEEE division): a reduced value
 #: made of them (a SiLU epilogue inlined into a squeeze-excite mean) keeps a thread's ALU busy
@@ -73,6 +77,7 @@ class ColumnPlan:
     chunk: int    # reduced elements per split
     tiles: int    # tiles of the rows a block-row takes one after another (grid-stride)
     tw: int = 0   # transposed stores: threads (positions of ``w``) along ``w`` (0: stores along ``c``)
+    shfl: bool = False  # ``by`` partials combined by warp shuffles first, then one row a warp in shared memory
 
     @property
     def block(self) -> int:
@@ -141,12 +146,43 @@ def underfilled(k: ReductionKernel, vec: int) -> bool:
     """Whether the default plan of ``k`` leaves most of the GPU idle: fewer than ``FILL_THREADS``
     threads because each keeps ``MIN_ITERS`` reduced elements (a mean at batch 1, [1, 1536, 14, 14]:
     192 column groups x 16 threads, each a chain of a dozen loads). Such a kernel is bound by that
-    chain's latency, not by bandwidth: ``LATENCY_WORK`` plans it for more threads with shorter
-    chains (``region.parallel_variant``, measured against the default; on an H200 chosen for 11
-    of eca_nfnet_l0's 13 means at batch 1, alone 1.2-1.8x faster than the default plan)."""
+    chain's latency, not by bandwidth: ``latency_plan`` plans it for more threads with shorter
+    chains (``region.parallel_variant``, measured against the default)."""
     p = column_plan(k, vec)
     return p is not None and (k.rows // vec) * p.by * p.splits < FILL_THREADS \
-        and -(-k.row_size // (p.by * p.splits)) > max(1, MIN_ITERS // LATENCY_WORK)
+        and -(-k.row_size // (p.by * p.splits)) > LATENCY_CHAIN
+
+
+def _shuffles(bx: int, by: int) -> bool:
+    """Whether a block of ``bx`` x ``by`` threads can combine its ``by`` partials by warp shuffles
+    first: whole warps (a multiple of 32 threads), each holding at least two rows of partials."""
+    return by > 1 and bx <= 16 and (bx * by) % 32 == 0
+
+
+def latency_plan(k: ReductionKernel, vec: int) -> ColumnPlan:
+    """The plan of an under-filled column reduction (``underfilled``): about ``LATENCY_ITERS``
+    reduced elements a thread, whatever the GPU's fill. A batch-1 mean is a few hundred KB that a
+    handful of SMs could stream; what its time is made of is the chain of dependent loads each
+    thread waits on, the combine after it, and the launch. So the reduced index is split over
+    ``by`` = R / ``LATENCY_ITERS`` threads of a block (a power of two, at most ``LATENCY_BY``), where
+    that leaves at most twice ``LATENCY_ITERS`` a thread; only a longer one (a single phase without
+    row outputs) is split over blocks of ``LATENCY_SPLIT_BY`` threads as well. A block keeps one
+    warp's worth of threads at least (``bx = 32 / by`` column groups) and no more: small blocks
+    spread over more SMs. The ``by`` partials are combined by warp shuffles, then one row a warp in
+    shared memory (``ColumnPlan.shfl``). Measured on an H100 (bias + mean, fp16, channels_last,
+    batch 1, 200 launches in a CUDA graph): [1, 1536, 7, 7] 1.88 us (the plan of more threads for
+    heavy math, 2.15), [1, 1536, 14, 14] 2.14 (2.87), [1, 512, 28, 28] 2.72 (4.48), [1, 256, 56, 56]
+    4.15 (6.44); the best of 34-106 geometries swept were within 5 % of these."""
+    R, groups = k.row_size, k.rows // vec
+    t = _p2ceil(-(-R // LATENCY_ITERS))
+    by, splits = min(t, LATENCY_BY), 1
+    if t > LATENCY_BY and -(-R // LATENCY_BY) > 2 * LATENCY_ITERS and len(k.phases) == 1 and not k.row_stores:
+        by = LATENCY_SPLIT_BY
+        splits = min(MAX_SPLITS, max(1, _p2ceil(-(-R // (2 * LATENCY_ITERS))) // by))
+    chunk = -(-R // splits) if R else 0
+    splits = -(-R // chunk) if R else 1
+    bx = max(1, 32 // by)
+    return ColumnPlan(vec, bx, by, splits, chunk, -(-groups // bx), 0, _shuffles(bx, by))
 
 
 def column_plan(k: ReductionKernel, vec: int = 1, work: int = 1) -> Optional[ColumnPlan]:
@@ -174,6 +210,8 @@ def column_plan(k: ReductionKernel, vec: int = 1, work: int = 1) -> Optional[Col
     there is no split and both axes are wide enough to fill it."""
     if k.strategy != "outer" or not k.outer or k.rows == 0 or k.outer[-1].size % vec:
         return None
+    if work == LATENCY_WORK:
+        return latency_plan(k, vec)
     R, groups = k.row_size, k.rows // vec
     fill, min_iters = min(MAX_FILL, FILL_THREADS * work), max(1, MIN_ITERS // work)
     f = min(_p2ceil(-(-fill // groups)), _p2floor(max(1, R // min_iters)))
@@ -196,7 +234,7 @@ def column_plan(k: ReductionKernel, vec: int = 1, work: int = 1) -> Optional[Col
         tw = BLOCK // bx
         tiles = (k.rows // (c.size * w.size)) * -(-w.size // tw) * -(-c.size // (bx * vec))
         return ColumnPlan(vec, bx, 1, 1, chunk, tiles, tw)
-    return ColumnPlan(vec, bx, by, splits, chunk, -(-groups // bx))
+    return ColumnPlan(vec, bx, by, splits, chunk, -(-groups // bx), 0, work > 1 and _shuffles(bx, by))
 
 
 def smem_stride(p: ColumnPlan) -> int:
@@ -285,6 +323,9 @@ class _Gen:
             self.lines += [f"{ind}float {r} = {a};" for r, a in zip(reds, accs)]
             return
         stride = smem_stride(p)
+        if p.shfl:
+            self._shuffled(ph, accs, reds, stride, ind)
+            return
         self.lines += [f"{ind}smem_[ty_ * {stride} + {lane * p.bx} + tx_] = {a};" for lane, a in enumerate(accs)]
         self.lines.append(f"{ind}__syncthreads();")
         if p.by > TREE_BY:  # halve the rows of partials in place until TREE_BY are left
@@ -300,6 +341,26 @@ class _Gen:
         self.lines += [f"{ind}float {r} = smem_[{lane * p.bx} + tx_];" for lane, r in enumerate(reds)]
         self.lines.append(f"{ind}for (idx_t j_ = 1; j_ < {rows}; j_ += 1) {{")
         comb = REDUCE_COMBINE[ph.op]
+        self.lines += [f"{ind}  {r} = {comb.format(a=r, b=f'smem_[j_ * {stride} + {lane * p.bx} + tx_]')};"
+                       for lane, r in enumerate(reds)]
+        self.lines += [f"{ind}}}", f"{ind}__syncthreads();"]
+
+    def _shuffled(self, ph, accs: list, reds: list, stride: int, ind: str) -> None:
+        """A warp's lanes of one ``tx_`` (``32 / bx`` rows of partials) combined by butterfly
+        shuffles (every lane gets the warp's sum), then the warps' rows in shared memory, summed in
+        warp order after one barrier."""
+        p, comb = self.p, REDUCE_COMBINE[ph.op]
+        off = 16
+        while off >= p.bx:
+            self.lines += [f"{ind}{a} = {comb.format(a=a, b=f'__shfl_xor_sync(0xffffffffu, {a}, {off})')};"
+                           for a in accs]
+            off //= 2
+        self.lines.append(f"{ind}if (threadIdx.x % 32 < {p.bx}) {{")
+        self.lines += [f"{ind}  smem_[(threadIdx.x / 32) * {stride} + {lane * p.bx} + tx_] = {a};"
+                       for lane, a in enumerate(accs)]
+        self.lines += [f"{ind}}}", f"{ind}__syncthreads();"]
+        self.lines += [f"{ind}float {r} = smem_[{lane * p.bx} + tx_];" for lane, r in enumerate(reds)]
+        self.lines.append(f"{ind}for (idx_t j_ = 1; j_ < {p.block // 32}; j_ += 1) {{")
         self.lines += [f"{ind}  {r} = {comb.format(a=r, b=f'smem_[j_ * {stride} + {lane * p.bx} + tx_]')};"
                        for lane, r in enumerate(reds)]
         self.lines += [f"{ind}}}", f"{ind}__syncthreads();"]
@@ -427,7 +488,7 @@ def generate_column_reduction(k: ReductionKernel, plan: ColumnPlan, fast_math: b
     prefix = kernel_fast_math_prefix(k, fast_math)
     index64 = kernel_index64(k)
     variant = (f"cols{plan.block}v{plan.vec}" + (f"s{plan.splits}" if plan.splits > 1 else "") + "t" * bool(plan.tw)
-               + (f"w{work}" if work > 1 else ""))
+               + "x" * plan.shfl + (f"w{work}" if work > 1 else "l" if work == LATENCY_WORK else ""))
     name = kernel_name(k, variant + "f" * bool(prefix))
     ps = kernel_params(k)
     if plan.splits > 1:

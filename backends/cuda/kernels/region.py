@@ -2,14 +2,14 @@
 IR, ``pointwise.py`` / ``reduction.py``), ``vector_width`` (the widest vector its innermost loop
 allows), the region's candidate ``GeneratedRegion`` (a vectorized variant where the innermost loop
 allows, and a scalar one for tensors that are not aligned for it; for a column reduction of heavy
-math or of an under-filled plan, ``parallel_variant``, the same kernel planned for more threads,
-and for a transposing pointwise kernel, ``tiled_variant``, shared-memory tiles, each measured
-against it; option
-``fast_math``: approximate exp and division in the activations; ``__call__`` returns ``None``, so that the
-reference runs, when the tensors it gets are not on the GPU or differ in shape, dtype or strides
-from those the kernel was generated for) and its launch (``launch_fused``: buffers checked against
-the kernel's, vector accesses' alignment; the scratch of a column reduction split over blocks,
-``meta["scratch"]``: its partials allocated per launch, its ticket counters kept by the region)."""
+math or of an under-filled plan, ``parallel_variant``, the same kernel planned for more threads or
+for short chains of loads, and for a transposing pointwise kernel, ``tiled_variant``, shared-memory
+tiles, each measured against it; option ``fast_math``: approximate exp and division in the
+activations; ``__call__`` returns ``None``, so that the reference runs, when the tensors it gets
+are not on the GPU or differ in shape, dtype or strides from those the kernel was generated for)
+and its launch (``launch_fused``: buffers checked against the kernel's, vector accesses'
+alignment; the scratch of a column reduction split over blocks, ``meta["scratch"]``: its partials
+allocated per launch, its ticket counters kept by the region)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
@@ -75,25 +75,30 @@ class GeneratedRegion:
 
 
 def parallel_variant(region: Region, generated: GeneratedRegion, fast_math: bool = False) -> dict:
-    """``{"generated_parallel": (candidate, call)}``: a column reduction planned for more threads,
-    measured against the default plan (which is planned for the loads alone), where its reduced
-    values are heavy math (``column_reduction.element_work``, a SiLU epilogue inlined into a
-    squeeze-excite mean) or where the default plan leaves the GPU under-filled with long chains of
-    loads per thread (``column_reduction.underfilled``, a mean at batch 1); ``{}`` where the kernel is
-    neither or the plans are the same."""
+    """A column reduction's other plans, each measured against the default plan (which is planned
+    for the loads alone): ``generated_parallel``, planned for more threads where its reduced values
+    are heavy math (``column_reduction.element_work``, a SiLU epilogue inlined into a squeeze-excite
+    mean), and ``generated_latency``, short chains of loads and small blocks where the default plan
+    leaves the GPU under-filled (``column_reduction.underfilled``, a mean at batch 1; both where
+    both hold); ``{}`` where the kernel is neither or a plan is the default's."""
     k = region.kernel
     if not isinstance(k, ReductionKernel) or k.strategy != "outer":
         return {}
+    plans = {}
     work = element_work(k)
-    if work < 2:
-        if not underfilled(k, vector_width(k)):
-            return {}
-        work = LATENCY_WORK
-    alt = GeneratedRegion(region, fast_math, work)
-    if all(alt.sources.get(v) is not None and alt.sources[v].name == ks.name for v, ks in generated.sources.items()):
-        return {}
-    alt.label = "parallel"
-    return {"generated_parallel": (alt, alt)}
+    if work >= 2:
+        plans["parallel"] = work
+    if underfilled(k, vector_width(k)):
+        plans["latency"] = LATENCY_WORK
+    out = {}
+    for label, w in plans.items():
+        alt = GeneratedRegion(region, fast_math, w)
+        if all(alt.sources.get(v) is not None and alt.sources[v].name == ks.name
+               for v, ks in generated.sources.items()):
+            continue
+        alt.label = label
+        out[f"generated_{label}"] = (alt, alt)
+    return out
 
 
 def tiled_variant(region: Region, fast_math: bool = False) -> dict:
