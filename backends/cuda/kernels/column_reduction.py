@@ -32,7 +32,9 @@ The choice is from sizes and strides only; the cost model behind it is the bytes
 16-byte loads and a few loads in flight per thread, about 64K threads keep an H100's memory busy,
 so a kernel with at least that many column groups needs no split at all (each thread reads its
 columns straight through, no shared memory), and one with fewer trades the split's combine for
-parallelism.
+parallelism. Where even that leaves the GPU under-filled (a mean at batch 1), ``latency_plan`` is a
+measured alternative: short chains of loads, blocks of one or two warps, the partials combined by
+warp shuffles (``ColumnPlan.shfl``) before one row a warp goes through shared memory.
 """
 from __future__ import annotations
 
@@ -201,8 +203,9 @@ def column_plan(k: ReductionKernel, vec: int = 1, work: int = 1) -> Optional[Col
     to hide the arithmetic's latency, at the cost of more combining (a measured alternative, see
     ``kernels/region.py``); such a plan keeps only the columns of 64-128 bytes of a row a block
     (``32 / vec`` threads, at least 4), so that up to 64 threads of a block split the reduced
-    index before any split over blocks (their partials halved in shared memory by a tree down to
-    ``TREE_BY`` rows, then summed in order). So the split-attention sums (rows = N*C*H*W in the
+    index before any split over blocks (their partials combined by warp shuffles, then one row a
+    warp summed in order; where a warp holds one row only, halved in shared memory by a tree down
+    to ``TREE_BY`` rows). ``work`` = ``LATENCY_WORK``: ``latency_plan``. So the split-attention sums (rows = N*C*H*W in the
     millions, R = 2) take ``by = splits = 1``: every thread two 16-byte loads and one store, no
     barrier; a global mean of a channels_last [N, C, 7, 7] (rows N*C, R = 49) splits R over a few
     threads of a block; a per-channel sum over N*H*W (rows = C, R large) over blocks as well.
