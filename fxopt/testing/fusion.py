@@ -119,8 +119,23 @@ def check_fusion(case, options=None, compile_kernels: bool = False) -> list:
         got = [rvals[n] for n in _outputs(rewritten)]
         for g, e in zip(got, expected):
             if isinstance(e, torch.Tensor):
-                torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
+                torch.testing.assert_close(g, e, **_same_ops_tolerance(e), equal_nan=True)
     return schedules
+
+
+def _same_ops_tolerance(e: torch.Tensor) -> dict:
+    """How far the rewritten graph's value may lie from the original's: the same ATen ops, but an op
+    may get its input with other strides after the rewrite, and torch's CPU kernels round the last
+    bits of a strided view differently from a dense one (a vectorized and a scalar loop: GELU of a
+    channel chunk of a channels_last tensor, 1-2 units in the last place of the tensor's largest
+    value; CPU fuzz seed 2066, 5e739dc93a). So a few units in the last place, at the scale of the
+    tensor's largest value; exact for integers and bools."""
+    if not e.is_floating_point() or e.numel() == 0:
+        return {"rtol": 0, "atol": 0}
+    ulps = 4 * torch.finfo(e.dtype).eps
+    finite = e[torch.isfinite(e)]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    return {"rtol": ulps, "atol": ulps * scale}
 
 
 def evaluate_regions(model, inputs, options=None) -> list:
