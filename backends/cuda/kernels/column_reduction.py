@@ -205,9 +205,9 @@ def column_plan(k: ReductionKernel, vec: int = 1, work: int = 1) -> Optional[Col
     (``32 / vec`` threads, at least 4), so that up to 64 threads of a block split the reduced
     index before any split over blocks (their partials combined by warp shuffles, then one row a
     warp summed in order; where a warp holds one row only, halved in shared memory by a tree down
-    to ``TREE_BY`` rows). ``work`` = ``LATENCY_WORK``: ``latency_plan``. So the split-attention sums (rows = N*C*H*W in the
-    millions, R = 2) take ``by = splits = 1``: every thread two 16-byte loads and one store, no
-    barrier; a global mean of a channels_last [N, C, 7, 7] (rows N*C, R = 49) splits R over a few
+    to ``TREE_BY`` rows). ``work`` = ``LATENCY_WORK``: ``latency_plan``. So the split-attention
+    sums (rows = N*C*H*W in the millions, R = 2) take ``by = splits = 1``: every thread two
+    16-byte loads and one store, no barrier; a global mean of a channels_last [N, C, 7, 7] (rows N*C, R = 49) splits R over a few
     threads of a block; a per-channel sum over N*H*W (rows = C, R large) over blocks as well.
     Stores that walk another variable than the loads take the transposed tile (``tw``) where
     there is no split and both axes are wide enough to fill it."""
