@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from hypothesis import assume, given, settings, strategies as st
 
 from fxopt.backends.cuda import ir
 from fxopt.backends.cuda.kernels.region import launch_fused, vector_aligned
@@ -92,3 +93,43 @@ def test_split_attention_compiled_matches_eager(dtype):
         eager = model(x)
     err, err_eager = ((t.double() - exact).abs().max().item() for t in (got, eager))
     assert err <= max(4 * err_eager, 1e-4), f"fxopt's error against float64 {err}, eager's {err_eager}"
+
+
+@settings(deadline=None, database=None)
+@given(shape=st.tuples(st.integers(1, 3), st.sampled_from([1, 3, 8, 24, 40, 96, 200, 1536]), st.integers(1, 40),
+                       st.integers(1, 40)),
+       case=st.sampled_from(["spatial_cl", "batch_nchw", "softmax_c"]),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       work=st.sampled_from([1, 3]))
+def test_every_plan_of_every_work_on_the_gpu(shape, case, dtype, work):
+    """The default, heavy-math and latency plans (warp shuffles, splits over blocks with kept
+    tickets) of random column reductions, launched twice, against their IR (``test_column_work.py``
+    runs the same plans thread by thread on the CPU)."""
+    from fxopt.backends.cuda.kernels import column_reduction as cr
+    from fxopt.backends.cuda.kernels.region import generate_kernel
+
+    from test_column_reduction import column_kernel
+    if case == "spatial_cl":
+        k = column_kernel(shape, (0, 2, 3, 1), (2, 3), dtype, op="mean" if shape[0] % 2 else "sum")
+    elif case == "batch_nchw":
+        k = column_kernel(shape, (0, 1, 2, 3), (0,), dtype)
+    else:
+        k = column_kernel(shape, (0, 2, 3, 1), (1,), dtype, (0, 2, 3, 1), op="softmax")
+    assume(k.strategy == "outer" and k.outer)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [torch.empty_strided(b.shape, b.strides, dtype=b.dtype, device="cuda").normal_(generator=gen)
+              for b in k.inputs]
+    want = [torch.empty_strided(b.shape, b.strides, dtype=torch.float32, device="cuda") for b in k.outputs]
+    ir.evaluate(k, inputs, want)
+    for w in (work, cr.LATENCY_WORK):
+        ks = generate_kernel(k, cr.column_vector_width(k), work=w)
+        kept, kernel = {}, ks.compile()
+        for _ in range(2):
+            outs = [torch.full(b.shape, float("nan"), dtype=b.dtype, device="cuda").as_strided(b.shape, b.strides)
+                    for b in k.outputs]
+            if not vector_aligned(ks, inputs, outs):
+                break
+            launch_fused(ks, inputs, outs, kernel, tickets=kept)
+            for got, ref in zip(outs, want):
+                err = ((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1)).item()
+                assert err <= TOL[dtype], f"{ks.name} {ks.meta['geometry']}: error {err}"
