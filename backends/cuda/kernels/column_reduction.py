@@ -174,7 +174,7 @@ def latency_plan(k: ReductionKernel, vec: int) -> ColumnPlan:
     shared memory (``ColumnPlan.shfl``). Measured on an H100 (bias + mean, fp16, channels_last,
     batch 1, 200 launches in a CUDA graph): [1, 1536, 7, 7] 1.88 us (the plan of more threads for
     heavy math, 2.15), [1, 1536, 14, 14] 2.14 (2.87), [1, 512, 28, 28] 2.72 (4.48), [1, 256, 56, 56]
-    4.15 (6.44); the best of 34-106 geometries swept were within 5 % of these."""
+    3.95 (6.44); the best of 34-106 geometries swept were within 5 % of these."""
     R, groups = k.row_size, k.rows // vec
     t = _p2ceil(-(-R // LATENCY_ITERS))
     by, splits = min(t, LATENCY_BY), 1
