@@ -1,9 +1,12 @@
 """The cuda executor's CPU-testable part: generated epilogue kernels compile with NVRTC, and their
 math (the epilogue's torch reference) equals the fused op's reference."""
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
+import torch.nn as nn
 
 import fxopt
 from fxopt.backends.cuda.codegen.epilogue import template_epilogue
@@ -63,8 +66,35 @@ def test_convs_with_the_same_epilogue_share_one_kernel_source():
     gm = torch_ref.lower(r.graphs[0].after)
     plans = [p for p in (plan(n) for n in gm.graph.nodes) if p is not None]
     sources = {(ks.name, ks.source) for p in plans for ks in p.sources.values()}
-    assert len(plans) == 20 and len(sources) <= 6  # relu / add+relu / none, two vector widths each
+    # relu / add+relu / none, each at two geometries (``small_geometry``), two vector widths each
+    assert len(plans) == 20 and len(sources) <= 12 and len({name for name, _ in sources}) == len(sources)
     assert all("conv_epi_" in name and "convolution" not in name for name, _ in sources)
+    assert any(name.endswith("_b128") for name, _ in sources) and any("_v4" in name and "_b128" not in name
+                                                                      for name, _ in sources)
+
+
+@pytest.mark.parametrize("shape,dtype,vec,block", [
+    ((1, 384, 7, 7), torch.float16, 4, 128), ((1, 128, 56, 56), torch.float16, 4, 128),  # 802 KB
+    ((1, 64, 112, 112), torch.float16, 8, 256), ((8, 384, 14, 14), torch.float16, 8, 256),
+    ((1, 384, 14, 14), torch.float32, 2, 128), ((4, 256, 28, 28), torch.float32, 4, 256),
+    ((1, 12, 7, 7), torch.float16, 4, 128), ((1, 6, 7, 7), torch.float16, 2, 128)])  # the width divides C
+def test_small_epilogues_run_narrower_vectors_in_smaller_blocks(shape, dtype, vec, block):
+    from fxopt.backends.cuda.kernels.conv_epilogue import small_geometry
+
+    nbytes = math.prod(shape) * dtype.itemsize
+    assert small_geometry(nbytes, dtype.itemsize)[1] == block
+    conv = torch.nn.Conv2d(shape[1], shape[1], 1).to(dtype)
+    r = fxopt.explain(nn.Sequential(conv, nn.SiLU()).eval(), torch.randn(*shape).to(dtype),
+                      options={"executor": "torch", "layout": "channels_last"})
+    from fxopt.backends import torch_ref
+
+    gm = torch_ref.lower(r.graphs[0].after)
+    (p,) = [p for p in (plan(n) for n in gm.graph.nodes) if p is not None]
+    ks = p.sources[max(p.sources)]
+    assert ks.meta["vec"] == vec and ks.block == (block, 1, 1)
+    assert f"__launch_bounds__({block})" in ks.source and ks.name.endswith("_b128") == (block == 128)
+    if nvrtc_available():
+        ks.compile()
 
 
 
