@@ -448,5 +448,9 @@ def test_kernels_generated_once_across_sizes_and_keyed_exactly():
     _check(compiled, model, [(2, 32), (3, 32)])
     sizes = [len(c) for c in caches]
     assert sizes[1] > 0  # the epilogues of the convolutions were generated
-    _check(compiled, model, [(5, 32), (6, 40)])
+    _check(compiled, model, [(5, 32), (4, 40)])
     assert backend.dynamic()["live"] >= 3 and [len(c) for c in caches] == sizes  # nothing generated anew
+    before = {id(ks) for ks in caches[1].values()}
+    _check(compiled, model, [(6, 40)])  # its expanded block's output passes 1 MiB: the wider geometry
+    new = [ks.name for ks in caches[1].values() if id(ks) not in before]
+    assert new and not any("_b128" in n for n in new), new  # only epilogues of the other geometry
