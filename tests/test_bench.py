@@ -178,6 +178,9 @@ def test_report_no_fxopt_and_cpu_label(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "CPU run — not a GPU performance result" in md and "smoke" not in md
     assert (tmp_path / "speedup.png").stat().st_size > 0
+    assert "torch's cuDNN plans" not in md  # a CUDA run's header says its backends share them
+    res["meta"]["device_type"] = "cuda"
+    assert "the backends share one process, so torch's cuDNN plans" in RP.render_markdown(res)
 
 
 # --------------------------------------------------------------------------

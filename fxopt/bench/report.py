@@ -178,7 +178,9 @@ def _header(results: Dict[str, Any]) -> List[str]:
     lines.append(f"- timing: median ms of {cfg.get('iters', '?')} timed calls after "
                  f"{cfg.get('warmup', '?')} warm-up calls{spread} ({timer}); ± is the IQR; "
                  "accuracy: max relative error ‖out−ref‖∞/‖ref‖∞ vs fp32 eager (TF32 off)"
-                 + ("; cudnn.benchmark on for every backend" if m.get("cudnn.benchmark") else ""))
+                 + ("; cudnn.benchmark on for every backend" if m.get("cudnn.benchmark") else "")
+                 + ("; the backends share one process, so torch's cuDNN plans: a convolution keyed alike runs "
+                    "the plan of the backend that called it first" if m.get("device_type") == "cuda" else ""))
     for dt, p in (results.get("peak") or {}).items():
         if p.get("tflops"):
             lines.append(f"- measured peak {dt}: {p['tflops']:.2f} TFLOP/s ({p.get('what', '')})")
