@@ -83,7 +83,7 @@ def test_small_epilogues_run_narrower_vectors_in_smaller_blocks(shape, dtype, ve
 
     nbytes = math.prod(shape) * dtype.itemsize
     assert small_geometry(nbytes, dtype.itemsize)[1] == block
-    conv = torch.nn.Conv2d(shape[1], shape[1], 1).to(dtype)
+    conv = nn.Conv2d(shape[1], shape[1], 1).to(dtype)
     r = fxopt.explain(nn.Sequential(conv, nn.SiLU()).eval(), torch.randn(*shape).to(dtype),
                       options={"executor": "torch", "layout": "channels_last"})
     from fxopt.backends import torch_ref
