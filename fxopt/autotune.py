@@ -27,8 +27,14 @@ on each shape's first use cost seconds per network while choosing no faster kern
 on the H100 (ResNet-50 fp16 batch 1 channels_last: first call 3.60 s with the search
 vs 0.33 s, replay 0.942 vs 0.880 ms; BENCHMARKS.md has the other networks). The flag
 is process-wide, so a convolution another thread starts meanwhile also uses
-heuristics; and cuDNN caches one plan per shape for the process however it was
-chosen, so a shape fxopt ran first is not searched by PyTorch later either.
+heuristics. torch caches one cuDNN plan per convolution key and thread, however it
+was chosen: a shape fxopt ran first is not searched later on that thread, and a
+shape that eager or Inductor searched earlier on the calling thread runs their
+searched plan in fxopt's graph too. Searched plans made fxopt slower: fp16 batch 1,
+cudnn.benchmark on, each model alone in a fresh process on an H100 (2026-12-06),
+µs a call with heuristics / with option ``cudnn_search``: eca_nfnet_l0 502 / 513,
+resnet50 324 / 362, efficientnet_b0 365 / 404, regnety_016 631 / 669,
+mobilenetv3_large_100 239 / 275, dla34 287 / 295.
 """
 from __future__ import annotations
 

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, help="split each cell's timed calls into this many rounds, the backends "
                    "of a row taking turns (all kept alive), so host/clock drift hits them alike "
                    "(default 5 on cuda, 1 on cpu and with --quick; 1 = each backend timed on its own)")
+    p.add_argument("--same-thread", action="store_true", help="run every backend on the calling thread (CUDA "
+                   "default: each backend on a thread of its own, so cuDNN's plans, which torch caches per "
+                   "thread, are its own, as alone in a process)")
     p.add_argument("--fxopt-options", default=None, metavar="JSON",
                    help="JSON object passed as torch.compile(..., options=) to the fxopt backends")
     p.add_argument("--seed", type=int, default=0, help="RNG seed for weights and inputs")
@@ -123,6 +126,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if a.iters < 1 or a.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
     a.rounds = a.rounds if a.rounds is not None else (1 if q or a.device == "cpu" else 5)
+    # the CPU stays on one thread: a new calling thread would start a second OpenMP team
+    a.backend_threads = a.device == "cuda" and not a.same_thread
     if a.rounds < 1:
         p.error("--rounds must be >= 1")
     if not q and a.iters < 50:
@@ -290,7 +295,8 @@ def run_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] = None) -
     cmd = f"{prog} " + shlex.join(list(argv) if argv is not None else sys.argv[1:])
     meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "command": cmd, "device_type": a.device, **_device_info(a.device), "versions": _versions(),
-            "fxopt_options": a.fxopt_options, "cudnn.benchmark": torch.backends.cudnn.benchmark, "tf32": {
+            "fxopt_options": a.fxopt_options, "cudnn.benchmark": torch.backends.cudnn.benchmark,
+            "backend_threads": a.backend_threads, "tf32": {
                 "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
                 "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32},
             "config": {k: getattr(a, k) for k in ("models", "batch", "model_batches", "dtype", "backends", "quick",
@@ -338,26 +344,31 @@ def run_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] = None) -
                 for dt in a.dtype:
                     peak = (results["peak"].get(dt) or {}).get("tflops")
                     lives = []
+                    # each backend on a thread of its own (CUDA): its own cuDNN plans (runners.BackendThread)
+                    threads: Optional[Dict[str, Any]] = {} if a.backend_threads else None
                     for be in a.backends:
                         bar.set_postfix_str(f"{name} b{b} {dt} {be}")
                         if a.time_budget and time.perf_counter() - t_start > a.time_budget:
                             lives.append({"backend": be, "status": "skipped", "error": "time budget"})
                             bar.update(1)
                             continue
-                        live = R.start_cell(be, base, x_cpu, ref, a.device, getattr(torch, dt), a.warmup,
-                                            a.fxopt_options, errors, reset=not lives or a.rounds == 1)
+                        live = R.on_backend_thread(threads, be, R.start_cell, be, base, x_cpu, ref, a.device,
+                                                   getattr(torch, dt), a.warmup, a.fxopt_options, errors,
+                                                   reset=not lives or a.rounds == 1)
                         if a.rounds == 1:  # each backend timed on its own, then released
-                            R.time_round(live, a.device, a.iters, error_log=errors)
-                            live = R.finish_cell(live, a.device)
+                            R.on_backend_thread(threads, be, R.time_round, live, a.device, a.iters, error_log=errors)
+                            live = R.on_backend_thread(threads, be, R.finish_cell, live, a.device)
                         lives.append(live)
                         bar.update(1)
                     per_round = -(-a.iters // a.rounds)
                     for r in range(a.rounds if a.rounds > 1 else 0):
                         for live in lives:
                             if isinstance(live, R.LiveCell):
-                                R.time_round(live, a.device, per_round, rewarm=a.warmup, error_log=errors)
+                                R.on_backend_thread(threads, live.backend, R.time_round, live, a.device, per_round,
+                                                    rewarm=a.warmup, error_log=errors)
                     for live in lives:
-                        cell = R.finish_cell(live, a.device, a.rounds) if isinstance(live, R.LiveCell) else live
+                        cell = (R.on_backend_thread(threads, live.backend, R.finish_cell, live, a.device, a.rounds)
+                                if isinstance(live, R.LiveCell) else live)
                         cell = {"model": name, "batch": b, "dtype": dt, **cell, "gflop": flops and flops / 1e9}
                         if cell["status"] == "ok" and flops:
                             cell["tflops"] = flops / (cell["median_ms"] * 1e-3) / 1e12
@@ -368,6 +379,9 @@ def run_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] = None) -
                     if a.cold:
                         results.setdefault("cold_floors", []).extend(_cold_floors(name, b, dt, a))
                     del lives
+                    for be, thread in (threads or {}).items():  # its own Dynamo / CUDA-graph state, then ends
+                        thread(R._cleanup, a.device)
+                        thread.close()
                     R._cleanup(a.device)
                     write_json({**results, "partial": True}, partial)
     except KeyboardInterrupt:

@@ -179,8 +179,7 @@ def _header(results: Dict[str, Any]) -> List[str]:
                  f"{cfg.get('warmup', '?')} warm-up calls{spread} ({timer}); ± is the IQR; "
                  "accuracy: max relative error ‖out−ref‖∞/‖ref‖∞ vs fp32 eager (TF32 off)"
                  + ("; cudnn.benchmark on for every backend" if m.get("cudnn.benchmark") else "")
-                 + ("; the backends share one process, so torch's cuDNN plans: a convolution keyed alike runs "
-                    "the plan of the backend that called it first" if m.get("device_type") == "cuda" else ""))
+                 + _plans_line(m))
     for dt, p in (results.get("peak") or {}).items():
         if p.get("tflops"):
             lines.append(f"- measured peak {dt}: {p['tflops']:.2f} TFLOP/s ({p.get('what', '')})")
@@ -354,6 +353,17 @@ def _top_kernel_lines(results: Dict[str, Any]) -> List[str]:
         lines.append("")
     return (["## Longest kernels where fxopt is slower", "",
              "GPU µs of one call (torch.profiler), fxopt's and the best peer's.", ""] + lines) if lines else []
+
+
+def _plans_line(m: Dict[str, Any]) -> str:
+    """How a CUDA run's backends came by cuDNN's plans (torch caches them per thread)."""
+    if m.get("device_type") != "cuda":
+        return ""
+    if m.get("backend_threads"):
+        return ("; each backend on a thread of its own, so cuDNN's plans (cached per thread) are the ones its "
+                "own first calls chose")
+    return ("; the backends share one thread, so torch's cuDNN plans: a convolution keyed alike runs "
+            "the plan of the backend that called it first")
 
 
 def render_markdown(results: Dict[str, Any]) -> str:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import queue
+import threading
 import time
 import traceback
 import warnings
@@ -26,7 +28,7 @@ from .peers import BACKENDS, DEFAULT_BACKENDS, first_line, fxopt_available
 from .spec import BackendSpec, BackendUnavailable, Prepared
 
 __all__ = ["BACKENDS", "DEFAULT_BACKENDS", "BackendSpec", "BackendUnavailable", "Prepared",
-           "LiveCell", "count_flops", "finish_cell", "flatten_outputs", "fxopt_available", "max_rel_error",
+           "BackendThread", "LiveCell", "on_backend_thread", "count_flops", "finish_cell", "flatten_outputs", "fxopt_available", "max_rel_error",
            "measure_cell", "measure_peak_tflops", "reference_output", "start_cell", "stats", "time_calls",
            "time_round"]
 
@@ -47,6 +49,63 @@ def _record_warnings(cell: Dict[str, Any], caught: List[warnings.WarningMessage]
     if fallbacks:
         cell["fallback"] = fallbacks[0]
         cell["fallback_count"] = len(fallbacks)
+
+
+class BackendThread:
+    """One backend's own thread: its preparation, calls and timing run there while the caller waits,
+    so the backends of a row still take turns, one at a time.
+
+    Why: torch keeps cuDNN's execution plans per thread (``benchmark_cache`` in
+    ``aten/src/ATen/native/cudnn/Conv_v8.cpp`` is ``thread_local``), keyed by the convolution, not by
+    how the plan was chosen. On one thread a convolution keyed alike runs the plan of whichever
+    backend called it first: fxopt ran the plans Inductor's search had chosen (eca_nfnet_l0 fp16 b1,
+    H100) and was timed slower than alone in a process. On threads of their own each backend runs the
+    plans its own first calls chose, as a user running that backend alone gets. Daemon thread: an
+    interrupted run does not wait for a compile to end."""
+
+    def __init__(self, name: str):
+        self._jobs: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name=f"bench-{name}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args, kwargs, box, done = job
+            try:
+                box.append((True, fn(*args, **kwargs)))
+            except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+                box.append((False, exc))
+            done.set()
+
+    def __call__(self, fn: Callable, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on this thread; its result, or its exception raised here."""
+        box: list = []
+        done = threading.Event()
+        self._jobs.put((fn, args, kwargs, box, done))
+        while not done.wait(0.5):  # a timed wait, so that Ctrl-C reaches the caller
+            if not self._thread.is_alive():
+                raise RuntimeError(f"{self._thread.name} ended")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the thread (after the job it runs, waiting at most ``timeout`` s for it)."""
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+
+def on_backend_thread(threads: Optional[Dict[str, "BackendThread"]], backend: str, fn: Callable, *args, **kwargs):
+    """``fn`` on ``backend``'s thread in ``threads`` (made on first use), or here where ``threads`` is None."""
+    if threads is None:
+        return fn(*args, **kwargs)
+    if backend not in threads:
+        threads[backend] = BackendThread(backend)
+    return threads[backend](fn, *args, **kwargs)
 
 
 def _cleanup(device: str, reset: bool = True) -> None:

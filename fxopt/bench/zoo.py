@@ -225,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "fxopt's; the speed-up stays fxopt's over the best peer")
     for opt in ("--warmup", "--iters", "--rounds"):
         p.add_argument(opt, type=int, help=f"as fxopt bench {opt}")
+    p.add_argument("--same-thread", action="store_true", help="as fxopt bench --same-thread")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -238,6 +239,8 @@ def _harness_argv(a: argparse.Namespace, key: str, cell: str, backends: List[str
             argv += [f"--{opt}", str(getattr(a, opt))]
     if a.fxopt_options:
         argv += ["--fxopt-options", a.fxopt_options]
+    if a.same_thread:
+        argv.append("--same-thread")
     return argv
 
 
@@ -384,6 +387,7 @@ def _add_cell(doc: Dict[str, Any], rec: Dict[str, Any], res: Dict[str, Any], wal
     hm = res["meta"]
     rec["peers"] = [b for b in hm["config"]["backends"] if _is_peer(b)]
     doc["meta"]["config"].update({k: hm["config"][k] for k in ("warmup", "iters", "rounds", "rewarm")})
+    doc["meta"]["backend_threads"] = hm.get("backend_threads")
     doc["meta"]["fxopt_available"] = hm.get("fxopt_available")
     doc["cells"] += [{k: v for k, v in c.items() if k != "samples_ms"} for c in res["cells"]]
     doc["checks"] += res["checks"]
