@@ -110,6 +110,26 @@ def test_host_split_on_cpu(capsys):
     assert "executor=cpu" in out
 
 
+def test_host_inductor_beside_runs_on_a_thread_of_its_own(monkeypatch, capsys):
+    import threading
+
+    called_on = []
+    real = host.call_us
+
+    def spy(fn, x, device):
+        called_on.append(threading.current_thread().name)
+        return real(fn, x, device)
+
+    monkeypatch.setattr(host, "call_us", spy)
+    assert main(["diagnose", "host", "seedcnn", "--device", "cpu", "--batch", "2", "--inductor"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    values = dict(kv.split("=") for kv in first.split(":", 1)[1].split())
+    assert float(values["inductor_freezing_ro"]) > 0 and float(values["inductor_host"]) > 0
+    # fxopt timed on the calling thread, Inductor on its own (torch caches cuDNN plans per thread)
+    assert called_on == [threading.current_thread().name, "bench-inductor"], called_on
+    assert not [t for t in threading.enumerate() if t.name == "bench-inductor"]
+
+
 def test_autotune_profile_on_cpu(tmp_path, capsys):
     import fxopt.autotune
     import fxopt.passes.select_conv_algorithm as sca

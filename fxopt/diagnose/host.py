@@ -21,7 +21,8 @@ and the runner's replay decision. Then the executor's choice per node (``--choic
 candidate's time); ``--kernels``: the kernels of one replay by GPU time (``--rows N`` of them;
 kernels launched early wait inside their predecessor's time, so their times overlap: ``FXOPT_PDL=0``
 for times without); ``--inductor``: Inductor (freezing, reduce-overhead) beside it, and with
-``--kernels`` Inductor's kernels of one call too; ``--cprofile N``: the N functions with the most
+``--kernels`` Inductor's kernels of one call too (on a thread of its own, so with the cuDNN plans
+its own first calls chose); ``--cprofile N``: the N functions with the most
 own time over 1000 calls of the compiled model.
 """
 from __future__ import annotations
@@ -121,6 +122,20 @@ def kernel_table(fn, rows: int = 12, title: str = "replay") -> str:
     return "\n".join(lines)
 
 
+def _inductor_row(model, x, args, row: dict) -> str:
+    """Inductor (freezing, reduce-overhead) timed into ``row``; its kernel table with ``--kernels``."""
+    torch.compiler.reset()
+    with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+        ind = torch.compile(model, mode="reduce-overhead")
+        row["inductor_freezing_ro"] = call_us(ind, x, args.device)
+        row["inductor_host"] = host_us(ind, x, args.device)
+        table = ""
+        if args.kernels and args.device == "cuda":
+            table = "\n  Inductor (freezing, reduce-overhead):\n" + kernel_table(lambda: ind(x), args.rows, "call")
+    torch.compiler.reset()  # its CUDA graphs belong to this thread
+    return table
+
+
 def run(args) -> int:
     from fxopt.testing import compile_with_fxopt
 
@@ -146,15 +161,14 @@ def run(args) -> int:
         if args.kernels and runner is not None:
             kernels = kernel_table(next(iter(runner.graphs.values())).instances[0].graph.replay, args.rows)
         row["entry_host"] = entry_host_us(model, x, args.device)
-        if args.inductor:
-            torch.compiler.reset()
-            with torch._inductor.config.patch(freezing=True):
-                ind = torch.compile(model, mode="reduce-overhead")
-                row["inductor_freezing_ro"] = call_us(ind, x, args.device)
-                row["inductor_host"] = host_us(ind, x, args.device)
-                if args.kernels and args.device == "cuda":
-                    kernels += "\n  Inductor (freezing, reduce-overhead):\n" + kernel_table(
-                        lambda: ind(x), args.rows, "call")
+        if args.inductor:  # on a thread of its own: torch caches cuDNN's plans per thread
+            from fxopt.bench.runners import BackendThread
+
+            worker = BackendThread("inductor")
+            try:
+                kernels += worker(_inductor_row, model, x, args, row)
+            finally:
+                worker.close()
     torch.compiler.reset()
     print(f"{args.model} {args.dtype} {tuple(x.shape)} {args.device}, µs per call: "
           + "  ".join(f"{k}={v:.1f}" for k, v in row.items()))
