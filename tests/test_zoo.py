@@ -97,6 +97,15 @@ def test_parts_split_the_zoo_and_cells_filter():
         Z.parse_cell("fp16-32")
 
 
+def test_harness_argv_passes_the_thread_choice_on():
+    a = Z.build_parser().parse_args(["--device", "cuda", "--same-thread"])
+    argv = Z._harness_argv(a, "resnet50", "fp16-b1", ["eager", "fxopt"], "/tmp/x")
+    assert argv[-1] == "--same-thread" and B.parse_args(argv).backend_threads is False
+    a = Z.build_parser().parse_args(["--device", "cuda"])
+    argv = Z._harness_argv(a, "resnet50", "fp16-b1", ["eager", "fxopt"], "/tmp/x")
+    assert "--same-thread" not in argv and B.parse_args(argv).backend_threads is True
+
+
 def test_list_and_cli_wiring(capsys):
     from fxopt.cli import main as cli_main
 
