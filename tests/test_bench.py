@@ -222,14 +222,19 @@ def test_failing_backend_run_continues(monkeypatch, tiny_model, tmp_path, capsys
     assert out.rstrip().splitlines()[-1].startswith("Times in ms")
 
 
-def test_rounds_interleave_live_backends_without_recompiling(monkeypatch, tiny_model, tmp_path):
-    from torch._dynamo.utils import counters
+def _tag_backends(monkeypatch):
+    """Backends tag-a and tag-b (the model, each call logged in ``order`` by its tag and the threads
+    it ran on in ``seen[tag]``) and ``broken`` (fails to prepare); returns ``order, seen``."""
+    import threading
 
-    order = []
+    order, seen = [], {}
 
     def tagged(tag):
         def prepare(model, x, device, dtype, options):
+            seen.setdefault(tag, set()).add(threading.get_ident())
+
             def fn(inp):
+                seen[tag].add(threading.get_ident())
                 order.append(tag)
                 return model(inp)
             return R.Prepared(fn, x)
@@ -238,6 +243,13 @@ def test_rounds_interleave_live_backends_without_recompiling(monkeypatch, tiny_m
     monkeypatch.setitem(R.BACKENDS, "tag-a", R.BackendSpec("tag-a", tagged("a")))
     monkeypatch.setitem(R.BACKENDS, "tag-b", R.BackendSpec("tag-b", tagged("b")))
     monkeypatch.setitem(R.BACKENDS, "broken", R.BackendSpec("broken", _broken_prepare))
+    return order, seen
+
+
+def test_rounds_interleave_live_backends_without_recompiling(monkeypatch, tiny_model, tmp_path):
+    from torch._dynamo.utils import counters
+
+    order, _ = _tag_backends(monkeypatch)
     settled = []  # each CPU round first lets the previous backend's thread pool go idle
     monkeypatch.setattr(R, "_settle", lambda s: settled.append(s))
     counters.clear()
@@ -271,21 +283,7 @@ def test_backends_on_threads_of_their_own_take_turns(monkeypatch, tiny_model, tm
 
     from torch._dynamo.utils import counters
 
-    seen, order = {}, []
-
-    def tagged(tag):
-        def prepare(model, x, device, dtype, options):
-            seen.setdefault(tag, set()).add(threading.get_ident())
-            def fn(inp):
-                seen[tag].add(threading.get_ident())
-                order.append(tag)
-                return model(inp)
-            return R.Prepared(fn, x)
-        return prepare
-
-    monkeypatch.setitem(R.BACKENDS, "tag-a", R.BackendSpec("tag-a", tagged("a")))
-    monkeypatch.setitem(R.BACKENDS, "tag-b", R.BackendSpec("tag-b", tagged("b")))
-    monkeypatch.setitem(R.BACKENDS, "broken", R.BackendSpec("broken", _broken_prepare))
+    order, seen = _tag_backends(monkeypatch)
     monkeypatch.setattr(R, "_settle", lambda s: None)
     a = B.parse_args(["--quick", "--device", "cpu", "--models", tiny_model, "--backends",
                       "tag-a,broken,inductor,tag-b,fxopt", "--iters", "6", "--warmup", "1", "--rounds", "3",
