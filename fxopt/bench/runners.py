@@ -27,9 +27,9 @@ from .measure import (_percentile, _sync, count_flops, flatten_outputs, host_ms_
 from .peers import BACKENDS, DEFAULT_BACKENDS, first_line, fxopt_available
 from .spec import BackendSpec, BackendUnavailable, Prepared
 
-__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "BackendSpec", "BackendUnavailable", "Prepared",
-           "BackendThread", "LiveCell", "on_backend_thread", "count_flops", "finish_cell", "flatten_outputs", "fxopt_available", "max_rel_error",
-           "measure_cell", "measure_peak_tflops", "reference_output", "start_cell", "stats", "time_calls",
+__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "BackendSpec", "BackendThread", "BackendUnavailable", "Prepared",
+           "LiveCell", "count_flops", "finish_cell", "flatten_outputs", "fxopt_available", "max_rel_error",
+           "on_backend_thread", "measure_cell", "measure_peak_tflops", "reference_output", "start_cell", "stats", "time_calls",
            "time_round"]
 
 #: kernels per backend kept in a cell's record (``top_kernels``) and shown where fxopt loses
