@@ -315,6 +315,8 @@ def test_backend_thread_returns_raises_and_keeps_its_thread():
         first = t(threading.get_ident)
         assert first != threading.get_ident() and t(threading.get_ident) == first
         assert t(lambda a, b=0: a + b, 2, b=3) == 5
+        # Inductor's CUDA-graph trees find their thread-local managers there (torch 2.11 asserts it)
+        assert t(torch._C._is_key_in_tls, "tree_manager_containers")
         with pytest.raises(ValueError, match="boom"):
             t(_broken_prepare, None, None, None, None, None)
     finally:

@@ -69,6 +69,7 @@ class BackendThread:
         self._thread.start()
 
     def _serve(self) -> None:
+        _thread_state()
         while True:
             job = self._jobs.get()
             if job is None:
@@ -97,6 +98,20 @@ class BackendThread:
         """End the thread (after the job it runs, waiting at most ``timeout`` s for it)."""
         self._jobs.put(None)
         self._thread.join(timeout)
+
+
+def _thread_state() -> None:
+    """What a thread needs of torch's thread-local state before a backend runs there: Inductor's
+    CUDA-graph trees (reduce-overhead) look for their managers in state that torch 2.11 stashes only
+    on the main thread and copies to autograd's threads (``cudagraph_trees.get_obj`` asserts it is
+    there; later torch makes it on first use, as this does)."""
+    try:
+        from torch._inductor import cudagraph_trees
+    except Exception:  # noqa: BLE001 - no Inductor, nothing to set up
+        return
+    setup = getattr(cudagraph_trees, "_initialize_tls", None)
+    if setup is not None and not torch._C._is_key_in_tls("tree_manager_containers"):
+        setup(cudagraph_trees.local)
 
 
 def on_backend_thread(threads: Optional[Dict[str, "BackendThread"]], backend: str, fn: Callable, *args, **kwargs):
