@@ -110,8 +110,11 @@ def _thread_state() -> None:
     except Exception:  # noqa: BLE001 - no Inductor, nothing to set up
         return
     setup = getattr(cudagraph_trees, "_initialize_tls", None)
-    if setup is not None and not torch._C._is_key_in_tls("tree_manager_containers"):
-        setup(cudagraph_trees.local)
+    try:
+        if setup is not None and not torch._C._is_key_in_tls("tree_manager_containers"):
+            setup(cudagraph_trees.local)
+    except Exception:  # noqa: BLE001 - the thread still serves; a backend needing it fails in its cell
+        pass
 
 
 def on_backend_thread(threads: Optional[Dict[str, "BackendThread"]], backend: str, fn: Callable, *args, **kwargs):
