@@ -275,55 +275,6 @@ def test_rounds_interleave_live_backends_without_recompiling(monkeypatch, tiny_m
     assert counters["frames"]["ok"] == 2, dict(counters["frames"])
 
 
-def test_backends_on_threads_of_their_own_take_turns(monkeypatch, tiny_model, tmp_path):
-    """CUDA runs give each backend a thread of its own (torch caches cuDNN's plans per thread): a
-    backend's preparation, rounds and statistics all run on its one thread, no two backends share one,
-    and the rounds still alternate; compiled backends work there."""
-    import threading
-
-    from torch._dynamo.utils import counters
-
-    order, seen = _tag_backends(monkeypatch)
-    monkeypatch.setattr(R, "_settle", lambda s: None)
-    a = B.parse_args(["--quick", "--device", "cpu", "--models", tiny_model, "--backends",
-                      "tag-a,broken,inductor,tag-b,fxopt", "--iters", "6", "--warmup", "1", "--rounds", "3",
-                      "--out", str(tmp_path)])
-    assert a.backend_threads is False  # the CPU keeps one calling thread (one OpenMP team)
-    a.backend_threads = True
-    counters.clear()
-    res = B.run_benchmark(a, [])
-    assert res["meta"]["backend_threads"] is True
-    by = {c["backend"]: c for c in res["cells"]}
-    for be in ("tag-a", "inductor", "tag-b", "fxopt"):
-        assert by[be]["status"] == "ok" and by[be]["n"] == 6 and by[be]["max_rel_err"] <= 1e-4, by[be]
-    assert by["broken"]["status"] == "error" and "boom" in by["broken"]["error"]
-    assert len(seen["a"]) == len(seen["b"]) == 1 and seen["a"] != seen["b"]
-    assert threading.get_ident() not in seen["a"] | seen["b"]
-    runs = [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k]
-    assert runs == ["a", "b"] * 4  # preparation and warm-up, then 3 rounds, taking turns
-    assert counters["frames"]["ok"] == 2, dict(counters["frames"])  # inductor, fxopt: compiled once each
-    assert not [t for t in threading.enumerate() if t.name.startswith("bench-")]  # ended with the row
-    md = RP.render_markdown({**res, "meta": {**res["meta"], "device_type": "cuda"}})
-    assert "each backend on a thread of its own" in md
-
-
-def test_backend_thread_returns_raises_and_keeps_its_thread():
-    import threading
-
-    t = R.BackendThread("x")
-    try:
-        first = t(threading.get_ident)
-        assert first != threading.get_ident() and t(threading.get_ident) == first
-        assert t(lambda a, b=0: a + b, 2, b=3) == 5
-        # Inductor's CUDA-graph trees find their thread-local managers there (torch 2.11 asserts it)
-        assert t(torch._C._is_key_in_tls, "tree_manager_containers")
-        with pytest.raises(ValueError, match="boom"):
-            t(_broken_prepare, None, None, None, None, None)
-    finally:
-        t.close()
-    assert R.on_backend_thread(None, "x", threading.get_ident) == threading.get_ident()
-
-
 def test_paired_speedup_compares_rounds_of_the_same_host_state():
     from fxopt.bench import report as REP
     # a host that halves its speed in rounds 2 and 3: the pooled medians compare different mixes,

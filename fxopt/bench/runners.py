@@ -118,8 +118,9 @@ def _thread_state() -> None:
 
 
 def on_backend_thread(threads: Optional[Dict[str, "BackendThread"]], backend: str, fn: Callable, *args, **kwargs):
-    """``fn`` on ``backend``'s thread in ``threads`` (made on first use), or here where ``threads`` is None."""
-    if threads is None:
+    """``fn`` on ``backend``'s thread in ``threads`` (made on first use), or here where ``threads`` is
+    None or holds None for ``backend``."""
+    if threads is None or (backend in threads and threads[backend] is None):
         return fn(*args, **kwargs)
     if backend not in threads:
         threads[backend] = BackendThread(backend)
