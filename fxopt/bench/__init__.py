@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import shlex
@@ -316,9 +317,8 @@ def run_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] = None) -
     os.makedirs(a.out, exist_ok=True)
     partial = os.path.join(a.out, "results.json")
     t_start = time.perf_counter()
-    # backends that failed on a thread of their own and then ran on this one: they stay here (see below)
-    on_caller: Dict[str, str] = {}
-    tried_here: set = set()
+    # backends prepared again on this thread after failing on their own: why (None: failed here too)
+    on_caller: Dict[str, Optional[str]] = {}
     try:
         for name in a.models:
             try:
@@ -348,33 +348,17 @@ def run_benchmark(a: argparse.Namespace, argv: Optional[Sequence[str]] = None) -
                     peak = (results["peak"].get(dt) or {}).get("tflops")
                     lives = []
                     # each backend on a thread of its own (CUDA): its own cuDNN plans (runners.BackendThread)
-                    threads: Optional[Dict[str, Any]] = {be: None for be in on_caller} if a.backend_threads else None
+                    threads: Optional[Dict[str, Any]] = ({be: None for be, why in on_caller.items() if why}
+                                                         if a.backend_threads else None)
                     for be in a.backends:
                         bar.set_postfix_str(f"{name} b{b} {dt} {be}")
                         if a.time_budget and time.perf_counter() - t_start > a.time_budget:
                             lives.append({"backend": be, "status": "skipped", "error": "time budget"})
                             bar.update(1)
                             continue
-                        live = R.on_backend_thread(threads, be, R.start_cell, be, base, x_cpu, ref, a.device,
-                                                   getattr(torch, dt), a.warmup, a.fxopt_options, errors,
-                                                   reset=not lives or a.rounds == 1)
-                        if threads is not None and threads.get(be) is not None and be not in tried_here \
-                                and live.cell["status"] == "error":
-                            # failed on its own thread (a torch whose thread-local state a backend needs is
-                            # not made there): once a run, prepared again on this thread, where it then stays
-                            tried_here.add(be)
-                            threads.pop(be).close()
-                            threads[be] = None
-                            own = live.cell["error"]
-                            live = R.start_cell(be, base, x_cpu, ref, a.device, getattr(torch, dt), a.warmup,
-                                                a.fxopt_options, errors, reset=not lives or a.rounds == 1)
-                            if live.cell["status"] == "ok":
-                                on_caller[be] = own
-                            else:
-                                threads.pop(be)
-                        if be in on_caller and live.cell["status"] == "ok":
-                            live.cell["note"] = "; ".join(filter(None, [live.cell.get("note"), (
-                                f"ran on the calling thread (on a thread of its own: {on_caller[be][:120]})")]))
+                        start = functools.partial(R.start_cell, be, base, x_cpu, ref, a.device, getattr(torch, dt),
+                                                  a.warmup, a.fxopt_options, errors, reset=not lives or a.rounds == 1)
+                        live = R.start_on_own_thread(threads, be, start, on_caller)
                         if a.rounds == 1:  # each backend timed on its own, then released
                             R.on_backend_thread(threads, be, R.time_round, live, a.device, a.iters, error_log=errors)
                             live = R.on_backend_thread(threads, be, R.finish_cell, live, a.device)

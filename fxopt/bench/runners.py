@@ -29,8 +29,8 @@ from .spec import BackendSpec, BackendUnavailable, Prepared
 
 __all__ = ["BACKENDS", "DEFAULT_BACKENDS", "BackendSpec", "BackendThread", "BackendUnavailable", "Prepared",
            "LiveCell", "count_flops", "finish_cell", "flatten_outputs", "fxopt_available", "max_rel_error",
-           "on_backend_thread", "measure_cell", "measure_peak_tflops", "reference_output", "start_cell", "stats", "time_calls",
-           "time_round"]
+           "on_backend_thread", "measure_cell", "measure_peak_tflops", "reference_output", "start_cell",
+           "start_on_own_thread", "stats", "time_calls", "time_round"]
 
 #: kernels per backend kept in a cell's record (``top_kernels``) and shown where fxopt loses
 TOP_KERNELS = 12
@@ -107,10 +107,8 @@ def _thread_state() -> None:
     there; later torch makes it on first use, as this does)."""
     try:
         from torch._inductor import cudagraph_trees
-    except Exception:  # noqa: BLE001 - no Inductor, nothing to set up
-        return
-    setup = getattr(cudagraph_trees, "_initialize_tls", None)
-    try:
+
+        setup = getattr(cudagraph_trees, "_initialize_tls", None)
         if setup is not None and not torch._C._is_key_in_tls("tree_manager_containers"):
             setup(cudagraph_trees.local)
     except Exception:  # noqa: BLE001 - the thread still serves; a backend needing it fails in its cell
@@ -125,6 +123,28 @@ def on_backend_thread(threads: Optional[Dict[str, "BackendThread"]], backend: st
     if backend not in threads:
         threads[backend] = BackendThread(backend)
     return threads[backend](fn, *args, **kwargs)
+
+
+def start_on_own_thread(threads: Optional[Dict[str, Optional["BackendThread"]]], backend: str,
+                        start: Callable[[], "LiveCell"], on_caller: Dict[str, Optional[str]]) -> "LiveCell":
+    """``start()`` (a ``start_cell``) on ``backend``'s own thread. One whose preparation fails there
+    (a torch whose thread-local state it needs is not made on such threads) is started again on this
+    thread, once a run: ``on_caller[backend]`` keeps the error it had on its own thread where it then
+    ran here (the caller's next rows leave it here: ``threads[backend] = None``), None where it failed
+    here too (its own thread again, not tried here again). Its cells say so in their note."""
+    live = on_backend_thread(threads, backend, start)
+    if threads is not None and threads.get(backend) is not None and backend not in on_caller \
+            and live.cell["status"] == "error":
+        threads.pop(backend).close()
+        own, live = live.cell["error"], start()
+        on_caller[backend] = (own or "an error") if live.cell["status"] == "ok" else None
+        if on_caller[backend]:
+            threads[backend] = None
+    why = on_caller.get(backend)
+    if why and live.cell["status"] == "ok":
+        live.cell["note"] = "; ".join(filter(None, [live.cell.get("note"),
+                                                    f"ran on the calling thread (on a thread of its own: {why[:120]})"]))
+    return live
 
 
 def _cleanup(device: str, reset: bool = True) -> None:
