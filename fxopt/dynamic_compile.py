@@ -146,13 +146,14 @@ def _lowering(compiler, ctx, before: fx.GraphModule, optimized: fx.GraphModule, 
     from fxopt.autotune import cudnn_choosing
     from fxopt.backends import lower
     from fxopt.backends.lowering import DeferredGraph, placeholder_indices
-    from fxopt.package_batch import _vals_agree, from_vals, specialise_at, symbolic_vals
+    from fxopt.package_batch import ValueMemo, _vals_agree, from_vals, specialise_at, symbolic_vals
 
     # each node's value stored once as expressions of the symbols and evaluated per size, as a
     # package's are, instead of FakeTensor propagation per size (0.1 s a graph for resnet18 on an
     # H200's host, twice a lowering); the first size checks them against propagation
     symbols = tuple(shapes.where)
     stored: dict = {}
+    memos: dict = {}  # graph name -> what its sizes share (one FakeTensorMode, the values without a size)
 
     def specialised(gm: fx.GraphModule, name: str, args: list, key: tuple) -> fx.GraphModule:
         at = {f"B{i}": v for i, v in enumerate(key)}
@@ -171,7 +172,7 @@ def _lowering(compiler, ctx, before: fx.GraphModule, optimized: fx.GraphModule, 
             return static
         if stored[name] is None:
             return specialise_at(gm, args)[0]
-        return specialise_at(gm, args, stored[name], at, fake=True)[0]
+        return specialise_at(gm, args, stored[name], at, fake=True, memo=memos.setdefault(name, ValueMemo()))[0]
 
     params = set(placeholder_indices(before, ctx.param_placeholders))
 

@@ -95,10 +95,40 @@ def from_vals(gm: fx.GraphModule, vals: dict, batch, fake: bool = False) -> fx.G
     return _from_vals(gm, vals, batch, fake)[0]
 
 
-def _from_vals(gm: fx.GraphModule, vals: dict, batch, fake: bool = False, fold: bool = False):
+def _size_free(v) -> bool:
+    """Whether a stored value (``_val_json``) is the same at every size: no expression in it, and no
+    tensor that requires grad (whose autograd state a graph could change)."""
+    if isinstance(v, dict):
+        return type(v["i"]) is int if "i" in v else all(_size_free(t) for t in v["t"])
+    shape, stride, _dtype, _device, grad, *offset = v
+    return not grad and all(type(d) is int for d in (*shape, *stride, *offset))
+
+
+class ValueMemo:
+    """What the sizes of one graph share when their values are rebuilt (``specialise_at(memo=...)``):
+    one FakeTensorMode, and the values that are the same at every size (``_size_free``: a resnet18's
+    weights, four fifths of its values), made once (they were two thirds of a size's
+    specialisation). Rebuilding holds ``lock``: the mode is not shared by two threads at once."""
+
+    def __init__(self):
+        import threading
+
+        self.mode, self.fixed, self.lock = None, {}, threading.Lock()
+
+
+def _from_vals(gm: fx.GraphModule, vals: dict, batch, fake: bool = False, fold: bool = False,
+               memo: Optional[ValueMemo] = None):
     """``from_vals``, and with ``fold`` the sizes folded (``_fold_graph``) before the module is made:
     its code is generated once (each generation of a resnet18's costs about as much as rebuilding its
-    values). Returns (the module, how many sizes were folded)."""
+    values). ``memo``: a ``ValueMemo`` the sizes of ``gm`` share (``vals`` are always ``gm``'s).
+    Returns (the module, how many sizes were folded)."""
+    if memo is None:
+        return _made_from_vals(gm, vals, batch, fake, fold, None)
+    with memo.lock:
+        return _made_from_vals(gm, vals, batch, fake, fold, memo)
+
+
+def _made_from_vals(gm: fx.GraphModule, vals: dict, batch, fake: bool, fold: bool, memo: Optional[ValueMemo]):
     from fxopt.pipeline import copy_graph, module_of
     from fxopt.serialize import _val_from_json
 
@@ -106,8 +136,20 @@ def _from_vals(gm: fx.GraphModule, vals: dict, batch, fake: bool = False, fold: 
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-    at = {name: _val_from_json(v, mode, batch) for name, v in vals.items()}
+        mode = memo.mode if memo is not None else None
+        if mode is None:
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            if memo is not None:
+                memo.mode = mode
+    fixed = memo.fixed.setdefault(fake, {}) if memo is not None else {}
+    at = {}
+    for name, v in vals.items():
+        val = fixed.get(name)
+        if val is None:
+            val = _val_from_json(v, mode, batch)
+            if memo is not None and _size_free(v):
+                fixed[name] = val
+        at[name] = val
     g = copy_graph(gm)
     for n in g.nodes:
         if n.op in ("placeholder", "call_function", "call_module"):
@@ -181,17 +223,19 @@ def _fold_graph(graph: fx.Graph) -> int:
 
 
 def specialise_at(gm: fx.GraphModule, args: list, vals: Optional[dict] = None,
-                  batch: Optional[int] = None, fake: bool = False) -> tuple[fx.GraphModule, dict]:
+                  batch: Optional[int] = None, fake: bool = False,
+                  memo: Optional[ValueMemo] = None) -> tuple[fx.GraphModule, dict]:
     """A graph optimized with symbolic sizes, made static at the sizes of ``args``: one mechanism for
     a package's batch (``fxopt.packaging``) and for ``torch.compile``'s dynamic shapes
     (``fxopt.dynamic``). Every node's value at these sizes (``_specialise``), the size inputs and
     size arithmetic folded into ints (``_fold_sizes``), and the layout clones these sizes show to be
     copies removed (``_drop_noop_layout_clones``). ``fake``: the stored ``vals`` rebuilt as FakeTensors
-    on their devices (which the executor's measurements read), not meta tensors. Returns (graph, counts)."""
+    on their devices (which the executor's measurements read), not meta tensors; ``memo``: what the sizes of
+    ``gm`` share (``ValueMemo``). Returns (graph, counts)."""
     static, folded = None, 0
     if vals is not None:  # the sizes folded before the module is made: its code generated once
         try:
-            static, folded = _from_vals(gm, vals, batch, fake, fold=True)
+            static, folded = _from_vals(gm, vals, batch, fake, fold=True, memo=memo)
         except (KeyError, ValueError, TypeError, RuntimeError):
             pass
     if static is None:

@@ -198,9 +198,12 @@ def test_sizes_after_the_first_take_their_values_from_stored_expressions(monkeyp
     generate = torch.fx.GraphModule.recompile
     monkeypatch.setattr(torch.fx.GraphModule, "recompile", lambda self: codegen.append(1) or generate(self))
 
-    def spy(gm, args, vals=None, batch=None, fake=False):
+    memos = []
+
+    def spy(gm, args, vals=None, batch=None, fake=False, memo=None):
         codegen.clear()
-        static, counts = real(gm, args, vals, batch, fake)
+        static, counts = real(gm, args, vals, batch, fake, memo)
+        memos.append(memo)
         calls.append(vals is not None)
         if vals is not None:  # the same values and sizes folded as propagation gives at these sizes,
             # no code generated (the sizes folded before the module is made, whose code is generated
@@ -218,6 +221,15 @@ def test_sizes_after_the_first_take_their_values_from_stored_expressions(monkeyp
     compiled = torch.compile(model, backend=backend, dynamic=True)
     _check(compiled, model, [(2, 32), (3, 40), (5, 24), (4, 32)])
     assert calls == [False, False] + [True] * 6  # optimized and unoptimized graph, per size
+    # one memo per graph, shared by its sizes: one FakeTensorMode, the values without a size made once
+    shared = [m for m in memos if m is not None]
+    assert len(shared) == 6 and len({id(m) for m in shared}) == 2
+    for m in {id(m): m for m in shared}.values():
+        assert m.mode is not None and m.fixed[True]
+        sized = [v for v in torch.utils._pytree.tree_leaves(list(m.fixed[True].values()))
+                 if isinstance(v, torch.Tensor)]
+        assert all(v.fake_mode is m.mode for v in sized)
+        assert sized and all(v.shape[0] != 4 or v.dim() < 4 for v in sized)  # (no batch among them)
     info = backend.dynamic()
     assert set(info["specialised_by"]) == {"unoptimized", "optimized"}
     assert all(how.startswith("stored values") for how in info["specialised_by"].values())
