@@ -67,7 +67,6 @@ report says why (``executor_details["dynamic"]``).
 from __future__ import annotations
 
 import collections
-import contextlib
 import time
 from typing import Callable, Optional
 
@@ -267,10 +266,15 @@ class SizeDispatcher:
         self.calls[key] += 1
         last_key, fn = self._last
         if key != last_key:
+            low = self.cache.get(key)
+            if low is not None:  # a lowered size: its runner, as ``_lookup`` finds it, with nothing around
+                self.cache.move_to_end(key)
+                self._last = (key, low.fn)
+                return low.fn(*args)
             from fxopt.autotune import deferred_writes
 
             # a size not lowered yet: what its lowering and first call measure, written to the file once
-            with contextlib.nullcontext() if key in self.cache else deferred_writes():
+            with deferred_writes():
                 try:
                     fn = self._lookup(key, args)
                     self._last = (key, fn)
