@@ -95,3 +95,19 @@ def test_backend_thread_returns_raises_and_keeps_its_thread():
     finally:
         t.close()
     assert R.on_backend_thread(None, "x", threading.get_ident) == threading.get_ident()
+
+
+def test_backend_thread_makes_cudagraph_tree_state_without_torchs_initializer(monkeypatch):
+    """torch 2.11 has no ``cudagraph_trees._initialize_tls``: the thread makes the state as it would,
+    and Inductor's own lookup (``get_obj``) finds it there."""
+    from torch._inductor import cudagraph_trees
+
+    monkeypatch.delattr(cudagraph_trees, "_initialize_tls", raising=False)
+    t = R.BackendThread("x")
+    try:
+        assert t(torch._C._is_key_in_tls, "tree_manager_containers")
+        assert t(lambda: cudagraph_trees.get_obj(cudagraph_trees.local, "tree_manager_containers")) == {}
+        locks = t(lambda: cudagraph_trees.get_obj(cudagraph_trees.local, "tree_manager_locks"))
+        assert hasattr(locks["cuda:0"], "acquire")
+    finally:
+        t.close()

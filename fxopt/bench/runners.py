@@ -104,13 +104,24 @@ def _thread_state() -> None:
     """What a thread needs of torch's thread-local state before a backend runs there: Inductor's
     CUDA-graph trees (reduce-overhead) look for their managers in state that torch 2.11 stashes only
     on the main thread and copies to autograd's threads (``cudagraph_trees.get_obj`` asserts it is
-    there; later torch makes it on first use, as this does)."""
+    there; later torch makes it on first use, as this does: by its ``_initialize_tls`` where torch has
+    it, else as that does: empty managers in the module's thread-local, stashed in torch's TLS)."""
     try:
+        import collections
+
         from torch._inductor import cudagraph_trees
 
+        local = cudagraph_trees.local
+        if hasattr(local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
+            return
         setup = getattr(cudagraph_trees, "_initialize_tls", None)
-        if setup is not None and not torch._C._is_key_in_tls("tree_manager_containers"):
-            setup(cudagraph_trees.local)
+        if setup is not None:
+            setup(local)
+            return
+        local.tree_manager_containers = {}
+        local.tree_manager_locks = collections.defaultdict(threading.Lock)
+        torch._C._stash_obj_in_tls("tree_manager_containers", local.tree_manager_containers)
+        torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
     except Exception:  # noqa: BLE001 - the thread still serves; a backend needing it fails in its cell
         pass
 
