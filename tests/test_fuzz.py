@@ -436,3 +436,24 @@ def test_an_emulated_normalization_of_equal_values_is_judged_at_the_inputs_scale
                    (1, 1, 2, 2), "float32", "contiguous", "inference", 0,
                    {"executor": "cuda", "autotune_cache": False}, ["a257513b80"])
     assert fuzz_check.run_program(prog, "cpu")
+
+
+def test_an_emulated_elu_is_the_generated_sources_expm1():
+    """CPU fuzz 8e92f16233 (seed 2071): the IR's ELU computed ``exp(x) - 1`` where the generated CUDA
+    computes ``expm1f(x)``; near 0 that loses the low bits, and a cast to float16 after it rounded to
+    the other neighbour (one float16 unit, 2.4e-4 after a doubling; eager's error 0). The evaluator
+    now computes what the source does, to the float32 unit near 0 as far as 1e-6."""
+    from fxopt.backends.cuda.ir import expr
+
+    x = -torch.logspace(-6, 0, 200, dtype=torch.float32)
+    got, exact = expr.UNARY_P["elu"](x, 1.0), torch.expm1(x.double())
+    assert ((got.double() - exact).abs() / exact.abs()).max() < 2 ** -22
+    prog = Program(render(["self.m0 = nn.Conv2d(8, 8, 2, stride=1, padding=0, dilation=1, groups=2, bias=False)",
+                           "self.m1 = nn.BatchNorm2d(8)", "_random_stats(self.m1)", "self.m2 = nn.Conv2d(8, 4, 1)",
+                           "self.m3 = nn.Conv2d(4, 8, 1)"],
+                          ["x = F.elu(self.m1(self.m0(x)))", "x = x.to(torch.float16).to(x.dtype) * 2.0", "y = x",
+                           "x = x * torch.sigmoid(self.m3(F.hardswish(self.m2(x.mean((2, 3), keepdim=True)))))"],
+                          "x, y"),
+                   (5, 8, 3, 8), "float32", "channels_last", "inference", 3,
+                   {"executor": "cuda", "autotune_cache": False}, ["8e92f16233"])
+    assert fuzz_check.run_program(prog, "cpu")

@@ -109,7 +109,7 @@ UNARY: dict[str, Callable] = {
 UNARY_P: dict[str, Callable] = {
     "clamp": lambda a, lo, hi: a.clamp(lo, hi),  # lo/hi may be None
     "leaky_relu": lambda a, slope: torch.where(a > 0, a, a * slope),
-    "elu": lambda a, alpha: torch.where(a > 0, a, alpha * (torch.exp(a) - 1)),
+    "elu": lambda a, alpha: torch.where(a > 0, a, alpha * torch.expm1(a)),  # (as the source: expm1f)
     "pow": lambda a, e: torch.pow(a, e),
     "softplus_beta": lambda a, beta, threshold: torch.nn.functional.softplus(a, beta, threshold),
 }
