@@ -10,9 +10,10 @@ values; a size-1 dimension's stride that a library kernel sets otherwise than
 FakeTensor propagation predicts), where a view raises and a reshape copies once
 (GPU fuzz seeds 41, 51, 63: "view size is not compatible with input tensor's
 size and stride"). Where the strides allow it a reshape is the same view. For the same reason
-GroupNorm's gradient gets its ``dY`` and ``X`` contiguous at run time (``group_norm_backward_nchw``,
-a no-op where they are): its CUDA kernel views them as NCHW, and a ``[1, 2, 1, 2]`` gradient whose
-metadata said contiguous came channels_last from the kernel before it (GPU fuzz c0a961fbcc).
+GroupNorm's gradient gets its ``dY`` and ``X`` laid out at run time as eager's gradient formula lays
+them out (``group_norm_backward_nchw``, a no-op where they are): its CUDA kernel views them as NCHW,
+and a ``[1, 2, 1, 2]`` gradient whose metadata said contiguous came channels_last from the kernel
+before it (GPU fuzz c0a961fbcc).
 """
 from __future__ import annotations
 
@@ -27,9 +28,28 @@ EXECUTOR = "torch"
 
 
 def group_norm_backward_nchw(grad, x, *args):
-    """``native_group_norm_backward`` on ``grad`` and ``x`` made contiguous (as eager's gradient
-    formula hands them); ``contiguous()`` returns a contiguous tensor itself."""
-    return torch.ops.aten.native_group_norm_backward.default(grad.contiguous(), x.contiguous(), *args)
+    """``native_group_norm_backward`` on ``grad`` and ``x`` laid out as eager's gradient formula hands
+    them: contiguous on CUDA (its kernel views them as NCHW), on the CPU dense in the format ``x``
+    suggests (its kernel has a channels_last path, and a contiguous copy sums in another order: a
+    bfloat16 step's bias gradient 0.43 off where eager's was 0.05, CPU fuzz e171964d6b), elsewhere as
+    they are; ``contiguous()`` returns a tensor so laid out itself."""
+    if x.device.type == "cpu":
+        fmt = _suggested_format(x)
+        grad, x = grad.contiguous(memory_format=fmt), x.contiguous(memory_format=fmt)
+    elif x.device.type == "cuda":
+        grad, x = grad.contiguous(), x.contiguous()
+    return torch.ops.aten.native_group_norm_backward.default(grad, x, *args)
+
+
+def _suggested_format(x: torch.Tensor) -> torch.memory_format:
+    """``Tensor::suggest_memory_format()``, which Python does not expose."""
+    try:
+        from torch._prims_common import suggest_memory_format
+
+        return suggest_memory_format(x)
+    except (ImportError, AttributeError, TypeError):
+        cl = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+        return torch.channels_last if cl else torch.contiguous_format
 
 
 DIRECT_IMPLS = {FUSED_CONV: fused_conv_ref, FUSED_LINEAR: fused_linear_ref,

@@ -529,3 +529,24 @@ def test_group_norm_gradient_runs_on_a_channels_last_gradient():
                                                    [True, True, True])
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def test_group_norm_gradient_on_the_cpu_gets_the_layout_eagers_formula_gives():
+    """On the CPU eager's gradient formula hands GroupNorm's backward ``dY`` and ``X`` dense in the
+    format ``X`` suggests (channels_last stays), and its kernel sums in that layout's order: the
+    lowered graph's gradients equal eager's bit for bit (a contiguous copy sums otherwise; under
+    bfloat16 autocast, where GroupNorm runs in float32, a step's bias gradient went from 0.05 to 0.43
+    off: CPU fuzz e171964d6b)."""
+    from fxopt.backends.torch_ref import group_norm_backward_nchw
+
+    gen = torch.Generator().manual_seed(0)
+    for fmt in (torch.channels_last, torch.contiguous_format):
+        x = (torch.randn(8, 12, 7, 5, generator=gen) * 3).contiguous(memory_format=fmt)
+        w, b = torch.rand(12, generator=gen), torch.randn(12, generator=gen)
+        dy = torch.randn(8, 12, 7, 5, generator=gen).contiguous(memory_format=fmt)
+        xe, we, be = (t.clone().requires_grad_(True) for t in (x, w, b))
+        torch.nn.functional.group_norm(xe, 3, we, be, 1e-5).backward(dy)
+        _, mean, rstd = torch.ops.aten.native_group_norm.default(x, w, b, 8, 12, 35, 3, 1e-5)
+        got = group_norm_backward_nchw(dy, x, mean, rstd, w, 8, 12, 35, 3, [True, True, True])
+        for g, want in zip(got, (xe.grad, we.grad, be.grad)):
+            assert torch.equal(g, want), fmt
