@@ -256,6 +256,25 @@ def test_a_cell_whose_eager_result_is_not_finite_is_not_checkable():
     assert "1 whose accuracy is not checkable" in md
 
 
+def test_a_cell_names_the_peers_that_failed_and_the_report_counts_it():
+    """A peer that ran into an error (Inductor's CUDA-graph trees on a thread without their state)
+    is no peer of the cell: its speed-up is over the peers that ran, and the note and the summary
+    say that a peer failed, so that such a speed-up is not read as one over every peer."""
+    from fxopt.bench.zoo import ZooEntry, cell_record
+
+    entry = ZooEntry("tiny", "test", "tiny", (3, 8, 8), ("fp16-b1",))
+    res = _fake_results(entry.key, 1, "float16", 2.0, 1.0)
+    assert cell_record(entry, "fp16-b1", res)["peers_failed"] == {}
+    res["cells"].append({**res["cells"][0], "backend": "inductor-fro", "status": "error", "median_ms": None,
+                         "error": "AssertionError: "})
+    rec = cell_record(entry, "fp16-b1", res)
+    assert rec["speedup"] == pytest.approx(2.0) and rec["peers_failed"] == {"inductor-fro": "AssertionError: "}
+    s = ZR.summarize([rec])
+    assert s["peer_failed"] == 1 and s["counted"] == 1
+    md = ZR.render_zoo_markdown({"meta": {"config": {}}, "zoo": [rec]})
+    assert "peer failed: inductor-fro (AssertionError)" in md and "1 measured while a peer failed" in md
+
+
 def test_variants_are_timed_beside_fxopt_not_as_peers(capsys, tmp_path):
     """--variants: fxopt variants in the same rows, each with its time and fxopt's time over it; the
     speed-up stays fxopt's over the best peer; a peer or an unknown name is refused as a variant, and

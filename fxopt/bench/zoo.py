@@ -267,6 +267,10 @@ def cell_record(entry: ZooEntry, cell: str, results: Dict[str, Any], fx: str = "
     got = sp.get("fxopt", {}).get(fx)
     rec.update(best_peer=sp.get("best_peer"), best_peer_ms=sp.get("best_peer_ms"),
                peers_ok=sorted(c["backend"] for c in cells if c["status"] == "ok" and c["backend"] != fx))
+    # a peer that ran into an error is no peer of this cell: its speed-up is over the peers that ran
+    # (the report names the failed ones beside it, and counts such cells)
+    rec["peers_failed"] = {c["backend"]: str(c.get("error"))[:200] for c in cells
+                           if c["status"] == "error" and c["backend"] != fx and not _is_variant(c["backend"])}
     fxc = next((c for c in cells if c["backend"] == fx), {})
     rec["fxopt_ms"] = fxc.get("median_ms") if fxc.get("status") == "ok" else None
     chk = next((c for c in results.get("checks", []) if c["model"] == entry.key and c["backend"] == fx), None)

@@ -45,6 +45,7 @@ def summarize(records: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         "failed": sum(r.get("status") == "failed" for r in records),
         "accuracy_failed": sum(r.get("accuracy_ok") is False for r in records),
         "accuracy_unchecked": sum(str(r.get("accuracy_reason", "")).startswith("not checkable") for r in records),
+        "peer_failed": sum(bool(r.get("peers_failed")) for r in counted),
         "geomean": geomean(sp), "min": low[0]["speedup"] if low else None,
         "min_cell": f"{low[0]['model']} {low[0]['cell']}" if low else None,
         "below_1": sum(x < BELOW for x in sp), "max": max(sp) if sp else None,
@@ -81,7 +82,9 @@ def render_zoo_markdown(doc: Dict[str, Any]) -> str:
               f"- geometric mean of fxopt's speed-up over the best peer: **{_x(s['geomean'])}** over "
               f"{s['counted']} cells",
               f"- minimum: {_x(s['min'])} ({s['min_cell'] or '–'}); maximum: {_x(s['max'])}",
-              f"- cells below 1.0×: **{s['below_1']}** of {s['counted']}", ""]
+              f"- cells below 1.0×: **{s['below_1']}** of {s['counted']}"
+              + (f"; {s['peer_failed']} measured while a peer failed (its speed-up over the peers that ran; the "
+                 "note names the failed peer)" if s.get("peer_failed") else ""), ""]
     if s["by_cell"]:
         lines += ["| cell | cells | geomean | below 1.0× |", "|---|---|---|---|"]
         lines += [f"| {c} | {v['n']} | {_x(v['geomean'])} | {v['below_1']} |" for c, v in s["by_cell"].items()]
@@ -95,6 +98,9 @@ def render_zoo_markdown(doc: Dict[str, Any]) -> str:
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in recs:
         note = r.get("reason") or (f"fallback: {r['fxopt_fallback']}" if r.get("fxopt_fallback") else "")
+        if r.get("status") == "ok" and r.get("peers_failed"):
+            note = "; ".join(filter(None, [note, "peer failed: " + ", ".join(
+                f"{b} ({e.split(':')[0]})" for b, e in sorted(r["peers_failed"].items()))]))
         lines.append("| " + " | ".join([
             r["model"], r.get("family", ""), r["cell"], "x".join(map(str, r.get("input", []))),
             r.get("best_peer") or "–", _fmt(r.get("best_peer_ms")), _fmt(r.get("fxopt_ms")),
