@@ -457,3 +457,34 @@ def test_an_emulated_elu_is_the_generated_sources_expm1():
                    (5, 8, 3, 8), "float32", "channels_last", "inference", 3,
                    {"executor": "cuda", "autotune_cache": False}, ["8e92f16233"])
     assert fuzz_check.run_program(prog, "cpu")
+
+
+def test_a_region_through_a_narrower_dtype_is_judged_at_its_tolerance():
+    """CPU fuzz 54134b36bd (seed 2072): a float32 region computing GELU, a cast to float16 and back,
+    then a doubling; the kernel's GELU one float32 unit from torch's rounded to the other float16
+    neighbour (4.9e-4, eager's 0). A region's output carries the tolerance of the narrowest dtype its
+    values pass through, as the fuzzer's whole-model check does; without such a cast it does not."""
+    import types
+
+    import torch.fx as fx
+
+    from fxopt.testing.fusion import _through_narrower
+    from fxopt.tolerances import tolerance
+
+    g = fx.Graph()
+    nodes = [g.placeholder(n) for n in ("a", "b")]
+    nodes[0].meta["val"], nodes[1].meta["val"] = torch.empty(2), torch.empty(2, dtype=torch.float16)
+    assert _through_narrower(types.SimpleNamespace(covered=nodes[:1]), torch.float32, 1e-4, 1e-5) == (1e-4, 1e-5)
+    assert _through_narrower(types.SimpleNamespace(covered=nodes), torch.float32, 1e-4, 1e-5) == tolerance(torch.float16)
+    assert _through_narrower(types.SimpleNamespace(covered=nodes), torch.float16, 0.0, 0.0) == (0.0, 0.0)
+    prog = Program(render(["self.m0 = nn.Conv2d(16, 8, 3, stride=1, padding=1, dilation=1, groups=2, bias=False)",
+                           "self.m1 = nn.Conv2d(8, 8, 3, stride=1, padding='same', dilation=1, groups=1, bias=True)",
+                           "self.m2 = nn.BatchNorm2d(8)", "_random_stats(self.m2)", "self.m3 = nn.Linear(8, 8)",
+                           "self.m4 = nn.Linear(8, 8, bias=True)", "self.m5 = nn.Parameter(torch.rand(8) + 0.5)"],
+                          ["x = torch.abs(self.m0(x))", "x = x.to(torch.bfloat16).to(x.dtype) * 2.0",
+                           "x = F.gelu(self.m2(self.m1(x)))", "x = x.to(torch.float16).to(x.dtype) * 2.0",
+                           "x = (self.m5 * self.m4(F.gelu(self.m3(x.permute(0, 2, 3, 1))))).permute(0, 3, 1, 2)"],
+                          "x"),
+                   (2, 16, 12, 10), "float32", "channels_last", "inference", 1698,
+                   {"conv_algorithm": "direct", "executor": "cuda", "autotune_cache": False}, ["54134b36bd"])
+    assert fuzz_check.run_program(prog, "cpu")

@@ -170,6 +170,7 @@ def check_regions(gm: fx.GraphModule, inputs: list, rtol: float, atol: float, co
     from fxopt.backends.cuda.schedule.rewrite import reference_module
 
     vals = _values(gm, inputs) if vals is None else vals
+    rtol0, atol0 = rtol, atol
     sched = schedule(gm, strict=True)
     for region in sched.regions:
         k = region.kernel
@@ -181,6 +182,7 @@ def check_regions(gm: fx.GraphModule, inputs: list, rtol: float, atol: float, co
         ref = module(*ins)
         planned = wide = exact = as32 = None
         for i, (o, r, b) in enumerate(zip(outs, ref, k.outputs)):
+            rtol, atol = _through_narrower(region, o.dtype, rtol0, atol0)
             try:
                 torch.testing.assert_close(o, r, rtol=rtol, atol=atol, equal_nan=True,
                                            msg=lambda m, n=region.name: f"region {n} ({region.ops}): {m}")
@@ -234,6 +236,21 @@ def check_regions(gm: fx.GraphModule, inputs: list, rtol: float, atol: float, co
             _compile(k)
         REGIONS_CHECKED += 1
     return sched
+
+
+def _through_narrower(region, dtype: torch.dtype, rtol: float, atol: float) -> tuple:
+    """The tolerance of a region's output of ``dtype``: where a value it computes passes through a
+    narrower floating dtype (a cast to float16 and back), that dtype's too, as the fuzzer judges a
+    whole model (``fxopt.fuzz.check.tolerance_for``): rounding is not continuous, and a value one
+    float32 unit from eager's (another ``erff``) rounds to the other neighbour (CPU fuzz 54134b36bd:
+    GELU, then float16, 4.9e-4 after a doubling)."""
+    for n in region.covered:
+        v = n.meta.get("val") if isinstance(n, fx.Node) else None
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.element_size() < torch.empty(
+                (), dtype=dtype).element_size():
+            r, a = tolerance(v.dtype)
+            rtol, atol = max(rtol, r), max(atol, a)
+    return rtol, atol
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
