@@ -267,7 +267,7 @@ class SizeDispatcher:
         last_key, fn = self._last
         if key != last_key:
             low = self.cache.get(key)
-            if low is not None:  # a lowered size: its runner, as ``_lookup`` finds it, with nothing around
+            if low is not None:  # a lowered size: its runner, with nothing around it
                 self.cache.move_to_end(key)
                 self._last = (key, low.fn)
                 return low.fn(*args)
@@ -305,10 +305,7 @@ class SizeDispatcher:
         return tuple(bucket(v) for v in key)
 
     def _lookup(self, key: tuple, args) -> Callable:
-        low = self.cache.get(key)
-        if low is not None:
-            self.cache.move_to_end(key)
-            return low.fn
+        """What serves a size not lowered (``__call__`` takes a lowered one's runner itself)."""
         wants_own = self.seen[key] >= self.specialize_after * (1 + self.evicted[key])
         if self.padding is not None and wants_own and not self.admits(key):
             self.info["admissions_declined"] += 1

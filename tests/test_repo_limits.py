@@ -41,8 +41,9 @@ RESULT_SUFFIXES = (".png", ".jpg", ".svg", ".webp")
 #: tests, with the AMD host's suite results in git history (3.195 MB); to 3.245 MB for the small conv
 #: epilogues' geometry and its tests (3.242 MB); to 3.255 MB for the benchmark's backends on threads of
 #: their own (their own cuDNN plans) and its tests (3.253 MB); to 3.26 MB for the calling thread of a backend
-#: that cannot run on its own and its test (3.259 MB); the aim stays lower
-TRACKED_MAX_BYTES = 3_260_000
+#: that cannot run on its own and its test (3.259 MB); to 3.276 MB for three CPU fuzz failures' tests,
+#: the sizes' shared values and the zoo's failed peers (3.274 MB); the aim stays lower
+TRACKED_MAX_BYTES = 3_276_000
 #: lines of any ``.py`` file under the package directories and the tests
 SOURCE_MAX_LINES = 600
 LINE_LIMITED_DIRS = ("fxopt", "passes", "backends", "tests")
