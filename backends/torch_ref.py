@@ -30,9 +30,9 @@ EXECUTOR = "torch"
 def group_norm_backward_nchw(grad, x, *args):
     """``native_group_norm_backward`` on ``grad`` and ``x`` laid out as eager's gradient formula hands
     them: contiguous on CUDA (its kernel views them as NCHW), on the CPU dense in the format ``x``
-    suggests (its kernel has a channels_last path, and a contiguous copy sums in another order: a
-    bfloat16 step's bias gradient 0.43 off where eager's was 0.05, CPU fuzz e171964d6b), elsewhere as
-    they are; ``contiguous()`` returns a tensor so laid out itself."""
+    suggests (its kernel has a channels_last path, and a contiguous copy sums in another order: under
+    bfloat16 autocast, a step's bias gradient 0.43 off where eager's was 0.05, CPU fuzz e171964d6b),
+    elsewhere as they are; ``contiguous()`` returns a tensor so laid out itself."""
     if x.device.type == "cpu":
         fmt = _suggested_format(x)
         grad, x = grad.contiguous(memory_format=fmt), x.contiguous(memory_format=fmt)
