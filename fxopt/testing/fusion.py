@@ -246,8 +246,7 @@ def _through_narrower(region, dtype: torch.dtype, rtol: float, atol: float) -> t
     GELU, then float16, 4.9e-4 after a doubling)."""
     for n in region.covered:
         v = n.meta.get("val") if isinstance(n, fx.Node) else None
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.element_size() < torch.empty(
-                (), dtype=dtype).element_size():
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype.itemsize < dtype.itemsize:
             r, a = tolerance(v.dtype)
             rtol, atol = max(rtol, r), max(atol, a)
     return rtol, atol
